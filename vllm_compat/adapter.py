@@ -1,0 +1,105 @@
+"""The declaration every adapter module exports as ``ADAPTER``: data, no import-time side effects."""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+
+from .shapes import Check
+
+
+class Scope(str, enum.Enum):
+    """Where an adapter's patches must live, and who sees them.
+
+    * ``global``: safe for every caller of vLLM (accepts and drops a keyword vLLM no longer takes);
+      patched where the object is defined, and on names consumers imported by value.
+    * ``consumer``: only for a consumer expecting old behaviour; patched on the name where that
+      consumer looks it up (the speculators generator module), so vLLM's own engine is untouched.
+    * ``worker``: must run inside vLLM's worker processes; applied by the ``vllm.general_plugins``
+      entry point in every process vLLM starts once the parent called :func:`vllm_compat.apply`.
+    """
+
+    GLOBAL = "global"
+    CONSUMER = "consumer"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """How to read an adapter's probe: which observed values mean the old API, which the new.
+
+    Attributes:
+        check: the shape check to run (live for probes, live or static for the audit).
+        old: observations meaning "old API present: nothing to do" (verdict ``native``).
+        new: observations meaning "new API present: the adapter applies" (verdict ``adapted``).
+    """
+
+    check: Check
+    old: frozenset[str]
+    new: frozenset[str]
+
+    def __init__(self, check: Check, old: set[str] | frozenset[str], new: set[str] | frozenset[str]):
+        object.__setattr__(self, "check", check)
+        object.__setattr__(self, "old", frozenset(old))
+        object.__setattr__(self, "new", frozenset(new))
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement: ``factory(original)`` is installed at ``target`` (``"module:Qual.name"``).
+
+    Attributes:
+        target: where the replacement goes.
+        factory: builds the replacement from the original object (usually a wrapt wrapper).
+        optional: skip silently when the target attribute does not exist (e.g. a name only one
+            consumer version imports).
+    """
+
+    target: str
+    factory: Callable[[Any], Any]
+    optional: bool = False
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":", 1)[0]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One bridged drift (or one consumer defect), declared as data.
+
+    Attributes:
+        id: stable snake_case name: module name, report key and ``VLLM_COMPAT_DISABLE`` entry.
+        summary: one line a user reads in reports.
+        drift: old shape -> new shape, as DRIFT.md states it, with the first changed release.
+        scope: see :class:`Scope`.
+        vllm: vLLM releases where the new shape is expected (two-sided where DRIFT.md says so).
+        patches: what gets replaced.
+        expect: the live probe and how to read it; None when the need is not a vLLM shape
+            (a consumer's own defect, or a property of the host).
+        speculators: consumer releases whose code needs this; None means any caller.
+        host_probe: for host-dependent needs (no CUDA device): returns (needed, detail).
+        deferred: patch when the first target's module is imported, instead of importing it now.
+        order: application order; lower first (import fixes before the patches that import).
+    """
+
+    id: str
+    summary: str
+    drift: str
+    scope: Scope
+    vllm: SpecifierSet
+    patches: tuple[Patch, ...]
+    expect: Expect | None = None
+    speculators: SpecifierSet | None = None
+    host_probe: Callable[[], tuple[bool, str]] | None = None
+    deferred: bool = False
+    order: int = 100
+    evidence: str = ""
+    tags: tuple[str, ...] = field(default=())
+
+    @property
+    def target(self) -> str:
+        return self.patches[0].target

@@ -1,0 +1,1 @@
+"""One module per adapter; each exports ``ADAPTER`` (a :class:`vllm_compat.adapter.Adapter`)."""

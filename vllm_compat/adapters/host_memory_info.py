@@ -1,0 +1,73 @@
+"""Free memory for the KV-cache budget on a host without a CUDA device (vLLM's CPU backend).
+
+Not a vLLM drift but a host case: the generators size the KV cache from the accelerator's free
+memory. speculators 0.3.0 calls ``torch.cuda.mem_get_info()``, which raises on a machine without
+a CUDA driver; 0.4.0 calls its own ``mem_get_info()``, which raises the same way with a CUDA build
+of torch and returns ``(0, 0)`` (a zero KV cache) with a CPU build. On vLLM's CPU backend the KV
+cache lives in host memory, so the honest answer is host memory: ``(MemAvailable, MemTotal)``.
+
+Scope: consumer (names inside the speculators generator module only: its ``torch`` is seen through
+a proxy whose ``cuda.mem_get_info`` answers for the host, and 0.4's ``mem_get_info``); applied
+only when no CUDA device is available. Disable: ``VLLM_COMPAT_DISABLE=host_memory_info``.
+"""
+import os
+
+import wrapt
+from packaging.specifiers import SpecifierSet
+
+from .._targets import IN_PROCESS_SPECULATORS, generator_name
+from ..adapter import Adapter, Patch, Scope
+
+
+def host_mem_get_info(device=None) -> tuple[int, int]:
+    """(available, total) bytes of host memory, the CPU backend's stand-in for device memory."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = fields.get("MemTotal") or page * os.sysconf("SC_PHYS_PAGES")
+    available = fields.get("MemAvailable") or page * os.sysconf("SC_AVPHYS_PAGES")
+    return available, total
+
+
+class _CudaOnHost(wrapt.ObjectProxy):
+    def mem_get_info(self, device=None):
+        return host_mem_get_info(device)
+
+
+class _TorchOnHost(wrapt.ObjectProxy):
+    """The generator's ``torch``: everything passes through except ``torch.cuda.mem_get_info``."""
+
+    @property
+    def cuda(self):
+        return _CudaOnHost(self.__wrapped__.cuda)
+
+
+def no_cuda_device() -> tuple[bool, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return False, "a CUDA device is available: torch.cuda.mem_get_info answers"
+    return True, "no CUDA device: KV-cache memory is host memory"
+
+
+ADAPTER = Adapter(
+    id="host_memory_info",
+    summary="answer the generator's device-memory query with host memory on CPU-only hosts",
+    drift="torch.cuda.mem_get_info() raises (or 0.4's helper returns (0, 0)) without a CUDA device",
+    scope=Scope.CONSUMER,
+    vllm=SpecifierSet(">=0.10.0"),
+    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    host_probe=no_cuda_device,
+    patches=(
+        Patch(generator_name("torch"), _TorchOnHost),
+        Patch(generator_name("mem_get_info"), lambda original: wrapt.FunctionWrapper(
+            original, lambda wrapped, instance, args, kwargs: host_mem_get_info()), optional=True),
+    ),
+    evidence="shared/CPU-VLLM.md; speculators 0.4.0 speculators/utils/util.py:34-43",
+)

@@ -1,0 +1,36 @@
+"""Prefix caching is on by default (vLLM 0.12.0): turn it off for the generator's config.
+
+Drift: ``CacheConfig.enable_prefix_caching`` defaulted to ``None`` (off for the hand-built
+scheduler) and became ``True`` in 0.12.0 (``vllm/config/cache.py:76``). speculators 0.3.0 builds
+``Request`` without a ``block_hasher``, so ``BlockPool.cache_full_blocks`` asserts as soon as a
+prompt fills a block (``vllm/v1/core/block_pool.py:238``); and with a hasher, cache hits would skip
+the forward pass whose hidden states the generator captures. Both are wrong for extraction.
+
+Scope: consumer (the ``CacheConfig`` name inside the speculators generator module); an explicit
+``enable_prefix_caching`` from the caller is kept. Disable: ``VLLM_COMPAT_DISABLE=prefix_caching_default``.
+"""
+from packaging.specifiers import SpecifierSet
+
+from .._targets import IN_PROCESS_SPECULATORS, generator_name
+from .._wrapping import function_wrapper
+from ..adapter import Adapter, Expect, Patch, Scope
+from ..shapes import FieldDefault
+
+
+def prefix_caching_off(wrapped, instance, args, kwargs):
+    kwargs.setdefault("enable_prefix_caching", False)
+    return wrapped(*args, **kwargs)
+
+
+ADAPTER = Adapter(
+    id="prefix_caching_default",
+    summary="build the generator's CacheConfig with enable_prefix_caching=False",
+    drift="CacheConfig.enable_prefix_caching default None -> True in 0.12.0",
+    scope=Scope.CONSUMER,
+    vllm=SpecifierSet(">=0.12.0"),
+    expect=Expect(FieldDefault("vllm.config:CacheConfig", "enable_prefix_caching"),
+                  old={"None", "False"}, new={"True"}),
+    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    patches=(Patch(generator_name("CacheConfig"), function_wrapper(prefix_caching_off)),),
+    evidence="DRIFT.md §2: vllm/config/cache.py:76; vllm/v1/core/block_pool.py:238 (0.12.0)",
+)

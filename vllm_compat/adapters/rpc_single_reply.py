@@ -1,0 +1,45 @@
+"""``collective_rpc(unique_reply_rank=r)`` returns the reply itself, not a list (vLLM 0.11.1).
+
+Drift: up to 0.11.0 ``MultiprocExecutor.collective_rpc`` always returned a list (one element with
+``unique_reply_rank``); from 0.11.1 it returns the single reply (``multiproc_executor.py:296-297,
+346``). speculators 0.3.0 indexes ``[0]`` into it and *silently* takes the first layer's tensor
+as the whole list of layers. Probed through ``kv_output_aggregator``, the parameter that arrived
+with the new reply shape in the same change.
+
+What it does: on the executor the generator builds, a call with ``unique_reply_rank`` gets its
+reply wrapped in a one-element list again, the shape speculators 0.3.0 was written for.
+
+Scope: consumer, speculators 0.3.x only (0.4.0 expects the new shape). Disable:
+``VLLM_COMPAT_DISABLE=rpc_single_reply``.
+"""
+from packaging.specifiers import SpecifierSet
+
+from .._targets import generator_name
+from .._wrapping import function_wrapper, wrap_instance_method
+from ..adapter import Adapter, Expect, Patch, Scope
+from ..shapes import ABSENT, OPTIONAL, Param
+
+
+def _reply_as_list(run, executor, args, kwargs):
+    reply = run(*args, **kwargs)
+    return [reply] if kwargs.get("unique_reply_rank") is not None else reply
+
+
+def list_replies(wrapped, instance, args, kwargs):
+    executor = wrapped(*args, **kwargs)
+    wrap_instance_method(executor, "collective_rpc", _reply_as_list)
+    return executor
+
+
+ADAPTER = Adapter(
+    id="rpc_single_reply",
+    summary="give speculators 0.3 the list-shaped collective_rpc(unique_reply_rank=) reply it indexes",
+    drift="collective_rpc with unique_reply_rank returns the single reply from 0.11.1",
+    scope=Scope.CONSUMER,
+    vllm=SpecifierSet(">=0.11.1"),
+    expect=Expect(Param("vllm.v1.executor.multiproc_executor:MultiprocExecutor.collective_rpc",
+                        "kv_output_aggregator"), old={ABSENT}, new={OPTIONAL}),
+    speculators=SpecifierSet(">=0.3.0,<0.4"),
+    patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(list_replies)),),
+    evidence="DRIFT.md §3 C10: vllm/v1/executor/multiproc_executor.py:237-271 (0.11.0) vs :296-297,346 (0.11.1)",
+)

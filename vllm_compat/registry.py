@@ -1,0 +1,306 @@
+"""The adapter registry: discover, decide, apply, report, revert.
+
+Decision for one adapter, in order:
+
+1. named in ``VLLM_COMPAT_DISABLE`` (or ``apply(disable=...)``) -> ``disabled``;
+2. vLLM not installed, or the consumer (speculators) version outside the adapter's range ->
+   ``not_needed``;
+3. host probe (e.g. "no CUDA device") says no -> ``not_needed``;
+4. the live probe: old shape -> ``not_needed``; new shape -> patch; neither -> ``unknown_drift``.
+   The version range from DRIFT.md is a cross-check: a release inside the range whose probe still
+   finds the old shape is ``unknown_drift`` too (nightlies, which sit between releases, are not).
+
+Patches whose module is not imported yet (speculators' modules, model files) are installed by a
+post-import hook (status ``armed`` until then). :func:`revert` undoes everything in reverse order.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pkgutil
+import sys
+import threading
+from functools import lru_cache
+
+from . import _wrapping
+from .adapter import Adapter, Patch, Scope
+from .errors import AdapterNotApplicable, UnknownDriftError
+from .report import APPLIED, ARMED, DISABLED, FAILED, NOT_NEEDED, UNKNOWN_DRIFT, AdapterResult, Report
+from .versions import in_range, speculators_version, vllm_version
+
+logger = logging.getLogger("vllm_compat")
+
+ENV_APPLY = "VLLM_COMPAT_APPLY"  # set by apply(): tells the vLLM plugin in spawned processes to act
+ENV_DISABLE = "VLLM_COMPAT_DISABLE"  # comma-separated adapter ids
+ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": unknown drift raises
+
+_lock = threading.RLock()
+_installed: dict[str, list[_wrapping.Installed]] = {}
+_results: dict[str, AdapterResult] = {}
+_pending: dict[str, set[str]] = {}  # adapter id -> targets still waiting for their module
+_generation = 0  # bumped by revert(); post-import hooks of an older generation do nothing
+_active = False
+_role = "parent"
+
+
+@lru_cache(maxsize=None)
+def adapters() -> tuple[Adapter, ...]:
+    """Every adapter shipped in :mod:`vllm_compat.adapters`, in application order."""
+    package = importlib.import_module(f"{__package__}.adapters")
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        adapter = getattr(module, "ADAPTER", None)
+        if adapter is None:
+            continue
+        if adapter.id != info.name:
+            raise RuntimeError(f"adapter module {info.name} declares id {adapter.id!r}")
+        found.append(adapter)
+    return tuple(sorted(found, key=lambda a: (a.order, a.id)))
+
+
+def get(adapter_id: str) -> Adapter:
+    for adapter in adapters():
+        if adapter.id == adapter_id:
+            return adapter
+    raise AdapterNotApplicable(f"no adapter named {adapter_id!r}; known: {', '.join(a.id for a in adapters())}")
+
+
+def _env_list(name: str) -> set[str]:
+    return {item.strip() for item in os.environ.get(name, "").split(",") if item.strip()}
+
+
+def _is_dev(version) -> bool:
+    return version.is_devrelease or version.is_prerelease or bool(version.local and "g" in version.local)
+
+
+def _result(adapter: Adapter, status: str, reason: str, where: str = "") -> AdapterResult:
+    return AdapterResult(adapter.id, status, reason, adapter.scope.value, where)
+
+
+def _gate(adapter: Adapter, vllm, spec_version, disabled: set[str]) -> AdapterResult | None:
+    """The cheap checks (no vLLM import): a final result, or None to go on to the probe."""
+    if adapter.id in disabled:
+        return _result(adapter, DISABLED, f"disabled by {ENV_DISABLE}")
+    if vllm is None:
+        return _result(adapter, NOT_NEEDED, "vLLM is not installed")
+    if adapter.speculators is not None:
+        if spec_version is None:
+            return _result(adapter, NOT_NEEDED, "speculators is not installed")
+        if not in_range(adapter.speculators, spec_version):
+            return _result(adapter, NOT_NEEDED,
+                           f"speculators {spec_version} does not need it (only {adapter.speculators})")
+    return None
+
+
+def _probe(adapter: Adapter, vllm) -> AdapterResult | None:
+    """Host probe and live shape probe: a final result, or None when the adapter applies."""
+    if adapter.host_probe is not None:
+        needed, detail = adapter.host_probe()
+        if not needed:
+            return _result(adapter, NOT_NEEDED, detail)
+    if adapter.expect is None:
+        if not in_range(adapter.vllm, vllm):
+            return _result(adapter, NOT_NEEDED, f"vllm {vllm} is outside {adapter.vllm}")
+        return None
+    from .sources import live
+
+    expect = adapter.expect
+    seen = expect.check.observe(live())
+    expected_new = in_range(adapter.vllm, vllm)
+    shape = f"{expect.check.describe()} is {seen.value}"
+    if seen.value in expect.new:
+        return None
+    if seen.value in expect.old:
+        if expected_new and not _is_dev(vllm):
+            return _result(adapter, UNKNOWN_DRIFT,
+                           f"needed for vllm {adapter.vllm} (DRIFT.md) but on vllm {vllm} {shape}, the old shape",
+                           seen.where)
+        return _result(adapter, NOT_NEEDED, f"native on vllm {vllm}: {shape}", seen.where)
+    return _result(adapter, UNKNOWN_DRIFT,
+                   f"vllm {vllm}: {shape}; expected {sorted(expect.old)} (old) or {sorted(expect.new)} (new)",
+                   seen.where)
+
+
+def _probe_and_activate(adapter: Adapter, vllm) -> AdapterResult:
+    try:
+        return _probe(adapter, vllm) or _activate(adapter, vllm)
+    except Exception as exc:
+        logger.exception("vllm-compat: probe of %s failed", adapter.id)
+        return _result(adapter, FAILED, f"probe raised {type(exc).__name__}: {exc}")
+
+
+def _on_import_decide(adapter: Adapter, vllm, generation: int):
+    def hook(_module) -> None:
+        with _lock:
+            if generation == _generation and _active:
+                _results[adapter.id] = result = _probe_and_activate(adapter, vllm)
+                logger.info("vllm-compat (%s, pid %d): %s", _role, os.getpid(), result)
+
+    return hook
+
+
+def _reason_applied(adapter: Adapter, vllm) -> tuple[str, str]:
+    if adapter.expect is None:
+        return f"vllm {vllm} in {adapter.vllm}: {adapter.drift}", ""
+    from .sources import live
+
+    seen = adapter.expect.check.observe(live())
+    note = "" if in_range(adapter.vllm, vllm) else f" (before {adapter.vllm} per DRIFT.md: a nightly?)"
+    return f"vllm {vllm}: {adapter.expect.check.describe()} is {seen.value}{note}", seen.where
+
+
+def _install_now(adapter: Adapter, patch: Patch) -> None:
+    record = _wrapping.install(patch.target, patch.factory, owner=adapter.id, optional=patch.optional)
+    if record is not None:
+        _installed.setdefault(adapter.id, []).append(record)
+
+
+def _on_import(adapter: Adapter, patch: Patch, generation: int):
+    def hook(_module) -> None:
+        with _lock:
+            if generation != _generation or not _active:
+                return
+            try:
+                _install_now(adapter, patch)
+            except Exception as exc:  # a hook must never break the importing code
+                logger.exception("vllm-compat: %s failed to patch %s", adapter.id, patch.target)
+                _undo(adapter.id)
+                _results[adapter.id] = AdapterResult(adapter.id, FAILED, f"{type(exc).__name__}: {exc}",
+                                                     adapter.scope.value)
+                return
+            waiting = _pending.get(adapter.id, set())
+            waiting.discard(patch.target)
+            if not waiting and _results.get(adapter.id, None) and _results[adapter.id].status == ARMED:
+                old = _results[adapter.id]
+                _results[adapter.id] = AdapterResult(adapter.id, APPLIED, old.reason, old.scope, old.where)
+
+    return hook
+
+
+def _activate(adapter: Adapter, vllm) -> AdapterResult:
+    import wrapt
+
+    reason, where = _reason_applied(adapter, vllm)
+    waiting: set[str] = set()
+    try:
+        for patch in adapter.patches:
+            if patch.module in sys.modules or patch.module.split(".")[0] == "vllm":
+                _install_now(adapter, patch)
+            else:
+                waiting.add(patch.target)
+    except Exception as exc:
+        logger.exception("vllm-compat: %s failed", adapter.id)
+        _undo(adapter.id)
+        return AdapterResult(adapter.id, FAILED, f"{type(exc).__name__}: {exc}", adapter.scope.value, where)
+    if waiting:
+        _pending[adapter.id] = waiting
+        for patch in adapter.patches:
+            if patch.target in waiting:
+                wrapt.register_post_import_hook(_on_import(adapter, patch, _generation), patch.module)
+        modules = sorted({t.split(":")[0] for t in waiting})
+        return AdapterResult(adapter.id, ARMED, f"{reason}; patches when {', '.join(modules)} is imported",
+                             adapter.scope.value, where)
+    return AdapterResult(adapter.id, APPLIED, reason, adapter.scope.value, where)
+
+
+def _undo(adapter_id: str) -> None:
+    for record in reversed(_installed.pop(adapter_id, [])):
+        _wrapping.uninstall(record)
+    _pending.pop(adapter_id, None)
+
+
+def apply(
+    *,
+    disable: tuple[str, ...] | list[str] = (),
+    strict: bool | None = None,
+    scopes: tuple[Scope, ...] | None = None,
+    role: str = "parent",
+) -> Report:
+    """Apply every adapter the installed vLLM and consumer need; idempotent.
+
+    Args:
+        disable: adapter ids to leave alone, added to ``VLLM_COMPAT_DISABLE``.
+        strict: raise :class:`UnknownDriftError` on unknown drift (default: ``VLLM_COMPAT_STRICT``).
+        scopes: only adapters of these scopes (the vLLM plugin passes ``(Scope.WORKER,)``).
+        role: how this process is named in logs and reports.
+
+    Returns:
+        The :class:`Report`. A second call returns the report of the first.
+    """
+    import wrapt
+
+    global _active, _role
+    with _lock:
+        if _active:
+            return status()
+        disabled = _env_list(ENV_DISABLE) | set(disable)
+        if disabled:
+            os.environ[ENV_DISABLE] = ",".join(sorted(disabled))
+        if strict is None:
+            strict = os.environ.get(ENV_STRICT) == "1"
+        elif strict:
+            os.environ[ENV_STRICT] = "1"
+        # Spawned vLLM processes inherit this and their plugin applies the worker adapters.
+        os.environ[ENV_APPLY] = "1"
+        _active, _role = True, role
+        vllm, spec_version = vllm_version(), speculators_version()
+        for adapter in adapters():
+            if scopes is not None and adapter.scope not in scopes:
+                continue
+            gated = _gate(adapter, vllm, spec_version, disabled)
+            if gated is not None:
+                _results[adapter.id] = gated
+            elif adapter.deferred and adapter.patches[0].module not in sys.modules:
+                module = adapter.patches[0].module
+                wrapt.register_post_import_hook(_on_import_decide(adapter, vllm, _generation), module)
+                _results[adapter.id] = _result(adapter, ARMED, f"probed and patched when {module} is imported")
+            else:
+                _results[adapter.id] = _probe_and_activate(adapter, vllm)
+        report = status()
+        _log(report)
+        if strict and report.unknown_drift:
+            raise UnknownDriftError(report.unknown_drift)
+        return report
+
+
+def _log(report: Report) -> None:
+    for result in report.results:
+        if result.status == UNKNOWN_DRIFT:
+            logger.warning("vllm-compat: %s", result)
+        elif result.status == FAILED:
+            logger.error("vllm-compat: %s", result)
+        else:
+            logger.debug("vllm-compat: %s", result)
+    logger.info("%s; applied: %s", report.summary(), ", ".join(report.applied) or "none")
+
+
+def revert() -> None:
+    """Undo every patch (reverse order) and stop arming spawned processes. Safe to call twice."""
+    global _generation, _active
+    with _lock:
+        for adapter in reversed(adapters()):
+            _undo(adapter.id)
+        _results.clear()
+        _generation += 1
+        _active = False
+        os.environ.pop(ENV_APPLY, None)
+
+
+def status() -> Report:
+    """The current state: what is applied, armed, skipped, and why."""
+    with _lock:
+        vllm, spec_version = vllm_version(), speculators_version()
+        ordered = tuple(_results[a.id] for a in adapters() if a.id in _results)
+        return Report(
+            vllm_version=str(vllm) if vllm else None,
+            speculators_version=str(spec_version) if spec_version else None,
+            results=ordered,
+            pid=os.getpid(),
+            role=_role,
+        )
+
+
+def is_active() -> bool:
+    return _active
