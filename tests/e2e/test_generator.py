@@ -1,0 +1,39 @@
+"""End to end: the unmodified speculators generator on real vLLM (CPU) with vllm_compat applied,
+compared with HF transformers on every requested layer and every token."""
+import pytest
+
+from tests.e2e import harness
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+
+CALLS = harness.scenario()
+CASES = [(spec, family) for spec in ("0.3.0", "0.4.0") for family in ("llama", "qwen3")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"speculators{s}-{f}" for s, f in CASES])
+def extraction(request):
+    speculators, family = request.param
+    model = harness.tiny_model(family)
+    run = harness.run_generator(model, speculators, CALLS)
+    return speculators, run, harness.reference(model, CALLS)
+
+
+def test_runs_without_error(extraction):
+    _, run, _ = extraction
+    assert run.error is None, run.error
+
+
+@pytest.mark.parametrize("call", range(len(CALLS)),
+                         ids=["uneven", "over_step_budget", "shared_prefix", "over_max_num_seqs", "repeated"])
+def test_every_layer_and_token_matches_hf(extraction, call):
+    _, run, refs = extraction
+    assert run.error is None, run.error
+    verdict = harness.judge(harness.Run([run.calls[call]], None, None, ""), [CALLS[call]], [refs[call]])
+    assert verdict == "ok", verdict
+
+
+def test_report_lists_what_was_applied(extraction):
+    speculators, run, _ = extraction
+    assert run.report is not None
+    assert f"speculators {speculators}" in run.report
+    assert "failed" not in run.report.split("\n")[0]

@@ -1,0 +1,140 @@
+"""Static (ast) and live (import) evaluation of shape checks must agree, on a synthetic package."""
+import importlib
+import sys
+import zipfile
+
+import pytest
+
+from vllm_compat import shapes
+from vllm_compat.sources import DirTree, LiveSource, StaticSource, WheelTree
+
+FILES = {
+    "fakevllm/__init__.py": "",
+    "fakevllm/config/__init__.py": "from fakevllm.config.cache import CacheConfig\nfrom .scheduler import *\n",
+    "fakevllm/config/cache.py": (
+        "from dataclasses import dataclass, field\n"
+        "@dataclass\n"
+        "class CacheConfig:\n"
+        "    block_size: int = 16\n"
+        "    enable_prefix_caching: bool = True\n"
+        "    swap_space: float = field(default=4.0)\n"
+        "    tags: list = field(default_factory=list)\n"
+    ),
+    "fakevllm/config/scheduler.py": (
+        "from dataclasses import InitVar, dataclass\n"
+        "__all__ = ['SchedulerConfig']\n"
+        "@dataclass\n"
+        "class SchedulerConfig:\n"
+        "    max_model_len: InitVar[int]\n"
+        "    is_encoder_decoder: InitVar[bool]\n"
+        "    max_num_seqs: int = 128\n"
+        "    def __post_init__(self, max_model_len, is_encoder_decoder):\n"
+        "        pass\n"
+    ),
+    "fakevllm/executor/__init__.py": "",
+    "fakevllm/executor/abstract.py": (
+        "class Executor:\n"
+        "    def sample_tokens(self, grammar_output, non_block=False):\n"
+        "        return None\n"
+        "    def collective_rpc(self, method, *, unique_reply_rank=None):\n"
+        "        return [method]\n"
+    ),
+    "fakevllm/executor/multiproc.py": (
+        "from fakevllm.executor import abstract\n"
+        "from .abstract import Executor\n"
+        "class MultiprocExecutor(Executor):\n"
+        "    def collective_rpc(self, method, timeout=None, unique_reply_rank=None, kv_output_aggregator=None):\n"
+        "        return method\n"
+        "class Other(abstract.Executor):\n"
+        "    pass\n"
+    ),
+    "fakevllm/request.py": (
+        "class Request:\n"
+        "    def __init__(self, request_id, prompt_token_ids, eos_token_id, *, block_hasher=None, mode):\n"
+        "        pass\n"
+        "class Model:\n"
+        "    def embed_input_ids(self, ids):\n"
+        "        return ids\n"
+    ),
+}
+
+CHECKS = [
+    (shapes.Param("fakevllm.request:Request.__init__", "eos_token_id"), shapes.REQUIRED),
+    (shapes.Param("fakevllm.request:Request.__init__", "block_hasher"), shapes.OPTIONAL),
+    (shapes.Param("fakevllm.request:Request.__init__", "mode"), shapes.REQUIRED),
+    (shapes.Param("fakevllm.request:Request.__init__", "arrival_time"), shapes.ABSENT),
+    (shapes.Param("fakevllm.request:Gone.__init__", "x"), shapes.MISSING),
+    (shapes.Param("fakevllm.executor.multiproc:MultiprocExecutor.collective_rpc", "kv_output_aggregator"),
+     shapes.OPTIONAL),
+    (shapes.Param("fakevllm.executor.multiproc:MultiprocExecutor.sample_tokens", "grammar_output"),
+     shapes.REQUIRED),
+    (shapes.Attr("fakevllm.executor.multiproc:MultiprocExecutor", "sample_tokens"), shapes.PRESENT),
+    (shapes.Attr("fakevllm.executor.multiproc:Other", "sample_tokens"), shapes.PRESENT),
+    (shapes.Attr("fakevllm.executor.multiproc:MultiprocExecutor", "execute_model"), shapes.ABSENT),
+    (shapes.WhichAttr("fakevllm.request:Model", old_name="get_input_embeddings", new_name="embed_input_ids"),
+     "embed_input_ids"),
+    (shapes.FieldDefault("fakevllm.config:CacheConfig", "enable_prefix_caching"), "True"),
+    (shapes.FieldDefault("fakevllm.config:CacheConfig", "swap_space"), "4.0"),
+    (shapes.FieldDefault("fakevllm.config:CacheConfig", "tags"), "<factory>"),
+    (shapes.FieldDefault("fakevllm.config:CacheConfig", "nothing"), shapes.ABSENT),
+    (shapes.FieldDefault("fakevllm.config:SchedulerConfig", "is_encoder_decoder"), shapes.REQUIRED),
+    (shapes.FieldDefault("fakevllm.config:SchedulerConfig", "max_num_seqs"), "128"),
+    (shapes.Exists("fakevllm.config:SchedulerConfig"), shapes.PRESENT),
+    (shapes.Exists("fakevllm.config:Missing"), shapes.MISSING),
+]
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree")
+    for rel, text in FILES.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def wheel(tree, tmp_path_factory):
+    path = tmp_path_factory.mktemp("wheel") / "fakevllm-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for rel, text in FILES.items():
+            zf.writestr(rel, text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def live(tree):
+    sys.path.insert(0, str(tree))
+    importlib.invalidate_caches()
+    yield LiveSource()
+    sys.path.remove(str(tree))
+    for name in [m for m in sys.modules if m.split(".")[0] == "fakevllm"]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("check, expected", CHECKS, ids=[c.describe() for c, _ in CHECKS])
+def test_static_live_and_wheel_agree(check, expected, tree, wheel, live):
+    static = check.observe(StaticSource(DirTree(tree)))
+    in_wheel = check.observe(StaticSource(WheelTree(wheel)))
+    alive = check.observe(live)
+    assert (static.value, in_wheel.value, alive.value) == (expected, expected, expected)
+
+
+def test_static_where_names_file_and_line(tree):
+    seen = shapes.Param("fakevllm.executor.multiproc:MultiprocExecutor.sample_tokens", "grammar_output").observe(
+        StaticSource(DirTree(tree)))
+    assert seen.where == "fakevllm/executor/abstract.py:2"
+
+
+def test_live_source_sees_through_wrapt_proxies(live):
+    import wrapt
+
+    from fakevllm import request  # noqa: the synthetic package
+
+    original = request.Request.__init__
+    wrapt.wrap_function_wrapper(request, "Request.__init__", lambda w, i, a, k: w(*a, **k))
+    try:
+        assert shapes.Param("fakevllm.request:Request.__init__", "eos_token_id").observe(live).value == shapes.REQUIRED
+    finally:
+        request.Request.__init__ = original
