@@ -71,10 +71,6 @@ def _env_list(name: str) -> set[str]:
     return {item.strip() for item in os.environ.get(name, "").split(",") if item.strip()}
 
 
-def _is_dev(version) -> bool:
-    return version.is_devrelease or version.is_prerelease or bool(version.local and "g" in version.local)
-
-
 def _result(adapter: Adapter, status: str, reason: str, where: str = "") -> AdapterResult:
     return AdapterResult(adapter.id, status, reason, adapter.scope.value, where)
 
@@ -94,41 +90,24 @@ def _gate(adapter: Adapter, vllm, spec_version, disabled: set[str]) -> AdapterRe
     return None
 
 
-def _probe(adapter: Adapter, vllm) -> AdapterResult | None:
-    """Host probe and live shape probe: a final result, or None when the adapter applies."""
-    if adapter.host_probe is not None:
-        needed, detail = adapter.host_probe()
-        if not needed:
-            return _result(adapter, NOT_NEEDED, detail)
-    if adapter.expect is None:
-        if not in_range(adapter.vllm, vllm):
-            return _result(adapter, NOT_NEEDED, f"vllm {vllm} is outside {adapter.vllm}")
-        return None
-    from .sources import live
-
-    expect = adapter.expect
-    seen = expect.check.observe(live())
-    expected_new = in_range(adapter.vllm, vllm)
-    shape = f"{expect.check.describe()} is {seen.value}"
-    if seen.value in expect.new:
-        return None
-    if seen.value in expect.old:
-        if expected_new and not _is_dev(vllm):
-            return _result(adapter, UNKNOWN_DRIFT,
-                           f"needed for vllm {adapter.vllm} (DRIFT.md) but on vllm {vllm} {shape}, the old shape",
-                           seen.where)
-        return _result(adapter, NOT_NEEDED, f"native on vllm {vllm}: {shape}", seen.where)
-    return _result(adapter, UNKNOWN_DRIFT,
-                   f"vllm {vllm}: {shape}; expected {sorted(expect.old)} (old) or {sorted(expect.new)} (new)",
-                   seen.where)
-
-
 def _probe_and_activate(adapter: Adapter, vllm) -> AdapterResult:
+    """Host probe, then the live shape probe; patch when it says the new shape is there."""
+    from .sources import live
+    from .verdicts import ADAPTED, NATIVE, judge
+
     try:
-        return _probe(adapter, vllm) or _activate(adapter, vllm)
+        if adapter.host_probe is not None:
+            needed, detail = adapter.host_probe()
+            if not needed:
+                return _result(adapter, NOT_NEEDED, detail)
+        verdict = judge(adapter, live(), vllm)
     except Exception as exc:
         logger.exception("vllm-compat: probe of %s failed", adapter.id)
         return _result(adapter, FAILED, f"probe raised {type(exc).__name__}: {exc}")
+    if verdict.verdict == ADAPTED:
+        return _activate(adapter, verdict.reason, verdict.where)
+    status = NOT_NEEDED if verdict.verdict == NATIVE else UNKNOWN_DRIFT
+    return _result(adapter, status, verdict.reason, verdict.where)
 
 
 def _on_import_decide(adapter: Adapter, vllm, generation: int):
@@ -139,16 +118,6 @@ def _on_import_decide(adapter: Adapter, vllm, generation: int):
                 logger.info("vllm-compat (%s, pid %d): %s", _role, os.getpid(), result)
 
     return hook
-
-
-def _reason_applied(adapter: Adapter, vllm) -> tuple[str, str]:
-    if adapter.expect is None:
-        return f"vllm {vllm} in {adapter.vllm}: {adapter.drift}", ""
-    from .sources import live
-
-    seen = adapter.expect.check.observe(live())
-    note = "" if in_range(adapter.vllm, vllm) else f" (before {adapter.vllm} per DRIFT.md: a nightly?)"
-    return f"vllm {vllm}: {adapter.expect.check.describe()} is {seen.value}{note}", seen.where
 
 
 def _install_now(adapter: Adapter, patch: Patch) -> None:
@@ -179,10 +148,9 @@ def _on_import(adapter: Adapter, patch: Patch, generation: int):
     return hook
 
 
-def _activate(adapter: Adapter, vllm) -> AdapterResult:
+def _activate(adapter: Adapter, reason: str, where: str) -> AdapterResult:
     import wrapt
 
-    reason, where = _reason_applied(adapter, vllm)
     waiting: set[str] = set()
     try:
         for patch in adapter.patches:

@@ -198,7 +198,10 @@ class _Found:
 
     @property
     def where(self) -> str:
-        return f"{self.file}:{getattr(self.node, 'lineno', 0)}"
+        # inspect.getsourcelines() starts at the first decorator: report the same line
+        decorators = getattr(self.node, "decorator_list", None)
+        line = decorators[0].lineno if decorators else getattr(self.node, "lineno", 0)
+        return f"{self.file}:{line}"
 
 
 class StaticSource:
