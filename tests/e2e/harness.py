@@ -115,8 +115,9 @@ def judge(run: Run, calls, refs) -> str:
     """'ok', or what is wrong: 'error: ...' / 'wrong: ...' (first problem found)."""
     from hidden_states.reference import relative_errors
 
-    if run.error:
-        return "error: " + run.error.strip().splitlines()[-1]
+    if run.error:  # the exception line, with pydantic's detail lines after it
+        lines = [line for line in run.error.strip().splitlines() if line.strip()]
+        return "error: " + " | ".join(lines[-4:])
     if len(run.calls) != len(calls):
         return f"wrong: {len(run.calls)} calls returned, {len(calls)} made"
     for c, (got_call, call, ref_call) in enumerate(zip(run.calls, calls, refs)):

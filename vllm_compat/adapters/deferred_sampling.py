@@ -15,7 +15,7 @@ engine keeps the new protocol). Disable: ``VLLM_COMPAT_DISABLE=deferred_sampling
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
+from .._targets import generator_name
 from .._wrapping import function_wrapper, wrap_instance_method
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..shapes import ABSENT, PRESENT, Attr
@@ -49,7 +49,7 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.11.1"),
     expect=Expect(Attr("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "sample_tokens"),
                   old={ABSENT}, new={PRESENT}),
-    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(flush_pending_samples)),),
     evidence="DRIFT.md §2: vllm/v1/executor/multiproc_executor.py:253-275 (0.11.1)",
 )

@@ -11,7 +11,7 @@ Scope: consumer (the ``CacheConfig`` name inside the speculators generator modul
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
+from .._targets import generator_name
 from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..shapes import FieldDefault
@@ -30,7 +30,7 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.12.0"),
     expect=Expect(FieldDefault("vllm.config:CacheConfig", "enable_prefix_caching"),
                   old={"None", "False"}, new={"True"}),
-    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
     patches=(Patch(generator_name("CacheConfig"), function_wrapper(prefix_caching_off)),),
     evidence="DRIFT.md §2: vllm/config/cache.py:76; vllm/v1/core/block_pool.py:238 (0.12.0)",
 )

@@ -11,7 +11,7 @@ Disable: ``VLLM_COMPAT_DISABLE=scheduler_config_is_encoder_decoder``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
+from .._targets import generator_name
 from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..shapes import ABSENT, REQUIRED, FieldDefault
@@ -30,7 +30,7 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.12.0"),
     expect=Expect(FieldDefault("vllm.config:SchedulerConfig", "is_encoder_decoder"),
                   old={ABSENT, "False"}, new={REQUIRED}),
-    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
     patches=(Patch(generator_name("SchedulerConfig"), function_wrapper(default_is_encoder_decoder)),),
     evidence="DRIFT.md §3 C1: vllm/config/scheduler.py:31,37,144-153 (0.12.0)",
 )

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""The project's test command: every test suite, in one venv per vLLM release, built as needed.
+
+    python3 scripts/test_matrix.py                 # the CI matrix
+    python3 scripts/test_matrix.py --vllm 0.17.0   # one release
+    python3 scripts/test_matrix.py -- -x -k qwen3  # extra pytest arguments
+
+For each vLLM release: build or reuse ``.cache/venvs/vllm-<ver>`` (scripts/vllm_venv.py), then run
+the contract suite once per speculators release on the path, and the end-to-end suite (which
+starts its own generator processes). Unit tests run once. Any pytest exit code but 0 fails the
+run; exit code 5 (no tests collected) included.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import vllm_venv  # noqa: E402
+
+SPECULATORS = ("0.3.0", "0.4.0")
+# vLLM release -> the negative-proof tests to run there (id substrings; None: all of them).
+# 0.16.0 runs every adapter's negative proof; later releases the ones whose drift starts there.
+MATRIX: dict[str, str | None] = {
+    "0.16.0": None,
+    "0.17.0": "request_eos_token_id,without_apply,every_adapter_is_covered",
+}
+
+
+def pytest(python: Path, args: list[str], env: dict[str, str], label: str, results: list) -> None:
+    started = time.monotonic()
+    print(f"\n=== {label}: pytest {' '.join(args)}", flush=True)
+    code = subprocess.run([str(python), "-m", "pytest", *args], cwd=ROOT, env=env).returncode
+    results.append((label, code, time.monotonic() - started))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm", nargs="*", default=list(MATRIX), help="vLLM releases (default: the CI matrix)")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+    args = parser.parse_args(argv)
+    results: list[tuple[str, int, float]] = []
+    base_env = {**os.environ, "VLLM_COMPAT_REQUIRE_VLLM": "1", "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    base_env.pop("VLLM_COMPAT_APPLY", None)
+    for spec in SPECULATORS:
+        vllm_venv.build_speculators(spec)
+    for index, version in enumerate(args.vllm):
+        started = time.monotonic()
+        python = vllm_venv.build_venv(version, rebuild=False)
+        results.append((f"venv vllm {version}", 0, time.monotonic() - started))
+        if index == 0:
+            pytest(python, ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results)
+        for spec in SPECULATORS:
+            env = {**base_env, "PYTHONPATH": str(vllm_venv.CACHE / "speculators" / spec)}
+            pytest(python, ["-q", "tests/contract", *args.pytest_args], env,
+                   f"contract vllm {version} speculators {spec}", results)
+        e2e = ["-q", "tests/e2e"]
+        negative = MATRIX.get(version)
+        if negative is not None:
+            e2e += ["--negative-only", negative]
+        pytest(python, [*e2e, *args.pytest_args], base_env, f"e2e vllm {version}", results)
+    print("\n| suite | result | seconds |\n|---|---|---|")
+    for label, code, seconds in results:
+        print(f"| {label} | {'ok' if code == 0 else f'FAILED (exit {code})'} | {seconds:.0f} |")
+    return 0 if all(code == 0 for _, code, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Shared contract for every adapter, run against the real installed vLLM (and speculators, when
+the matrix puts one on the path). Subclass, set ``adapter_id`` and ``first_new`` (the first vLLM
+release with the new shape, from DRIFT.md, written out here independently of the adapter's own
+declaration), and add ``test_patched_call`` exercising the patched object for real."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from packaging.version import Version
+
+import vllm_compat
+from vllm_compat import registry, versions
+from vllm_compat._wrapping import owner_of, resolve
+from vllm_compat.sources import DirTree, LiveSource, StaticSource
+from vllm_compat.verdicts import ADAPTED, NATIVE, judge
+
+pytestmark = pytest.mark.vllm
+
+
+def installed_vllm() -> Version:
+    return versions.base(versions.vllm_version())
+
+
+def speculators() -> Version | None:
+    return versions.speculators_version()
+
+
+class AdapterContract:
+    adapter_id: str = ""
+    first_new: str = ""  # DRIFT.md: first release with the new shape ("" = every release)
+    last_new: str = ""  # DRIFT.md: last release with it, when it went away again
+
+    @property
+    def adapter(self):
+        return registry.get(self.adapter_id)
+
+    def expected_verdict(self) -> str:
+        v = installed_vllm()
+        new = (not self.first_new or v >= Version(self.first_new)) and (not self.last_new or v <= Version(self.last_new))
+        return ADAPTED if new else NATIVE
+
+    def consumer_needs_it(self) -> bool:
+        spec = speculators()
+        return self.adapter.speculators is None or (spec is not None and versions.in_range(self.adapter.speculators, spec))
+
+    @pytest.fixture(autouse=True)
+    def _always_revert(self):
+        yield
+        vllm_compat.revert()
+
+    def test_probe_matches_drift_atlas(self):
+        assert judge(self.adapter, LiveSource(), versions.vllm_version()).verdict == self.expected_verdict()
+
+    def test_static_audit_agrees_with_live_probe(self):
+        where = versions.package_dir("vllm")
+        static = judge(self.adapter, StaticSource(DirTree(where.parent)), versions.vllm_version())
+        alive = judge(self.adapter, LiveSource(), versions.vllm_version())
+        assert (static.verdict, static.found) == (alive.verdict, alive.found)
+
+    def _targets_now(self):
+        return {p.target: resolve(p.target)[2] for p in self.adapter.patches
+                if importlib.util.find_spec(p.module.split(".")[0]) and _imported(p.module)}
+
+    def test_apply_twice_revert_twice_restores_identical_objects(self):
+        for patch in self.adapter.patches:  # import what apply() would patch now, so we can compare
+            if patch.module.split(".")[0] == "vllm" or importlib.util.find_spec(patch.module.split(".")[0]):
+                try:
+                    importlib.import_module(patch.module)
+                except ImportError:
+                    pass
+        before = self._targets_now()
+        first = vllm_compat.apply()
+        after_first = self._targets_now()
+        second = vllm_compat.apply()
+        assert second[self.adapter_id] == first[self.adapter_id]
+        assert self._targets_now() == after_first, "a second apply() must not wrap again"
+        status = first[self.adapter_id].status
+        ours = {t: [o for o in [after_first[t], *_wrapped_chain(after_first[t])] if owner_of(o) == self.adapter_id]
+                for t in before}
+        if self.expected_verdict() == ADAPTED and self.consumer_needs_it() and status != "not_needed":
+            assert status in ("applied", "armed"), first[self.adapter_id]
+            patched = [t for t in before if ours[t]]
+            assert patched, f"{self.adapter_id} reported {status} but patched nothing"
+            for target in patched:  # other adapters may wrap the same name: the chain ends at the original
+                assert len(ours[target]) == 1 and before[target] in _wrapped_chain(after_first[target])
+        else:
+            assert status == "not_needed", first[self.adapter_id]
+            assert not any(ours.values())
+        vllm_compat.revert()
+        vllm_compat.revert()
+        restored = self._targets_now()
+        assert all(restored[t] is before[t] for t in before), "revert() must restore the original objects"
+
+    def test_disabled_adapter_is_left_alone(self, monkeypatch):
+        monkeypatch.setenv("VLLM_COMPAT_DISABLE", self.adapter_id)
+        before = self._targets_now()
+        report = vllm_compat.apply()
+        assert report[self.adapter_id].status == "disabled"
+        now = self._targets_now()
+        assert not any(owner_of(o) == self.adapter_id for t in now for o in [now[t], *_wrapped_chain(now[t])])
+
+
+def _wrapped_chain(obj) -> list:
+    chain = []
+    while hasattr(obj, "__wrapped__") and len(chain) < 16:
+        obj = obj.__wrapped__
+        chain.append(obj)
+    return chain
+
+
+def _imported(module: str) -> bool:
+    import sys
+
+    return module in sys.modules
