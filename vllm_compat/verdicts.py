@@ -55,6 +55,6 @@ def judge(adapter: Adapter, source: Source, vllm: Version | None) -> Verdict:
         if expected_new and not is_nightly(vllm):
             return Verdict(UNKNOWN_DRIFT, f"expected the new shape for vllm {adapter.vllm} (DRIFT.md), "
                            f"but on {release} {shape}", seen.value, seen.where)
-        return Verdict(NATIVE, f"{release}: {shape}", seen.value, seen.where)
+        return Verdict(NATIVE, f"native on {release}: {shape}", seen.value, seen.where)
     return Verdict(UNKNOWN_DRIFT, f"{release}: {shape}; expected {sorted(expect.old)} (old) or "
                    f"{sorted(expect.new)} (new)", seen.value, seen.where)

@@ -1,0 +1,202 @@
+"""The registry against small fakes: decisions, idempotence, exact revert, deferral, env switches."""
+import sys
+import types
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+import vllm_compat
+from vllm_compat import registry
+from vllm_compat._wrapping import function_wrapper
+from vllm_compat.adapter import Adapter, Expect, Patch, Scope
+from vllm_compat.errors import UnknownDriftError
+from vllm_compat.shapes import ABSENT, OPTIONAL, REQUIRED, Param
+
+
+def make_module(name, source):
+    module = types.ModuleType(name)
+    exec(source, module.__dict__)
+    sys.modules[name] = module
+    return module
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = make_module("fakevllm_core", (
+        "def build(groups, memory):\n    return (groups, memory)\n"
+        "class Base:\n    def run(self, x):\n        return ('base', x)\n"
+        "class Child(Base):\n    pass\n"
+    ))
+    monkeypatch.setattr(registry, "vllm_version", lambda: Version("0.16.0"))
+    monkeypatch.setattr(registry, "speculators_version", lambda: Version("0.3.0"))
+    monkeypatch.delenv("VLLM_COMPAT_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_COMPAT_STRICT", raising=False)
+    yield module
+    vllm_compat.revert()
+    for name in ("fakevllm_core", "fakeconsumer"):
+        sys.modules.pop(name, None)
+
+
+def drop_specs(wrapped, instance, args, kwargs):
+    kwargs.pop("specs", None)
+    return wrapped(*args, **kwargs)
+
+
+def tagged(wrapped, instance, args, kwargs):
+    return ("patched", wrapped(*args, **kwargs))
+
+
+def adapter(id="drop_specs", old=(REQUIRED, OPTIONAL), new=(ABSENT,), vllm=">=0.12.0", **kw):
+    defaults = dict(
+        summary="test", drift="test drift", scope=Scope.GLOBAL, vllm=SpecifierSet(vllm),
+        expect=Expect(Param("fakevllm_core:build", "specs"), old=set(old), new=set(new)),
+        patches=(Patch("fakevllm_core:build", function_wrapper(drop_specs)),),
+    )
+    defaults.update(kw)
+    return Adapter(id=id, **defaults)
+
+
+def use(monkeypatch, *adapters):
+    monkeypatch.setattr(registry, "adapters", lambda: tuple(adapters))
+
+
+def test_applies_when_probe_finds_new_shape_and_reverts_exactly(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter())
+    original = fake_vllm.build
+    report = vllm_compat.apply()
+    assert report["drop_specs"].status == "applied"
+    assert fake_vllm.build(1, specs={}, memory=2) == (1, 2)
+    assert vllm_compat.apply() == report  # idempotent: same report, no second wrapper
+    assert fake_vllm.build.__wrapped__ is original
+    vllm_compat.revert()
+    vllm_compat.revert()
+    assert fake_vllm.build is original
+
+
+def test_old_shape_is_native(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(old=(ABSENT,), new=(REQUIRED,), vllm=">=0.17.0"))
+    report = vllm_compat.apply()
+    assert report["drop_specs"].status == "not_needed"
+    assert "native on vllm 0.16.0" in report["drop_specs"].reason
+
+
+def test_release_in_range_with_old_shape_is_unknown_drift(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(old=(ABSENT,), new=(REQUIRED,), vllm=">=0.12.0"))
+    report = vllm_compat.apply()
+    assert report["drop_specs"].status == "unknown_drift"
+    assert "expected the new shape" in report["drop_specs"].reason
+
+
+def test_nightly_before_the_change_is_not_drift(fake_vllm, monkeypatch):
+    monkeypatch.setattr(registry, "vllm_version", lambda: Version("0.12.0.dev3+gabc"))
+    use(monkeypatch, adapter(old=(ABSENT,), new=(REQUIRED,), vllm=">=0.12.0"))
+    assert vllm_compat.apply()["drop_specs"].status == "not_needed"
+
+
+def test_neither_shape_is_unknown_drift_and_strict_raises(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(old=("something",), new=("else",)))
+    with pytest.raises(UnknownDriftError, match="drop_specs"):
+        vllm_compat.apply(strict=True)
+
+
+def test_disable_by_env(fake_vllm, monkeypatch):
+    monkeypatch.setenv("VLLM_COMPAT_DISABLE", "other, drop_specs")
+    use(monkeypatch, adapter())
+    original = fake_vllm.build
+    assert vllm_compat.apply()["drop_specs"].status == "disabled"
+    assert fake_vllm.build is original
+
+
+def test_consumer_version_gates(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(speculators=SpecifierSet(">=0.4.0,<0.5")))
+    result = vllm_compat.apply()["drop_specs"]
+    assert result.status == "not_needed" and "speculators 0.3.0 does not need it" in result.reason
+
+
+def test_inherited_method_patched_on_child_is_deleted_on_revert(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(id="child_run", expect=None, vllm=">=0.10.0",
+                             patches=(Patch("fakevllm_core:Child.run", function_wrapper(tagged)),)))
+    vllm_compat.apply()
+    assert fake_vllm.Child().run(1) == ("patched", ("base", 1))
+    assert fake_vllm.Base().run(1) == ("base", 1)
+    vllm_compat.revert()
+    assert "run" not in vars(fake_vllm.Child)
+
+
+def test_patch_of_a_module_not_yet_imported_waits_for_it(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(patches=(Patch("fakevllm_core:build", function_wrapper(drop_specs)),
+                                      Patch("fakeconsumer:build", function_wrapper(drop_specs)))))
+    report = vllm_compat.apply()
+    assert report["drop_specs"].status == "armed"
+    # the consumer imports the (already patched) function by value
+    consumer = make_module("fakeconsumer", "from fakevllm_core import build\n")
+    import wrapt
+
+    wrapt.importer.notify_module_loaded(consumer)
+    assert vllm_compat.status()["drop_specs"].status == "applied"
+    assert consumer.build is fake_vllm.build  # our wrapper reused, not wrapped twice
+    original = fake_vllm.build.__wrapped__
+    vllm_compat.revert()
+    assert consumer.build is original and fake_vllm.build is original
+
+
+def test_failed_patch_is_reported_and_undone(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(patches=(Patch("fakevllm_core:build", function_wrapper(drop_specs)),
+                                      Patch("fakevllm_core:nothing_here", function_wrapper(drop_specs)))))
+    original = fake_vllm.build
+    result = vllm_compat.apply()["drop_specs"]
+    assert result.status == "failed" and "nothing_here" in result.reason
+    assert fake_vllm.build is original
+
+
+def test_apply_arms_spawned_processes_and_revert_disarms(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter())
+    monkeypatch.delenv("VLLM_COMPAT_APPLY", raising=False)
+    vllm_compat.apply()
+    import os
+
+    assert os.environ["VLLM_COMPAT_APPLY"] == "1"
+    vllm_compat.revert()
+    assert "VLLM_COMPAT_APPLY" not in os.environ
+
+
+def test_plugin_does_nothing_unless_asked(fake_vllm, monkeypatch):
+    from vllm_compat import plugin
+
+    use(monkeypatch, adapter(scope=Scope.WORKER))
+    monkeypatch.delenv("VLLM_COMPAT_APPLY", raising=False)
+    original = fake_vllm.build
+    plugin.register()
+    assert fake_vllm.build is original and not registry.is_active()
+    monkeypatch.setenv("VLLM_COMPAT_APPLY", "1")
+    plugin.register()
+    assert fake_vllm.build is not original and registry.status().role == "vllm process"
+
+
+def test_plugin_applies_only_worker_scope(fake_vllm, monkeypatch):
+    from vllm_compat import plugin
+
+    use(monkeypatch, adapter(id="global_one"), adapter(id="worker_one", scope=Scope.WORKER, expect=None,
+                                                         vllm=">=0.10.0",
+                                                         patches=(Patch("fakevllm_core:Base.run",
+                                                                        function_wrapper(tagged)),)))
+    monkeypatch.setenv("VLLM_COMPAT_APPLY", "1")
+    plugin.register()
+    assert [r.id for r in registry.status().results] == ["worker_one"]
+
+
+def test_importing_vllm_compat_is_cheap():
+    import subprocess
+
+    code = "import sys, vllm_compat; print(sorted(m for m in ('vllm', 'torch', 'wrapt', 'packaging') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_report_renders_one_line_per_adapter(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(), adapter(id="second", expect=None, vllm="<0.1"))
+    text = str(vllm_compat.apply())
+    assert text.splitlines()[0].startswith("vllm-compat (parent, pid")
+    assert "  drop_specs: applied - vllm 0.16.0: parameter 'specs' of fakevllm_core:build is absent" in text
+    assert "  second: not_needed - vllm 0.16.0 is outside <0.1" in text
