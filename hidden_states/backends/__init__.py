@@ -1,0 +1,32 @@
+"""Extraction backends behind one interface (:class:`Backend`), selected with ``--backend``."""
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Backend(Protocol):
+    """Loads a model once, then turns batches of token ids into per-layer hidden states.
+
+    ``extract(batch)`` returns, for each sequence of ``batch`` in order, one ``[len, hidden]``
+    tensor per requested layer (speculators' convention: layer ``L`` is the output of decoder
+    layer ``L``, before the final norm).
+    """
+
+    name: str
+
+    def start(self) -> dict: ...  # loads the model; returns facts for data_config.json
+
+    def extract(self, batch: list[list[int]]) -> list[list]: ...
+
+    def close(self) -> None: ...
+
+
+def create(name: str, **settings) -> Backend:
+    if name == "speculators":
+        from .speculators_generator import SpeculatorsBackend
+
+        return SpeculatorsBackend(**settings)
+    raise ValueError(f"unknown backend {name!r}")
+
+
+BACKENDS = ("speculators",)

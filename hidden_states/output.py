@@ -1,0 +1,193 @@
+"""The output directory: what speculators 0.3/0.4's trainer reads, written so nothing is ever lost.
+
+* ``data_{i}.pt``: ``{"input_ids": LongTensor[n], "hidden_states": [Tensor[n, hidden] per layer],
+  "loss_mask": LongTensor[n]}`` (``speculators.train.data.standardize_data_v1``);
+* ``sample_lengths.json``: ``{"i": n}`` for every finished sample (the trainer's length index);
+* ``data_config.json``: model, layer ids, package versions, the vllm-compat adapters applied.
+
+Every file is written under a temporary name and renamed into place, so a final name always holds
+a whole file. A background thread does the writing from a bounded queue: the model never waits on
+disk unless the disk is slower than extraction, and that wait is measured (``stall_seconds``).
+``done.jsonl`` records each finished sample's length after its rename; a rerun skips every sample
+whose file exists.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import OutputError
+
+DATA_FILE = re.compile(r"^data_(\d+)\.pt$")
+TEMP_PREFIX = ".tmp-"
+LEDGER = "done.jsonl"
+CONFIG = "data_config.json"
+LENGTHS = "sample_lengths.json"
+# What must match for a rerun to continue in the same directory.
+IDENTITY_KEYS = ("model", "layer_ids")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
+    with temp.open("wb") as handle:
+        handle.write(data)
+    os.replace(temp, path)
+
+
+def atomic_write_json(path: Path, value) -> None:
+    atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def describe_os_error(exc: OSError, path: Path) -> str:
+    if exc.errno == errno.ENOSPC:
+        return f"{path}: no space left on device"
+    return f"{path}: {exc.strerror or exc}"
+
+
+class OutputDir:
+    """An output directory, checked for writability and for belonging to the same extraction."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def prepare(self, identity: dict, config: dict) -> None:
+        """Create the directory, check it is writable, refuse another run's files, write the config."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f"{TEMP_PREFIX}probe.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise OutputError(f"--output-dir {describe_os_error(exc, self.path)} (not writable)") from None
+        existing = self.path / CONFIG
+        if existing.exists():
+            try:
+                previous = json.loads(existing.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise OutputError(f"{existing}: unreadable ({exc}); remove it or use another --output-dir") from None
+            for key in IDENTITY_KEYS:
+                if previous.get(key) != identity.get(key):
+                    raise OutputError(
+                        f"{self.path} holds another extraction ({key} {previous.get(key)!r}, this run "
+                        f"{identity.get(key)!r}); use another --output-dir or remove that one")
+        for stale in self.path.glob(f"{TEMP_PREFIX}*"):
+            stale.unlink(missing_ok=True)
+        atomic_write_json(existing, {**config, **identity})
+
+    def finished(self) -> dict[int, int | None]:
+        """Sample index -> length (None when only the file tells) of every finished sample."""
+        lengths: dict[int, int | None] = {}
+        for entry in os.scandir(self.path):
+            match = DATA_FILE.match(entry.name)
+            if match:
+                lengths[int(match.group(1))] = None
+        ledger = self.path / LEDGER
+        if ledger.exists():
+            for raw in ledger.read_text().splitlines():
+                try:
+                    record = json.loads(raw)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if record.get("index") in lengths:
+                    lengths[record["index"]] = record["length"]
+        return lengths
+
+    def write_lengths(self, lengths: dict[int, int | None]) -> None:
+        import torch
+
+        complete = {}
+        for index, length in sorted(lengths.items()):
+            if length is None:  # renamed into place, crash before the ledger line: ask the file
+                length = int(torch.load(self.path / f"data_{index}.pt", weights_only=True, mmap=True)
+                             ["input_ids"].shape[0])
+            complete[str(index)] = length
+        atomic_write_json(self.path / LENGTHS, complete)
+
+
+@dataclass
+class WriterStats:
+    files: int = 0
+    bytes: int = 0
+    stall_seconds: float = 0.0  # time the producer waited for queue space
+    write_seconds: float = 0.0
+    lengths: dict[int, int] = field(default_factory=dict)
+
+
+class BackgroundWriter:
+    """Writes finished samples on a thread from a bounded queue; errors surface in the caller.
+
+    Args:
+        directory: where ``data_{i}.pt`` files go.
+        max_pending: samples allowed to wait for the disk before ``submit`` blocks.
+    """
+
+    def __init__(self, directory: Path, max_pending: int = 64):
+        self.directory = directory
+        self.stats = WriterStats()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._ledger = (directory / LEDGER).open("a")
+        self._thread = threading.Thread(target=self._run, name="hidden-states-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, record: dict) -> None:
+        self._raise_if_failed()
+        started = time.perf_counter()
+        while True:
+            try:
+                self._queue.put((index, record), timeout=0.5)
+                break
+            except queue.Full:
+                self._raise_if_failed()
+        self.stats.stall_seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Write everything queued, stop the thread, raise the first write error if any."""
+        self._queue.put(None)
+        self._thread.join()
+        self._ledger.close()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self) -> None:
+        import torch
+
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # drain: after a failure nothing more is written
+            index, record = item
+            final = self.directory / f"data_{index}.pt"
+            temp = self.directory / f"{TEMP_PREFIX}data_{index}.pt.{os.getpid()}"
+            started = time.perf_counter()
+            try:
+                torch.save(record, temp)
+                os.replace(temp, final)
+            except OSError as exc:
+                temp.unlink(missing_ok=True)
+                self._error = OutputError(f"writing sample {index}: {describe_os_error(exc, final)}")
+                continue
+            except BaseException as exc:  # noqa: BLE001 - carried to the main thread
+                temp.unlink(missing_ok=True)
+                self._error = exc
+                continue
+            length = int(record["input_ids"].shape[0])
+            self._ledger.write(json.dumps({"index": index, "length": length}) + "\n")
+            self._ledger.flush()
+            self.stats.files += 1
+            self.stats.bytes += final.stat().st_size
+            self.stats.write_seconds += time.perf_counter() - started
+            self.stats.lengths[index] = length

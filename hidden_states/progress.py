@@ -1,0 +1,56 @@
+"""Progress: a bar on a terminal, plain periodic lines in logs, one summary line at the end."""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    def __init__(self, total_samples: int, *, stream=None, interval: float = 10.0):
+        self.total = total_samples
+        self.stream = stream or sys.stderr
+        self.interval = interval
+        self.samples = 0
+        self.tokens = 0
+        self.started = time.monotonic()
+        self._last_line = self.started
+        self._bar = None
+        if getattr(self.stream, "isatty", lambda: False)():
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total_samples, unit="sample", file=self.stream, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.monotonic() - self.started, 1e-9)
+
+    def eta(self) -> str:
+        if not self.samples:
+            return "?"
+        rate = self.samples / max(time.monotonic() - self.started, 1e-9)
+        return _duration((self.total - self.samples) / rate)
+
+    def update(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        if self._bar is not None:
+            self._bar.update(samples)
+            self._bar.set_postfix_str(f"{self.tokens_per_second:,.0f} tok/s")
+            return
+        now = time.monotonic()
+        if now - self._last_line >= self.interval or self.samples >= self.total:
+            self._last_line = now
+            print(f"[hidden-states] {self.samples}/{self.total} samples, {self.tokens:,} tokens, "
+                  f"{self.tokens_per_second:,.0f} tok/s, ETA {self.eta()}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
