@@ -1,0 +1,226 @@
+"""The extractor CLI end to end on CPU vLLM: output against HF, speculators' own dataset reader,
+resume after kill -9 and SIGINT, a full disk, and every bad-input case."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e import harness
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
+
+LAYERS = ["0", "2", "3", "5"]
+SPECULATORS = "0.3.0"
+
+
+def write_jsonl(path: Path, n: int, seed: int = 3, long_every: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = 1100 if long_every and i % long_every == long_every - 1 else rng.randrange(1, 600)
+        row = {"input_ids": [rng.randrange(4, 512) for _ in range(length)]}
+        if i % 2 == 0:
+            cut = rng.randrange(0, length)
+            row["loss_mask"] = [0] * cut + [1] * (length - cut)
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def cli(*args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(harness.speculators_path(SPECULATORS)), ROOT]),
+           "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env_extra or {})}
+    env.pop("VLLM_COMPAT_APPLY", None)
+    return [sys.executable, "-m", "hidden_states", "extract", *args], env
+
+
+def run_cli(*args, env_extra=None, timeout=900):
+    command, env = cli(*args, env_extra=env_extra)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def extract_args(model, data, out, *extra):
+    return ["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
+            "--preset", "cpu-tiny", "--layer-ids", *LAYERS, "--progress-interval", "1", *extra]
+
+
+def data_files(out: Path) -> dict[int, os.stat_result]:
+    return {int(p.stem.split("_")[1]): p.stat() for p in out.glob("data_*.pt")}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return harness.tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def extracted(model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("extract")
+    rows = write_jsonl(root / "data.jsonl", 50, long_every=25)
+    proc = run_cli(*extract_args(model, root / "data.jsonl", root / "out", "--batch-size", "8"))
+    return root, rows, proc
+
+
+def test_extracts_every_sample(extracted):
+    root, rows, proc = extracted
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(data_files(root / "out")) == list(range(50))
+    assert "done: 50 samples extracted" in proc.stderr
+    assert "2 samples truncated to --max-seq-len" in proc.stderr  # samples 24 and 49 are 1100 tokens
+
+
+def test_states_match_hf_and_masks_are_kept(extracted, model):
+    import torch
+
+    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
+
+    root, rows, _ = extracted
+    saved = [torch.load(root / "out" / f"data_{i}.pt", weights_only=True) for i in range(50)]
+    reference = decoder_layer_outputs(load_model(model), [s["input_ids"].tolist() for s in saved],
+                                      [int(x) for x in LAYERS])
+    for i, (sample, row, ref) in enumerate(zip(saved, rows, reference)):
+        n = min(len(row["input_ids"]), 1024)
+        assert sample["input_ids"].tolist() == row["input_ids"][:n]
+        assert sample["loss_mask"].tolist() == row.get("loss_mask", [1] * n)[:n]
+        for got, want in zip(sample["hidden_states"], ref):
+            assert float(relative_errors(got, want).max()) < harness.TOLERANCE, f"sample {i}"
+
+
+def test_config_and_lengths_describe_the_run(extracted, model):
+    root, rows, _ = extracted
+    config = json.loads((root / "out" / "data_config.json").read_text())
+    assert config["layer_ids"] == [int(x) for x in LAYERS] and config["model"] == str(Path(model).resolve())
+    assert config["packages"]["speculators"] == SPECULATORS and config["packages"]["vllm-compat"]
+    applied = [r["id"] for r in config["vllm_compat"]["results"] if r["status"] in ("applied", "armed")]
+    assert "capture_attribution" in applied
+    lengths = json.loads((root / "out" / "sample_lengths.json").read_text())
+    assert lengths == {str(i): min(len(r["input_ids"]), 1024) for i, r in enumerate(rows)}
+
+
+def test_speculators_training_dataset_reads_the_output(extracted):
+    sys.path.insert(0, str(harness.speculators_path(SPECULATORS)))
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    root, rows, _ = extracted
+    dataset = Eagle3SampleFileDataset(max_len=2048, datapath=str(root / "out"))
+    assert len(dataset) == 50
+    for k, path in enumerate(dataset.data):
+        item = dataset[k]
+        n = min(len(rows[int(Path(path).stem.split("_")[1])]["input_ids"]), 1024)
+        # after speculators' one-token shift: layers 0, 2, 3 fused, layer 5 is the target's last state
+        assert int(item["lengths"][0]) == n - 1
+        assert tuple(item["hidden_states"].shape) == (n - 1, 3 * 128)
+        assert tuple(item["verifier_last_hidden_states"].shape) == (n - 1, 128)
+
+
+def test_rerun_skips_every_finished_sample(extracted, model):
+    root, _, _ = extracted
+    before = data_files(root / "out")
+    proc = run_cli(*extract_args(model, root / "data.jsonl", root / "out", "--batch-size", "8"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 samples extracted, 50 already finished" in proc.stderr
+    assert {i: s.st_mtime_ns for i, s in data_files(root / "out").items()} == {
+        i: s.st_mtime_ns for i, s in before.items()}
+
+
+def test_rerun_with_other_layers_is_refused(extracted, model):
+    root, _, _ = extracted
+    args = extract_args(model, root / "data.jsonl", root / "out")
+    args[args.index("--layer-ids") + 1] = "1"
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert "holds another extraction (layer_ids [0, 2, 3, 5], this run [1, 2, 3, 5])" in proc.stderr
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        text = (task / "children").read_text() if (task / "children").exists() else ""
+        found.update(int(c) for c in text.split())
+    return found
+
+
+def _run_until(model, data, out, files: int, *extra):
+    command, env = cli(*extract_args(model, data, out, "--batch-size", "4", *extra))
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 600
+    children: set[int] = set()
+    while len(data_files(out)) < files if out.exists() else True:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        children |= _children(proc.pid)
+        time.sleep(0.2)
+    return proc, children
+
+
+def test_kill_9_loses_at_most_the_batch_in_flight(model, tmp_path):
+    rows = write_jsonl(tmp_path / "data.jsonl", 40, seed=5)
+    proc, _ = _run_until(model, tmp_path / "data.jsonl", tmp_path / "out", 8)
+    proc.kill()
+    proc.wait()
+    survived = data_files(tmp_path / "out")
+    assert len(survived) >= 8
+    resumed = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--batch-size", "4"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{40 - len(survived)} samples extracted, {len(survived)} already finished" in resumed.stderr
+    after = data_files(tmp_path / "out")
+    assert sorted(after) == list(range(40))
+    assert all(after[i].st_mtime_ns == survived[i].st_mtime_ns for i in survived), "a finished sample was redone"
+    assert not list((tmp_path / "out").glob(".tmp-*"))
+    lengths = json.loads((tmp_path / "out" / "sample_lengths.json").read_text())
+    assert lengths == {str(i): len(r["input_ids"]) for i, r in enumerate(rows)}
+
+
+def test_sigint_finishes_the_batch_shuts_workers_down_and_resumes(model, tmp_path):
+    write_jsonl(tmp_path / "data.jsonl", 40, seed=6)
+    proc, children = _run_until(model, tmp_path / "data.jsonl", tmp_path / "out", 4)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "rerun the same command to resume" in err and "interrupted:" in err
+    assert len(data_files(tmp_path / "out")) % 4 == 0  # whole batches only
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [c for c in children if Path(f"/proc/{c}").exists()], "orphaned vLLM worker processes"
+    resumed = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--batch-size", "4"))
+    assert resumed.returncode == 0 and sorted(data_files(tmp_path / "out")) == list(range(40))
+
+
+def test_full_disk_stops_cleanly_and_keeps_finished_work(model, tmp_path):
+    write_jsonl(tmp_path / "data.jsonl", 20, seed=7)
+    injected = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "enospc"),
+                                               str(harness.speculators_path(SPECULATORS)), ROOT]),
+                "ENOSPC_AFTER": "6"}
+    proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out"), env_extra=injected)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "writing sample 6:" in proc.stderr and "no space left on device" in proc.stderr
+    assert sorted(data_files(tmp_path / "out")) == list(range(6))
+    assert not list((tmp_path / "out").glob(".tmp-*"))
+    resumed = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out"))
+    assert resumed.returncode == 0 and sorted(data_files(tmp_path / "out")) == list(range(20))
+
+
+def test_bad_line_mid_stream_keeps_what_came_before(model, tmp_path):
+    write_jsonl(tmp_path / "data.jsonl", 80, seed=8)
+    lines = (tmp_path / "data.jsonl").read_text().splitlines()
+    lines[69] = '{"input_ids": [1, 2, "x"]}'
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out"))
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'data.jsonl'}:70: input_ids[2] is 'x', not an integer" in proc.stderr
+    assert sorted(data_files(tmp_path / "out")) == list(range(69))
+
+
+def test_strict_refuses_a_long_sample(model, tmp_path):
+    write_jsonl(tmp_path / "data.jsonl", 6, seed=9, long_every=3)
+    proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--strict"))
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'data.jsonl'}:3: 1100 tokens, more than --max-seq-len 1024 (--strict)" in proc.stderr

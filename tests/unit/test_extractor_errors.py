@@ -1,0 +1,120 @@
+"""Bad input to the extractor: each case exits 2 with one line naming the file, line or flag, before
+any model is loaded (these run without vLLM or torch)."""
+import json
+
+import pytest
+
+from hidden_states.cli import main
+
+CONFIG = {"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 512, "torch_dtype": "float32"}
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return path
+
+
+def extract(model, data, out, *extra):
+    return main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
+                 "--layer-ids", "0", "2", *extra])
+
+
+def jsonl(tmp_path, *lines):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+GOOD = '{"input_ids": [5, 6, 7]}'
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"input_ids": [5, 6', "not valid JSON"),
+    ('{"tokens": [5, 6]}', "no 'input_ids' (keys: tokens)"),
+    ('{"input_ids": [5, 6.5]}', "input_ids[1] is 6.5, not an integer"),
+    ('{"input_ids": [5, true]}', "input_ids[1] is True, not an integer"),
+    ('{"input_ids": "5 6"}', "input_ids must be a list of integers, got str"),
+    ('{"input_ids": [5, 512]}', "input_ids[1] = 512 is outside the model's vocabulary [0, 512)"),
+    ('{"input_ids": [-1]}', "input_ids[0] = -1 is outside the model's vocabulary"),
+    ('{"input_ids": []}', "empty sample (input_ids is [])"),
+    ('{"input_ids": [5, 6], "loss_mask": [1]}', "loss_mask has 1 entries for 2 input_ids"),
+    ('[5, 6]', "expected a JSON object with 'input_ids', got list"),
+])
+def test_bad_sample_names_file_and_line(model, tmp_path, capsys, bad_line, message):
+    data = jsonl(tmp_path, GOOD, "", bad_line)
+    assert extract(model, data, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"hidden-states: error: {data}:3: {message}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("layers, message", [
+    (["0", "6"], "--layer-ids: [6] outside [0, 5] (the model has 6 layers)"),
+    (["2", "2"], "--layer-ids: [2] given more than once"),
+])
+def test_bad_layer_ids(model, tmp_path, capsys, layers, message):
+    data = jsonl(tmp_path, GOOD)
+    code = main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir",
+                 str(tmp_path / "out"), "--layer-ids", *layers])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_missing_model_path(tmp_path, capsys):
+    assert extract(tmp_path / "nope", jsonl(tmp_path, GOOD), tmp_path / "out") == 2
+    assert f"--model-path {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+
+
+def test_model_without_config(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert extract(tmp_path / "empty", jsonl(tmp_path, GOOD), tmp_path / "out") == 2
+    assert "no config.json there" in capsys.readouterr().err
+
+
+def test_remote_code_needs_the_flag(model, tmp_path, capsys):
+    (model / "config.json").write_text(json.dumps({**CONFIG, "auto_map": {"AutoModel": "x.Y"}}))
+    assert extract(model, jsonl(tmp_path, GOOD), tmp_path / "out") == 2
+    assert "pass --trust-remote-code" in capsys.readouterr().err
+
+
+def test_missing_input(model, tmp_path, capsys):
+    assert extract(model, tmp_path / "none.jsonl", tmp_path / "out") == 2
+    assert f"{tmp_path / 'none.jsonl'}: no such file or directory" in capsys.readouterr().err
+
+
+def test_empty_input(model, tmp_path, capsys):
+    assert extract(model, jsonl(tmp_path), tmp_path / "out") == 2
+    assert "no samples" in capsys.readouterr().err
+
+
+def test_output_dir_not_writable(model, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert extract(model, jsonl(tmp_path, GOOD), blocker / "out") == 2
+    assert f"--output-dir {blocker / 'out'}" in capsys.readouterr().err
+
+
+def test_output_dir_of_another_model_is_refused(model, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "data_config.json").write_text(json.dumps({"model": "/elsewhere", "layer_ids": [0, 2]}))
+    assert extract(model, jsonl(tmp_path, GOOD), out) == 2
+    assert "holds another extraction (model '/elsewhere'" in capsys.readouterr().err
+
+
+def test_batch_size_must_be_positive(model, tmp_path, capsys):
+    assert extract(model, jsonl(tmp_path, GOOD), tmp_path / "out", "--batch-size", "0") == 2
+    assert "--batch-size 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_preset_values_and_flag_overrides():
+    from hidden_states.cli import build_parser, settings_from
+
+    args = build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o",
+                                      "--preset", "blackwell-tp8", "--batch-size", "2"])
+    settings = settings_from(args)
+    assert (settings.tp_size, settings.gpu_memory_utilization, settings.max_seq_len, settings.batch_size) == (
+        8, 0.80, 2048, 2)
+    assert settings.trust_remote_code is False
