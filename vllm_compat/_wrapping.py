@@ -64,7 +64,7 @@ def owner_of(obj: Any) -> str | None:
     return entry[2] if entry is not None and entry[0] is obj else None
 
 
-def install(target: str, factory, *, owner: str, optional: bool = False) -> Installed | None:
+def install(target: str, factory, *, owner: str, optional: bool = False, create: bool = False) -> Installed | None:
     """Replace ``target`` with ``factory(original)``; None when optional and absent.
 
     Args:
@@ -72,8 +72,14 @@ def install(target: str, factory, *, owner: str, optional: bool = False) -> Inst
         factory: original -> replacement.
         owner: the adapter id; a value this same adapter installed elsewhere is reused, not rewrapped.
         optional: tolerate a missing attribute.
+        create: add the attribute (``factory(None)``) where it is missing.
     """
     parent, name, current, own = resolve(target)
+    if current is _ABSENT and create:
+        replacement = factory(None)
+        setattr(parent, name, replacement)
+        _ours.setdefault(id(replacement), [replacement, 0, owner])[1] += 1
+        return Installed(parent, name, _ABSENT, False, replacement, target)
     if current is _ABSENT and optional:
         return None
     if current is _ABSENT:

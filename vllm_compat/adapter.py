@@ -56,11 +56,13 @@ class Patch:
         factory: builds the replacement from the original object (usually a wrapt wrapper).
         optional: skip silently when the target attribute does not exist (e.g. a name only one
             consumer version imports).
+        create: the attribute does not exist yet and ``factory(None)`` makes it (revert deletes it).
     """
 
     target: str
     factory: Callable[[Any], Any]
     optional: bool = False
+    create: bool = False
 
     @property
     def module(self) -> str:

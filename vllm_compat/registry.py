@@ -121,7 +121,8 @@ def _on_import_decide(adapter: Adapter, vllm, generation: int):
 
 
 def _install_now(adapter: Adapter, patch: Patch) -> None:
-    record = _wrapping.install(patch.target, patch.factory, owner=adapter.id, optional=patch.optional)
+    record = _wrapping.install(patch.target, patch.factory, owner=adapter.id, optional=patch.optional,
+                               create=patch.create)
     if record is not None:
         _installed.setdefault(adapter.id, []).append(record)
 

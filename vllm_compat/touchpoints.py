@@ -6,7 +6,7 @@ Each entry: (check, expected observation, speculators versions that touch it).
 """
 from __future__ import annotations
 
-from .shapes import ABSENT, OPTIONAL, PRESENT, REQUIRED, Attr, Check, Exists, FieldDefault, Param
+from .shapes import OPTIONAL, PRESENT, REQUIRED, Attr, Check, Exists, FieldDefault, Param
 
 BOTH = ">=0.3.0,<0.5"
 ONLY_03 = ">=0.3.0,<0.4"
@@ -51,10 +51,5 @@ TOUCHPOINTS: tuple[tuple[Check, frozenset[str], str], ...] = tuple(
         # what the worker extension relies on (the mechanism that injects it)
         (Attr("vllm.config:ParallelConfig", "worker_extension_cls"), {PRESENT}, BOTH),
         (Attr("vllm.v1.worker.gpu_worker:Worker", "execute_model"), {PRESENT}, BOTH),
-        # what the generator's bring-up silently relies on (DRIFT.md §2, 0.27.0 / 0.29.0): where these
-        # appear, the executor no longer warms up inside initialize_from_config, and KV-cache configs
-        # cannot be built before the KV-cache layout is resolved
-        (Attr("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "compile_or_warm_up_model"), {ABSENT}, BOTH),
-        (Attr("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "set_kv_cache_layout"), {ABSENT}, BOTH),
     ]
 )

@@ -46,11 +46,11 @@ def judge(adapter: Adapter, source: Source, vllm: Version | None) -> Verdict:
     expect = adapter.expect
     seen = expect.check.observe(source)
     shape = f"{expect.check.describe()} is {seen.value}"
-    if seen.value == MISSING:
-        return Verdict(MISSING_SYMBOL, f"{release}: {expect.check.target} not found", seen.value, seen.where)
     if seen.value in expect.new:
         note = "" if vllm is None or expected_new else f" (earlier than {adapter.vllm}: a nightly?)"
         return Verdict(ADAPTED, f"{release}: {shape}{note}", seen.value, seen.where)
+    if seen.value == MISSING and MISSING not in expect.old:
+        return Verdict(MISSING_SYMBOL, f"{release}: {expect.check.target} not found", seen.value, seen.where)
     if seen.value in expect.old:
         if expected_new and not is_nightly(vllm):
             return Verdict(UNKNOWN_DRIFT, f"expected the new shape for vllm {adapter.vllm} (DRIFT.md), "

@@ -10,13 +10,16 @@ error). Warm-up and padding rows would shift every slice as well.
 What it does, inside the worker: the step's per-request token counts are noted when the worker
 executes a scheduler output; each captured forward records which request owns which rows (the
 runner's batch order); on retrieval the rows are regrouped per request, in the generator's
-submission order (its request ids are ``req_<call>_<index>``), chunks in step order. Rows that
+submission order (its request ids are ``req_<call>_<index>``), chunks in step order. The batch
+order comes from the active model runner (V1's persistent batch, or V2's per-step batch noted by
+``v2_batch_order``). Rows that
 belong to no request are dropped. A count that does not add up raises instead of misattributing.
 
 Scope: worker, speculators 0.3.x only. Disable: ``VLLM_COMPAT_DISABLE=capture_attribution``.
 """
 from packaging.specifiers import SpecifierSet
 
+from .._batch_order import batch_order
 from .._targets import WORKER_EXTENSION
 from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
@@ -34,16 +37,13 @@ def remember_step(wrapped, worker, args, kwargs):
         _step["tokens"] = None
 
 
-def batch_order(model_runner, tokens: dict[str, int]) -> list[str]:
-    """The requests of this forward in the order their rows appear."""
-    input_batch = getattr(model_runner, "input_batch", None)
-    if input_batch is not None:
-        order = [rid for rid in input_batch.req_ids if rid in tokens]
-        if len(order) == len(tokens):
-            return order
-    raise RuntimeError(
-        f"vllm-compat capture_attribution: cannot read the batch order from {type(model_runner).__name__}"
-    )
+def scheduled_in_row_order(model_runner, tokens: dict[str, int]) -> list[str]:
+    """The requests of this forward in the order their rows appear (either model runner)."""
+    order = [rid for rid in batch_order(model_runner) if rid in tokens]
+    if len(order) != len(tokens):
+        raise RuntimeError(f"vllm-compat capture_attribution: the runner's batch {order} does not hold "
+                           f"the scheduled requests {sorted(tokens)}")
+    return order
 
 
 def record_rows(wrapped, worker, args, kwargs):
@@ -55,7 +55,7 @@ def record_rows(wrapped, worker, args, kwargs):
         segments.append((None, rows))
     else:
         owned = 0
-        for request_id in batch_order(worker.model_runner, tokens):
+        for request_id in scheduled_in_row_order(worker.model_runner, tokens):
             segments.append((request_id, tokens[request_id]))
             owned += tokens[request_id]
         if owned > rows:

