@@ -4,8 +4,11 @@ Drift: ``Scheduler(vllm_config, kv_cache_config, structured_output_manager, ...)
 (``vllm/v1/core/sched/scheduler.py:45``) gained a required ``block_size`` in 0.11.1 (``:53-58``).
 speculators 0.3.0 never passes it (``TypeError``); 0.4.0 passes the constant 16, which disagrees
 with the real KV block size wherever the platform changes it (MLA models get 64/128 on CUDA before
-0.18). vLLM's engine passes ``cache_config.block_size * dcp * pcp`` (``vllm/v1/engine/core.py``);
-this adapter passes the same, read from the built config, and replaces a disagreeing constant.
+0.18, or whatever the attention backend picks once ``cache_block_size`` lets it). vLLM's engine
+passes the KV-cache block size times the context-parallel sizes (``vllm/v1/engine/core.py:133-146``
+in 0.16.0; from 0.32 it first sets ``cache_config.block_size`` to the smallest block size of the KV
+cache groups, ``:339-379``). This adapter does the same from the ``kv_cache_config`` the generator
+passes in, and replaces a disagreeing constant.
 
 Scope: consumer (the ``Scheduler`` name inside the speculators generator module; vLLM's engine
 always passes the right value itself). Disable: ``VLLM_COMPAT_DISABLE=scheduler_block_size``.
@@ -23,11 +26,17 @@ logger = logging.getLogger("vllm_compat")
 BLOCK_SIZE_POSITION = 3  # (vllm_config, kv_cache_config, structured_output_manager, block_size, ...)
 
 
-def config_block_size(vllm_config) -> int:
-    """The scheduler block size vLLM's own engine derives from a built config."""
+def config_block_size(vllm_config, kv_cache_config=None) -> int:
+    """The scheduler block size vLLM's own engine derives: the KV-cache groups' (smallest) block
+    size, or the cache config's, times the context-parallel sizes."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    sizes = [group.kv_cache_spec.block_size for group in groups]
+    block = min(sizes) if sizes else vllm_config.cache_config.block_size
+    if vllm_config.cache_config.block_size is None:  # as the engine core records it (0.32+)
+        vllm_config.cache_config.block_size = block
     parallel = vllm_config.parallel_config
     return (
-        vllm_config.cache_config.block_size
+        block
         * getattr(parallel, "decode_context_parallel_size", 1)
         * getattr(parallel, "prefill_context_parallel_size", 1)
     )
@@ -35,7 +44,8 @@ def config_block_size(vllm_config) -> int:
 
 def block_size_from_config(wrapped, instance, args, kwargs):
     vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-    size = config_block_size(vllm_config)
+    kv_cache_config = kwargs["kv_cache_config"] if "kv_cache_config" in kwargs else (args[1] if len(args) > 1 else None)
+    size = config_block_size(vllm_config, kv_cache_config)
     if len(args) > BLOCK_SIZE_POSITION:
         given = args[BLOCK_SIZE_POSITION]
         args = (*args[:BLOCK_SIZE_POSITION], size, *args[BLOCK_SIZE_POSITION + 1:])
