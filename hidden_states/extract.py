@@ -35,6 +35,7 @@ class Settings:
     strict: bool = False
     backend: str = "speculators"
     writer_queue: int = 64
+    writer_threads: int = 2
     progress_interval: float = 10.0
 
 
@@ -161,7 +162,7 @@ def run(settings: Settings, log=None) -> Summary:
         summary.load_seconds = time.monotonic() - started
         started = time.monotonic()
         atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
-        writer = BackgroundWriter(output.path, settings.writer_queue)
+        writer = BackgroundWriter(output.path, settings.writer_queue, settings.writer_threads)
         progress = Progress(todo, interval=settings.progress_interval)
         with _Interrupt() as interrupt:
             _loop(settings, backend, writer, progress, summary, finished, interrupt, facts.vocab_size, end)

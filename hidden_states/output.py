@@ -121,21 +121,26 @@ class WriterStats:
 
 
 class BackgroundWriter:
-    """Writes finished samples on a thread from a bounded queue; errors surface in the caller.
+    """Writes finished samples on threads from a bounded queue; errors surface in the caller.
 
     Args:
         directory: where ``data_{i}.pt`` files go.
         max_pending: samples allowed to wait for the disk before ``submit`` blocks.
+        threads: writer threads (``torch.save`` serialises one file at a time; several keep a fast
+            disk busy).
     """
 
-    def __init__(self, directory: Path, max_pending: int = 64):
+    def __init__(self, directory: Path, max_pending: int = 64, threads: int = 2):
         self.directory = directory
         self.stats = WriterStats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
         self._ledger = (directory / LEDGER).open("a")
-        self._thread = threading.Thread(target=self._run, name="hidden-states-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"hidden-states-writer-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, index: int, record: dict) -> None:
         self._raise_if_failed()
@@ -149,9 +154,11 @@ class BackgroundWriter:
         self.stats.stall_seconds += time.perf_counter() - started
 
     def close(self) -> None:
-        """Write everything queued, stop the thread, raise the first write error if any."""
-        self._queue.put(None)
-        self._thread.join()
+        """Write everything queued, stop the threads, raise the first write error if any."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
         self._ledger.close()
         self._raise_if_failed()
 
@@ -178,16 +185,18 @@ class BackgroundWriter:
                 os.replace(temp, final)
             except OSError as exc:
                 temp.unlink(missing_ok=True)
-                self._error = OutputError(f"writing sample {index}: {describe_os_error(exc, final)}")
+                self._error = self._error or OutputError(f"writing sample {index}: {describe_os_error(exc, final)}")
                 continue
             except BaseException as exc:  # noqa: BLE001 - carried to the main thread
                 temp.unlink(missing_ok=True)
-                self._error = exc
+                self._error = self._error or exc
                 continue
             length = int(record["input_ids"].shape[0])
-            self._ledger.write(json.dumps({"index": index, "length": length}) + "\n")
-            self._ledger.flush()
-            self.stats.files += 1
-            self.stats.bytes += final.stat().st_size
-            self.stats.write_seconds += time.perf_counter() - started
-            self.stats.lengths[index] = length
+            size = final.stat().st_size
+            with self._lock:
+                self._ledger.write(json.dumps({"index": index, "length": length}) + "\n")
+                self._ledger.flush()
+                self.stats.files += 1
+                self.stats.bytes += size
+                self.stats.write_seconds += time.perf_counter() - started
+                self.stats.lengths[index] = length

@@ -3,6 +3,7 @@ resume after kill -9 and SIGINT, a full disk, and every bad-input case."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -201,8 +202,8 @@ def test_full_disk_stops_cleanly_and_keeps_finished_work(model, tmp_path):
                 "ENOSPC_AFTER": "6"}
     proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out"), env_extra=injected)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "writing sample 6:" in proc.stderr and "no space left on device" in proc.stderr
-    assert sorted(data_files(tmp_path / "out")) == list(range(6))
+    assert re.search(r"hidden-states: error: writing sample \d+: .*data_\d+\.pt: no space left on device", proc.stderr)
+    assert len(data_files(tmp_path / "out")) == 6  # the saves that had room; every later one failed
     assert not list((tmp_path / "out").glob(".tmp-*"))
     resumed = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out"))
     assert resumed.returncode == 0 and sorted(data_files(tmp_path / "out")) == list(range(20))

@@ -1,0 +1,41 @@
+"""Captured states travel from the worker to the parent as zero-copy host buffers.
+
+Not a drift but the generators' main cost on a GPU (measured with vLLM 0.20 on an H200: the
+unmodified 0.3.0 generator, made to run, extracts 5,551 tokens/s where vLLM prefills 41,857): the
+worker returns its captured states as CUDA tensors through ``collective_rpc``. vLLM pickles the
+reply; a tensor pickles its whole storage in-band through ``torch.save``, and a CUDA tensor is
+rebuilt *on the GPU in the parent*, which initialises CUDA there, copies the states back up, and
+then copies them down again (``.clone().cpu()``). Several copies of every state, through pageable
+memory.
+
+What it does: inside the worker, the reply of ``_get_captured_states`` is copied to pinned host
+memory in one batch and wrapped so that vLLM's protocol-5 pickling ships each tensor as one
+out-of-band frame; in the parent it unpickles as an ordinary CPU ``torch.Tensor`` (bit-identical).
+The parent never touches CUDA.
+
+Scope: worker, both in-process speculators releases. Disable: ``VLLM_COMPAT_DISABLE=capture_transport``.
+"""
+from packaging.specifiers import SpecifierSet
+
+from .._host_tensor import to_host
+from .._targets import IN_PROCESS_SPECULATORS, WORKER_EXTENSION
+from .._wrapping import function_wrapper
+from ..adapter import Adapter, Patch, Scope
+
+
+def states_to_host(wrapped, worker, args, kwargs):
+    return to_host(wrapped(*args, **kwargs))
+
+
+ADAPTER = Adapter(
+    id="capture_transport",
+    summary="ship captured states to the parent as zero-copy host buffers, not pickled CUDA tensors",
+    drift="collective_rpc pickles CUDA tensors in-band and rebuilds them on the parent's GPU",
+    scope=Scope.WORKER,
+    vllm=SpecifierSet(">=0.10.0"),
+    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    deferred=True,
+    order=200,  # outermost: after capture_attribution has regrouped the rows
+    patches=(Patch(f"{WORKER_EXTENSION}._get_captured_states", function_wrapper(states_to_host)),),
+    evidence="shared/gpu/README.md measured anchors; vllm/distributed/device_communicators/shm_broadcast.py enqueue()",
+)
