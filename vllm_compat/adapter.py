@@ -84,6 +84,7 @@ class Adapter:
             (a consumer's own defect, or a property of the host).
         speculators: consumer releases whose code needs this; None means any caller.
         host_probe: for host-dependent needs (no CUDA device): returns (needed, detail).
+        host_note: for the audit, which cannot run the host probe: when the adapter acts.
         deferred: patch when the first target's module is imported, instead of importing it now.
         order: application order; lower first (import fixes before the patches that import).
     """
@@ -97,6 +98,7 @@ class Adapter:
     expect: Expect | None = None
     speculators: SpecifierSet | None = None
     host_probe: Callable[[], tuple[bool, str]] | None = None
+    host_note: str = ""
     deferred: bool = False
     order: int = 100
     evidence: str = ""

@@ -221,7 +221,7 @@ def _adapter_finding(adapter, source, version, spec_version) -> Finding:
         return Finding(**common, verdict=NOT_APPLICABLE, checked=checked, old=old, new=new,
                        summary=f"not used by speculators {spec_version}")
     verdict = judge(adapter, source, version)
-    note = " (on hosts without a CUDA device)" if adapter.host_probe else ""
+    note = f" ({adapter.host_note})" if adapter.host_note else ""
     return Finding(**common, verdict=verdict.verdict, checked=checked, old=old, new=new, found=verdict.found,
                    where=verdict.where, summary=adapter.summary + note)
 

@@ -9,9 +9,10 @@ class TestKvCacheSpecsKwarg(AdapterContract):
 
     def test_patched_call(self):
         vllm_compat.apply()
+        from vllm.config import VllmConfig
         from vllm.v1.core import kv_cache_utils
 
         # No KV-cache groups: vLLM's own attention-free path, a real call without a model.
         config = kv_cache_utils.get_kv_cache_config_from_groups(
-            vllm_config=None, kv_cache_groups=[], kv_cache_specs={}, available_memory=0)
+            vllm_config=VllmConfig(), kv_cache_groups=[], kv_cache_specs={}, available_memory=0)
         assert config.num_blocks == 1

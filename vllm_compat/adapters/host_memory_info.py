@@ -63,6 +63,7 @@ ADAPTER = Adapter(
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    host_note="on hosts without a CUDA device",
     host_probe=no_cuda_device,
     patches=(
         Patch(generator_name("torch"), _TorchOnHost),

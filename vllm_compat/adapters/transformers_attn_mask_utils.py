@@ -57,6 +57,7 @@ ADAPTER = Adapter(
     scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    host_note="where transformers has no modeling_attn_mask_utils (5.2x)",
     host_probe=module_missing,
     order=10,
     patches=(Patch(f"sys.modules:{MODULE}", stand_in, create=True),),

@@ -45,6 +45,7 @@ ADAPTER = Adapter(
     scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
+    host_note="where transformers annotates PretrainedConfig with torch types (5.x)",
     host_probe=torch_annotations_unresolvable,
     order=10,
     patches=(Patch(f"{MODULE}:torch", lambda _: importlib.import_module("torch"), create=True),),

@@ -1,0 +1,26 @@
+from types import SimpleNamespace
+
+import pytest
+
+from tests.contract.base import AdapterContract
+
+from vllm_compat import _batch_order
+
+
+class TestV2BatchOrder(AdapterContract):
+    adapter_id = "v2_batch_order"
+    first_new = "0.12.0"
+
+    def test_patched_call(self, monkeypatch):
+        monkeypatch.setitem(_batch_order._v2, "req_ids", None)
+        batch = SimpleNamespace(req_ids=["req_0_3", "req_0_1"])  # V2 sorts: not submission order
+        assert _batch_order.remember_v2_batch(lambda: batch, None, (), {}) is batch
+        v2_runner = SimpleNamespace()  # no input_batch attribute
+        assert _batch_order.batch_order(v2_runner) == ["req_0_3", "req_0_1"]
+        v1_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]))
+        assert _batch_order.batch_order(v1_runner) == ["a", "b"]  # V1's persistent batch wins
+
+    def test_no_order_raises(self, monkeypatch):
+        monkeypatch.setitem(_batch_order._v2, "req_ids", None)
+        with pytest.raises(RuntimeError, match="cannot read the batch order"):
+            _batch_order.batch_order(SimpleNamespace())

@@ -1,0 +1,24 @@
+from tests.contract.base import AdapterContract
+
+from vllm_compat.adapters.warm_up_after_init import warm_up_after_init
+
+
+class FakeExecutor:
+    def __init__(self):
+        self.calls = []
+
+    def initialize_from_config(self, configs):
+        self.calls.append("initialize")
+
+    def compile_or_warm_up_model(self):
+        self.calls.append("warm up")
+
+
+class TestWarmUpAfterInit(AdapterContract):
+    adapter_id = "warm_up_after_init"
+    first_new = "0.27.0"
+
+    def test_patched_call(self):
+        executor = warm_up_after_init(FakeExecutor, None, (), {})
+        executor.initialize_from_config([])
+        assert executor.calls == ["initialize", "warm up"]
