@@ -1,9 +1,13 @@
+import os
 import pickle
+import subprocess
+import sys
 
 import torch
 
 from tests.contract.base import AdapterContract
 
+from vllm_compat import _transport
 from vllm_compat.adapters.capture_transport import states_to_host
 
 
@@ -15,17 +19,60 @@ def through_vllm_pickling(obj):
     return pickle.loads(data, buffers=frames), len(data), len(frames)
 
 
+LAYERS = [torch.randn(2048, 1024).to(torch.bfloat16) for _ in range(4)]
+BY_REQUEST = {"req_0_0": [LAYERS[0][:5], LAYERS[1][:5]], "req_0_1": [LAYERS[0][5:9], LAYERS[1][5:9]]}
+
+
+READER = """
+import pickle, sys
+for _ in range(3):
+    size = int.from_bytes(sys.stdin.buffer.read(8), "little")
+    tensors = pickle.loads(sys.stdin.buffer.read(size))
+    print(float(sum(t.float().sum() for t in tensors)), flush=True)
+"""
+
+
+def leaves(reply):
+    return reply if isinstance(reply, list) else [t for v in reply.values() for t in v]
+
+
 class TestCaptureTransport(AdapterContract):
     adapter_id = "capture_transport"
 
     def test_patched_call(self):
-        layers = [torch.randn(2048, 1024).to(torch.bfloat16) for _ in range(4)]
-        by_request = {"req_0_0": [layers[0][:5]], "req_0_1": [layers[1][5:9]]}
-        for reply in (layers, by_request):  # the 0.3 and the 0.4 reply shapes
+        for reply in (LAYERS, BY_REQUEST, None):  # the 0.3 and the 0.4 reply shapes, and "nothing"
             back, inline, frames = through_vllm_pickling(states_to_host(lambda: reply, None, (), {}))
-            flat = back if isinstance(back, list) else [t for v in back.values() for t in v]
-            want = reply if isinstance(reply, list) else [t for v in reply.values() for t in v]
+            if reply is None:
+                assert back is None
+                continue
+            assert type(back) is type(reply) and frames == 0 and inline < 4096  # metadata only
             assert all(type(t) is torch.Tensor and t.dtype == torch.bfloat16 and torch.equal(t, w)
-                       for t, w in zip(flat, want))
-        _, inline, frames = through_vllm_pickling(states_to_host(lambda: layers, None, (), {}))
-        assert frames == 4 and inline < 4096  # 16 MiB of states, none of it in the pickle stream
+                       for t, w in zip(leaves(back), leaves(reply)))
+
+    def test_across_processes_with_regrowth(self, monkeypatch):
+        """A real second process maps the segment, reply after reply; a bigger reply moves to a new
+        segment; the names are gone from /dev/shm once mapped."""
+        monkeypatch.setattr(_transport, "_segment", _transport._Segment())  # as in a fresh worker
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            for reply in ([LAYERS[0][:100]], [LAYERS[1][:100]], LAYERS):
+                data = pickle.dumps(states_to_host(lambda: reply, None, (), {}), protocol=5)
+                reader.stdin.write(len(data).to_bytes(8, "little") + data)
+                reader.stdin.flush()
+                got = float(reader.stdout.readline())
+                assert abs(got - float(sum(t.float().sum() for t in reply))) < 1e-2
+            assert not [n for n in os.listdir(_transport.SHM_DIR) if n.startswith(f"vllm-compat-states-{os.getpid()}-")]
+        finally:
+            reader.stdin.close()
+            reader.wait(timeout=60)
+
+
+
+    def test_without_shared_memory_tensors_travel_out_of_band(self, monkeypatch):
+        monkeypatch.setattr(_transport, "SHM_DIR", "/nonexistent-shm")
+        monkeypatch.setattr(_transport, "_segment", _transport._Segment())
+        back, inline, frames = through_vllm_pickling(states_to_host(lambda: LAYERS, None, (), {}))
+        assert frames == 4 and inline < 4096
+        assert all(torch.equal(t, w) for t, w in zip(back, LAYERS))

@@ -1,4 +1,4 @@
-"""Captured states travel from the worker to the parent as zero-copy host buffers.
+"""Captured states travel from the worker to the parent through shared memory.
 
 Not a drift but the generators' main cost on a GPU (measured with vLLM 0.20 on an H200: the
 unmodified 0.3.0 generator, made to run, extracts 5,551 tokens/s where vLLM prefills 41,857): the
@@ -8,16 +8,19 @@ rebuilt *on the GPU in the parent*, which initialises CUDA there, copies the sta
 then copies them down again (``.clone().cpu()``). Several copies of every state, through pageable
 memory.
 
-What it does: inside the worker, the reply of ``_get_captured_states`` is copied to pinned host
-memory in one batch and wrapped so that vLLM's protocol-5 pickling ships each tensor as one
-out-of-band frame; in the parent it unpickles as an ordinary CPU ``torch.Tensor`` (bit-identical).
-The parent never touches CUDA.
+What it does: inside the worker, every tensor of the ``_get_captured_states`` reply is copied into
+one shared-memory segment (``/dev/shm``, page-locked for the GPU's DMA, reused across calls); the
+reply itself is a few hundred bytes saying where each tensor lies, and unpickles in the parent as
+ordinary CPU ``torch.Tensor`` views of that segment (bit-identical; valid until the worker's next
+reply, and the generators copy every slice they keep before returning). Without a usable
+``/dev/shm`` each tensor travels as one zero-copy out-of-band pickle frame instead. The parent never
+touches CUDA. See ``vllm_compat/_transport.py``.
 
 Scope: worker, both in-process speculators releases. Disable: ``VLLM_COMPAT_DISABLE=capture_transport``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._host_tensor import to_host
+from .._transport import to_host
 from .._targets import IN_PROCESS_SPECULATORS, WORKER_EXTENSION
 from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
@@ -29,7 +32,7 @@ def states_to_host(wrapped, worker, args, kwargs):
 
 ADAPTER = Adapter(
     id="capture_transport",
-    summary="ship captured states to the parent as zero-copy host buffers, not pickled CUDA tensors",
+    summary="ship captured states to the parent through shared memory, not pickled CUDA tensors",
     drift="collective_rpc pickles CUDA tensors in-band and rebuilds them on the parent's GPU",
     scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.10.0"),

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Device side: reassemble the parts prepared by scripts/gpu/prepare.py and install into /tmp/site.
+# Each of three calls copies its carried part into /tmp/vw (`cp -r .gpu/pN/. /tmp/vw/`); the call
+# that has all parts runs this. /tmp survives between calls while the machine stays warm.
+set -euo pipefail
+W=${1:-/tmp/vw}
+SITE=${SITE:-/tmp/site}
+SPEC=${SPEC:-/tmp/vcache/speculators}
+cd "$W"
+for i in 0 1 2; do [ -f "vllm.tar.xz.$i" ] || [ "$i" = 2 ] || { echo "MISSING $W/vllm.tar.xz.$i"; exit 2; }; done
+cat vllm.tar.xz.* > vllm.tar.xz
+echo "$(cat vllm.tar.xz.sha256)  vllm.tar.xz" | sha256sum -c -
+rm -rf "$SITE" && mkdir -p "$SITE"
+tar xJf vllm.tar.xz -C "$SITE"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" wheels/*.whl
+for wheel in speculators/*.whl; do
+  version=$(basename "$wheel" | cut -d- -f2)
+  rm -rf "$SPEC/$version" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SPEC/$version" "$wheel"
+  echo "$version" > "$SPEC/$version/.complete"
+done
+echo "installed into $SITE: $(du -sh "$SITE" | cut -f1)"
