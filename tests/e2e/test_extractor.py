@@ -36,7 +36,8 @@ def write_jsonl(path: Path, n: int, seed: int = 3, long_every: int = 0) -> list[
 
 
 def cli(*args, env_extra=None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(harness.speculators_path(SPECULATORS)), ROOT]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(harness.speculators_path(SPECULATORS)), ROOT,
+                                                                   os.environ.get("PYTHONPATH", "")] if p),
            "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env_extra or {})}
     env.pop("VLLM_COMPAT_APPLY", None)
     return [sys.executable, "-m", "hidden_states", "extract", *args], env
@@ -197,8 +198,9 @@ def test_sigint_finishes_the_batch_shuts_workers_down_and_resumes(model, tmp_pat
 
 def test_full_disk_stops_cleanly_and_keeps_finished_work(model, tmp_path):
     write_jsonl(tmp_path / "data.jsonl", 20, seed=7)
-    injected = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "enospc"),
-                                               str(harness.speculators_path(SPECULATORS)), ROOT]),
+    injected = {"PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).parent / "enospc"),
+                                                          str(harness.speculators_path(SPECULATORS)), ROOT,
+                                                          os.environ.get("PYTHONPATH", "")] if p),
                 "ENOSPC_AFTER": "6"}
     proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out"), env_extra=injected)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 CALLS = harness.scenario()
 # Every (speculators, family) with vLLM's default model runner; where vLLM's CPU backend also has
 # Model Runner V2, every pair again under V2 (VLLM_USE_V2_MODEL_RUNNER=1).
-RUNNERS = ["default", "runner-v2"] if harness.cpu_runner_v2_available() else ["default"]
+RUNNERS = ["default", "runner-v2"] if harness.runner_v2_available() else ["default"]
 CASES = [(spec, family, runner) for runner in RUNNERS for spec in ("0.3.0", "0.4.0") for family in ("llama", "qwen3")]
 
 

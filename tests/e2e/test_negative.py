@@ -62,7 +62,7 @@ def observable(adapter_id: str) -> bool:
     adapter = get(adapter_id)
     if adapter.host_probe is not None and not adapter.host_probe()[0]:
         return False
-    return adapter_id not in ENV_FOR or harness.cpu_runner_v2_available()
+    return adapter_id not in ENV_FOR or harness.runner_v2_available()
 
 
 def active_adapters(speculators: str) -> list[str]:

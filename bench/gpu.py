@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""GPU measurements for docs/performance.md (run on the lent H200; each phase also runs on CPU with
+the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it to
+``$OUT/results.jsonl`` when ``OUT`` is set; ``table`` renders them.
+
+    python bench/gpu.py env
+    python bench/gpu.py build --family llama3-8b --path /tmp/models/llama3-8b
+    python bench/gpu.py matmul
+    python bench/gpu.py prefill   --model M --samples 64 --length 2048          # vLLM alone
+    python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
+    python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
+    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32
+    python bench/gpu.py check     --model M --samples 4 --length 2048            # extractor vs HF fp32
+    python bench/gpu.py table
+
+Layers: speculators' default for the model (2, N/2, N-3, N-1). Token ids: uniform random, seeded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def emit(phase: str, **values) -> dict:
+    record = {"phase": phase, **values}
+    print("RESULT " + json.dumps(record), flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "results.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    return record
+
+
+def model_config(model: str) -> dict:
+    config = json.loads((Path(model) / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+def default_layers(model: str) -> list[int]:
+    from hidden_states.preflight import default_layer_ids
+
+    return default_layer_ids(int(model_config(model)["num_hidden_layers"]))
+
+
+def sequences(model: str, samples: int, length: int, seed: int = 0) -> list[list[int]]:
+    vocab = int(model_config(model)["vocab_size"])
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(samples)]
+
+
+def params(model: str) -> float:
+    """Non-embedding parameters, from the checkpoint's tensors (for the 2 x params FLOP/token roofline)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in Path(model).glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            for name in handle.keys():
+                if "embed_tokens" in name or "lm_head" in name:
+                    continue
+                shape = handle.get_slice(name).get_shape()
+                count = 1
+                for dim in shape:
+                    count *= dim
+                total += count
+    return total
+
+
+def phase_env(args) -> None:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    for name in ("vllm", "transformers", "speculators", "vllm_compat"):
+        try:
+            module = __import__(name)
+            info[name] = getattr(module, "__version__", "?")
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            info[name] = f"import failed: {type(exc).__name__}: {exc}"
+    stat = os.statvfs("/dev/shm")
+    info["dev_shm_gib"] = round(stat.f_bavail * stat.f_frsize / 2**30, 1)
+    emit("env", **info)
+
+
+def phase_build(args) -> None:
+    from hidden_states.tiny_model import build
+
+    started = time.monotonic()
+    build(args.family, args.path)
+    emit("build", family=args.family, seconds=round(time.monotonic() - started, 1),
+         params_b=round(params(args.path) / 1e9, 3))
+
+
+def phase_matmul(args) -> None:
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / 10
+    emit("matmul", tflops=round(2 * n**3 / seconds / 1e12, 1))
+
+
+def phase_prefill(args) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    seqs = sequences(args.model, args.samples, args.length)
+    llm = LLM(model=args.model, enforce_eager=True, max_model_len=args.length + 1,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+              tensor_parallel_size=args.tp, disable_custom_all_reduce=args.tp > 1)
+    params_ = SamplingParams(max_tokens=1)
+    llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences(args.model, 4, args.length, seed=1)], params_)
+    started = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
+    seconds = time.perf_counter() - started
+    emit("prefill", model=Path(args.model).name, tp=args.tp, tokens=len(seqs) * args.length,
+         seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
+
+
+def phase_hf(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    layers = default_layers(args.model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    seqs = sequences(args.model, args.samples, args.length)
+
+    def run(batch_seqs):
+        with torch.no_grad():
+            out = model(torch.tensor(batch_seqs, device=device), output_hidden_states=True)
+            kept = [out.hidden_states[layer + 1].to("cpu") for layer in layers]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return kept
+
+    run(seqs[: args.batch])
+    started = time.perf_counter()
+    for i in range(0, len(seqs), args.batch):
+        run(seqs[i:i + args.batch])
+    seconds = time.perf_counter() - started
+    emit("hf", model=Path(args.model).name, batch=args.batch, tokens=len(seqs) * args.length,
+         seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
+
+
+def phase_generator(args) -> None:
+    import vllm_compat
+
+    report = vllm_compat.apply()
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    started = time.perf_counter()
+    generator = VllmHiddenStatesGenerator(args.model, layer_ids=default_layers(args.model),
+                                          max_model_len=args.length + 1,
+                                          gpu_memory_utilization=args.gpu_memory_utilization,
+                                          tensor_parallel_size=args.tp)
+    load = time.perf_counter() - started
+    seqs = sequences(args.model, args.samples, args.length)
+    generator.generate(sequences(args.model, 2, args.length, seed=1))
+    started = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(seqs), args.batch):
+        results = generator.generate(seqs[i:i + args.batch])
+        tokens += sum(r["input_ids"].numel() for r in results)
+    seconds = time.perf_counter() - started
+    generator.executor.shutdown()
+    emit("generator", model=Path(args.model).name, speculators=args.speculators_version, batch=args.batch,
+         tp=args.tp, tokens=tokens, seconds=round(seconds, 2), tokens_per_s=round(tokens / seconds),
+         load_seconds=round(load, 1), disabled=os.environ.get("VLLM_COMPAT_DISABLE", ""),
+         applied=report.applied)
+
+
+def write_jsonl(path: Path, seqs) -> None:
+    path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
+
+
+def phase_extract(args) -> None:
+    import re
+    import shutil
+
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    write_jsonl(work / "data.jsonl", sequences(args.model, args.samples, args.length))
+    command = [sys.executable, "-m", "hidden_states", "extract", "--model-path", args.model,
+               "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
+               "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
+               "--layer-ids", *map(str, default_layers(args.model))]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
+    if proc.returncode != 0 or summary is None:
+        emit("extract", error=(proc.stderr[-3000:]), returncode=proc.returncode)
+        return
+    numbers = dict(tokens=r"([\d,]+) tokens in", seconds=r"in ([\d.]+) s", rate=r"\(([\d,]+) tok/s",
+                   load=r"model load ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
+    found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
+    emit("extract", model=Path(args.model).name, batch=args.batch, tp=args.tp, tokens=int(found["tokens"]),
+         seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
+         gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"], summary=summary)
+
+
+def phase_check(args) -> None:
+    """The extractor's files for a few samples against HF transformers in fp32 on the GPU."""
+    import torch
+
+    from hidden_states.reference import agreement, decoder_layer_outputs, load_model
+
+    work = Path(args.work)
+    files = sorted((work / "out").glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[: args.samples]
+    saved = [torch.load(f, weights_only=True) for f in files]
+    layers = default_layers(args.model)
+    hf = load_model(args.model, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
+    reference = decoder_layer_outputs(hf, [s["input_ids"].tolist() for s in saved], layers)
+    result = agreement([s["hidden_states"] for s in saved], reference, layers)
+    emit("check", model=Path(args.model).name, samples=len(saved), tokens=result.tokens,
+         state_dtype=str(saved[0]["hidden_states"][0].dtype), layers=layers,
+         max_relative_error=[round(e, 4) for e in result.max_relative_error])
+
+
+def phase_table(args) -> None:
+    rows = [json.loads(l) for l in Path(args.results).read_text().splitlines() if l.strip()]
+    for row in rows:
+        print(row)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("phase", choices=["env", "build", "matmul", "prefill", "hf", "generator", "extract",
+                                          "check", "table"])
+    parser.add_argument("--model")
+    parser.add_argument("--family")
+    parser.add_argument("--path")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--speculators-version", default=os.environ.get("SPECULATORS_VERSION", ""))
+    parser.add_argument("--work", default="/tmp/bench-extract")
+    parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
+    args = parser.parse_args(argv)
+    try:
+        globals()[f"phase_{args.phase}"](args)
+    except Exception as exc:  # one phase failing must not hide the others' results
+        import traceback
+
+        traceback.print_exc()
+        emit(args.phase, error=f"{type(exc).__name__}: {exc}"[:2000])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Device side, after scripts/gpu/install.sh: one stage per device call (each under 10 minutes).
+#   bash bench/gpu_session.sh smoke   # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
+#   bash bench/gpu_session.sh perf    # Llama-3-8B shape: roofline, vLLM, HF, generator, extractor, check
+#   bash bench/gpu_session.sh moe     # DeepSeek-V3-shaped MoE: extractor TP=1 and TP=2, check
+# Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
+set -uo pipefail
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=/tmp/vcache HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# this checkout's vllm-compat, with its vLLM plugin entry point, next to vLLM
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . 2>&1 | grep -v WARNING
+SPEC=/tmp/vcache/speculators/0.3.0
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+B="python3 bench/gpu.py"
+case "${1:?stage}" in
+  smoke)
+    $B env
+    timeout 420 python3 -m pytest -x -q tests/e2e/test_generator.py -k "llama" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/smoke-pytest.txt"
+    if [ "$GPUS" -ge 2 ]; then
+      PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model /tmp/vcache/models/llama --samples 16 --length 1000 --batch 8 --tp 2 --gpu-memory-utilization 0.3 --work /tmp/tp2 2>&1 | grep -E "RESULT|Error" | tail -3
+      PYTHONPATH=$SPEC:$PYTHONPATH $B check --model /tmp/vcache/models/llama --samples 16 --work /tmp/tp2 2>&1 | grep RESULT
+    fi
+    ;;
+  perf)
+    M=/tmp/models/llama3-8b
+    $B build --family llama3-8b --path $M 2>&1 | grep RESULT
+    $B matmul | grep RESULT
+    $B prefill --model $M 2>&1 | grep -E "RESULT" | tail -1
+    $B hf --model $M --batch 4 2>&1 | grep RESULT
+    PYTHONPATH=$SPEC:$PYTHONPATH $B generator --model $M --batch 8 --speculators-version 0.3.0 2>&1 | grep RESULT
+    PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --batch 32 2>&1 | grep RESULT
+    PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 2>&1 | grep RESULT
+    ;;
+  moe)
+    M=/tmp/models/deepseek-v3-small
+    $B build --family deepseek-v3-small --path $M 2>&1 | grep RESULT
+    PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --work /tmp/moe1 2>&1 | grep -E "RESULT" | tail -1
+    PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe1 2>&1 | grep RESULT
+    if [ "$GPUS" -ge 2 ]; then
+      PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --tp 2 --work /tmp/moe2 2>&1 | grep -E "RESULT" | tail -1
+      PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe2 2>&1 | grep RESULT
+    fi
+    ;;
+esac
