@@ -11,6 +11,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32
     python bench/gpu.py check     --model M --samples 4 --length 2048            # extractor vs HF fp32
+    python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
     python bench/gpu.py table
 
 Layers: speculators' default for the model (2, N/2, N-3, N-1). Token ids: uniform random, seeded.
@@ -189,6 +190,38 @@ def phase_generator(args) -> None:
          applied=report.applied)
 
 
+def phase_native(args) -> None:
+    """vLLM's own path: speculative method extract_hidden_states + ExampleHiddenStatesConnector,
+    which writes one safetensors file per request. vLLM's layer id L is the *input* of layer L,
+    so speculators' layers [2, N/2, N-3, N-1] are vLLM's [3, N/2+1, N-2, N]."""
+    import shutil
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    store = Path(args.work) / "native"
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    vllm_ids = [layer + 1 for layer in default_layers(args.model)]
+    llm = LLM(model=args.model, enforce_eager=True, max_model_len=args.length + 1,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+              tensor_parallel_size=args.tp, disable_custom_all_reduce=args.tp > 1,
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids}}},
+              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": {"shared_storage_path": str(store)}})
+    params_ = SamplingParams(max_tokens=1)
+    llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences(args.model, 2, args.length, seed=1)], params_)
+    seqs = sequences(args.model, args.samples, args.length)
+    started = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
+    seconds = time.perf_counter() - started
+    paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
+    emit("native", model=Path(args.model).name, tp=args.tp, tokens=len(seqs) * args.length, seconds=round(seconds, 2),
+         tokens_per_s=round(len(seqs) * args.length / seconds), files=sum(1 for p in paths if p),
+         vllm_layer_ids=vllm_ids)
+
+
 def write_jsonl(path: Path, seqs) -> None:
     path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
 
@@ -246,7 +279,7 @@ def phase_table(args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("phase", choices=["env", "build", "matmul", "prefill", "hf", "generator", "extract",
-                                          "check", "table"])
+                                          "check", "native", "table"])
     parser.add_argument("--model")
     parser.add_argument("--family")
     parser.add_argument("--path")
