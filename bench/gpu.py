@@ -238,7 +238,7 @@ def phase_extract(args) -> None:
                "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
-               "--layer-ids", *map(str, default_layers(args.model))]
+               "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads)]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
     if proc.returncode != 0 or summary is None:
@@ -264,10 +264,17 @@ def phase_check(args) -> None:
     layers = default_layers(args.model)
     hf = load_model(args.model, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
     reference = decoder_layer_outputs(hf, [s["input_ids"].tolist() for s in saved], layers)
+    from hidden_states.reference import relative_errors
+
     result = agreement([s["hidden_states"] for s in saved], reference, layers)
+    per_layer = [torch.cat([relative_errors(s["hidden_states"][j], r[j]) for s, r in zip(saved, reference)])
+                 for j in range(len(layers))]
     emit("check", model=Path(args.model).name, samples=len(saved), tokens=result.tokens,
          state_dtype=str(saved[0]["hidden_states"][0].dtype), layers=layers,
-         max_relative_error=[round(e, 4) for e in result.max_relative_error])
+         max_relative_error=[round(e, 4) for e in result.max_relative_error],
+         mean_relative_error=[round(float(e.mean()), 4) for e in per_layer],
+         p99_relative_error=[round(float(e.quantile(0.99)), 4) for e in per_layer],
+         share_over_15_percent=[round(float((e > 0.15).float().mean()), 4) for e in per_layer])
 
 
 def phase_table(args) -> None:
@@ -290,6 +297,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--speculators-version", default=os.environ.get("SPECULATORS_VERSION", ""))
     parser.add_argument("--work", default="/tmp/bench-extract")
+    parser.add_argument("--writer-threads", type=int, default=2)
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
     try:

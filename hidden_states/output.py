@@ -170,6 +170,11 @@ class BackgroundWriter:
     def _run(self) -> None:
         import torch
 
+        config = getattr(torch.serialization, "config", None)
+        if config is not None and hasattr(config.save, "compute_crc32"):
+            # zip CRCs cost a pass over every byte on one core; torch.load does not check them
+            config.save.compute_crc32 = False
+
         while True:
             item = self._queue.get()
             if item is None:

@@ -57,7 +57,7 @@ LARGE = {
         vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
         num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1,
         n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4, first_k_dense_replace=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", max_position_embeddings=8192, rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         torch_dtype="bfloat16", **_DEEPSEEK_V3_MLA)),
 }
@@ -118,6 +118,13 @@ def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                # A trained router separates its top experts clearly; a random one at weight scale
+                # leaves near-ties that bf16 and fp32 break differently (a different expert, a
+                # different state). Give the random router a trained one's margins.
+                param.normal_(0.0, 1.0)
+            elif name.endswith("e_score_correction_bias"):
+                param.zero_()
             else:
                 param.normal_(0.0, scale)
     model.save_pretrained(path, safe_serialization=True)

@@ -8,7 +8,7 @@ SITE=${SITE:-/tmp/site}
 SPEC=${SPEC:-/tmp/vcache/speculators}
 cd "$W"
 for i in 0 1 2; do [ -f "vllm.tar.xz.$i" ] || [ "$i" = 2 ] || { echo "MISSING $W/vllm.tar.xz.$i"; exit 2; }; done
-cat vllm.tar.xz.* > vllm.tar.xz
+cat vllm.tar.xz.[0-9] > vllm.tar.xz  # the parts, not the .sha256 beside them
 echo "$(cat vllm.tar.xz.sha256)  vllm.tar.xz" | sha256sum -c -
 rm -rf "$SITE" && mkdir -p "$SITE"
 tar xJf vllm.tar.xz -C "$SITE"
