@@ -39,6 +39,12 @@ FAMILIES = {
     "llama": ("LlamaConfig", dict(_COMMON, head_dim=32)),
     "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32)),
     "qwen2": ("Qwen2Config", dict(_COMMON)),
+    # DeepSeek-V3 layout (MLA, a dense first layer, routed + shared experts, grouped top-k) in miniature
+    "deepseek": ("DeepseekV3Config", dict(
+        _COMMON, num_key_value_heads=4, moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", q_lora_rank=64,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)),  # MLA kernels want 512 + 64
 }
 
 # Real shapes with random weights, for the GPU benchmarks (bf16, built on the GPU).
@@ -118,12 +124,12 @@ def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("mlp.gate.weight") and large:
                 # A trained router separates its top experts clearly; a random one at weight scale
                 # leaves near-ties that bf16 and fp32 break differently (a different expert, a
                 # different state). Give the random router a trained one's margins.
                 param.normal_(0.0, 1.0)
-            elif name.endswith("e_score_correction_bias"):
+            elif name.endswith("e_score_correction_bias") and large:
                 param.zero_()
             else:
                 param.normal_(0.0, scale)
