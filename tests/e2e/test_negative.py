@@ -47,6 +47,7 @@ NOT_OBSERVABLE_ON_CPU = {
     "llama_4_scaling_arg": "needs a DeepseekV2 checkpoint with llama_4_scaling; contract test covers the call",
     "warm_up_after_init": "skipping warm-up is not fatal in eager mode (DRIFT.md); the contract test covers the call",
     "capture_transport": "a transport, not a fix: without it the same states arrive, slower (bench/)",
+    "finished_ids_delivery": "only Model Runner V2 runs out of slots (GPU); V1 grows a dict. Contract test",
 }
 # Global adapters serve any caller; these consumers never make the call they bridge:
 NOT_CALLED_BY = {("0.4.0", "kv_cache_specs_kwarg")}  # 0.4 never passes kv_cache_specs
