@@ -26,7 +26,11 @@ def create(name: str, **settings) -> Backend:
         from .speculators_generator import SpeculatorsBackend
 
         return SpeculatorsBackend(**settings)
+    if name == "vllm-native":
+        from .vllm_native import VllmNativeBackend
+
+        return VllmNativeBackend(**settings)
     raise ValueError(f"unknown backend {name!r}")
 
 
-BACKENDS = ("speculators",)
+BACKENDS = ("speculators", "vllm-native")

