@@ -238,7 +238,8 @@ def phase_extract(args) -> None:
                "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
-               "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads)]
+               "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
+               "--backend", args.backend]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
     if proc.returncode != 0 or summary is None:
@@ -247,7 +248,8 @@ def phase_extract(args) -> None:
     numbers = dict(tokens=r"([\d,]+) tokens in", seconds=r"in ([\d.]+) s", rate=r"\(([\d,]+) tok/s",
                    load=r"model load ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
     found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
-    emit("extract", model=Path(args.model).name, batch=args.batch, tp=args.tp, tokens=int(found["tokens"]),
+    emit("extract", model=Path(args.model).name, backend=args.backend, batch=args.batch, tp=args.tp,
+         tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
          gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"], summary=summary)
 
@@ -298,6 +300,7 @@ def main(argv=None) -> int:
     parser.add_argument("--speculators-version", default=os.environ.get("SPECULATORS_VERSION", ""))
     parser.add_argument("--work", default="/tmp/bench-extract")
     parser.add_argument("--writer-threads", type=int, default=2)
+    parser.add_argument("--backend", default="speculators", choices=["speculators", "vllm-native"])
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
     try:
