@@ -150,8 +150,8 @@ def render(results: dict) -> None:
         "  (vLLM's CPU backend, tiny random-weight Llama, bf16), on the e2e scenario (uneven lengths up to",
         "  1023 tokens, 12 sequences over the 8192-token step budget, chunked prompts, 40 sequences over",
         "  `max_num_seqs`, a shared 600-token prefix, a repeated call), every layer and token compared with",
-        "  HF transformers in fp32: `ok (worst per-token relative error)`, or what went wrong. Tolerance: 15 % per
-  token and 3 % mean per layer (bf16; see tests/e2e/harness.py).",
+        "  HF transformers in fp32: `ok (worst per-token relative error)`, or what went wrong. Tolerance: 15 %",
+        "  per token and 3 % mean per layer (bf16; see tests/e2e/harness.py).",
         "",
         "| vLLM | audit 0.3.0 | audit 0.4.0 | measured 0.3.0 | measured 0.4.0 |",
         "|---|---|---|---|---|",
