@@ -151,10 +151,10 @@ def run(settings: Settings, log=None) -> Summary:
     if todo == 0:
         output.write_lengths(finished)
         return summary
-    backend = backends.create(settings.backend, model_path=settings.model_path, layer_ids=layer_ids,
-                              max_seq_len=settings.max_seq_len, tp_size=settings.tp_size,
-                              gpu_memory_utilization=settings.gpu_memory_utilization,
-                              trust_remote_code=settings.trust_remote_code)
+    backend = backends.create(settings.backend, backends.BackendSettings(
+        model_path=settings.model_path, layer_ids=layer_ids, max_seq_len=settings.max_seq_len,
+        tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
+        trust_remote_code=settings.trust_remote_code))
     started = time.monotonic()
     writer = None
     try:

@@ -147,6 +147,19 @@ def function_wrapper(wrapper):
     return factory
 
 
+def wrap_constructed(method: str, wrapper):
+    """A patch factory for a class (or factory function) name: every object it constructs gets its
+    ``method`` wrapped with ``wrapper(wrapped, instance, args, kwargs)``. Consumer-scoped patches
+    use it so that only the objects the consumer builds change, never vLLM's own."""
+
+    def construct(wrapped, instance, args, kwargs):
+        built = wrapped(*args, **kwargs)
+        wrap_instance_method(built, method, wrapper)
+        return built
+
+    return function_wrapper(construct)
+
+
 def caller_module(skip: int = 1) -> str:
     """``__name__`` of the module whose code called the current wrapper (wrapt's own frames and
     vllm_compat's are skipped). Lets a consumer-scoped wrapper tell the consumer's calls from the

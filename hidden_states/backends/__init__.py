@@ -1,7 +1,20 @@
 """Extraction backends behind one interface (:class:`Backend`), selected with ``--backend``."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """What every backend needs to load the model and capture the layers."""
+
+    model_path: str
+    layer_ids: list[int]
+    max_seq_len: int
+    tp_size: int
+    gpu_memory_utilization: float
+    trust_remote_code: bool = False
 
 
 class Backend(Protocol):
@@ -21,15 +34,15 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def create(name: str, **settings) -> Backend:
+def create(name: str, settings: BackendSettings) -> Backend:
     if name == "speculators":
         from .speculators_generator import SpeculatorsBackend
 
-        return SpeculatorsBackend(**settings)
+        return SpeculatorsBackend(settings)
     if name == "vllm-native":
         from .vllm_native import VllmNativeBackend
 
-        return VllmNativeBackend(**settings)
+        return VllmNativeBackend(settings)
     raise ValueError(f"unknown backend {name!r}")
 
 

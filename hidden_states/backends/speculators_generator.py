@@ -2,18 +2,14 @@
 ``vllm_compat.apply()``."""
 from __future__ import annotations
 
+from . import BackendSettings
+
 
 class SpeculatorsBackend:
     name = "speculators"
 
-    def __init__(self, *, model_path: str, layer_ids: list[int], max_seq_len: int, tp_size: int,
-                 gpu_memory_utilization: float, trust_remote_code: bool = False):
-        self.model_path = model_path
-        self.layer_ids = list(layer_ids)
-        self.max_seq_len = max_seq_len
-        self.tp_size = tp_size
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.trust_remote_code = trust_remote_code
+    def __init__(self, settings: BackendSettings):
+        self.settings = settings
         self._generator = None
 
     def start(self) -> dict:
@@ -24,11 +20,11 @@ class SpeculatorsBackend:
 
         # The generator keeps len(prompt) + 1 <= max_model_len (it asks for one output token).
         self._generator = VllmHiddenStatesGenerator(
-            self.model_path,
-            layer_ids=self.layer_ids,
-            max_model_len=self.max_seq_len + 1,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            tensor_parallel_size=self.tp_size,
+            self.settings.model_path,
+            layer_ids=self.settings.layer_ids,
+            max_model_len=self.settings.max_seq_len + 1,
+            gpu_memory_utilization=self.settings.gpu_memory_utilization,
+            tensor_parallel_size=self.settings.tp_size,
         )
         return {"backend": self.name, "vllm_compat": report.to_dict()}
 

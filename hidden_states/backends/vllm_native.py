@@ -9,6 +9,8 @@ output of ``L-1``). So speculators' ``L`` is vLLM's ``L + 1``, and the last laye
 """
 from __future__ import annotations
 
+from . import BackendSettings
+
 import json
 import os
 import shutil
@@ -26,20 +28,14 @@ LAST_LAYER_FROM = Version("0.18.0")
 class VllmNativeBackend:
     name = "vllm-native"
 
-    def __init__(self, *, model_path: str, layer_ids: list[int], max_seq_len: int, tp_size: int,
-                 gpu_memory_utilization: float, trust_remote_code: bool = False):
-        self.model_path = model_path
-        self.layer_ids = list(layer_ids)
-        self.max_seq_len = max_seq_len
-        self.tp_size = tp_size
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.trust_remote_code = trust_remote_code
+    def __init__(self, settings: BackendSettings):
+        self.settings = settings
         self._llm = None
         self._store = None
 
     def vllm_layer_ids(self, version: Version) -> list[int]:
-        num_layers = int(_text_config(self.model_path)["num_hidden_layers"])
-        ids = [layer + 1 for layer in self.layer_ids]
+        num_layers = int(_text_config(self.settings.model_path)["num_hidden_layers"])
+        ids = [layer + 1 for layer in self.settings.layer_ids]
         if num_layers in ids and version < LAST_LAYER_FROM:
             raise ExtractError(f"--layer-ids {num_layers - 1} (the last layer's output) needs vLLM >= "
                                f"{LAST_LAYER_FROM} with --backend vllm-native; this is vLLM {version}")
@@ -60,9 +56,9 @@ class VllmNativeBackend:
 
         self._store = tempfile.mkdtemp(prefix="vllm-native-states-")
         self._llm = LLM(
-            model=self.model_path, tensor_parallel_size=self.tp_size, max_model_len=self.max_seq_len + 1,
-            gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
-            trust_remote_code=self.trust_remote_code,
+            model=self.settings.model_path, tensor_parallel_size=self.settings.tp_size, max_model_len=self.settings.max_seq_len + 1,
+            gpu_memory_utilization=self.settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
+            trust_remote_code=self.settings.trust_remote_code,
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids}}},
             kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",

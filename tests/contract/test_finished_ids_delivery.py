@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 from tests.contract.base import AdapterContract
 
-from vllm_compat.adapters.finished_ids_delivery import deliver_finished_ids
+from vllm_compat.adapters.finished_ids_delivery import ADAPTER
 
 
 class FakeScheduler:
@@ -23,7 +23,7 @@ class TestFinishedIdsDelivery(AdapterContract):
     adapter_id = "finished_ids_delivery"
 
     def test_patched_call(self):
-        scheduler = deliver_finished_ids(FakeScheduler, None, (), {})
+        scheduler = ADAPTER.patches[0].factory(FakeScheduler)()
         scheduler.finished_req_ids.add("req_0_0")  # aborted after the call's last step
         assert scheduler.schedule().total_num_scheduled_tokens == 0  # the output the generator drops
         scheduler.tokens = [12]  # the next call

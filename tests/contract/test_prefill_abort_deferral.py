@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 from tests.contract.base import AdapterContract
 
-from vllm_compat.adapters.prefill_abort_deferral import hold_unfinished_prefills
+from vllm_compat.adapters.prefill_abort_deferral import ADAPTER
 
 
 class FakeScheduler:
@@ -23,7 +23,7 @@ class TestPrefillAbortDeferral(AdapterContract):
     def test_patched_call(self):
         from vllm.v1.request import RequestStatus
 
-        scheduler = hold_unfinished_prefills(FakeScheduler, None, (), {})
+        scheduler = ADAPTER.patches[0].factory(FakeScheduler)()
         scheduler.finish_requests(["req_0_0"], RequestStatus.FINISHED_ABORTED)
         scheduler.finish_requests(["req_0_1"], RequestStatus.FINISHED_ABORTED)
         assert scheduler.finished == [([], RequestStatus.FINISHED_ABORTED), (["req_0_1"], RequestStatus.FINISHED_ABORTED)]

@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 from tests.contract.base import AdapterContract
 
-from vllm_compat.adapters.prefill_slot_release import release_finished_prefills
+from vllm_compat.adapters.prefill_slot_release import ADAPTER
 
 
 def request(computed, prompt):
@@ -26,7 +26,7 @@ class TestPrefillSlotRelease(AdapterContract):
     adapter_id = "prefill_slot_release"
 
     def test_patched_call(self):
-        waiting = release_finished_prefills(FakeScheduler, None, (["queued"],), {})
+        waiting = ADAPTER.patches[0].factory(FakeScheduler)(["queued"])
         assert waiting.schedule() == "output" and waiting.finished == ["done"]
-        idle = release_finished_prefills(FakeScheduler, None, ([],), {})
+        idle = ADAPTER.patches[0].factory(FakeScheduler)([])
         assert idle.schedule() == "output" and idle.finished == []  # nothing waits: nothing aborted

@@ -1,7 +1,7 @@
 from tests.contract.base import AdapterContract
 
 from vllm_compat._targets import GENERATOR
-from vllm_compat.adapters.rpc_single_reply import list_replies
+from vllm_compat.adapters.rpc_single_reply import ADAPTER
 
 
 class FakeExecutor:
@@ -17,7 +17,7 @@ class TestRpcSingleReply(AdapterContract):
     first_new = "0.11.1"
 
     def test_patched_call(self):
-        executor = list_replies(FakeExecutor, None, (), {})
+        executor = ADAPTER.patches[0].factory(FakeExecutor)()
         as_generator = {"__name__": GENERATOR, "executor": executor}
         assert eval("executor.collective_rpc('_get_captured_states', unique_reply_rank=0)", as_generator) == [
             "reply:_get_captured_states"]

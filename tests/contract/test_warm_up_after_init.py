@@ -1,6 +1,6 @@
 from tests.contract.base import AdapterContract
 
-from vllm_compat.adapters.warm_up_after_init import warm_up_after_init
+from vllm_compat.adapters.warm_up_after_init import ADAPTER
 
 
 class FakeExecutor:
@@ -19,6 +19,6 @@ class TestWarmUpAfterInit(AdapterContract):
     first_new = "0.27.0"
 
     def test_patched_call(self):
-        executor = warm_up_after_init(FakeExecutor, None, (), {})
+        executor = ADAPTER.patches[0].factory(FakeExecutor)()
         executor.initialize_from_config([])
         assert executor.calls == ["initialize", "warm up"]

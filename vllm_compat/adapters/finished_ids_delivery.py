@@ -17,7 +17,7 @@ Disable: ``VLLM_COMPAT_DISABLE=finished_ids_delivery``.
 from packaging.specifiers import SpecifierSet
 
 from .._targets import generator_name
-from .._wrapping import function_wrapper, wrap_instance_method
+from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Patch, Scope
 
 HELD = "_vllm_compat_undelivered"  # on the scheduler object: ids of an output the generator dropped
@@ -33,11 +33,6 @@ def _schedule_with_undelivered(run, scheduler, args, kwargs):
     return output
 
 
-def deliver_finished_ids(wrapped, instance, args, kwargs):
-    scheduler = wrapped(*args, **kwargs)
-    wrap_instance_method(scheduler, "schedule", _schedule_with_undelivered)
-    return scheduler
-
 
 ADAPTER = Adapter(
     id="finished_ids_delivery",
@@ -46,6 +41,6 @@ ADAPTER = Adapter(
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(">=0.3.0,<0.4"),
-    patches=(Patch(generator_name("Scheduler"), function_wrapper(deliver_finished_ids)),),
+    patches=(Patch(generator_name("Scheduler"), wrap_constructed("schedule", _schedule_with_undelivered)),),
     evidence="H200, vLLM 0.20.0, VLLM_USE_V2_MODEL_RUNNER=1: 'No free indices' (vllm/v1/worker/gpu/states.py:91)",
 )

@@ -16,7 +16,7 @@ Scope: consumer (the ``Scheduler`` name inside the speculators generator module)
 from packaging.specifiers import SpecifierSet
 
 from .._targets import generator_name
-from .._wrapping import function_wrapper, wrap_instance_method
+from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Patch, Scope
 
 
@@ -36,11 +36,6 @@ def _finish_after_prefill(run, scheduler, args, kwargs):
     return run([rid for rid in ids if not _prompt_pending(scheduler, rid)], finished_status)
 
 
-def hold_unfinished_prefills(wrapped, instance, args, kwargs):
-    scheduler = wrapped(*args, **kwargs)
-    wrap_instance_method(scheduler, "finish_requests", _finish_after_prefill)
-    return scheduler
-
 
 ADAPTER = Adapter(
     id="prefill_abort_deferral",
@@ -49,6 +44,6 @@ ADAPTER = Adapter(
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(">=0.3.0,<0.4"),
-    patches=(Patch(generator_name("Scheduler"), function_wrapper(hold_unfinished_prefills)),),
+    patches=(Patch(generator_name("Scheduler"), wrap_constructed("finish_requests", _finish_after_prefill)),),
     evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",
 )

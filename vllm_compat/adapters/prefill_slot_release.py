@@ -17,7 +17,7 @@ Disable: ``VLLM_COMPAT_DISABLE=prefill_slot_release``.
 from packaging.specifiers import SpecifierSet
 
 from .._targets import generator_name
-from .._wrapping import function_wrapper, wrap_instance_method
+from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Patch, Scope
 
 
@@ -32,11 +32,6 @@ def _schedule_after_release(run, scheduler, args, kwargs):
     return run(*args, **kwargs)
 
 
-def release_finished_prefills(wrapped, instance, args, kwargs):
-    scheduler = wrapped(*args, **kwargs)
-    wrap_instance_method(scheduler, "schedule", _schedule_after_release)
-    return scheduler
-
 
 ADAPTER = Adapter(
     id="prefill_slot_release",
@@ -45,6 +40,6 @@ ADAPTER = Adapter(
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(">=0.4.0,<0.5"),
-    patches=(Patch(generator_name("Scheduler"), function_wrapper(release_finished_prefills)),),
+    patches=(Patch(generator_name("Scheduler"), wrap_constructed("schedule", _schedule_after_release)),),
     evidence="speculators 0.4.0 generate(): finish_requests only after the loop; max_num_seqs=32",
 )

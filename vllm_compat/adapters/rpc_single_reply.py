@@ -16,7 +16,7 @@ Scope: consumer, speculators 0.3.x only (0.4.0 expects the new shape). Disable:
 from packaging.specifiers import SpecifierSet
 
 from .._targets import GENERATOR, generator_name
-from .._wrapping import caller_module, function_wrapper, wrap_instance_method
+from .._wrapping import caller_module, wrap_constructed
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..shapes import ABSENT, OPTIONAL, Param
 
@@ -29,11 +29,6 @@ def _reply_as_list(run, executor, args, kwargs):
     return reply
 
 
-def list_replies(wrapped, instance, args, kwargs):
-    executor = wrapped(*args, **kwargs)
-    wrap_instance_method(executor, "collective_rpc", _reply_as_list)
-    return executor
-
 
 ADAPTER = Adapter(
     id="rpc_single_reply",
@@ -44,6 +39,6 @@ ADAPTER = Adapter(
     expect=Expect(Param("vllm.v1.executor.multiproc_executor:MultiprocExecutor.collective_rpc",
                         "kv_output_aggregator"), old={ABSENT}, new={OPTIONAL}),
     speculators=SpecifierSet(">=0.3.0,<0.4"),
-    patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(list_replies)),),
+    patches=(Patch(generator_name("MultiprocExecutor"), wrap_constructed("collective_rpc", _reply_as_list)),),
     evidence="DRIFT.md §3 C10: vllm/v1/executor/multiproc_executor.py:237-271 (0.11.0) vs :296-297,346 (0.11.1)",
 )

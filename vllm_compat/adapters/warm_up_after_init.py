@@ -15,7 +15,7 @@ Scope: consumer. Disable: ``VLLM_COMPAT_DISABLE=warm_up_after_init``.
 from packaging.specifiers import SpecifierSet
 
 from .._targets import IN_PROCESS_SPECULATORS, generator_name
-from .._wrapping import function_wrapper, wrap_instance_method
+from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..shapes import ABSENT, PRESENT, Attr
 
@@ -25,11 +25,6 @@ def _then_warm_up(run, executor, args, kwargs):
     executor.compile_or_warm_up_model()
     return result
 
-
-def warm_up_after_init(wrapped, instance, args, kwargs):
-    executor = wrapped(*args, **kwargs)
-    wrap_instance_method(executor, "initialize_from_config", _then_warm_up)
-    return executor
 
 
 ADAPTER = Adapter(
@@ -41,6 +36,6 @@ ADAPTER = Adapter(
     expect=Expect(Attr("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "compile_or_warm_up_model"),
                   old={ABSENT}, new={PRESENT}),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
-    patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(warm_up_after_init)),),
+    patches=(Patch(generator_name("MultiprocExecutor"), wrap_constructed("initialize_from_config", _then_warm_up)),),
     evidence="DRIFT.md §2: vllm/v1/executor/abstract.py:112-118 (0.16.0) vs :118-137, engine/core.py:330-332 (0.27.0)",
 )
