@@ -166,6 +166,9 @@ def render(results: dict) -> None:
 
     def e2e_cell(version, spec):
         row = results["e2e"].get(version, {}).get(spec)
+        audit_row = results["audit"].get(version, {}).get(spec)
+        if audit_row and audit_row["problems"]:
+            return "not supported (see audit)"
         if row is None:
             return "not run"
         if row["verdict"] == "ok":

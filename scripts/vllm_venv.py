@@ -118,6 +118,17 @@ def kept_requirements(requirements: list[str]) -> list[str]:
     return kept
 
 
+def transformers_ceiling(reqs: list[str]) -> list[str]:
+    """Releases that ask for ``transformers>=4.x`` with no upper bound predate transformers 5 (vLLM
+    0.24 is the first to require it); a fresh install would still pick 5.x, which they cannot run
+    (vLLM 0.11's tokenizer code fails on it). Keep them on 4.x, as their users were."""
+    for req in reqs:
+        match = re.match(r"transformers\s*([^;]*)", req)
+        if match and "<" not in match.group(1) and not re.search(r">=\s*5", match.group(1)):
+            return ["transformers<5"]
+    return []
+
+
 def recipe(version: str, torch_req: str, reqs: list[str]) -> str:
     text = "\n".join([RECIPE_VERSION, version, torch_req, *reqs, *TEST_TOOLS])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -132,7 +143,8 @@ def build_venv(version: str, rebuild: bool) -> Path:
     links = find_links()
     torch_req = f"torch=={pin}" if available_locally(f"torch=={pin}", links) else f"torch=={pin.split('+')[0]}"
     others = kept_requirements(reqs)
-    key = recipe(version, torch_req, others)
+    ceilings = transformers_ceiling(others)
+    key = recipe(version, torch_req, others + ceilings)
     if not rebuild and stamp.exists() and stamp.read_text().strip() == key:
         return venv / "bin" / "python"
     shutil.rmtree(venv, ignore_errors=True)
@@ -143,7 +155,7 @@ def build_venv(version: str, rebuild: bool) -> Path:
     run(uvx, "pip", "install", "-q", "--python", py, *links, "--index-strategy", "unsafe-best-match", torch_req)
     run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", str(wheel))
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as cons:
-        cons.write(torch_req + "\n")
+        cons.write("\n".join([torch_req, *ceilings]) + "\n")
     run(uvx, "pip", "install", "-q", "--python", py, *links, "--index-strategy", "unsafe-best-match",
         "-c", cons.name, *others, *TEST_TOOLS)
     os.unlink(cons.name)

@@ -1,0 +1,54 @@
+"""The audit against real vLLM: static (installed files), static (the release's wheel) and live
+(imported) give the same verdicts; and a handful of releases, read from PyPI's wheels, show each
+drift where DRIFT.md says it first appears."""
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from vllm_compat import versions
+from vllm_compat.audit import audit
+
+sys.path.insert(0, str(Path(ROOT) / "scripts"))
+import vllm_venv  # noqa: E402
+
+
+def wheel(version: str) -> Path:
+    return vllm_venv.download_vllm_wheel(version, vllm_venv.CACHE / "wheels")
+
+
+def verdicts(result):
+    return {(f.kind, f.id): (f.verdict, f.found) for f in result.findings}
+
+
+def test_static_wheel_and_live_agree_on_the_installed_release():
+    installed = str(versions.base(versions.vllm_version()))
+    static = audit(consumer="speculators==0.3.0")
+    from_wheel = audit(wheel(installed), consumer="speculators==0.3.0")
+    alive = audit(live=True, consumer="speculators==0.3.0")
+    assert (static.mode, from_wheel.mode, alive.mode) == ("static", "static", "live")
+    assert verdicts(static) == verdicts(from_wheel) == verdicts(alive)
+
+
+# (adapter, last release with the old shape, first release with the new one), from DRIFT.md
+FIRST_CHANGED = [
+    ("scheduler_block_size", "0.11.0", "0.11.1"),
+    ("request_eos_token_id", "0.16.0", "0.17.0"),
+    ("kv_cache_layout", "0.28.0", "0.29.0"),
+    ("warm_up_after_init", "0.26.0", "0.27.0"),
+    ("cache_block_size", "0.17.1", "0.18.0"),
+]
+
+
+@pytest.mark.parametrize("adapter, old, new", FIRST_CHANGED, ids=[a for a, _, _ in FIRST_CHANGED])
+def test_drift_appears_where_the_atlas_says(adapter, old, new):
+    before = audit(wheel(old), consumer="speculators==0.3.0")[adapter]
+    after = audit(wheel(new), consumer="speculators==0.3.0")[adapter]
+    assert (before.verdict, after.verdict) == ("native", "adapted"), (before, after)
+
+
+def test_speculators_04_is_refused_on_vllm_0110():
+    result = audit(wheel("0.11.0"), consumer="speculators==0.4.0")
+    assert result.exit_code == 1
+    assert ("vllm.utils.hashing:get_hash_fn_by_name", "missing") in [(f.id, f.verdict) for f in result.problems]

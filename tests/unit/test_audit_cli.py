@@ -1,0 +1,82 @@
+"""The audit CLI on bad input, and its JSON, without vLLM: synthetic wheels and trees."""
+import json
+import zipfile
+
+import pytest
+
+from vllm_compat.cli import main
+
+VLLM_FILES = {
+    "vllm/__init__.py": "",
+    "vllm/_version.py": "__version__ = version = '0.17.0'\n",
+    "vllm/v1/request.py": "class Request:\n    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params):\n        pass\n",
+}
+
+
+def make_wheel(path, files):
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+    return path
+
+
+def test_missing_path(capsys, tmp_path):
+    assert main(["audit", "--vllm", str(tmp_path / "nope.whl")]) == 2
+    assert capsys.readouterr().err.strip() == f"vllm-compat: error: {tmp_path / 'nope.whl'}: no such file or directory"
+
+
+def test_not_a_wheel(capsys, tmp_path):
+    bad = tmp_path / "vllm.whl"
+    bad.write_bytes(b"not a zip")
+    assert main(["audit", "--vllm", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vllm-compat: error: {bad}: not a wheel") and "Traceback" not in err
+
+
+def test_truncated_wheel(capsys, tmp_path):
+    good = make_wheel(tmp_path / "good.whl", VLLM_FILES)
+    cut = tmp_path / "cut.whl"
+    cut.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    assert main(["audit", "--vllm", str(cut)]) == 2
+    assert "not a wheel" in capsys.readouterr().err
+
+
+def test_wheel_of_another_package(capsys, tmp_path):
+    other = make_wheel(tmp_path / "requests.whl", {"requests/__init__.py": ""})
+    assert main(["audit", "--vllm", str(other)]) == 2
+    assert "a wheel of another package (requests), not vLLM" in capsys.readouterr().err
+
+
+def test_tree_without_vllm(capsys, tmp_path):
+    assert main(["audit", "--vllm", str(tmp_path)]) == 2
+    assert f"{tmp_path}: no vllm/ package in this directory" in capsys.readouterr().err
+
+
+def test_unparsable_version(capsys, tmp_path):
+    files = dict(VLLM_FILES, **{"vllm/_version.py": "__version__ = 'not.a.version!'\n"})
+    assert main(["audit", "--vllm", str(make_wheel(tmp_path / "v.whl", files))]) == 2
+    assert "cannot parse version 'not.a.version!'" in capsys.readouterr().err
+
+
+def test_bad_consumer(capsys, tmp_path):
+    assert main(["audit", "--vllm", str(make_wheel(tmp_path / "v.whl", VLLM_FILES)), "--consumer", "vllm==1"]) == 2
+    assert "expected speculators==VERSION" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from vllm_compat.audit import AuditError
+
+    with pytest.raises(AuditError):
+        main(["audit", "--vllm", str(tmp_path / "nope"), "--debug"])
+
+
+def test_json_of_a_partial_tree_reports_missing_symbols(capsys, tmp_path):
+    code = main(["audit", "--vllm", str(make_wheel(tmp_path / "v.whl", VLLM_FILES)), "--json",
+                 "--consumer", "speculators==0.3.0"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["schema"] == 1 and out["ok"] is False
+    assert out["vllm_version"] == "0.17.0" and out["mode"] == "static"
+    eos = next(f for f in out["findings"] if f["id"] == "request_eos_token_id")
+    assert (eos["verdict"], eos["found"], eos["where"]) == ("adapted", "absent", "vllm/v1/request.py:2")
+    assert {"id", "kind", "verdict", "checked", "old", "new", "found", "where", "scope", "summary"} <= set(eos)
+    assert any(f["verdict"] == "missing" for f in out["findings"])
