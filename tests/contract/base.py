@@ -92,7 +92,6 @@ class AdapterContract:
 
     def test_disabled_adapter_is_left_alone(self, monkeypatch):
         monkeypatch.setenv("VLLM_COMPAT_DISABLE", self.adapter_id)
-        before = self._targets_now()
         report = vllm_compat.apply()
         assert report[self.adapter_id].status == "disabled"
         now = self._targets_now()

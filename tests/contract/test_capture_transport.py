@@ -41,7 +41,7 @@ class TestCaptureTransport(AdapterContract):
 
     def test_patched_call(self):
         for reply in (LAYERS, BY_REQUEST, None):  # the 0.3 and the 0.4 reply shapes, and "nothing"
-            back, inline, frames = through_vllm_pickling(states_to_host(lambda: reply, None, (), {}))
+            back, inline, frames = through_vllm_pickling(states_to_host(lambda reply=reply: reply, None, (), {}))
             if reply is None:
                 assert back is None
                 continue
@@ -58,7 +58,7 @@ class TestCaptureTransport(AdapterContract):
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         try:
             for reply in ([LAYERS[0][:100]], [LAYERS[1][:100]], LAYERS):
-                data = pickle.dumps(states_to_host(lambda: reply, None, (), {}), protocol=5)
+                data = pickle.dumps(states_to_host(lambda reply=reply: reply, None, (), {}), protocol=5)
                 reader.stdin.write(len(data).to_bytes(8, "little") + data)
                 reader.stdin.flush()
                 got = float(reader.stdout.readline())
