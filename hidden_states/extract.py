@@ -168,15 +168,17 @@ def run(settings: Settings, log=None) -> Summary:
             _loop(settings, backend, writer, progress, summary, finished, interrupt, facts.vocab_size, end)
         progress.close()
     finally:
+        drain = time.monotonic()
         try:
             if writer is not None:
-                writer.close()
+                writer.close()  # waits for the files still queued: time the extraction waits on disk
         finally:
+            drain = time.monotonic() - drain
             backend.close()
             summary.seconds = time.monotonic() - started
             if writer is not None:
                 summary.bytes_written = writer.stats.bytes
-                summary.stall_seconds = writer.stats.stall_seconds
+                summary.stall_seconds = writer.stats.stall_seconds + drain
                 finished.update(writer.stats.lengths)
             output.write_lengths(finished)
     return summary

@@ -115,7 +115,7 @@ class OutputDir:
 class WriterStats:
     files: int = 0
     bytes: int = 0
-    stall_seconds: float = 0.0  # time the producer waited for queue space
+    stall_seconds: float = 0.0  # time the producer waited for queue space (the final drain is added by the caller)
     write_seconds: float = 0.0
     lengths: dict[int, int] = field(default_factory=dict)
 
