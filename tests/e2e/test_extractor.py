@@ -227,3 +227,20 @@ def test_strict_refuses_a_long_sample(model, tmp_path):
     proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--strict"))
     assert proc.returncode == 2
     assert f"{tmp_path / 'data.jsonl'}:3: 1100 tokens, more than --max-seq-len 1024 (--strict)" in proc.stderr
+
+
+def test_tensor_parallel_2_matches_hf(model, tmp_path):
+    """TP=2 on vLLM's CPU backend: it needs one OpenMP core set per worker (VLLM_CPU_OMP_THREADS_BIND)."""
+    import torch
+
+    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
+
+    rows = write_jsonl(tmp_path / "data.jsonl", 6, seed=12)
+    proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--tp-size", "2"),
+                   env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = [torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True) for i in range(6)]
+    reference = decoder_layer_outputs(load_model(model), [r["input_ids"] for r in rows], [int(x) for x in LAYERS])
+    for sample, ref in zip(saved, reference):
+        for got, want in zip(sample["hidden_states"], ref):
+            assert float(relative_errors(got, want).max()) < harness.TOLERANCE
