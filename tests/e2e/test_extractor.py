@@ -108,6 +108,9 @@ def test_config_and_lengths_describe_the_run(extracted, model):
 
 def test_speculators_training_dataset_reads_the_output(extracted):
     sys.path.insert(0, str(harness.speculators_path(SPECULATORS)))
+    import vllm_compat
+
+    vllm_compat.apply()  # what a training script does too: speculators 0.3 imports only so under transformers 5
     from speculators.train.data import Eagle3SampleFileDataset
 
     root, rows, _ = extracted
