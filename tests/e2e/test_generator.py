@@ -43,3 +43,19 @@ def test_report_lists_what_was_applied(extraction):
     assert run.report is not None
     assert f"speculators {speculators}" in run.report
     assert "failed" not in run.report.split("\n")[0]
+
+
+# The DeepSeek-V3 layout in miniature (MLA attention, a dense first layer, then routed + shared
+# experts): fewer calls, since its routed layers are judged per layer (harness.ROUTED_LAYERS).
+MLA_CALLS = [CALLS[0], CALLS[2]]  # uneven lengths up to max_model_len - 1; a long shared prefix
+
+
+@pytest.fixture(scope="module", params=["0.3.0", "0.4.0"], ids=lambda s: f"speculators{s}-deepseek")
+def mla_extraction(request):
+    model = harness.tiny_model("deepseek")
+    return harness.run_generator(model, request.param, MLA_CALLS), harness.reference(model, MLA_CALLS)
+
+
+def test_mla_moe_family_matches_hf(mla_extraction):
+    run, refs = mla_extraction
+    assert harness.judge(run, MLA_CALLS, refs, harness.ROUTED_LAYERS["deepseek"]) == "ok"
