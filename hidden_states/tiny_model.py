@@ -83,6 +83,12 @@ def _tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     fast.save_pretrained(path)
+    # transformers 5 names its class TokenizersBackend, which transformers 4 cannot load; the 4.x
+    # name loads in both, and the matrix shares one model directory across vLLM releases.
+    config_path = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2))
 
 
 def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:

