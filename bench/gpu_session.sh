@@ -43,6 +43,10 @@ case "${1:?stage}" in
     $B build --family deepseek-v3-small --path $M 2>&1 | grep RESULT
     PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --work /tmp/moe1 2>&1 | grep -E "RESULT" | tail -1
     PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe1 2>&1 | grep RESULT
+    # the capture against vLLM's own forward (eager, as the generator runs; then compiled) and HF's
+    for mode in --eager ""; do
+      LOGITS_CHECK_GPU_MEMORY=0.5 timeout 240 python3 bench/logits_check.py --output-dir /tmp/moe1/out --samples 4 --hf $mode 2>&1 | grep -E "^\||^vLLM|Error" | tee -a "$OUT/moe-logits.txt"
+    done
     if [ "$GPUS" -ge 2 ]; then
       PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --tp 2 --work /tmp/moe2 2>&1 | grep -E "RESULT" | tail -1
       PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe2 2>&1 | grep RESULT
