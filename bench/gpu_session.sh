@@ -29,6 +29,10 @@ case "${1:?stage}" in
     $B matmul | grep RESULT
     PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --batch 32 2>&1 | grep RESULT
     PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 2>&1 | grep RESULT
+    # steady state: 8 batches, not 2 (the first batch's compute and the last one's writes never overlap)
+    PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --batch 32 --samples 256 --work /tmp/extract256 2>&1 | grep RESULT
+    rm -rf /tmp/extract256
+    python3 bench/writer.py --dir /tmp --samples 32 | tee "$OUT/writer.txt"
     PYTHONPATH=$SPEC:$PYTHONPATH $B generator --model $M --batch 8 --speculators-version 0.3.0 2>&1 | grep RESULT
     ;;
   perf2)  # the baselines on the same model and samples

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""The extractor's writer alone: how fast it empties its queue, and whether it starves the
+extraction loop of Python's GIL while it writes.
+
+    python bench/writer.py --dir /path/on/the/target/disk [--samples 32] [--tokens 2048] \\
+        [--hidden 4096] [--layers 4] [--threads 1 2 4]
+
+Feeds ``hidden_states.output.BackgroundWriter`` 8B-shaped samples (bf16, ``layers`` x ``tokens`` x
+``hidden``) while the main thread spins a pure-Python loop, the stand-in for the generator's
+scheduling loop. ``loop share`` is that loop's rate during the writes over its rate beside an idle
+thread: near 100 % means the writer leaves the GIL to the loop; a writer that held it would pull
+the share to about 50 % per busy thread.
+"""
+import argparse
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def spin_until(event: threading.Event) -> float:
+    """Loop iterations per second until ``event`` is set."""
+    count, started = 0, time.perf_counter()
+    while not event.is_set():
+        count += 1
+    return count / (time.perf_counter() - started)
+
+
+def idle_rate(seconds: float = 1.0) -> float:
+    done = threading.Event()
+    threading.Timer(seconds, done.set).start()
+    return spin_until(done)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", required=True, type=Path, help="a directory on the disk to measure")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+
+    import torch
+
+    from hidden_states.output import BackgroundWriter
+
+    record = {"input_ids": torch.arange(args.tokens),
+              "hidden_states": [torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16) for _ in range(args.layers)],
+              "loss_mask": torch.ones(args.tokens, dtype=torch.long)}
+    sample_mb = sum(h.numel() * h.element_size() for h in record["hidden_states"]) / 1e6
+    baseline = idle_rate()
+    print(f"{args.samples} samples of {sample_mb:.0f} MB ({args.layers} x {args.tokens} x {args.hidden} bf16) "
+          f"to {args.dir}\n")
+    print("| writer threads | seconds | MB/s | tokens/s it sustains | loop share |\n|---|---|---|---|---|")
+    for threads in args.threads:
+        work = Path(tempfile.mkdtemp(prefix="bench-writer-", dir=args.dir))
+        try:
+            writer = BackgroundWriter(work, threads=threads)
+            done = threading.Event()
+
+            def feed(writer=writer, done=done):
+                for index in range(args.samples):
+                    writer.submit(index, record)
+                writer.close()
+                done.set()
+
+            started = time.perf_counter()
+            feeder = threading.Thread(target=feed)
+            feeder.start()
+            rate = spin_until(done)
+            seconds = time.perf_counter() - started
+            feeder.join()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        megabytes = args.samples * sample_mb
+        print(f"| {threads} | {seconds:.2f} | {megabytes / seconds:,.0f} | {args.samples * args.tokens / seconds:,.0f} "
+              f"| {rate / baseline:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
