@@ -44,6 +44,8 @@ case "${1:?stage}" in
     ;;
   moe)
     M=/tmp/models/deepseek-v3-small
+    # this model has plain RoPE: MLA's 3-D q_pe goes through forward_cuda's kernel in eager mode
+    python3 bench/rotary_kernel.py 2>&1 | grep "^|" | tee "$OUT/rotary-kernel.txt"
     $B build --family deepseek-v3-small --path $M 2>&1 | grep RESULT
     PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --work /tmp/moe1 2>&1 | grep -E "RESULT" | tail -1
     PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe1 2>&1 | grep RESULT
