@@ -168,12 +168,12 @@ def run(settings: Settings, log=None) -> Summary:
             _loop(settings, backend, writer, progress, summary, finished, interrupt, facts.vocab_size, end)
         progress.close()
     finally:
-        drain = time.monotonic()
+        drain_started = time.monotonic()
         try:
             if writer is not None:
                 writer.close()  # waits for the files still queued: time the extraction waits on disk
         finally:
-            drain = time.monotonic() - drain
+            drain = time.monotonic() - drain_started
             backend.close()
             summary.seconds = time.monotonic() - started
             if writer is not None:

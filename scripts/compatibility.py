@@ -185,8 +185,8 @@ def render(results: dict) -> None:
             return "-"
         return ("**" + "; ".join(row["problems"]) + "**") if row["problems"] else f"ok ({len(row['adapted'])} adapters)"
 
-    def e2e_cell(version, spec, key="e2e"):
-        first = next(f for k, f in FAMILIES.values() if k == key)
+    def e2e_cell(version, spec, family="llama"):
+        key, first = FAMILIES[family]
         if first and Version(version) < Version(first):
             return "-"
         row = results.get(key, {}).get(version, {}).get(spec)
@@ -202,7 +202,7 @@ def render(results: dict) -> None:
     for version in versions:
         lines.append(f"| {version} | " + " | ".join(
             [audit_cell(version, s) for s in SPECULATORS] + [e2e_cell(version, s) for s in SPECULATORS]
-            + [e2e_cell(version, s, "e2e-deepseek") for s in SPECULATORS]) + " |")
+            + [e2e_cell(version, s, "deepseek") for s in SPECULATORS]) + " |")
     PAGE.write_text("\n".join(lines) + "\n")
 
 

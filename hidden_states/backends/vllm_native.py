@@ -9,17 +9,15 @@ output of ``L-1``). So speculators' ``L`` is vLLM's ``L + 1``, and the last laye
 """
 from __future__ import annotations
 
-from . import BackendSettings
-
-import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 from packaging.version import Version
 
 from ..errors import ExtractError
+from ..preflight import model_facts
+from . import BackendSettings
 
 FIRST = Version("0.17.0")
 LAST_LAYER_FROM = Version("0.18.0")
@@ -34,7 +32,7 @@ class VllmNativeBackend:
         self._store = None
 
     def vllm_layer_ids(self, version: Version) -> list[int]:
-        num_layers = int(_text_config(self.settings.model_path)["num_hidden_layers"])
+        num_layers = model_facts(self.settings.model_path).num_layers
         ids = [layer + 1 for layer in self.settings.layer_ids]
         if num_layers in ids and version < LAST_LAYER_FROM:
             raise ExtractError(f"--layer-ids {num_layers - 1} (the last layer's output) needs vLLM >= "
@@ -144,8 +142,3 @@ def _wait_until_written(path: str, timeout: float = 300.0) -> str:
     while not os.path.exists(path):
         expired("no file after the lock")
     return path
-
-
-def _text_config(model_path: str) -> dict:
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return config.get("text_config") or config

@@ -30,7 +30,10 @@ ROTARY = "vllm.model_executor.layers.rotary_embedding:RotaryEmbedding"
 
 
 def _flat(tensor):
-    """``(flat, copied)``: ``tensor`` as ``[tokens, -1]``, a view where the strides allow one."""
+    """``(flat, copied)``: a 3-D ``tensor`` as ``[tokens, -1]``, a view where the strides allow one,
+    else a copy to write back; anything else (2-D, ``None``) as it is."""
+    if tensor is None or tensor.dim() != 3:
+        return tensor, False
     try:
         return tensor.view(tensor.shape[0], -1), False
     except RuntimeError:
@@ -43,10 +46,9 @@ def _bind(positions, query, key=None, *rest, **extra):
 
 def rotate_flat(wrapped, instance, args, kwargs):
     positions, query, key, rest, extra = _bind(*args, **kwargs)
-    if query.dim() != 3 and (key is None or key.dim() != 3):
+    (flat_query, query_copied), (flat_key, key_copied) = _flat(query), _flat(key)
+    if flat_query is query and flat_key is key:  # nothing 3-D: the kernel's own layout
         return wrapped(*args, **kwargs)
-    flat_query, query_copied = _flat(query) if query.dim() == 3 else (query, False)
-    flat_key, key_copied = _flat(key) if key is not None and key.dim() == 3 else (key, False)
     wrapped(positions, flat_query, flat_key, *rest, **extra)
     if query_copied:
         query.copy_(flat_query.view(query.shape))

@@ -33,7 +33,6 @@ def _schedule_with_undelivered(run, scheduler, args, kwargs):
     return output
 
 
-
 ADAPTER = Adapter(
     id="finished_ids_delivery",
     summary="deliver the aborts of speculators 0.3's last step to the workers with the next step",

@@ -36,7 +36,6 @@ def _finish_after_prefill(run, scheduler, args, kwargs):
     return run([rid for rid in ids if not _prompt_pending(scheduler, rid)], finished_status)
 
 
-
 ADAPTER = Adapter(
     id="prefill_abort_deferral",
     summary="hold back speculators 0.3's per-step aborts until each prompt is fully prefilled",

@@ -32,7 +32,6 @@ def _schedule_after_release(run, scheduler, args, kwargs):
     return run(*args, **kwargs)
 
 
-
 ADAPTER = Adapter(
     id="prefill_slot_release",
     summary="let speculators 0.4 extract more sequences per call than max_num_seqs",

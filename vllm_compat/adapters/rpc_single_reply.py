@@ -29,7 +29,6 @@ def _reply_as_list(run, executor, args, kwargs):
     return reply
 
 
-
 ADAPTER = Adapter(
     id="rpc_single_reply",
     summary="give speculators 0.3 the list-shaped collective_rpc(unique_reply_rank=) reply it indexes",

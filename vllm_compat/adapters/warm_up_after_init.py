@@ -26,7 +26,6 @@ def _then_warm_up(run, executor, args, kwargs):
     return result
 
 
-
 ADAPTER = Adapter(
     id="warm_up_after_init",
     summary="warm the generator's workers up after initialize_from_config, as vLLM's engine does",
