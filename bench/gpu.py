@@ -9,8 +9,9 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py prefill   --model M --samples 64 --length 2048          # vLLM alone
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
+    python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
     python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32
-    python bench/gpu.py check     --model M --samples 4 --length 2048            # extractor vs HF fp32
+    python bench/gpu.py check     --model M --samples 4 [--bf16-floor]           # extractor (and HF bf16) vs HF fp32
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
     python bench/gpu.py table
 
@@ -163,31 +164,41 @@ def phase_hf(args) -> None:
          seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
 
 
+def sweep(spec: str) -> list[tuple[int, int]]:
+    """``--configs "8x2048,32x512"`` -> [(batch, length), ...]; empty -> the one --batch x --length."""
+    return [tuple(int(n) for n in item.split("x")) for item in spec.split(",") if item.strip()]
+
+
 def phase_generator(args) -> None:
+    """The unmodified generator through the shim; one model load, then each ``--configs`` entry
+    (batch x length, about ``--samples`` x ``--length`` tokens each) timed on its own."""
     import vllm_compat
 
     report = vllm_compat.apply()
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
+    configs = sweep(args.configs) or [(args.batch, args.length)]
     started = time.perf_counter()
     generator = VllmHiddenStatesGenerator(args.model, layer_ids=default_layers(args.model),
-                                          max_model_len=args.length + 1,
+                                          max_model_len=max(length for _, length in configs) + 1,
                                           gpu_memory_utilization=args.gpu_memory_utilization,
                                           tensor_parallel_size=args.tp)
     load = time.perf_counter() - started
-    seqs = sequences(args.model, args.samples, args.length)
-    generator.generate(sequences(args.model, 2, args.length, seed=1))
-    started = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(seqs), args.batch):
-        results = generator.generate(seqs[i:i + args.batch])
-        tokens += sum(r["input_ids"].numel() for r in results)
-    seconds = time.perf_counter() - started
+    for batch, length in configs:
+        generator.generate(sequences(args.model, 2, length, seed=1))
+        count = max(batch, args.samples * args.length // length // batch * batch)
+        seqs = sequences(args.model, count, length)
+        started = time.perf_counter()
+        tokens = 0
+        for i in range(0, len(seqs), batch):
+            results = generator.generate(seqs[i:i + batch])
+            tokens += sum(r["input_ids"].numel() for r in results)
+        seconds = time.perf_counter() - started
+        emit("generator", model=Path(args.model).name, speculators=args.speculators_version, batch=batch,
+             length=length, tp=args.tp, tokens=tokens, seconds=round(seconds, 2),
+             tokens_per_s=round(tokens / seconds), load_seconds=round(load, 1),
+             disabled=os.environ.get("VLLM_COMPAT_DISABLE", ""), applied=report.applied)
     generator.executor.shutdown()
-    emit("generator", model=Path(args.model).name, speculators=args.speculators_version, batch=args.batch,
-         tp=args.tp, tokens=tokens, seconds=round(seconds, 2), tokens_per_s=round(tokens / seconds),
-         load_seconds=round(load, 1), disabled=os.environ.get("VLLM_COMPAT_DISABLE", ""),
-         applied=report.applied)
 
 
 def phase_native(args) -> None:
@@ -246,37 +257,45 @@ def phase_extract(args) -> None:
         emit("extract", error=(proc.stderr[-3000:]), returncode=proc.returncode)
         return
     numbers = dict(tokens=r"([\d,]+) tokens in", seconds=r"in ([\d.]+) s", rate=r"\(([\d,]+) tok/s",
-                   load=r"model load ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
+                   load=r"model load ([\d.]+) s", shutdown=r"shutdown ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
     found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
     emit("extract", model=Path(args.model).name, backend=args.backend, batch=args.batch, tp=args.tp,
          tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
+         shutdown_seconds=found["shutdown"],
          gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"], summary=summary)
 
 
 def phase_check(args) -> None:
-    """The extractor's files for a few samples against HF transformers in fp32 on the GPU."""
+    """The extractor's files for a few samples against HF transformers in fp32 on the GPU. With
+    ``--bf16-floor``, HF's own bf16 forward against its fp32 one too: how far bf16 rounding alone
+    carries a layer of this (random-weight) model, the yardstick for the extractor's numbers."""
     import torch
 
-    from hidden_states.reference import agreement, decoder_layer_outputs, load_model
+    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
 
     work = Path(args.work)
     files = sorted((work / "out").glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[: args.samples]
     saved = [torch.load(f, weights_only=True) for f in files]
+    ids = [s["input_ids"].tolist() for s in saved]
     layers = default_layers(args.model)
-    hf = load_model(args.model, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
-    reference = decoder_layer_outputs(hf, [s["input_ids"].tolist() for s in saved], layers)
-    from hidden_states.reference import relative_errors
-
-    result = agreement([s["hidden_states"] for s in saved], reference, layers)
-    per_layer = [torch.cat([relative_errors(s["hidden_states"][j], r[j]) for s, r in zip(saved, reference)])
-                 for j in range(len(layers))]
-    emit("check", model=Path(args.model).name, samples=len(saved), tokens=result.tokens,
-         state_dtype=str(saved[0]["hidden_states"][0].dtype), layers=layers,
-         max_relative_error=[round(e, 4) for e in result.max_relative_error],
-         mean_relative_error=[round(float(e.mean()), 4) for e in per_layer],
-         p99_relative_error=[round(float(e.quantile(0.99)), 4) for e in per_layer],
-         share_over_15_percent=[round(float((e > 0.15).float().mean()), 4) for e in per_layer])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = load_model(args.model, dtype="float32", device=device)
+    reference = decoder_layer_outputs(hf, ids, layers)
+    del hf
+    candidates = {"extractor": [s["hidden_states"] for s in saved]}
+    if args.bf16_floor:
+        candidates["hf_bf16"] = decoder_layer_outputs(load_model(args.model, dtype="bfloat16", device=device), ids, layers)
+    for name, states in candidates.items():
+        per_layer = [torch.cat([relative_errors(got[j], ref[j]) for got, ref in zip(states, reference)])
+                     for j in range(len(layers))]
+        emit("check", model=Path(args.model).name, candidate=name, samples=len(saved),
+             tokens=sum(len(i) for i in ids), layers=layers,
+             state_dtype=str(states[0][0].dtype) if name == "extractor" else "torch.bfloat16 (HF forward)",
+             max_relative_error=[round(float(e.max()), 4) for e in per_layer],
+             mean_relative_error=[round(float(e.mean()), 4) for e in per_layer],
+             p99_relative_error=[round(float(e.quantile(0.99)), 4) for e in per_layer],
+             share_over_15_percent=[round(float((e > 0.15).float().mean()), 4) for e in per_layer])
 
 
 def phase_table(args) -> None:
@@ -301,6 +320,8 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default="/tmp/bench-extract")
     parser.add_argument("--writer-threads", type=int, default=2)
     parser.add_argument("--backend", default="speculators", choices=["speculators", "vllm-native"])
+    parser.add_argument("--configs", default="", help="generator: batch x length list, e.g. 8x2048,32x512")
+    parser.add_argument("--bf16-floor", action="store_true", help="check: also HF bf16 against HF fp32")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
     try:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Device side, after scripts/gpu/install.sh: one stage per device call (each under 10 minutes).
-#   bash bench/gpu_session.sh smoke   # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
-#   bash bench/gpu_session.sh perf    # Llama-3-8B shape: roofline, vLLM, HF, generator, extractor, check
-#   bash bench/gpu_session.sh moe     # DeepSeek-V3-shaped MoE: extractor TP=1 and TP=2, check
+#   bash bench/gpu_session.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
+#   bash bench/gpu_session.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
+#   bash bench/gpu_session.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
+#   bash bench/gpu_session.sh perf1       # Llama-3-8B shape: roofline, extractor (256 x 2048) and check
+#   bash bench/gpu_session.sh perf2       # ... generator sweep, vllm-native backend, writer alone
+#   bash bench/gpu_session.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=/tmp/vcache HF_HUB_OFFLINE=1
@@ -23,33 +26,18 @@ case "${1:?stage}" in
       PYTHONPATH=$SPEC:$PYTHONPATH $B check --model /tmp/vcache/models/llama --samples 16 --work /tmp/tp2 2>&1 | grep RESULT
     fi
     ;;
-  perf1)  # the 8B model, the extractor and its check first: the numbers the issue is about
-    M=/tmp/models/llama3-8b
-    $B build --family llama3-8b --path $M 2>&1 | grep RESULT
-    $B matmul | grep RESULT
-    PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --batch 32 2>&1 | grep RESULT
-    PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 2>&1 | grep RESULT
-    # steady state: 8 batches, not 2 (the first batch's compute and the last one's writes never overlap)
-    PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --batch 32 --samples 256 --work /tmp/extract256 2>&1 | grep RESULT
-    rm -rf /tmp/extract256
-    python3 bench/writer.py --dir /tmp --samples 32 | tee "$OUT/writer.txt"
-    PYTHONPATH=$SPEC:$PYTHONPATH $B generator --model $M --batch 8 --speculators-version 0.3.0 2>&1 | grep RESULT
-    ;;
-  perf2)  # the baselines on the same model and samples
-    M=/tmp/models/llama3-8b
-    $B prefill --model $M 2>&1 | grep -E "RESULT" | tail -1
-    $B hf --model $M --batch 4 2>&1 | grep RESULT
-    $B native --model $M 2>&1 | grep -E "RESULT" | tail -1
-    PYTHONPATH=$SPEC:$PYTHONPATH VLLM_COMPAT_DISABLE=capture_transport $B generator --model $M --batch 8 --speculators-version 0.3.0 2>&1 | grep RESULT
-    ;;
   moe)
     M=/tmp/models/deepseek-v3-small
+    $B env
     # this model has plain RoPE: MLA's 3-D q_pe goes through forward_cuda's kernel in eager mode
-    python3 bench/rotary_kernel.py 2>&1 | grep "^|" | tee "$OUT/rotary-kernel.txt"
+    python3 bench/rotary_kernel.py 2>&1 | grep -E "^\||Error" | tee "$OUT/rotary-kernel.txt"
     $B build --family deepseek-v3-small --path $M 2>&1 | grep RESULT
     PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --work /tmp/moe1 2>&1 | grep -E "RESULT" | tail -1
-    PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe1 2>&1 | grep RESULT
-    # the capture against vLLM's own forward (eager, as the generator runs; then compiled) and HF's
+    # against HF fp32, beside HF's own bf16 forward against the same: the bf16 floor of this model
+    PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe1 --bf16-floor 2>&1 | grep RESULT
+    ;;
+  moe-logits)  # the capture against vLLM's own forward (eager, as the generator runs; then compiled) and HF's
+    M=/tmp/models/deepseek-v3-small
     for mode in --eager ""; do
       LOGITS_CHECK_GPU_MEMORY=0.5 timeout 240 python3 bench/logits_check.py --output-dir /tmp/moe1/out --samples 4 --hf $mode 2>&1 | grep -E "^\||^vLLM|Error" | tee -a "$OUT/moe-logits.txt"
     done
@@ -57,5 +45,27 @@ case "${1:?stage}" in
       PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --tp 2 --work /tmp/moe2 2>&1 | grep -E "RESULT" | tail -1
       PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe2 2>&1 | grep RESULT
     fi
+    ;;
+  perf1)  # the 8B model: the extractor over 256 x 2048 tokens (8 calls of 32) and its check
+    M=/tmp/models/llama3-8b
+    $B build --family llama3-8b --path $M 2>&1 | grep RESULT
+    $B matmul | grep RESULT
+    PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --batch 32 --samples 256 --work /tmp/x256 2>&1 | grep RESULT
+    PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/x256 --bf16-floor 2>&1 | grep RESULT
+    rm -rf /tmp/x256
+    ;;
+  perf2)  # the generator over batch sizes and lengths (one load), the vllm-native backend, the writer alone
+    M=/tmp/models/llama3-8b
+    PYTHONPATH=$SPEC:$PYTHONPATH $B generator --model $M --configs 8x2048,32x2048,128x512,32x1024,4x4096 --speculators-version 0.3.0 2>&1 | grep RESULT
+    $B extract --model $M --batch 32 --samples 64 --backend vllm-native --work /tmp/native 2>&1 | grep RESULT
+    rm -rf /tmp/native
+    python3 bench/writer.py --dir /tmp --samples 32 | tee "$OUT/writer.txt"
+    ;;
+  baselines)  # the same model and samples through vLLM alone, HF, vLLM's native path, and without the transport
+    M=/tmp/models/llama3-8b
+    $B prefill --model $M 2>&1 | grep -E "RESULT" | tail -1
+    $B hf --model $M --batch 4 2>&1 | grep RESULT
+    $B native --model $M 2>&1 | grep -E "RESULT" | tail -1
+    PYTHONPATH=$SPEC:$PYTHONPATH VLLM_COMPAT_DISABLE=capture_transport $B generator --model $M --batch 8 --speculators-version 0.3.0 2>&1 | grep RESULT
     ;;
 esac

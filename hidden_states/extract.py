@@ -46,7 +46,8 @@ class Summary:
     tokens: int = 0
     truncated: int = 0
     load_seconds: float = 0.0  # model load (backend start)
-    seconds: float = 0.0  # extraction, after the load
+    seconds: float = 0.0  # extraction, after the load, until the last file is written
+    shutdown_seconds: float = 0.0  # the backend's shutdown after that (vLLM's workers exiting)
     bytes_written: int = 0
     stall_seconds: float = 0.0
     interrupted: bool = False
@@ -58,7 +59,7 @@ class Summary:
         state = "interrupted" if self.interrupted else "done"
         return (f"[hidden-states] {state}: {self.extracted} samples extracted, {self.skipped} already finished, "
                 f"{self.tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s; model load "
-                f"{self.load_seconds:.1f} s), "
+                f"{self.load_seconds:.1f} s, shutdown {self.shutdown_seconds:.1f} s), "
                 f"{self.bytes_written / 1e6:,.1f} MB written, writer stall {self.stall_seconds:.2f} s ({stall:.1f} %)"
                 + (f", {self.truncated} samples truncated to --max-seq-len" if self.truncated else ""))
 
@@ -174,8 +175,11 @@ def run(settings: Settings, log=None) -> Summary:
                 writer.close()  # waits for the files still queued: time the extraction waits on disk
         finally:
             drain = time.monotonic() - drain_started
-            backend.close()
+            # the rate counts until the last file is whole: vLLM's worker shutdown that follows
+            # (seconds, whatever the run's length) is reported on its own
             summary.seconds = time.monotonic() - started
+            backend.close()
+            summary.shutdown_seconds = time.monotonic() - started - summary.seconds
             if writer is not None:
                 summary.bytes_written = writer.stats.bytes
                 summary.stall_seconds = writer.stats.stall_seconds + drain
