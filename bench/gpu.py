@@ -178,6 +178,10 @@ def phase_generator(args) -> None:
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
     configs = sweep(args.configs) or [(args.batch, args.length)]
+    if args.token_budget:  # an experiment on speculators' own scheduler limit, not a shim setting
+        import speculators.data_generation.vllm_hidden_states_generator as module
+
+        module.MIN_MAX_BATCHED_TOKENS = args.token_budget
     started = time.perf_counter()
     generator = VllmHiddenStatesGenerator(args.model, layer_ids=default_layers(args.model),
                                           max_model_len=max(length for _, length in configs) + 1,
@@ -185,7 +189,7 @@ def phase_generator(args) -> None:
                                           tensor_parallel_size=args.tp)
     load = time.perf_counter() - started
     for batch, length in configs:
-        generator.generate(sequences(args.model, 2, length, seed=1))
+        generator.generate(sequences(args.model, batch, length, seed=1))  # grows the transport's segment
         count = max(batch, args.samples * args.length // length // batch * batch)
         seqs = sequences(args.model, count, length)
         started = time.perf_counter()
@@ -197,6 +201,7 @@ def phase_generator(args) -> None:
         emit("generator", model=Path(args.model).name, speculators=args.speculators_version, batch=batch,
              length=length, tp=args.tp, tokens=tokens, seconds=round(seconds, 2),
              tokens_per_s=round(tokens / seconds), load_seconds=round(load, 1),
+             token_budget=generator.vllm_config.scheduler_config.max_num_batched_tokens,
              disabled=os.environ.get("VLLM_COMPAT_DISABLE", ""), applied=report.applied)
     generator.executor.shutdown()
 
@@ -321,6 +326,8 @@ def main(argv=None) -> int:
     parser.add_argument("--writer-threads", type=int, default=2)
     parser.add_argument("--backend", default="speculators", choices=["speculators", "vllm-native"])
     parser.add_argument("--configs", default="", help="generator: batch x length list, e.g. 8x2048,32x512")
+    parser.add_argument("--token-budget", type=int, default=0,
+                        help="generator: speculators' MIN_MAX_BATCHED_TOKENS (scheduler tokens per step)")
     parser.add_argument("--bf16-floor", action="store_true", help="check: also HF bf16 against HF fp32")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)

@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
 #   bash bench/gpu_session.sh perf1       # Llama-3-8B shape: roofline, extractor (256 x 2048) and check
 #   bash bench/gpu_session.sh perf2       # ... generator sweep, vllm-native backend, writer alone
+#   bash bench/gpu_session.sh retest      # ... vllm-native backend (fork-safe probes), scheduler token budgets
 #   bash bench/gpu_session.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 set -uo pipefail
@@ -60,6 +61,15 @@ case "${1:?stage}" in
     $B extract --model $M --batch 32 --samples 64 --backend vllm-native --work /tmp/native 2>&1 | grep RESULT
     rm -rf /tmp/native
     python3 bench/writer.py --dir /tmp --samples 32 | tee "$OUT/writer.txt"
+    ;;
+  retest)  # after the fork-safe host probes: the vllm-native backend on CUDA; the scheduler's token budget
+    M=/tmp/models/llama3-8b
+    $B build --family llama3-8b --path $M 2>&1 | grep RESULT
+    $B extract --model $M --batch 32 --samples 64 --backend vllm-native --work /tmp/native 2>&1 | grep RESULT
+    for budget in 8192 16384 32768; do
+      PYTHONPATH=$SPEC:$PYTHONPATH $B generator --model $M --configs 8x2048,32x2048 --token-budget $budget --speculators-version 0.3.0 2>&1 | grep RESULT
+    done
+    $B check --model $M --samples 4 --work /tmp/native 2>&1 | grep RESULT
     ;;
   baselines)  # the same model and samples through vLLM alone, HF, vLLM's native path, and without the transport
     M=/tmp/models/llama3-8b

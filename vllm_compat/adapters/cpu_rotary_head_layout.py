@@ -23,6 +23,7 @@ this adapter ``not_needed``. Disable: ``VLLM_COMPAT_DISABLE=cpu_rotary_head_layo
 """
 from packaging.specifiers import SpecifierSet
 
+from .._host import vllm_device_type
 from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
 
@@ -58,10 +59,10 @@ def rotate_flat(wrapped, instance, args, kwargs):
 
 
 def kernel_mishandles_heads() -> tuple[bool, str]:
+    device = vllm_device_type()
+    if device != "cpu":
+        return False, f"vLLM runs on {device}: it rotates through forward_{device}, not the CPU kernel"
     import torch
-
-    if torch.cuda.is_available():
-        return False, "a CUDA device is available: vLLM rotates through forward_cuda"
     from vllm import _custom_ops as ops
 
     generator = torch.Generator().manual_seed(0)

@@ -15,6 +15,7 @@ import os
 import wrapt
 from packaging.specifiers import SpecifierSet
 
+from .._host import vllm_device_type
 from .._targets import IN_PROCESS_SPECULATORS, generator_name
 from ..adapter import Adapter, Patch, Scope
 
@@ -49,11 +50,10 @@ class _TorchOnHost(wrapt.ObjectProxy):
 
 
 def no_cuda_device() -> tuple[bool, str]:
-    import torch
-
-    if torch.cuda.is_available():
-        return False, "a CUDA device is available: torch.cuda.mem_get_info answers"
-    return True, "no CUDA device: KV-cache memory is host memory"
+    device = vllm_device_type()
+    if device == "cuda":
+        return False, "vLLM runs on a CUDA device: torch.cuda.mem_get_info answers"
+    return True, f"vLLM runs on {device}, no CUDA device: KV-cache memory is host memory"
 
 
 ADAPTER = Adapter(

@@ -19,6 +19,7 @@ Scope: worker (the connector runs in vLLM's worker processes). Disable:
 import wrapt
 from packaging.specifiers import SpecifierSet
 
+from .._host import vllm_device_type
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..shapes import MISSING, PRESENT, Exists
 
@@ -94,12 +95,10 @@ class _TorchWithoutPinning(wrapt.ObjectProxy):
 
 
 def no_accelerator() -> tuple[bool, str]:
-    import torch
-
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if accelerator is not None and torch.accelerator.is_available():
-        return False, f"an accelerator ({accelerator.type}) is available: pinned memory works"
-    return True, "no accelerator: pinned host memory cannot be allocated"
+    device = vllm_device_type()
+    if device != "cpu":
+        return False, f"vLLM runs on an accelerator ({device}): pinned memory works"
+    return True, "vLLM runs on the CPU, no accelerator: pinned host memory cannot be allocated"
 
 
 ADAPTER = Adapter(

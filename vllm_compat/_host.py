@@ -1,0 +1,16 @@
+"""What the host runs vLLM on, asked without touching CUDA in this process.
+
+``torch.cuda.is_available()`` (and ``torch.accelerator``'s device count) call
+``cudaGetDeviceCount``, after which torch refuses CUDA in any child this process forks
+("Cannot re-initialize CUDA in forked subprocess"). vLLM forks its engine core by default, so a
+host probe run before ``vllm.LLM(...)`` must not ask torch: seen on an H200 with the extractor's
+``vllm-native`` backend. vLLM's own platform detection asks NVML instead and is fork-safe.
+"""
+from __future__ import annotations
+
+
+def vllm_device_type() -> str:
+    """The device vLLM runs on here: ``"cuda"`` (also ROCm), ``"cpu"``, ``"xpu"``, ``"tpu"``, ..."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
