@@ -5,7 +5,8 @@
 #   bash bench/gpu_session.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
 #   bash bench/gpu_session.sh perf1       # Llama-3-8B shape: roofline, extractor (256 x 2048) and check
 #   bash bench/gpu_session.sh perf2       # ... generator sweep, vllm-native backend, writer alone
-#   bash bench/gpu_session.sh retest      # ... vllm-native backend (fork-safe probes), scheduler token budgets
+#   bash bench/gpu_session.sh retest      # ... fork safety after apply(), the vllm-native backend on CUDA
+#   bash bench/gpu_session.sh budget      # ... the generator under larger scheduler token budgets
 #   bash bench/gpu_session.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 set -uo pipefail
@@ -62,14 +63,18 @@ case "${1:?stage}" in
     rm -rf /tmp/native
     python3 bench/writer.py --dir /tmp --samples 32 | tee "$OUT/writer.txt"
     ;;
-  retest)  # after the fork-safe host probes: the vllm-native backend on CUDA; the scheduler's token budget
+  retest)  # fork safety after apply(); the vllm-native backend on CUDA and its check
     M=/tmp/models/llama3-8b
+    python3 bench/fork_safety.py | tee "$OUT/fork-safety.txt"
     $B build --family llama3-8b --path $M 2>&1 | grep RESULT
     $B extract --model $M --batch 32 --samples 64 --backend vllm-native --work /tmp/native 2>&1 | grep RESULT
+    $B check --model $M --samples 4 --work /tmp/native 2>&1 | grep RESULT
+    ;;
+  budget)  # the generator at speculators' scheduler budget (8,192 tokens per step) and larger ones
+    M=/tmp/models/llama3-8b
     for budget in 8192 16384 32768; do
       PYTHONPATH=$SPEC:$PYTHONPATH $B generator --model $M --configs 8x2048,32x2048 --token-budget $budget --speculators-version 0.3.0 2>&1 | grep RESULT
     done
-    $B check --model $M --samples 4 --work /tmp/native 2>&1 | grep RESULT
     ;;
   baselines)  # the same model and samples through vLLM alone, HF, vLLM's native path, and without the transport
     M=/tmp/models/llama3-8b

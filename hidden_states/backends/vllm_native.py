@@ -50,6 +50,9 @@ class VllmNativeBackend:
         vllm_ids = self.vllm_layer_ids(base(version))
         _refuse_cpu_without_spec_decode(version)
         report = vllm_compat.apply()  # the worker-side adapters (e.g. the connector on CPU hosts)
+        # vLLM forks its engine core unless told otherwise, and a fork after anything in this process
+        # asked CUDA (a library import, a probe) cannot use CUDA: spawn, as the generators' workers do.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
         self._store = tempfile.mkdtemp(prefix="vllm-native-states-")
@@ -101,11 +104,10 @@ class VllmNativeBackend:
 def _refuse_cpu_without_spec_decode(version) -> None:
     """vLLM's CPU model runner refused every speculative method up to 0.18 (an assert at worker
     start, after which ``LLM()`` can hang instead of failing): say so before starting it."""
-    import torch
-
+    from vllm_compat._host import vllm_device_type
     from vllm_compat.versions import package_dir
 
-    if torch.cuda.is_available():
+    if vllm_device_type() != "cpu":
         return
     runner = package_dir("vllm") / "v1" / "worker" / "cpu_model_runner.py"
     if runner.is_file() and "spec decode is not supported" in runner.read_text():
