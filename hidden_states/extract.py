@@ -138,6 +138,11 @@ def run(settings: Settings, log=None) -> Summary:
     }
     output.prepare(identity, config)
     finished = output.finished()
+    if output.cut_short:
+        names = sorted((path.name for path in output.cut_short), key=lambda name: int(name[5:-3]))
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        log(f"{len(names)} files in {output.path} were cut short (a crash before they reached the disk?) "
+            f"and are redone: {shown}")
     estimate = check_disk(output.path, settings.prepared_data, bytes_per_token, facts, layer_ids, settings.max_seq_len)
     if settings.backend == "speculators":
         log(check_vllm())

@@ -9,7 +9,8 @@ Every file is written under a temporary name and renamed into place, so a final 
 a whole file. A background thread does the writing from a bounded queue: the model never waits on
 disk unless the disk is slower than extraction, and that wait is measured (``stall_seconds``).
 ``done.jsonl`` records each finished sample's length after its rename; a rerun skips every sample
-whose file exists.
+whose file exists and ends whole (files are not fsync'ed, for speed: after a power cut a renamed
+file whose data never reached the disk can be empty or cut short, and is redone).
 """
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ LENGTHS = "sample_lengths.json"
 IDENTITY_KEYS = ("model", "layer_ids")
 
 
+ZIP_END = b"PK\x05\x06"  # torch.save writes a zip: its end-of-central-directory record comes last
+
+
+def ends_whole(path: Path) -> bool:
+    """Whether ``path`` ends the way every complete ``torch.save`` file does (one seek and read)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(-22, os.SEEK_END)
+            return handle.read(4) == ZIP_END
+    except OSError:  # shorter than the record, or unreadable
+        return False
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
     with temp.open("wb") as handle:
@@ -56,6 +70,7 @@ class OutputDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.cut_short: list[Path] = []  # data files found incomplete by finished(), removed to be redone
 
     def prepare(self, identity: dict, config: dict) -> None:
         """Create the directory, check it is writable, refuse another run's files, write the config."""
@@ -86,8 +101,11 @@ class OutputDir:
         lengths: dict[int, int | None] = {}
         for entry in os.scandir(self.path):
             match = DATA_FILE.match(entry.name)
-            if match:
+            if match and ends_whole(Path(entry.path)):
                 lengths[int(match.group(1))] = None
+            elif match:
+                self.cut_short.append(Path(entry.path))
+                os.unlink(entry.path)
         ledger = self.path / LEDGER
         if ledger.exists():
             for raw in ledger.read_text().splitlines():
