@@ -1,10 +1,10 @@
 """What the host runs vLLM on, asked without touching CUDA in this process.
 
-``torch.cuda.is_available()`` (and ``torch.accelerator``'s device count) call
-``cudaGetDeviceCount``, after which torch refuses CUDA in any child this process forks
-("Cannot re-initialize CUDA in forked subprocess"). vLLM forks its engine core by default, so a
-host probe run before ``vllm.LLM(...)`` must not ask torch: seen on an H200 with the extractor's
-``vllm-native`` backend. vLLM's own platform detection asks NVML instead and is fork-safe.
+``torch.cuda.is_available()`` calls ``cudaGetDeviceCount``, after which torch refuses CUDA in any
+child this process forks ("Cannot re-initialize CUDA in forked subprocess"; ``bench/fork_safety.py``
+on an H200), and ``torch.accelerator``'s queries reach the same runtime. vLLM forks its engine core
+by default, so a host probe run before ``vllm.LLM(...)`` must not ask torch: seen with the
+extractor's ``vllm-native`` backend. vLLM's own platform detection asks NVML and is fork-safe.
 """
 from __future__ import annotations
 
