@@ -165,7 +165,7 @@ def phase_hf(args) -> None:
 
 
 def sweep(spec: str) -> list[tuple[int, int]]:
-    """``--configs "8x2048,32x512"`` -> [(batch, length), ...]; empty -> the one --batch x --length."""
+    """``--configs "8x2048,32x512"`` -> [(batch, length), ...]; ``""`` -> ``[]``."""
     return [tuple(int(n) for n in item.split("x")) for item in spec.split(",") if item.strip()]
 
 

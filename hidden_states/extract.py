@@ -139,7 +139,7 @@ def run(settings: Settings, log=None) -> Summary:
     output.prepare(identity, config)
     finished = output.finished()
     if output.cut_short:
-        names = sorted((path.name for path in output.cut_short), key=lambda name: int(name[5:-3]))
+        names = [f"data_{index}.pt" for index in sorted(output.cut_short)]
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
         log(f"{len(names)} files in {output.path} were cut short (a crash before they reached the disk?) "
             f"and are redone: {shown}")

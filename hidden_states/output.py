@@ -70,7 +70,7 @@ class OutputDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.cut_short: list[Path] = []  # data files found incomplete by finished(), removed to be redone
+        self.cut_short: list[int] = []  # samples whose data file finished() found incomplete and removed
 
     def prepare(self, identity: dict, config: dict) -> None:
         """Create the directory, check it is writable, refuse another run's files, write the config."""
@@ -104,7 +104,7 @@ class OutputDir:
             if match and ends_whole(Path(entry.path)):
                 lengths[int(match.group(1))] = None
             elif match:
-                self.cut_short.append(Path(entry.path))
+                self.cut_short.append(int(match.group(1)))
                 os.unlink(entry.path)
         ledger = self.path / LEDGER
         if ledger.exists():
