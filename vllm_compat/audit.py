@@ -20,11 +20,12 @@ from packaging.version import Version
 from . import versions
 from .errors import VllmCompatError
 from .registry import adapters
-from .sources import DirTree, LiveSource, StaticSource, Tree, WheelTree
+from .sources import AliasedSource, DirTree, LiveSource, StaticSource, Tree, WheelTree
 from .touchpoints import TOUCHPOINTS
 from .verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 
 OK = "ok"
+BRIDGED = "bridged"  # a touch point whose name moved, put back by an adapted adapter
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
 JSON_SCHEMA_VERSION = 1
@@ -40,13 +41,15 @@ class Finding:
 
     Attributes:
         id: adapter id, or the touched symbol for touch points.
-        verdict: native / adapted / UNKNOWN DRIFT / missing / n/a (adapters); ok / missing / UNKNOWN DRIFT
-            (touch points).
+        verdict: native / adapted / UNKNOWN DRIFT / missing / n/a (adapters); ok / bridged / missing /
+            UNKNOWN DRIFT (touch points; bridged: the name moved and an adapted adapter puts it back).
         checked: what was looked at.
         old, new: observations meaning the old / new shape (adapters); ``new`` is empty for touch points.
         found: what was observed.
         where: file:line inside the vLLM tree.
         summary: the adapter's one-line summary, or why it is n/a.
+        verified_through: the newest vLLM release the adapter was verified on (adapters).
+        unverified: "not verified on vllm X" when the audited vLLM is newer than that (a warning).
     """
 
     id: str
@@ -59,6 +62,8 @@ class Finding:
     where: str = ""
     scope: str = ""
     summary: str = ""
+    verified_through: str = ""
+    unverified: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,11 @@ class AuditResult:
     vllm_version: str | None
     consumer: str | None
     findings: tuple[Finding, ...] = field(default=())
+    newest_verified: str | None = None  # the newest vLLM release every adapter was verified on
+
+    @property
+    def unverified(self) -> list[Finding]:
+        return [f for f in self.findings if f.unverified]
 
     @property
     def problems(self) -> list[Finding]:
@@ -91,8 +101,8 @@ class AuditResult:
 
     def render(self) -> str:
         lines = [
-            f"vLLM {self.vllm_version or '(version unknown)'} from {self.source} [{self.mode}], "
-            f"consumer {self.consumer or 'any'}",
+            f"vLLM {self.vllm_version or '(version unknown)'} (newest verified: {self.newest_verified or 'none'}) "
+            f"from {self.source} [{self.mode}], consumer {self.consumer or 'any'}",
             "",
             f"{'adapter':38} {'verdict':14} found",
         ]
@@ -103,13 +113,22 @@ class AuditResult:
             lines.append(f"{f.id:38} {f.verdict:14} {f.found or f.summary}{where}")
             if f.verdict in BAD and f.old:
                 lines.append(f"{'':53} expected {list(f.old)} (old) or {list(f.new)} (new): {f.checked}")
+            if f.unverified:
+                lines.append(f"{'':53} warning: {f.unverified}")
         touch = [f for f in self.findings if f.kind == "touchpoint"]
         bad_touch = [f for f in touch if f.verdict in BAD]
-        lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
+        bridged = [f for f in touch if f.verdict == BRIDGED]
+        lines += ["", f"other touch points: {len(touch) - len(bad_touch) - len(bridged)} ok, "
+                      f"{len(bridged)} moved and bridged, {len(bad_touch)} broken"]
+        for f in bridged:
+            lines.append(f"  {f.verdict}: {f.checked}: found at {f.where} ({f.summary})")
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
         verdict = "OK: every adapter native or adapted" if not self.problems else (
             f"PROBLEMS: {len(self.problems)} (the generator would break or be wrong)")
+        if self.unverified:
+            verdict += (f"; {len(self.unverified)} adapter(s) not verified on vllm {self.vllm_version} "
+                        f"(newest verified: {self.newest_verified})")
         lines += ["", verdict]
         return "\n".join(lines)
 
@@ -199,16 +218,30 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         tree, version = _tree_for(Path(vllm))
         source, label = StaticSource(tree), str(vllm)
 
-    findings = [_adapter_finding(a, source, version, spec_version) for a in adapters()]
+    # Adapters in application order: once one that puts moved names back is adapted, every later
+    # check reads those names where they live now, as the adapted process would.
+    findings, bridges, bridged_by = [], {}, {}
+    for adapter in adapters():
+        finding = _adapter_finding(adapter, AliasedSource(source, dict(bridges)), version, spec_version)
+        findings.append(finding)
+        for patch in adapter.patches if finding.verdict == ADAPTED else ():
+            if patch.alias_of:
+                bridges[patch.target], bridged_by[patch.target] = patch.alias_of, adapter.id
+    bridged_source = AliasedSource(source, bridges)
     for check, expected, consumers in TOUCHPOINTS:
         if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
             continue
-        seen = check.observe(source)
+        seen = check.observe(bridged_source)
         verdict = OK if seen.value in expected else MISSING_SYMBOL if seen.value == "<missing>" else UNKNOWN_DRIFT
+        moved = bridged_source.moved_name(check.target)
+        if verdict == OK and moved:
+            verdict = BRIDGED
+        summary = f"moved to {bridged_source.redirect(check.target)}; put back by {bridged_by[moved]}" if moved else ""
         findings.append(Finding(check.target, "touchpoint", verdict, check.describe(), tuple(sorted(expected)),
-                                (), seen.value, seen.where))
+                                (), seen.value, seen.where, summary=summary))
     return AuditResult(label, source.mode, str(version) if version else None,
-                       f"speculators=={spec_version}" if spec_version else None, tuple(findings))
+                       f"speculators=={spec_version}" if spec_version else None, tuple(findings),
+                       newest_verified=str(min(a.verified_through for a in adapters())))
 
 
 def _adapter_finding(adapter, source, version, spec_version) -> Finding:
@@ -222,8 +255,11 @@ def _adapter_finding(adapter, source, version, spec_version) -> Finding:
                        summary=f"not used by speculators {spec_version}")
     verdict = judge(adapter, source, version)
     note = f" ({adapter.host_note})" if adapter.host_note else ""
+    unverified = "" if version is None or adapter.verified_on(version) else (
+        f"not verified on vllm {version} (verified through {adapter.verified_through})")
     return Finding(**common, verdict=verdict.verdict, checked=checked, old=old, new=new, found=verdict.found,
-                   where=verdict.where, summary=adapter.summary + note)
+                   where=verdict.where, summary=adapter.summary + note,
+                   verified_through=str(adapter.verified_through), unverified=unverified)
 
 
 __all__ = ["audit", "AuditResult", "Finding", "AuditError", "ADAPTED", "NATIVE"]
