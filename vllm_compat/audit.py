@@ -226,16 +226,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         tree, version = _tree_for(Path(vllm))
         source, label = StaticSource(tree), str(vllm)
 
-    # Adapters in application order: once one that puts moved names back is adapted, every later
-    # check reads those names where they live now, as the adapted process would.
-    findings, bridges, bridged_by = [], {}, {}
-    for adapter in adapters():
-        finding = _adapter_finding(adapter, AliasedSource(source, dict(bridges)), version, spec_version)
-        findings.append(finding)
-        for patch in adapter.patches if finding.verdict == ADAPTED else ():
-            if patch.alias_of:
-                bridges[patch.target], bridged_by[patch.target] = patch.alias_of, adapter.id
-    bridged_source = AliasedSource(source, bridges)
+    findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version) for a in adapters()]
+    bridged_source = bridged(source, version)
     for check, expected, consumers in TOUCHPOINTS:
         if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
             continue
@@ -244,12 +236,29 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         moved = bridged_source.moved_name(check.target)
         if verdict == OK and moved:
             verdict = BRIDGED
-        summary = f"moved to {bridged_source.redirect(check.target)}; put back by {bridged_by[moved]}" if moved else ""
+        summary = f"moved to {bridged_source.redirect(check.target)}; put back by {bridged_source.owners[moved]}" \
+            if moved else ""
         findings.append(Finding(check.target, "touchpoint", verdict, check.describe(), tuple(sorted(expected)),
                                 (), seen.value, seen.where, summary=summary))
     return AuditResult(label, source.mode, str(version) if version else None,
                        f"speculators=={spec_version}" if spec_version else None, tuple(findings),
                        newest_verified=str(min(a.verified_through for a in adapters())))
+
+
+def bridged(source, version: Version | None, before: str | None = None) -> AliasedSource:
+    """``source`` as a process sees it after ``apply()``: names that adapted adapters put back
+    (moved functions, ``Patch.alias_of``) are read where they live now. ``before``: only the
+    adapters applied before that one (an alias adapter is judged on the source without itself)."""
+    aliases: dict[str, str] = {}
+    owners: dict[str, str] = {}
+    for adapter in adapters():
+        if adapter.id == before:
+            break
+        aliased = [p for p in adapter.patches if p.alias_of]
+        if aliased and judge(adapter, AliasedSource(source, dict(aliases)), version).verdict == ADAPTED:
+            aliases.update({p.target: p.alias_of for p in aliased})
+            owners.update({p.target: adapter.id for p in aliased})
+    return AliasedSource(source, aliases, owners)
 
 
 def _adapter_finding(adapter, source, version, spec_version) -> Finding:
@@ -270,4 +279,4 @@ def _adapter_finding(adapter, source, version, spec_version) -> Finding:
                    verified_through=str(adapter.verified_through), unverified=unverified)
 
 
-__all__ = ["audit", "AuditResult", "Finding", "AuditError", "ADAPTED", "NATIVE"]
+__all__ = ["audit", "bridged", "AuditResult", "Finding", "AuditError", "ADAPTED", "NATIVE"]

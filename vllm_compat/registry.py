@@ -47,7 +47,7 @@ _pending: dict[str, set[str]] = {}  # adapter id -> targets still waiting for th
 _generation = 0  # bumped by revert(); post-import hooks of an older generation do nothing
 _active = False
 _role = "parent"
-_saved_env: dict[str, str | None] = {}  # what apply() found in the variables it set, for revert()
+_saved_env: dict[str, tuple[str | None, str | None]] = {}  # variable -> (before apply(), as apply() left it)
 
 
 @lru_cache(maxsize=None)
@@ -257,8 +257,7 @@ def apply(
         if _active:
             return status()
         disabled = _known_ids(_env_list(ENV_DISABLE), ENV_DISABLE) | _known_ids(set(disable), "apply(disable=...)")
-        _saved_env.clear()
-        _saved_env.update({name: os.environ.get(name) for name in (ENV_APPLY, ENV_DISABLE, ENV_STRICT)})
+        before = {name: os.environ.get(name) for name in (ENV_APPLY, ENV_DISABLE, ENV_STRICT)}
         if disabled:
             os.environ[ENV_DISABLE] = ",".join(sorted(disabled))
         if strict is None:
@@ -267,6 +266,8 @@ def apply(
             os.environ[ENV_STRICT] = "1"
         # Spawned vLLM processes inherit this and their plugin applies the worker adapters.
         os.environ[ENV_APPLY] = "1"
+        _saved_env.clear()
+        _saved_env.update({name: (value, os.environ.get(name)) for name, value in before.items()})
         _active, _role = True, role
         vllm, spec_version = vllm_version(), speculators_version()
         for adapter in adapters():
@@ -304,8 +305,8 @@ def _log(report: Report) -> None:
 
 def revert() -> None:
     """Undo every patch (reverse order), stop arming spawned processes, and give the environment
-    variables apply() set (``VLLM_COMPAT_APPLY``, ``_DISABLE``, ``_STRICT``) their earlier values.
-    Safe to call twice."""
+    variables apply() set (``VLLM_COMPAT_APPLY``, ``_DISABLE``, ``_STRICT``) their earlier values
+    (a variable changed since apply() is left as it is). Safe to call twice."""
     global _generation, _active
     with _lock:
         for adapter in reversed(adapters()):
@@ -313,7 +314,9 @@ def revert() -> None:
         _results.clear()
         _generation += 1
         _active = False
-        for name, value in _saved_env.items():
+        for name, (value, ours) in _saved_env.items():
+            if os.environ.get(name) != ours:  # changed since apply(): someone else's value now
+                continue
             if value is None:
                 os.environ.pop(name, None)
             else:

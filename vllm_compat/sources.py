@@ -42,8 +42,9 @@ class AliasedSource:
     names still present where they were are read there.
     """
 
-    def __init__(self, inner: Source, aliases: dict[str, str]):
+    def __init__(self, inner: Source, aliases: dict[str, str], owners: dict[str, str] | None = None):
         self.inner, self.aliases, self.mode = inner, aliases, inner.mode
+        self.owners = owners or {}  # old address -> id of the adapter putting the name back
 
     def moved_name(self, target: str) -> str | None:
         """The old address (a key of ``aliases``) that ``target`` is read through, if any."""

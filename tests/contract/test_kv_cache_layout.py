@@ -1,6 +1,6 @@
 import pytest
 
-from tests.contract.base import AdapterContract
+from tests.contract.base import AdapterContract, needs_vllm_platform
 from vllm_compat.verdicts import ADAPTED
 
 
@@ -14,6 +14,7 @@ class TestKvCacheLayout(AdapterContract):
         carries the context-parallel interleave size exactly where the method takes it (0.33+)."""
         if self.expected_verdict() != ADAPTED:
             pytest.skip("no KV-cache layout to resolve before 0.29.0")
+        needs_vllm_platform()
         import inspect
 
         from vllm.config import VllmConfig

@@ -1,4 +1,4 @@
-from tests.contract.base import AdapterContract
+from tests.contract.base import AdapterContract, needs_vllm_platform
 
 import vllm_compat
 
@@ -8,6 +8,7 @@ class TestKvCacheSpecsKwarg(AdapterContract):
     first_new = "0.12.0"
 
     def test_patched_call(self):
+        needs_vllm_platform()
         vllm_compat.apply()
         from vllm.config import VllmConfig
         from vllm.v1.core import kv_cache_utils

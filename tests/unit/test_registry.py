@@ -133,6 +133,10 @@ def test_revert_gives_the_environment_back(fake_vllm, monkeypatch):
     assert "VLLM_COMPAT_STRICT" not in os.environ and "VLLM_COMPAT_APPLY" not in os.environ
     vllm_compat.revert()  # a second revert changes nothing
     assert os.environ["VLLM_COMPAT_DISABLE"] == "other"
+    vllm_compat.apply()
+    monkeypatch.setenv("VLLM_COMPAT_APPLY", "set by someone else")
+    vllm_compat.revert()
+    assert os.environ["VLLM_COMPAT_APPLY"] == "set by someone else", "a value changed since apply() is kept"
 
 
 def test_disabling_a_requirement_disables_its_dependents(fake_vllm, monkeypatch):
