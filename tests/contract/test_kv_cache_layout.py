@@ -7,6 +7,7 @@ from vllm_compat.verdicts import ADAPTED
 class TestKvCacheLayout(AdapterContract):
     adapter_id = "kv_cache_layout"
     first_new = "0.29.0"
+    negative = 'KV cache layout has not been resolved'
 
     def test_patched_call(self):
         """The wrapper's two calls on a real executor whose worker RPCs are answered here, as one
