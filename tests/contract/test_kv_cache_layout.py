@@ -1,6 +1,6 @@
 import pytest
 
-from tests.contract.base import AdapterContract, needs_vllm_platform
+from tests.contract.base import AdapterContract
 from vllm_compat.verdicts import ADAPTED
 
 
@@ -15,10 +15,10 @@ class TestKvCacheLayout(AdapterContract):
         carries the context-parallel interleave size exactly where the method takes it (0.33+)."""
         if self.expected_verdict() != ADAPTED:
             pytest.skip("no KV-cache layout to resolve before 0.29.0")
-        needs_vllm_platform()
         import inspect
+        from types import SimpleNamespace
 
-        from vllm.config import VllmConfig
+        from vllm.config import CacheConfig, ParallelConfig
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
         from vllm.v1.kv_cache_interface import KVCacheLayout
 
@@ -33,9 +33,11 @@ class TestKvCacheLayout(AdapterContract):
                 return {"get_kv_cache_spec": [{}], "get_supported_kv_cache_layouts": [[layout]]}.get(method)
 
         executor = object.__new__(AnsweredHere)
-        executor.vllm_config = VllmConfig()
-        executor.vllm_config.parallel_config.cp_kv_cache_interleave_size = 4 if hasattr(
-            executor.vllm_config.parallel_config, "cp_kv_cache_interleave_size") else None
+        # the config parts these calls read, real ones (a whole VllmConfig needs a device platform,
+        # which 0.33.0's CUDA wheel lacks on a host without a GPU)
+        executor.vllm_config = SimpleNamespace(cache_config=CacheConfig(), parallel_config=ParallelConfig(),
+                                               kv_transfer_config=None)
+        executor.vllm_config.parallel_config.cp_kv_cache_interleave_size = 4
         assert resolve_layout(lambda: executor, None, (), {}) is executor
         takes_interleave = "cp_kv_cache_interleave_size" in inspect.signature(MultiprocExecutor.set_kv_cache_layout).parameters
         assert sent[-1] == ("set_kv_cache_layout", (layout, 4) if takes_interleave else (layout,))
