@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import versions
+from . import callsites, versions
 from .errors import VllmCompatError
 from .registry import adapters
 from .sources import DirTree, LiveSource, StaticSource, Tree, WheelTree
@@ -27,7 +27,7 @@ from .verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 OK = "ok"
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
-JSON_SCHEMA_VERSION = 1
+JSON_SCHEMA_VERSION = 2  # 2: call_sites, consumer_source
 
 
 class AuditError(VllmCompatError):
@@ -68,14 +68,20 @@ class AuditResult:
     vllm_version: str | None
     consumer: str | None
     findings: tuple[Finding, ...] = field(default=())
+    call_sites: tuple[callsites.CallSite, ...] = field(default=())
+    consumer_source: str | None = None  # where the consumer's code was read ('' when not found)
 
     @property
     def problems(self) -> list[Finding]:
         return [f for f in self.findings if f.verdict in BAD]
 
     @property
+    def call_site_problems(self) -> list[callsites.CallSite]:
+        return [c for c in self.call_sites if c.status == callsites.PROBLEM]
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.problems else 0
+        return 1 if self.problems or self.call_site_problems else 0
 
     def __getitem__(self, finding_id: str) -> Finding:
         for finding in self.findings:
@@ -84,7 +90,7 @@ class AuditResult:
         raise KeyError(finding_id)
 
     def to_dict(self) -> dict:
-        return {"schema": JSON_SCHEMA_VERSION, **asdict(self), "ok": not self.problems}
+        return {"schema": JSON_SCHEMA_VERSION, **asdict(self), "ok": not self.exit_code}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -108,10 +114,27 @@ class AuditResult:
         lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
-        verdict = "OK: every adapter native or adapted" if not self.problems else (
-            f"PROBLEMS: {len(self.problems)} (the generator would break or be wrong)")
+        lines += ["", *self._render_call_sites()]
+        problems = len(self.problems) + len(self.call_site_problems)
+        verdict = "OK: every adapter native or adapted, every call site fits or is bridged" if not problems else (
+            f"PROBLEMS: {problems} (the generator would break or be wrong)")
         lines += ["", verdict]
         return "\n".join(lines)
+
+    def _render_call_sites(self) -> list[str]:
+        counts = {status: sum(c.status == status for c in self.call_sites)
+                  for status in (callsites.OK, callsites.BRIDGED, callsites.PROBLEM)}
+        read = f"consumer read from {self.consumer_source}" if self.consumer_source else (
+            "consumer code not found (adapters only; pass --consumer-source)")
+        lines = [f"call sites: {len(self.call_sites)} checked, {counts[callsites.OK]} ok, "
+                 f"{counts[callsites.BRIDGED]} bridged, {counts[callsites.PROBLEM]} problems ({read})"]
+        for c in self.call_sites:
+            if c.status == callsites.BRIDGED:
+                lines.append(f"  bridged by {c.by}: {c.site} -> {c.target} ({c.where}): {c.problem}")
+        for c in self.call_sites:
+            if c.status == callsites.PROBLEM:
+                lines.append(f"  PROBLEM: {c.site} -> {c.target} ({c.where or 'not in this vLLM'}): {c.problem}")
+        return lines
 
 
 def _tree_for(path: Path) -> tuple[Tree, Version | None]:
@@ -167,7 +190,8 @@ def _consumer_version(consumer: str | None) -> Version | None:
     return _parse(version, f"--consumer {consumer}")
 
 
-def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False) -> AuditResult:
+def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False,
+          consumer_source: str | Path | None = None) -> AuditResult:
     """Check a vLLM against every adapter's expectation and every consumer touch point.
 
     Args:
@@ -175,6 +199,9 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
             None for the vLLM importable in this interpreter (read, not imported, unless ``live``).
         consumer: ``"speculators==X"``; default: the installed speculators, else any consumer.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
+        consumer_source: a directory holding ``speculators/`` whose call sites are checked;
+            default: the installed speculators (located, not imported) when its version is the
+            consumer's.
 
     Returns:
         An :class:`AuditResult`; ``exit_code`` is 1 when anything is unknown drift or missing.
@@ -189,15 +216,18 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         source, version, label = LiveSource(), versions.vllm_version(), "installed (imported)"
         if version is None:
             raise AuditError("vLLM is not installed in this interpreter")
+        where = versions.package_dir("vllm")
+        static = StaticSource(DirTree(where.parent, str(where)))
     elif vllm is None:
         where = versions.package_dir("vllm")
         if where is None:
             raise AuditError("vLLM is not installed in this interpreter; pass --vllm PATH (a wheel or source tree)")
-        source = StaticSource(DirTree(where.parent, str(where)))
+        source = static = StaticSource(DirTree(where.parent, str(where)))
         version, label = versions.vllm_version(), f"{where} (installed, not imported)"
     else:
         tree, version = _tree_for(Path(vllm))
         source, label = StaticSource(tree), str(vllm)
+        static = source
 
     findings = [_adapter_finding(a, source, version, spec_version) for a in adapters()]
     for check, expected, consumers in TOUCHPOINTS:
@@ -207,8 +237,29 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         verdict = OK if seen.value in expected else MISSING_SYMBOL if seen.value == "<missing>" else UNKNOWN_DRIFT
         findings.append(Finding(check.target, "touchpoint", verdict, check.describe(), tuple(sorted(expected)),
                                 (), seen.value, seen.where))
+    adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
+    adapted = [a for a in adapters() if a.id in adapted_ids]
+    root = _consumer_root(consumer_source, spec_version)
+    sites = callsites.check(static, adapted, root)
     return AuditResult(label, source.mode, str(version) if version else None,
-                       f"speculators=={spec_version}" if spec_version else None, tuple(findings))
+                       f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
+                       str(root) if root else "")
+
+
+def _consumer_root(consumer_source, spec_version) -> Path | None:
+    """Where the consumer's code is read: the path given, else the installed speculators when it is
+    the audited consumer release."""
+    if consumer_source is not None:
+        root = Path(consumer_source)
+        if root.name == "speculators" and (root / "__init__.py").is_file():
+            root = root.parent
+        if not (root / "speculators" / "__init__.py").is_file():
+            raise AuditError(f"{consumer_source}: no speculators/ package in this directory")
+        return root
+    installed = versions.speculators_version()
+    if installed is None or (spec_version is not None and versions.base(installed) != versions.base(spec_version)):
+        return None
+    return callsites.consumer_root()
 
 
 def _adapter_finding(adapter, source, version, spec_version) -> Finding:

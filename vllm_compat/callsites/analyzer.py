@@ -137,8 +137,8 @@ class ModuleAnalysis:
 
     def _member(self, holder: Value, name: str, node: ast.AST, kind: str) -> Value | None:
         """Look ``holder.name`` up in vLLM, record the reference, and return what it is."""
-        if holder.found is None:
-            return None
+        if holder.found is None or (name.startswith("__") and name.endswith("__")):
+            return None  # object's own attributes (__dict__, __class__): always there
         target = _join(holder.target, name)
         if holder.kind == MODULE:
             found = self.index.top_level(holder.found.module, name)
