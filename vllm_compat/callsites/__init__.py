@@ -44,12 +44,12 @@ class CallSite:
     by: str = ""
 
 
-def consumer_root(version=None) -> Path | None:
+def consumer_root() -> Path | None:
     """The directory holding the installed ``speculators/`` package (located, not imported)."""
     spec = importlib.util.find_spec("speculators")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(list(spec.submodule_search_locations)[0]).parent
+    return Path(next(iter(spec.submodule_search_locations))).parent
 
 
 def _parse(path: Path) -> ast.Module | None:
@@ -70,12 +70,8 @@ def consumer_analyses(index: VllmIndex, root: Path) -> list[ModuleAnalysis]:
         tree = _parse(path)
         if tree is None:
             continue
-        module = f"{CONSUMER_PACKAGE}.{path.stem}"
-        package = CONSUMER_PACKAGE if path.stem != "__init__" else CONSUMER_PACKAGE
         label = f"{CONSUMER_PACKAGE.replace('.', '/')}/{path.name}"
-        analysis = ModuleAnalysis(index, tree, label, package)
-        analysis.module_name = module  # type: ignore[attr-defined]
-        found.append(analysis)
+        found.append(ModuleAnalysis(index, tree, label, CONSUMER_PACKAGE, name=f"{CONSUMER_PACKAGE}.{path.stem}"))
     return found
 
 
@@ -214,7 +210,7 @@ def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -
     adapters, checked against ``source``."""
     index = VllmIndex(source)
     analyses = consumer_analyses(index, consumer) if consumer is not None else []
-    generator = next((a for a in analyses if getattr(a, "module_name", "") == GENERATOR), None)
+    generator = next((a for a in analyses if a.name == GENERATOR), None)
     results = []
     for analysis in analyses:
         for ref in analysis.references:
@@ -227,4 +223,4 @@ def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -
     return results
 
 
-__all__ = ["CallSite", "check", "consumer_root", "OK", "BRIDGED", "PROBLEM"]
+__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "check", "consumer_root"]

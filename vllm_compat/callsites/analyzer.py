@@ -46,34 +46,31 @@ def _join(target: str, name: str) -> str:
 
 
 class ModuleAnalysis:
-    """Reads one module; :attr:`references` lists what it found. ``seeds`` type a function's
-    parameters: ``{function name: {parameter: Value}}``."""
+    """Reads one module; :attr:`references` lists what it found. ``package`` resolves relative
+    imports; ``seeds`` type a module-level function's parameters: ``{function: {parameter: Value}}``."""
 
     def __init__(self, index: VllmIndex, tree: ast.Module, label: str, package: str = "",
-                 seeds: dict[str, dict[str, Value]] | None = None, wanted: set[str] | None = None):
-        self.index, self.label, self.package = index, label, package
+                 seeds: dict[str, dict[str, Value]] | None = None, name: str = ""):
+        self.index, self.label, self.package, self.name = index, label, package, name
         self.seeds = seeds or {}
         self.references: list[Reference] = []
         self._seen: set[tuple[int, int, str]] = set()
         self._scopes: dict[int, _Scope] = {}
         self.module_scope = _Scope(self, None, tree.body, {})
-        self.classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
         self._typing: set[int] = set()
         self._call_funcs = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
         for node in tree.body:
-            self._visit_top(node, wanted)
+            self._visit_top(node)
 
     # -- walking --------------------------------------------------------------------------------
-    def _visit_top(self, node: ast.stmt, wanted: set[str] | None) -> None:
+    def _visit_top(self, node: ast.stmt) -> None:
         if isinstance(node, FUNCTIONS):
-            if wanted is None or node.name in wanted:
-                self._visit_function(node, None)
+            self._visit_function(node, None)
         elif isinstance(node, ast.ClassDef):
-            if wanted is None:
-                for item in node.body:
-                    if isinstance(item, FUNCTIONS):
-                        self._visit_function(item, node)
-        elif wanted is None:
+            for item in node.body:
+                if isinstance(item, FUNCTIONS):
+                    self._visit_function(item, node)
+        else:
             self._check_nodes(node, self.module_scope)
 
     def _visit_function(self, node, klass: ast.ClassDef | None) -> None:
@@ -176,9 +173,7 @@ class ModuleAnalysis:
         if isinstance(node, ast.AnnAssign) and holder is not None and holder.kind == INSTANCE:
             klass = self.index.result_class(found)
             return Value(INSTANCE, self.class_target(klass), klass, via) if klass else None
-        if isinstance(node, ast.Assign) and holder is not None and holder.kind == CLASS:
-            return None  # an enum member or class constant: present, nothing more to follow
-        return None
+        return None  # a constant or enum member: present, nothing more to follow
 
     @staticmethod
     def class_target(found: _Found) -> str:

@@ -106,9 +106,9 @@ class VllmIndex:
             return lazy
         tree = loaded[0]
         for stmt in ast.walk(tree):
-            if isinstance(stmt, ast.ImportFrom) and not stmt.level and not (stmt.module or "").startswith("vllm"):
-                if any((a.asname or a.name) == name or a.name == "*" for a in stmt.names):
-                    return True
+            if (isinstance(stmt, ast.ImportFrom) and not stmt.level and not (stmt.module or "").startswith("vllm")
+                    and any((a.asname or a.name) == name or a.name == "*" for a in stmt.names)):
+                return True
             if isinstance(stmt, ast.Import) and any((a.asname or a.name).split(".")[0] == name for a in stmt.names):
                 return True
         return None
@@ -200,9 +200,9 @@ class VllmIndex:
 
     def _sets_on_self(self, klass: _Found, name: str) -> bool:
         for node in ast.walk(klass.node):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr == name:
-                if isinstance(node.value, ast.Name) and node.value.id == "self":
-                    return True
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr == name
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                return True
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
                 return True
         return False
