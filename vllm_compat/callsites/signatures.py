@@ -87,6 +87,7 @@ class VllmIndex:
 
     def __init__(self, source: StaticSource):
         self.source = source
+        self._names: dict[tuple[str, str], _Found | None | bool] = {}
 
     # -- names ----------------------------------------------------------------------------------
     def module(self, name: str) -> _Found | None:
@@ -95,6 +96,12 @@ class VllmIndex:
     def top_level(self, module: str, name: str) -> _Found | None | bool:
         """The definition of ``module.name``; True when it exists but lies outside vLLM's files
         (re-exported from another package, or served by a module ``__getattr__``); None if missing."""
+        key = (module, name)
+        if key not in self._names:
+            self._names[key] = self._top_level(module, name)
+        return self._names[key]
+
+    def _top_level(self, module: str, name: str) -> _Found | None | bool:
         found = self.source._top_level(module, name) or self.source._module_node(f"{module}.{name}")
         if found is not None:
             return found
@@ -104,8 +111,7 @@ class VllmIndex:
         lazy = self._lazy_attr(module, loaded[0], name)
         if lazy is not None:
             return lazy
-        tree = loaded[0]
-        for stmt in ast.walk(tree):
+        for stmt in (node for top in loaded[0].body for node in _defining_nodes(top)):
             if (isinstance(stmt, ast.ImportFrom) and not stmt.level and not (stmt.module or "").startswith("vllm")
                     and any((a.asname or a.name) == name or a.name == "*" for a in stmt.names)):
                 return True
