@@ -199,7 +199,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
             None for the vLLM importable in this interpreter (read, not imported, unless ``live``).
         consumer: ``"speculators==X"``; default: the installed speculators, else any consumer.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
-        consumer_source: a directory holding ``speculators/`` whose call sites are checked;
+        consumer_source: a directory holding ``speculators/``, or a speculators wheel, whose call
+            sites are checked;
             default: the installed speculators (located, not imported) when its version is the
             consumer's.
 
@@ -251,6 +252,13 @@ def _consumer_root(consumer_source, spec_version) -> Path | None:
     the audited consumer release."""
     if consumer_source is not None:
         root = Path(consumer_source)
+        if root.is_file():
+            try:
+                if "speculators/__init__.py" not in zipfile.ZipFile(root).namelist():
+                    raise AuditError(f"{root}: not a speculators wheel")
+            except (zipfile.BadZipFile, OSError) as exc:
+                raise AuditError(f"{root}: not a wheel ({exc})") from None
+            return root
         if root.name == "speculators" and (root / "__init__.py").is_file():
             root = root.parent
         if not (root / "speculators" / "__init__.py").is_file():

@@ -1,6 +1,6 @@
 """``vllm-compat``: audit a vLLM before loading a model; list adapters; show what apply() does.
 
-    vllm-compat audit [--vllm PATH] [--consumer speculators==X] [--consumer-source DIR] [--json] [--live] [--debug]
+    vllm-compat audit [--vllm PATH] [--consumer speculators==X] [--consumer-source PATH] [--json] [--live] [--debug]
     vllm-compat adapters [--json]
 
 Exit codes: 0 everything native or adapted; 1 unknown drift or missing symbols; 2 usage errors
@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="check a vLLM (installed, a wheel or a source tree) against every adapter")
     audit.add_argument("--vllm", metavar="PATH", help="a .whl file or a directory holding vllm/ (read, never imported)")
     audit.add_argument("--consumer", metavar="speculators==X", help="whose expectations to check (default: installed)")
-    audit.add_argument("--consumer-source", metavar="DIR",
-                       help="a directory holding speculators/ whose call sites into vLLM are checked "
+    audit.add_argument("--consumer-source", metavar="PATH",
+                       help="a directory holding speculators/ (or a speculators wheel) whose call sites into "
+                            "vLLM are checked "
                             "(default: the installed speculators, read, never imported)")
     audit.add_argument("--json", action="store_true", help="machine-readable output (schema in docs/audit.md)")
     audit.add_argument("--live", action="store_true", help="import the installed vLLM and inspect live objects")

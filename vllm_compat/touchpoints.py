@@ -10,6 +10,7 @@ from __future__ import annotations
 from .shapes import PRESENT, Attr, Check
 
 BOTH = ">=0.3.0,<0.5"
+ONLY_04 = ">=0.4.0,<0.5"
 
 TOUCHPOINTS: tuple[tuple[Check, frozenset[str], str], ...] = tuple(
     (check, frozenset(expected), consumers)
@@ -21,5 +22,9 @@ TOUCHPOINTS: tuple[tuple[Check, frozenset[str], str], ...] = tuple(
         # so its `self` is a Worker that the extension's own source never names; collective_rpc then
         # runs the extension's methods beside the Worker's execute_model.
         (Attr("vllm.v1.worker.gpu_worker:Worker", "execute_model"), {PRESENT}, BOTH),
+        # _patched_forward is bound onto whatever base model vLLM loaded (types.MethodType), so its
+        # `self.embed_input_ids(...)` names no class; vLLM's Llama stands for the decoder models.
+        # (0.3.0 calls get_input_embeddings: the embed_input_ids_alias adapter's own check.)
+        (Attr("vllm.model_executor.models.llama:LlamaModel", "embed_input_ids"), {PRESENT}, ONLY_04),
     ]
 )

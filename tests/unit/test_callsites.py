@@ -1,6 +1,7 @@
 """The call-site rules on a small synthetic vLLM and consumer (the real sources: tests/contract/
 test_callsite_audit.py): what is checked, where it stays silent, and what bridges a break."""
 import textwrap
+import zipfile
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -130,3 +131,13 @@ def test_a_missing_name_is_bridged_by_a_patch_that_creates_it(trees):
     assert ("bridged", "name not found", "alias_gone") in found["from vllm.mod import Engine, Outside, build, gone"]
     # a patch on a class (no create) says nothing about which parameter it fixes
     assert found["Engine(1)"] == [("PROBLEM", "required parameter 'block_size' not passed", "")]
+
+
+def test_the_consumer_read_from_a_wheel_gives_the_same_findings(trees, tmp_path):
+    source, consumer = trees
+    wheel = tmp_path / "speculators-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path in consumer.rglob("*.py"):
+            zf.write(path, path.relative_to(consumer).as_posix())
+    assert callsites.check(source, [], wheel) == callsites.check(source, [], consumer)
+    assert any(site.status == "PROBLEM" for site in callsites.check(source, [], wheel))

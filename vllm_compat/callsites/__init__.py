@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,26 +53,35 @@ def consumer_root() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))).parent
 
 
-def _parse(path: Path) -> ast.Module | None:
+def _parse(path: Path, text: str | None = None) -> ast.Module | None:
     try:
-        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        return ast.parse(path.read_text(encoding="utf-8") if text is None else text, filename=str(path))
     except (OSError, SyntaxError):
         return None
 
 
+def consumer_files(root: Path) -> dict[str, str]:
+    """``{file name: text}`` of the consumer's ``data_generation`` modules, from a directory holding
+    ``speculators/`` or from a speculators wheel (read inside the zip)."""
+    folder = "/".join(CONSUMER_PACKAGE.split("."))
+    if root.is_file():
+        with zipfile.ZipFile(root) as wheel:
+            return {name.rsplit("/", 1)[1]: wheel.read(name).decode("utf-8", errors="replace")
+                    for name in wheel.namelist() if name.startswith(f"{folder}/") and name.count("/") == 2
+                    and name.endswith(".py")}
+    return {path.name: path.read_text(encoding="utf-8", errors="replace")
+            for path in sorted((root / folder).glob("*.py"))}
+
+
 def consumer_analyses(index: VllmIndex, root: Path) -> list[ModuleAnalysis]:
     """The ``data_generation`` modules of the speculators under ``root`` that reference vLLM."""
-    package_dir = root / Path(*CONSUMER_PACKAGE.split("."))
     found = []
-    for path in sorted(package_dir.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if "vllm" not in text:
-            continue
-        tree = _parse(path)
-        if tree is None:
-            continue
-        label = f"{CONSUMER_PACKAGE.replace('.', '/')}/{path.name}"
-        found.append(ModuleAnalysis(index, tree, label, CONSUMER_PACKAGE, name=f"{CONSUMER_PACKAGE}.{path.stem}"))
+    for name, text in sorted(consumer_files(root).items()):
+        label = f"{CONSUMER_PACKAGE.replace('.', '/')}/{name}"
+        tree = _parse(Path(label), text) if "vllm" in text else None
+        if tree is not None:
+            module = f"{CONSUMER_PACKAGE}.{name.removesuffix('.py')}"
+            found.append(ModuleAnalysis(index, tree, label, CONSUMER_PACKAGE, name=module))
     return found
 
 
