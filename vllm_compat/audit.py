@@ -18,7 +18,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import versions, wheels
+from . import callsites, versions, wheels
 from .errors import VllmCompatError
 from .registry import adapters
 from .sources import AliasedSource, DirTree, LiveSource, StaticSource, Tree, WheelTree
@@ -29,7 +29,7 @@ OK = "ok"
 BRIDGED = "bridged"  # a touch point whose name moved, put back by an adapted adapter
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
-JSON_SCHEMA_VERSION = 1
+JSON_SCHEMA_VERSION = 2  # 2: call_sites, consumer_source
 
 
 class AuditError(VllmCompatError):
@@ -74,6 +74,8 @@ class AuditResult:
     vllm_version: str | None
     consumer: str | None
     findings: tuple[Finding, ...] = field(default=())
+    call_sites: tuple[callsites.CallSite, ...] = field(default=())
+    consumer_source: str | None = None  # where the consumer's code was read ('' when not found)
     newest_verified: str | None = None  # the newest vLLM release every adapter was verified on
 
     @property
@@ -85,8 +87,12 @@ class AuditResult:
         return [f for f in self.findings if f.verdict in BAD]
 
     @property
+    def call_site_problems(self) -> list[callsites.CallSite]:
+        return [c for c in self.call_sites if c.status == callsites.PROBLEM]
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.problems else 0
+        return 1 if self.problems or self.call_site_problems else 0
 
     def __getitem__(self, finding_id: str) -> Finding:
         for finding in self.findings:
@@ -95,7 +101,7 @@ class AuditResult:
         raise KeyError(finding_id)
 
     def to_dict(self) -> dict:
-        return {"schema": JSON_SCHEMA_VERSION, **asdict(self), "ok": not self.problems}
+        return {"schema": JSON_SCHEMA_VERSION, **asdict(self), "ok": not self.exit_code}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -125,13 +131,30 @@ class AuditResult:
             lines.append(f"  {f.verdict}: {f.checked}: found at {f.where} ({f.summary})")
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
-        verdict = "OK: every adapter native or adapted" if not self.problems else (
-            f"PROBLEMS: {len(self.problems)} (the generator would break or be wrong)")
+        lines += ["", *self._render_call_sites()]
+        problems = len(self.problems) + len(self.call_site_problems)
+        verdict = "OK: every adapter native or adapted, every call site fits or is bridged" if not problems else (
+            f"PROBLEMS: {problems} (the generator would break or be wrong)")
         if self.unverified:
             verdict += (f"; {len(self.unverified)} adapter(s) not verified on vllm {self.vllm_version} "
                         f"(newest verified: {self.newest_verified})")
         lines += ["", verdict]
         return "\n".join(lines)
+
+    def _render_call_sites(self) -> list[str]:
+        counts = {status: sum(c.status == status for c in self.call_sites)
+                  for status in (callsites.OK, callsites.BRIDGED, callsites.PROBLEM)}
+        read = f"consumer read from {self.consumer_source}" if self.consumer_source else (
+            "consumer code not found (adapters only; pass --consumer-source)")
+        lines = [f"call sites: {len(self.call_sites)} checked, {counts[callsites.OK]} ok, "
+                 f"{counts[callsites.BRIDGED]} bridged, {counts[callsites.PROBLEM]} problems ({read})"]
+        for c in self.call_sites:
+            if c.status == callsites.BRIDGED:
+                lines.append(f"  bridged by {c.by}: {c.site} -> {c.target} ({c.where}): {c.problem}")
+        for c in self.call_sites:
+            if c.status == callsites.PROBLEM:
+                lines.append(f"  PROBLEM: {c.site} -> {c.target} ({c.where or 'not in this vLLM'}): {c.problem}")
+        return lines
 
 
 def _tree_for(path: Path) -> tuple[Tree, Version | None]:
@@ -187,7 +210,8 @@ def _consumer_version(consumer: str | None) -> Version | None:
     return _parse(version, f"--consumer {consumer}")
 
 
-def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False) -> AuditResult:
+def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False,
+          consumer_source: str | Path | None = None) -> AuditResult:
     """Check a vLLM against every adapter's expectation and every consumer touch point.
 
     Args:
@@ -197,6 +221,10 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
             unless ``live``).
         consumer: ``"speculators==X"``; default: the installed speculators, else any consumer.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
+        consumer_source: a directory holding ``speculators/``, or a speculators wheel, whose call
+            sites are checked;
+            default: the installed speculators (located, not imported) when its version is the
+            consumer's.
 
     Returns:
         An :class:`AuditResult`; ``exit_code`` is 1 when anything is unknown drift or missing.
@@ -212,19 +240,23 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         source, version, label = LiveSource(), versions.vllm_version(), "installed (imported)"
         if version is None:
             raise AuditError("vLLM is not installed in this interpreter")
+        where = versions.package_dir("vllm")
+        static = StaticSource(DirTree(where.parent, str(where)))
     elif vllm is None:
         where = versions.package_dir("vllm")
         if where is None:
             raise AuditError("vLLM is not installed in this interpreter; pass --vllm PATH (a wheel or source tree)")
-        source = StaticSource(DirTree(where.parent, str(where)))
+        source = static = StaticSource(DirTree(where.parent, str(where)))
         version, label = versions.vllm_version(), f"{where} (installed, not imported)"
     elif isinstance(vllm, str) and wheels.requirement(vllm) is not None:
         wheel = wheels.fetch(vllm)
         tree, version = _tree_for(wheel)
         source, label = StaticSource(tree), f"{vllm} ({wheel.name})"
+        static = source
     else:
         tree, version = _tree_for(Path(vllm))
         source, label = StaticSource(tree), str(vllm)
+        static = source
 
     findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version) for a in adapters()]
     bridged_source = bridged(source, version)
@@ -240,9 +272,13 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
             if moved else ""
         findings.append(Finding(check.target, "touchpoint", verdict, check.describe(), tuple(sorted(expected)),
                                 (), seen.value, seen.where, summary=summary))
+    adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
+    adapted = [a for a in adapters() if a.id in adapted_ids]
+    root = _consumer_root(consumer_source, spec_version)
+    sites = callsites.check(static, adapted, root)
     return AuditResult(label, source.mode, str(version) if version else None,
-                       f"speculators=={spec_version}" if spec_version else None, tuple(findings),
-                       newest_verified=str(min(a.verified_through for a in adapters())))
+                       f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
+                       str(root) if root else "", newest_verified=str(min(a.verified_through for a in adapters())))
 
 
 def bridged(source, version: Version | None, before: str | None = None) -> AliasedSource:
@@ -259,6 +295,29 @@ def bridged(source, version: Version | None, before: str | None = None) -> Alias
             aliases.update({p.target: p.alias_of for p in aliased})
             owners.update({p.target: adapter.id for p in aliased})
     return AliasedSource(source, aliases, owners)
+
+
+def _consumer_root(consumer_source, spec_version) -> Path | None:
+    """Where the consumer's code is read: the path given, else the installed speculators when it is
+    the audited consumer release."""
+    if consumer_source is not None:
+        root = Path(consumer_source)
+        if root.is_file():
+            try:
+                if "speculators/__init__.py" not in zipfile.ZipFile(root).namelist():
+                    raise AuditError(f"{root}: not a speculators wheel")
+            except (zipfile.BadZipFile, OSError) as exc:
+                raise AuditError(f"{root}: not a wheel ({exc})") from None
+            return root
+        if root.name == "speculators" and (root / "__init__.py").is_file():
+            root = root.parent
+        if not (root / "speculators" / "__init__.py").is_file():
+            raise AuditError(f"{consumer_source}: no speculators/ package in this directory")
+        return root
+    installed = versions.speculators_version()
+    if installed is None or (spec_version is not None and versions.base(installed) != versions.base(spec_version)):
+        return None
+    return callsites.consumer_root()
 
 
 def _adapter_finding(adapter, source, version, spec_version) -> Finding:

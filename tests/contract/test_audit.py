@@ -69,6 +69,9 @@ def test_moved_kv_cache_names_are_bridged_from_0330(consumer):
 
 
 def test_speculators_04_is_refused_on_vllm_0110():
-    result = audit(wheel("0.11.0"), consumer="speculators==0.4.0")
+    from tests.e2e.harness import speculators_path
+
+    result = audit(wheel("0.11.0"), consumer="speculators==0.4.0", consumer_source=speculators_path("0.4.0"))
     assert result.exit_code == 1
-    assert ("vllm.utils.hashing:get_hash_fn_by_name", "missing") in [(f.id, f.verdict) for f in result.problems]
+    assert ("vllm.utils.hashing:get_hash_fn_by_name", "module not found") in [
+        (c.target, c.problem) for c in result.call_site_problems]
