@@ -56,14 +56,21 @@ def test_drift_appears_where_the_atlas_says(adapter, old, new):
 @pytest.mark.parametrize("consumer", ["speculators==0.3.0", "speculators==0.4.0"])
 def test_moved_kv_cache_names_are_bridged_from_0330(consumer):
     """0.33.0 (CUDA wheel only) moved three functions the generator imports: the alias adapter is
-    adapted there, not before, and the touch points at the old address read as bridged."""
+    adapted there, not before, the generator's imports from the old address read as bridged by it,
+    and the calls of the moved names are checked where they live now."""
     before = audit(wheel("0.32.0"), consumer=consumer)
-    after = audit(wheel("0.33.0", "vllm"), consumer=consumer)
+    from tests.e2e.harness import speculators_path
+
+    after = audit(wheel("0.33.0", "vllm"), consumer=consumer, consumer_source=speculators_path(consumer.split("==")[1]))
     assert (before["kv_cache_planning_names"].verdict, after["kv_cache_planning_names"].verdict) == (
         "native", "adapted")
-    moved = [f for f in after.findings if f.kind == "touchpoint" and f.verdict == "bridged"]
-    assert sorted(f.id.split(":")[1] for f in moved) == [
+    moved = [c for c in after.call_sites if c.kind == "import" and c.by == "kv_cache_planning_names"]
+    assert sorted(c.target.split(":")[1] for c in moved) == [
         "_get_kv_cache_groups_uniform_spec", "get_kv_cache_config_from_groups", "unify_hybrid_kv_cache_specs"]
+    # the calls of the moved names are checked where they live now
+    calls = {c.where.split(":")[0] for c in after.call_sites if c.kind == "call" and c.target in {
+        f"vllm.v1.core.kv_cache_utils:{c2.target.split(':')[1]}" for c2 in moved}}
+    assert calls == {"vllm/v1/core/kv_cache_planning.py"}
     assert after["kv_cache_specs_kwarg"].verdict == "adapted"
     assert after.exit_code == before.exit_code == 0, after.render()
 

@@ -218,7 +218,7 @@ def bridging(ref: Reference, adapted: list[Adapter], index: VllmIndex) -> str:
 def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -> list[CallSite]:
     """Every call site of the consumer under ``consumer`` (None: skip it) and of the ``adapted``
     adapters, checked against ``source``."""
-    index = VllmIndex(source)
+    index = VllmIndex(source, {p.target: p.alias_of for a in adapted for p in a.patches if p.alias_of})
     analyses = consumer_analyses(index, consumer) if consumer is not None else []
     generator = next((a for a in analyses if a.name == GENERATOR), None)
     results = []

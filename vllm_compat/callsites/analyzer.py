@@ -83,16 +83,68 @@ class ModuleAnalysis:
         return self._scopes[id(node)]
 
     def _check_nodes(self, root: ast.AST, scope: _Scope) -> None:
-        for node in ast.walk(root):
+        reachable = list(self._reachable(root, scope))
+        for node in reachable:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._check_import(node)
             elif isinstance(node, ast.Call):
                 self._check_call(node, scope)
-        for node in ast.walk(root):
+        for node in reachable:
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in self._call_funcs:
                 holder = scope.value(node.value)
                 if holder is not None and holder.kind != METHOD:
                     self._member(holder, node.attr, node, "attribute")
+
+    def _reachable(self, root: ast.AST, scope: _Scope):
+        """``ast.walk`` of ``root``, except that an ``if`` testing a feature of vLLM (see
+        :meth:`_feature_test`) contributes only the branch the audited release takes: code that
+        asks vLLM's signature before calling it is checked on the call it will make."""
+        todo = [root]
+        while todo:
+            node = todo.pop()
+            yield node
+            taken = self._feature_test(node.test, scope) if isinstance(node, ast.If) else None
+            if taken is None:
+                todo.extend(ast.iter_child_nodes(node))
+            else:
+                todo.append(node.test)
+                todo.extend(node.body if taken else node.orelse)
+
+    def _feature_test(self, test: ast.expr, scope: _Scope) -> bool | None:
+        """The value on the audited release of ``"p" in inspect.signature(f).parameters`` or
+        ``hasattr(obj, "name")`` (possibly negated) when ``f`` / ``obj`` is a known vLLM object;
+        None for any other test."""
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            inner = self._feature_test(test.operand, scope)
+            return None if inner is None else not inner
+        if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.In, ast.NotIn))
+                and isinstance(test.left, ast.Constant) and isinstance(test.left.value, str)):
+            params = test.comparators[0]
+            if not (isinstance(params, ast.Attribute) and params.attr == "parameters"
+                    and isinstance(params.value, ast.Call) and _call_name(params.value) == "signature"
+                    and len(params.value.args) == 1):
+                return None
+            func = scope.value(params.value.args[0])
+            if func is None or func.found is None or func.kind not in (CLASS, FUNCTION, METHOD):
+                return None
+            signature = self.index.callable_signature(func.found, bound=func.kind == METHOD)
+            if signature is None:
+                return None
+            present = test.left.value in {name for name, _ in signature.positional + signature.keyword_only}
+            return present if isinstance(test.ops[0], ast.In) else not present
+        if (isinstance(test, ast.Call) and _call_name(test) == "hasattr" and len(test.args) == 2
+                and isinstance(test.args[1], ast.Constant) and isinstance(test.args[1].value, str)):
+            holder, name = scope.value(test.args[0]), test.args[1].value
+            if holder is None or holder.found is None:
+                return None
+            if holder.kind == MODULE:
+                found = self.index.top_level(holder.found.module, name)
+            elif holder.kind in (CLASS, INSTANCE):
+                found = self.index.member(holder.found, name)
+            else:
+                return None
+            return None if found is True else found is not None
+        return None
 
     # -- checks ---------------------------------------------------------------------------------
     def _site(self, node: ast.AST) -> str:
@@ -292,7 +344,7 @@ class _Scope:
             if module.split(".")[0] != "vllm":
                 return None
             alias = next(a for a in binding.names if (a.asname or a.name) == name)
-            found = analysis.index.top_level(module, alias.name)
+            found = analysis.index.top_level(module, alias.name) or analysis.index.moved_to(module, alias.name)
             return analysis._value_of(found, f"{module}:{alias.name}", via=name) if isinstance(found, _Found) else None
         if isinstance(binding, ast.Import):
             alias = next(a for a in binding.names if (a.asname or a.name).split(".")[0] == name)
@@ -383,3 +435,8 @@ def _module_level(body: list[ast.stmt]):
         yield node
         if not isinstance(node, (*FUNCTIONS, ast.ClassDef, ast.Lambda)):
             stack.extend(ast.iter_child_nodes(node))
+
+
+def _call_name(call: ast.Call) -> str:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""

@@ -85,8 +85,9 @@ def _annotation_text(node: ast.AnnAssign) -> str:
 class VllmIndex:
     """Lookups into one vLLM tree, cached per audit."""
 
-    def __init__(self, source: StaticSource):
+    def __init__(self, source: StaticSource, moved: dict[str, str] | None = None):
         self.source = source
+        self.moved = moved or {}  # "old.module:name" -> "new.module:name", put back by an adapter
         self._names: dict[tuple[str, str], _Found | None | bool] = {}
 
     # -- names ----------------------------------------------------------------------------------
@@ -100,6 +101,15 @@ class VllmIndex:
         if key not in self._names:
             self._names[key] = self._top_level(module, name)
         return self._names[key]
+
+    def moved_to(self, module: str, name: str) -> _Found | None | bool:
+        """Where a name that an adapter puts back at ``module.name`` lives on this release (its
+        calls are checked there), or None if no adapter moves it."""
+        new = self.moved.get(f"{module}:{name}")
+        if new is None:
+            return None
+        new_module, _, new_name = new.partition(":")
+        return self.top_level(new_module, new_name)
 
     def _top_level(self, module: str, name: str) -> _Found | None | bool:
         found = self.source._top_level(module, name) or self.source._module_node(f"{module}.{name}")
