@@ -252,7 +252,8 @@ class ModuleAnalysis:
                                              func.via))
 
     # -- typing ---------------------------------------------------------------------------------
-    def call_result(self, func: Value, call: ast.Call) -> Value | None:
+    def call_result(self, func: Value) -> Value | None:
+        """What calling ``func`` gives: an instance of the class, or of the annotated return type."""
         if func.kind == CLASS:
             return Value(INSTANCE, func.target, func.found, func.via)
         if func.kind in (FUNCTION, METHOD) and func.found is not None:
@@ -276,10 +277,8 @@ class _Scope:
             for arg in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]:
                 if arg is not None and arg.arg not in seeds:
                     self.bindings.setdefault(arg.arg, []).append(None)
-        roots = [function] if function is not None else body
-        for root in roots:
-            for node in (ast.walk(root) if function is not None else _module_level(body)):
-                self._bind(node, function)
+        for node in ast.walk(function) if function is not None else _module_level(body):
+            self._bind(node, function)
 
     def _bind(self, node: ast.AST, function) -> None:
         if isinstance(node, ast.Assign):
@@ -391,7 +390,7 @@ class _Scope:
                     if own is not None:
                         return own
                 func = self.value(expr.func)
-                return analysis.call_result(func, expr) if func is not None else None
+                return analysis.call_result(func) if func is not None else None
             if isinstance(expr, ast.NamedExpr):
                 return self.value(expr.value)
             return None
