@@ -299,3 +299,12 @@ def test_factories_drop_default_and_alias(fake_vllm, monkeypatch):
     assert not hasattr(fake_vllm, "plan") and fakevllm_defaults.build(mode="x") == "x"
     for name in ("fakevllm_planning", "fakevllm_defaults"):
         sys.modules.pop(name)
+
+
+@pytest.mark.parametrize("installed, verified", [
+    ("0.32.0", True), ("0.31.0", True), ("0.32.0+cpu", True),  # a local build of the release
+    ("0.33.0", False), ("0.32.1.dev5+g1234abc", False),  # a newer release, a nightly after it
+    ("0.32.0.dev3", False),  # a nightly before the verified release is not that release
+])
+def test_verified_on(installed, verified):
+    assert adapter(verified_through="0.32.0").verified_on(Version(installed)) is verified
