@@ -98,8 +98,8 @@ class AdapterContract:
 
     def test_apply_twice_revert_twice_restores_identical_objects(self):
         for patch in self.adapter.patches:  # import what apply() would patch now, so we can compare
-            if patch.module.split(".")[0] == "vllm":
-                importlib.import_module(patch.module)
+            if patch.module.split(".")[0] == "vllm" and importlib.util.find_spec(patch.module) is not None:
+                importlib.import_module(patch.module)  # (a module this release does not have yet is skipped)
         before = self._targets_now()
         first = vllm_compat.apply()
         after_first = self._targets_now()
