@@ -29,3 +29,14 @@ def test_every_adapter_has_a_contract_test_stating_its_negative_proof(adapter_id
     assert bool(facts.get("negative")) != bool(facts.get("not_observable_on_cpu")), (
         f"{adapter_id}: state either negative (what breaks without it) or not_observable_on_cpu (why a CPU "
         f"run cannot show it), exactly one")
+
+
+@pytest.mark.parametrize("adapter", adapters(), ids=lambda a: a.id)
+def test_verified_through_is_the_other_side_of_the_range(adapter):
+    """The newest verified release lies at or above where the new shape begins (nothing can be
+    verified on a release before the drift it bridges) and inside the range's upper bound."""
+    from packaging.version import Version
+
+    lower = [Version(s.version) for s in adapter.vllm if s.operator in (">=", "==", "~=")]
+    assert lower and adapter.verified_through >= max(lower)
+    assert adapter.verified_through in adapter.vllm

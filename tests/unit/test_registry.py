@@ -272,3 +272,39 @@ def test_report_renders_one_line_per_adapter(fake_vllm, monkeypatch):
     assert text.splitlines()[0].startswith("vllm-compat (parent, pid")
     assert "  drop_specs: applied - vllm 0.16.0: parameter 'specs' of fakevllm_core:build is absent" in text
     assert "  second: not_needed - vllm 0.16.0 is outside <0.1" in text
+
+
+def test_factories_drop_default_and_alias(fake_vllm, monkeypatch):
+    from vllm_compat.factories import alias_moved_names, default_keyword, drop_keyword
+
+    make_module("fakevllm_planning", "def plan(groups, memory):\n    return ('planned', groups, memory)\n")
+    make_module("fakevllm_defaults", "def build(*, mode):\n    return mode\n")
+    declared = dict(summary="test", drift="test drift", scope=Scope.GLOBAL, vllm=SpecifierSet(">=0.12.0"),
+                    verified_through="0.16.0")
+    moved = alias_moved_names(id="moved", old_module="fakevllm_core", new_module="fakevllm_planning",
+                              names=("plan",), **declared)
+    dropped = drop_keyword(id="dropped", target="fakevllm_core:plan", keyword="specs", **declared)
+    defaulted = default_keyword(id="defaulted", at="fakevllm_defaults:build", keyword="mode", value="off",
+                                expect=None, **declared)
+    use(monkeypatch, *registry._in_application_order([dropped, defaulted, moved]))
+    report = vllm_compat.apply()
+    assert [report[a].status for a in ("moved", "dropped", "defaulted")] == ["applied"] * 3
+    import fakevllm_defaults
+    import fakevllm_planning
+
+    assert fake_vllm.plan.__wrapped__ is fakevllm_planning.plan  # the alias, wrapped after it
+    assert fake_vllm.plan(1, specs={}, memory=2) == ("planned", 1, 2)
+    assert fakevllm_defaults.build() == "off" and fakevllm_defaults.build(mode="on") == "on"
+    vllm_compat.revert()
+    assert not hasattr(fake_vllm, "plan") and fakevllm_defaults.build(mode="x") == "x"
+    for name in ("fakevllm_planning", "fakevllm_defaults"):
+        sys.modules.pop(name)
+
+
+@pytest.mark.parametrize("installed, verified", [
+    ("0.32.0", True), ("0.31.0", True), ("0.32.0+cpu", True),  # a local build of the release
+    ("0.33.0", False), ("0.32.1.dev5+g1234abc", False),  # a newer release, a nightly after it
+    ("0.32.0.dev3", False),  # a nightly before the verified release is not that release
+])
+def test_verified_on(installed, verified):
+    assert adapter(verified_through="0.32.0").verified_on(Version(installed)) is verified
