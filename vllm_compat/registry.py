@@ -32,7 +32,7 @@ from . import _wrapping
 from .adapter import Adapter, Patch, Scope
 from .errors import AdapterNotApplicable, NotVerifiedError, UnknownDriftError
 from .report import APPLIED, ARMED, DISABLED, FAILED, NOT_NEEDED, UNKNOWN_DRIFT, AdapterResult, Report
-from .versions import in_range, speculators_version, vllm_version
+from .versions import has_module, in_range, speculators_version, vllm_version
 
 logger = logging.getLogger("vllm_compat")
 
@@ -278,6 +278,9 @@ def apply(
                 _results[adapter.id] = gated
             elif adapter.deferred and adapter.patches[0].module not in sys.modules:
                 module = adapter.patches[0].module
+                if not has_module(module):  # it would wait forever
+                    _results[adapter.id] = _result(adapter, NOT_NEEDED, f"this vLLM has no {module}")
+                    continue
                 wrapt.register_post_import_hook(_on_import_decide(adapter, vllm, _generation), module)
                 _results[adapter.id] = _with_verification(
                     adapter, _result(adapter, ARMED, f"probed and patched when {module} is imported"), vllm)

@@ -59,6 +59,17 @@ def package_dir(top_level: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def has_module(module: str) -> bool:
+    """Whether the installed package holds ``module`` (a dotted name), looked up without importing
+    any part of it."""
+    top, _, rest = module.partition(".")
+    where = package_dir(top)
+    if where is None:
+        return False
+    path = where.joinpath(*rest.split(".")) if rest else where
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def distribution_version(names: tuple[str, ...]) -> Version | None:
     """The first installed distribution among ``names`` with a real (non-0.0.0) version."""
     for name in names:
