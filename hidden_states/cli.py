@@ -21,6 +21,22 @@ from .presets import DEFAULTS, PRESETS
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len")
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (argparse names the flag when it refuses)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hidden-states", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--start-index", type=int, default=0, help="skip samples before this index")
     extract.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
     extract.add_argument("--progress-interval", type=float, default=10.0, help="seconds between log lines")
-    extract.add_argument("--writer-threads", type=int, default=2, help="threads writing files (default 2)")
+    extract.add_argument("--writer-threads", type=at_least(1), default=2, help="threads writing files (default 2)")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
     demo.add_argument("--output-dir", default="demo-output")
     demo.add_argument("--samples", type=int, default=24)

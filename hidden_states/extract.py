@@ -113,6 +113,8 @@ def run(settings: Settings, log=None) -> Summary:
         raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
     if settings.max_seq_len < 1:
         raise UsageError(f"--max-seq-len {settings.max_seq_len}: must be at least 1")
+    if settings.writer_threads < 1:  # no thread would ever write: files lost, or a hang on a full queue
+        raise UsageError(f"--writer-threads {settings.writer_threads}: must be at least 1")
     facts = model_facts(settings.model_path)
     if facts.remote_code and not settings.trust_remote_code:
         raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "

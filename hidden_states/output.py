@@ -149,6 +149,8 @@ class BackgroundWriter:
     """
 
     def __init__(self, directory: Path, max_pending: int = 64, threads: int = 2):
+        if threads < 1:
+            raise ValueError(f"BackgroundWriter needs at least one thread, got {threads}")
         self.directory = directory
         self.stats = WriterStats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)

@@ -74,3 +74,12 @@ def test_a_file_cut_short_by_a_crash_is_redone(job, damage):
     assert any("1 files" in line and "cut short" in line and "data_1.pt" in line for line in said), said
     assert data_files(job) == ["data_0.pt", "data_1.pt", "data_2.pt"]
     assert torch.load(cut, weights_only=True)["input_ids"].tolist() == [5] * 4
+
+
+def test_no_writer_thread_is_refused_when_called_as_a_library(job):
+    from hidden_states.errors import UsageError
+
+    job.writer_threads = 0
+    with pytest.raises(UsageError, match="--writer-threads 0: must be at least 1"):
+        run(job, log=lambda message: None)
+    assert not Path(job.output_dir).exists()

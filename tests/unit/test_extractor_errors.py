@@ -118,3 +118,12 @@ def test_preset_values_and_flag_overrides():
     assert (settings.tp_size, settings.gpu_memory_utilization, settings.max_seq_len, settings.batch_size) == (
         8, 0.80, 2048, 2)
     assert settings.trust_remote_code is False
+
+
+def test_writer_threads_zero_is_refused_at_parse_time(model, tmp_path, capsys):
+    """With no writer thread nothing is ever written (and a full queue hangs): refused before anything runs."""
+    with pytest.raises(SystemExit) as exited:
+        extract(model, jsonl(tmp_path, GOOD), tmp_path / "out", "--writer-threads", "0")
+    assert exited.value.code == 2
+    assert "argument --writer-threads: 0: must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
