@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tokenized JSONL (input_ids, loss_mask) or a saved dataset directory")
     extract.add_argument("--output-dir", required=True, help="where data_{i}.pt files go (a rerun resumes)")
     extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
-    extract.add_argument("--batch-size", type=at_least(1), help=f"sequences per generator call (default {DEFAULTS['batch_size']})")
+    extract.add_argument("--batch-size", type=at_least(1),
+                         help=f"sequences per generator call (default {DEFAULTS['batch_size']})")
     extract.add_argument("--max-seq-len", type=at_least(1),
                          help=f"longer samples are truncated (or refused with --strict) (default {DEFAULTS['max_seq_len']})")
     extract.add_argument("--tp-size", type=at_least(1), help=f"tensor parallel size (default {DEFAULTS['tp_size']})")

@@ -183,52 +183,48 @@ def run(settings: Settings, log=None) -> Summary:
         tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
         trust_remote_code=settings.trust_remote_code))
     started = time.monotonic()
+    layer_order = [captured.index(layer) for layer in layer_ids]  # where each listed layer is among those captured
     with processes.contained(), _Interrupt() as interrupt:
-        _extract(settings, output, backend, config, identity, todo, summary, finished, interrupt, facts.vocab_size,
-                 end, started, [captured.index(layer) for layer in layer_ids], log)
-    return summary
-
-
-def _extract(settings, output, backend, config, identity, todo, summary, finished, interrupt, vocab_size, end,
-             started, layer_order, log) -> None:
-    writer = None
-    try:
-        log(f"starting the {settings.backend} backend: vLLM loads the model (tens of seconds; Ctrl-C stops at once)")
-        info = backend.start()
-        log(f"model loaded in {time.monotonic() - started:.0f} s; extracting")
-        summary.load_seconds = time.monotonic() - started
-        started = time.monotonic()
-        atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
-        writer = BackgroundWriter(output.path, settings.writer_queue, settings.writer_threads)
-        progress = Progress(todo, interval=settings.progress_interval)
-        interrupt.extracting = True
-        _loop(settings, backend, writer, progress, summary, finished, interrupt, vocab_size, end, layer_order)
-        progress.close()
-    finally:
-        drain_started = time.monotonic()
+        writer = None
         try:
-            if writer is not None:
-                writer.close()  # waits for the files still queued: time the extraction waits on disk
+            log(f"starting the {settings.backend} backend: vLLM loads the model "
+                f"(tens of seconds; Ctrl-C stops at once)")
+            info = backend.start()
+            summary.load_seconds = time.monotonic() - started
+            log(f"model loaded in {summary.load_seconds:.0f} s; extracting")
+            started = time.monotonic()
+            atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
+            writer = BackgroundWriter(output.path, settings.writer_queue, settings.writer_threads)
+            progress = Progress(todo, interval=settings.progress_interval)
+            interrupt.extracting = True
+            _loop(settings, backend, writer, progress, summary, finished, interrupt, facts.vocab_size, end, layer_order)
+            progress.close()
         finally:
-            drain = time.monotonic() - drain_started
-            # the rate counts until the last file is whole: vLLM's worker shutdown that follows
-            # (seconds, whatever the run's length) is reported on its own
-            summary.seconds = time.monotonic() - started
-            log("shutting vLLM down")
-            backend.close()
-            summary.shutdown_seconds = time.monotonic() - started - summary.seconds
-            if writer is not None:
-                summary.bytes_written = writer.stats.bytes
-                summary.stall_seconds = writer.stats.stall_seconds + drain
-                finished.update(writer.stats.lengths)
-            failing = sys.exc_info()[1]
+            drain_started = time.monotonic()
             try:
-                output.write_lengths(finished)
-            except OutputError:
-                if failing is None:
-                    raise
-                # the disk that failed the run fails this too: report the first file it refused, once;
-                # a rerun rewrites the length index from the files
+                if writer is not None:
+                    writer.close()  # waits for the files still queued: time the extraction waits on disk
+            finally:
+                drain = time.monotonic() - drain_started
+                # the rate counts until the last file is whole: vLLM's worker shutdown that follows
+                # (seconds, whatever the run's length) is reported on its own
+                summary.seconds = time.monotonic() - started
+                log("shutting vLLM down")
+                backend.close()
+                summary.shutdown_seconds = time.monotonic() - started - summary.seconds
+                if writer is not None:
+                    summary.bytes_written = writer.stats.bytes
+                    summary.stall_seconds = writer.stats.stall_seconds + drain
+                    finished.update(writer.stats.lengths)
+                failing = sys.exc_info()[1]
+                try:
+                    output.write_lengths(finished)
+                except OutputError:
+                    # when the disk that failed the run fails this too, the first file it refused is
+                    # the one reported (once); a rerun rewrites the length index from the files
+                    if failing is None:
+                        raise
+    return summary
 
 
 def _loop(settings, backend, writer, progress, summary, finished, interrupt, vocab_size, end, layer_order) -> None:

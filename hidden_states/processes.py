@@ -38,7 +38,8 @@ def _contain(spawnv_passfds):
     def spawn(path, args, passfds):
         # PR_SET_PDEATHSIG fires when the *thread* that started the child ends: only children started
         # from the main thread (which lives as long as the process) are tied to it.
-        if args and args[-1] == SPAWNED_CHILD and "-c" in args and threading.current_thread() is threading.main_thread():
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        if args and args[-1] == SPAWNED_CHILD and "-c" in args and on_main_thread:
             args = list(args)
             code = args.index("-c") + 1
             args[code] = _PROLOGUE.format(option=PR_SET_PDEATHSIG, parent=os.getpid()) + args[code]

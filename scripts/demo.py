@@ -69,7 +69,8 @@ def show_ours(stream, log, verbose: bool) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--verbose"]
     verbose = len(args) != len(sys.argv) - 1
-    print(f"[demo] preparing the vLLM {VLLM} venv (built once, cached under .cache/; minutes the first time)", flush=True)
+    print(f"[demo] preparing the vLLM {VLLM} venv (built once, cached under .cache/; minutes the first time)",
+          flush=True)
     python = vllm_venv.build_venv(VLLM, rebuild=False)
     speculators = vllm_venv.build_speculators(SPECULATORS)
     env = {**os.environ, "PYTHONPATH": str(speculators), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -41,7 +41,7 @@ def imports_at_run_time(tree: ast.Module, name: str) -> bool:
     other than ``if TYPE_CHECKING:``."""
     def walk(body) -> bool:
         for node in body:
-            if isinstance(node, ast.Import) and any(alias.name == name and alias.asname is None for alias in node.names):
+            if isinstance(node, ast.Import) and any(a.name == name and a.asname is None for a in node.names):
                 return True
             if isinstance(node, ast.If) and not _is_type_checking(node.test) and (walk(node.body) or walk(node.orelse)):
                 return True

@@ -84,7 +84,8 @@ def test_json_of_a_partial_tree_reports_missing_symbols(capsys, tmp_path):
 
 def test_a_consumer_without_in_process_generator_is_not_ok(capsys, tmp_path):
     """speculators 0.5+ talks to `vllm serve`: nothing here to check, and saying OK would mislead."""
-    code = main(["audit", "--vllm", str(make_wheel(tmp_path / "v.whl", VLLM_FILES)), "--consumer", "speculators==0.9.9"])
+    wheel = make_wheel(tmp_path / "v.whl", VLLM_FILES)
+    code = main(["audit", "--vllm", str(wheel), "--consumer", "speculators==0.9.9"])
     captured = capsys.readouterr()
     assert code == 2 and "OK" not in captured.out
     assert "speculators 0.9.9 has no in-process generator" in captured.err
