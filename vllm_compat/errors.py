@@ -24,6 +24,20 @@ class UnknownDriftError(VllmCompatError):
         super().__init__(f"unknown vLLM drift (strict mode):\n{lines}")
 
 
+class NotVerifiedError(VllmCompatError):
+    """Raised in strict mode when the installed vLLM is newer than the newest release an adapter
+    it needs was verified on.
+
+    Attributes:
+        results: the report entries marked "not verified".
+    """
+
+    def __init__(self, results: list[AdapterResult]):
+        self.results = results
+        lines = "\n".join(f"  {r}" for r in results)
+        super().__init__(f"vLLM newer than verified (strict mode):\n{lines}")
+
+
 class AdapterNotApplicable(VllmCompatError):
     """An adapter the user named explicitly cannot be applied (unknown id, or its probe says no)."""
 

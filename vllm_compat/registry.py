@@ -2,13 +2,17 @@
 
 Decision for one adapter, in order:
 
-1. named in ``VLLM_COMPAT_DISABLE`` (or ``apply(disable=...)``) -> ``disabled``;
+1. named in ``VLLM_COMPAT_DISABLE`` (or ``apply(disable=...)``), or one of the adapters it
+   ``requires`` is disabled or failed -> ``disabled``;
 2. vLLM not installed, or the consumer (speculators) version outside the adapter's range ->
    ``not_needed``;
 3. host probe (e.g. "no CUDA device") says no -> ``not_needed``;
 4. the live probe: old shape -> ``not_needed``; new shape -> patch; neither -> ``unknown_drift``.
    The version range from DRIFT.md is a cross-check: a release inside the range whose probe still
    finds the old shape is ``unknown_drift`` too (nightlies, which sit between releases, are not).
+
+Every adapter that gets as far as the probe is also checked against its ``verified_through``: on a
+newer vLLM its result says "not verified on X" (a warning), and strict mode refuses.
 
 Patches whose module is not imported yet (speculators' modules, model files) are installed by a
 post-import hook (status ``armed`` until then). :func:`revert` undoes everything in reverse order.
@@ -21,11 +25,12 @@ import os
 import pkgutil
 import sys
 import threading
+from dataclasses import replace
 from functools import lru_cache
 
 from . import _wrapping
 from .adapter import Adapter, Patch, Scope
-from .errors import AdapterNotApplicable, UnknownDriftError
+from .errors import AdapterNotApplicable, NotVerifiedError, UnknownDriftError
 from .report import APPLIED, ARMED, DISABLED, FAILED, NOT_NEEDED, UNKNOWN_DRIFT, AdapterResult, Report
 from .versions import in_range, speculators_version, vllm_version
 
@@ -33,7 +38,7 @@ logger = logging.getLogger("vllm_compat")
 
 ENV_APPLY = "VLLM_COMPAT_APPLY"  # set by apply(): tells the vLLM plugin in spawned processes to act
 ENV_DISABLE = "VLLM_COMPAT_DISABLE"  # comma-separated adapter ids
-ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": unknown drift raises
+ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": unknown drift, or a vLLM newer than verified, raises
 
 _lock = threading.RLock()
 _installed: dict[str, list[_wrapping.Installed]] = {}
@@ -42,6 +47,7 @@ _pending: dict[str, set[str]] = {}  # adapter id -> targets still waiting for th
 _generation = 0  # bumped by revert(); post-import hooks of an older generation do nothing
 _active = False
 _role = "parent"
+_saved_env: dict[str, tuple[str | None, str | None]] = {}  # variable -> (before apply(), as apply() left it)
 
 
 @lru_cache(maxsize=None)
@@ -57,7 +63,30 @@ def adapters() -> tuple[Adapter, ...]:
         if adapter.id != info.name:
             raise RuntimeError(f"adapter module {info.name} declares id {adapter.id!r}")
         found.append(adapter)
-    return tuple(sorted(found, key=lambda a: (a.order, a.id)))
+    return _in_application_order(found)
+
+
+def _in_application_order(found: list[Adapter]) -> tuple[Adapter, ...]:
+    """Phase by phase; inside a phase after the adapters it requires, else by id. A requirement
+    that is unknown, or in a later phase, is a declaration error."""
+    by_id = {a.id: a for a in found}
+    for adapter in found:
+        for needed in adapter.requires:
+            if needed not in by_id:
+                raise RuntimeError(f"adapter {adapter.id} requires unknown adapter {needed!r}")
+            if by_id[needed].phase > adapter.phase:
+                raise RuntimeError(f"adapter {adapter.id} requires {needed}, which is applied in a later phase")
+    ordered: list[Adapter] = []
+    placed: set[str] = set()
+    pending = sorted(found, key=lambda a: (a.phase, a.id))
+    while pending:
+        ready = next((a for a in pending if placed.issuperset(a.requires)), None)
+        if ready is None:
+            raise RuntimeError(f"adapters require each other in a cycle: {', '.join(a.id for a in pending)}")
+        ordered.append(ready)
+        placed.add(ready.id)
+        pending.remove(ready)
+    return tuple(ordered)
 
 
 def get(adapter_id: str) -> Adapter:
@@ -71,6 +100,14 @@ def _env_list(name: str) -> set[str]:
     return {item.strip() for item in os.environ.get(name, "").split(",") if item.strip()}
 
 
+def _known_ids(disabled: set[str], origin: str) -> set[str]:
+    unknown = sorted(disabled - {a.id for a in adapters()})
+    if unknown:
+        raise AdapterNotApplicable(f"{origin} names no adapter {', '.join(map(repr, unknown))}; "
+                                   f"known: {', '.join(a.id for a in adapters())}")
+    return disabled
+
+
 def _result(adapter: Adapter, status: str, reason: str, where: str = "") -> AdapterResult:
     return AdapterResult(adapter.id, status, reason, adapter.scope.value, where)
 
@@ -79,6 +116,10 @@ def _gate(adapter: Adapter, vllm, spec_version, disabled: set[str]) -> AdapterRe
     """The cheap checks (no vLLM import): a final result, or None to go on to the probe."""
     if adapter.id in disabled:
         return _result(adapter, DISABLED, f"disabled by {ENV_DISABLE}")
+    for needed in adapter.requires:
+        if needed in disabled or _results.get(needed) is not None and _results[needed].status in (DISABLED, FAILED):
+            why = _results[needed].status if needed in _results else DISABLED
+            return _result(adapter, DISABLED, f"disabled by dependency: requires {needed}, which is {why}")
     if vllm is None:
         return _result(adapter, NOT_NEEDED, "vLLM is not installed")
     if adapter.speculators is not None:
@@ -110,11 +151,18 @@ def _probe_and_activate(adapter: Adapter, vllm) -> AdapterResult:
     return _result(adapter, status, verdict.reason, verdict.where)
 
 
+def _with_verification(adapter: Adapter, result: AdapterResult, vllm) -> AdapterResult:
+    """The result, marked when ``vllm`` is newer than the newest release the adapter was verified on."""
+    if adapter.verified_on(vllm):
+        return result
+    return replace(result, unverified=f"not verified on vllm {vllm} (verified through {adapter.verified_through})")
+
+
 def _on_import_decide(adapter: Adapter, vllm, generation: int):
     def hook(_module) -> None:
         with _lock:
             if generation == _generation and _active:
-                _results[adapter.id] = result = _probe_and_activate(adapter, vllm)
+                _results[adapter.id] = result = _with_verification(adapter, _probe_and_activate(adapter, vllm), vllm)
                 logger.info("vllm-compat (%s, pid %d): %s", _role, os.getpid(), result)
 
     return hook
@@ -143,8 +191,7 @@ def _on_import(adapter: Adapter, patch: Patch, generation: int):
             waiting = _pending.get(adapter.id, set())
             waiting.discard(patch.target)
             if not waiting and _results.get(adapter.id, None) and _results[adapter.id].status == ARMED:
-                old = _results[adapter.id]
-                _results[adapter.id] = AdapterResult(adapter.id, APPLIED, old.reason, old.scope, old.where)
+                _results[adapter.id] = replace(_results[adapter.id], status=APPLIED)
 
     return hook
 
@@ -192,12 +239,16 @@ def apply(
 
     Args:
         disable: adapter ids to leave alone, added to ``VLLM_COMPAT_DISABLE``.
-        strict: raise :class:`UnknownDriftError` on unknown drift (default: ``VLLM_COMPAT_STRICT``).
+        strict: raise :class:`UnknownDriftError` on unknown drift, and :class:`NotVerifiedError`
+            when an adapter this vLLM needs was not verified on it (default: ``VLLM_COMPAT_STRICT``).
         scopes: only adapters of these scopes (the vLLM plugin passes ``(Scope.WORKER,)``).
         role: how this process is named in logs and reports.
 
     Returns:
         The :class:`Report`. A second call returns the report of the first.
+
+    Raises:
+        AdapterNotApplicable: ``disable`` or ``VLLM_COMPAT_DISABLE`` names an unknown adapter.
     """
     import wrapt
 
@@ -205,7 +256,8 @@ def apply(
     with _lock:
         if _active:
             return status()
-        disabled = _env_list(ENV_DISABLE) | set(disable)
+        disabled = _known_ids(_env_list(ENV_DISABLE), ENV_DISABLE) | _known_ids(set(disable), "apply(disable=...)")
+        before = {name: os.environ.get(name) for name in (ENV_APPLY, ENV_DISABLE, ENV_STRICT)}
         if disabled:
             os.environ[ENV_DISABLE] = ",".join(sorted(disabled))
         if strict is None:
@@ -214,6 +266,8 @@ def apply(
             os.environ[ENV_STRICT] = "1"
         # Spawned vLLM processes inherit this and their plugin applies the worker adapters.
         os.environ[ENV_APPLY] = "1"
+        _saved_env.clear()
+        _saved_env.update({name: (value, os.environ.get(name)) for name, value in before.items()})
         _active, _role = True, role
         vllm, spec_version = vllm_version(), speculators_version()
         for adapter in adapters():
@@ -225,19 +279,22 @@ def apply(
             elif adapter.deferred and adapter.patches[0].module not in sys.modules:
                 module = adapter.patches[0].module
                 wrapt.register_post_import_hook(_on_import_decide(adapter, vllm, _generation), module)
-                _results[adapter.id] = _result(adapter, ARMED, f"probed and patched when {module} is imported")
+                _results[adapter.id] = _with_verification(
+                    adapter, _result(adapter, ARMED, f"probed and patched when {module} is imported"), vllm)
             else:
-                _results[adapter.id] = _probe_and_activate(adapter, vllm)
+                _results[adapter.id] = _with_verification(adapter, _probe_and_activate(adapter, vllm), vllm)
         report = status()
         _log(report)
         if strict and report.unknown_drift:
             raise UnknownDriftError(report.unknown_drift)
+        if strict and report.unverified:
+            raise NotVerifiedError(report.unverified)
         return report
 
 
 def _log(report: Report) -> None:
     for result in report.results:
-        if result.status == UNKNOWN_DRIFT:
+        if result.status == UNKNOWN_DRIFT or result.unverified:
             logger.warning("vllm-compat: %s", result)
         elif result.status == FAILED:
             logger.error("vllm-compat: %s", result)
@@ -250,7 +307,9 @@ def _log(report: Report) -> None:
 
 
 def revert() -> None:
-    """Undo every patch (reverse order) and stop arming spawned processes. Safe to call twice."""
+    """Undo every patch (reverse order), stop arming spawned processes, and give the environment
+    variables apply() set (``VLLM_COMPAT_APPLY``, ``_DISABLE``, ``_STRICT``) their earlier values
+    (a variable changed since apply() is left as it is). Safe to call twice."""
     global _generation, _active
     with _lock:
         for adapter in reversed(adapters()):
@@ -258,7 +317,14 @@ def revert() -> None:
         _results.clear()
         _generation += 1
         _active = False
-        os.environ.pop(ENV_APPLY, None)
+        for name, (value, ours) in _saved_env.items():
+            if os.environ.get(name) != ours:  # changed since apply(): someone else's value now
+                continue
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _saved_env.clear()
 
 
 def status() -> Report:
@@ -268,6 +334,7 @@ def status() -> Report:
         ordered = tuple(_results[a.id] for a in adapters() if a.id in _results)
         return Report(
             vllm_version=str(vllm) if vllm else None,
+            newest_verified=str(min(a.verified_through for a in adapters())),
             speculators_version=str(spec_version) if spec_version else None,
             results=ordered,
             pid=os.getpid(),

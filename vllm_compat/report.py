@@ -23,6 +23,8 @@ class AdapterResult:
         reason: one line, e.g. "needed for vllm 0.17.0, probe found parameter ... absent".
         scope: the adapter's scope.
         where: file:line of the probed object, when known.
+        unverified: "not verified on vllm X (verified through Y)" when the installed vLLM is newer
+            than the newest release the adapter was verified on; empty otherwise.
     """
 
     id: str
@@ -30,10 +32,12 @@ class AdapterResult:
     reason: str
     scope: str = ""
     where: str = ""
+    unverified: str = ""
 
     def __str__(self) -> str:
         where = f" ({self.where})" if self.where else ""
-        return f"{self.id}: {self.status} - {self.reason}{where}"
+        warning = f" [{self.unverified}]" if self.unverified else ""
+        return f"{self.id}: {self.status} - {self.reason}{where}{warning}"
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Report:
     results: tuple[AdapterResult, ...] = field(default=())
     pid: int = 0
     role: str = "parent"
+    newest_verified: str | None = None  # the newest vLLM release every adapter was verified on
 
     def by_status(self, status: str) -> list[AdapterResult]:
         return [r for r in self.results if r.status == status]
@@ -58,6 +63,10 @@ class Report:
         return self.by_status(UNKNOWN_DRIFT)
 
     @property
+    def unverified(self) -> list[AdapterResult]:
+        return [r for r in self.results if r.unverified]
+
+    @property
     def failed(self) -> list[AdapterResult]:
         return self.by_status(FAILED)
 
@@ -69,9 +78,11 @@ class Report:
 
     def summary(self) -> str:
         counts = ", ".join(f"{len(self.by_status(s))} {s}" for s in STATUSES if self.by_status(s))
+        unverified = f", {len(self.unverified)} not verified on this vLLM" if self.unverified else ""
         return (
-            f"vllm-compat ({self.role}, pid {self.pid}): vllm {self.vllm_version or 'not installed'}, "
-            f"speculators {self.speculators_version or 'not installed'}: {counts or 'no adapters'}"
+            f"vllm-compat ({self.role}, pid {self.pid}): vllm {self.vllm_version or 'not installed'} "
+            f"(newest verified: {self.newest_verified or 'none'}), "
+            f"speculators {self.speculators_version or 'not installed'}: {counts or 'no adapters'}{unverified}"
         )
 
     def __str__(self) -> str:

@@ -122,3 +122,24 @@ class Exists(Check):
 
     def observe(self, source: Source) -> Observation:
         return source.exists(self.target)
+
+
+@dataclass(frozen=True)
+class Moved(Check):
+    """Has the symbol ``target`` moved to module ``to``? ``not moved`` (still defined or re-exported
+    where ``target`` says), ``moved`` (only in ``to``) or ``<missing>`` (in neither)."""
+
+    NOT_MOVED = "not moved"
+    MOVED = "moved"
+
+    to: str = ""
+
+    def describe(self) -> str:
+        return f"{self.target} (or moved to {self.to})"
+
+    def observe(self, source: Source) -> Observation:
+        here = source.exists(self.target)
+        if here.value != MISSING:
+            return Observation(self.NOT_MOVED, here.where)
+        there = source.exists(f"{self.to}:{self.qualname}")
+        return Observation(self.MOVED, there.where) if there.value != MISSING else here

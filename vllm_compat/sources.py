@@ -34,6 +34,45 @@ def split_target(target: str) -> tuple[str, list[str]]:
     return module, [part for part in qualname.split(".") if part]
 
 
+class AliasedSource:
+    """Another source, seen as it is once a bridging adapter has put moved names back.
+
+    ``aliases`` maps an old address to where the name lives now (``Patch.alias_of``). A check on a
+    name that is missing at its old address, or on a member of it, reads the new address instead;
+    names still present where they were are read there.
+    """
+
+    def __init__(self, inner: Source, aliases: dict[str, str], owners: dict[str, str] | None = None):
+        self.inner, self.aliases, self.mode = inner, aliases, inner.mode
+        self.owners = owners or {}  # old address -> id of the adapter putting the name back
+
+    def moved_name(self, target: str) -> str | None:
+        """The old address (a key of ``aliases``) that ``target`` is read through, if any."""
+        module, parts = split_target(target)
+        head = f"{module}:{parts[0]}" if parts else target
+        if head not in self.aliases or self.inner.exists(head).value != MISSING:
+            return None
+        return head
+
+    def redirect(self, target: str) -> str:
+        head = self.moved_name(target)
+        if head is None:
+            return target
+        return self.aliases[head] + "".join(f".{part}" for part in split_target(target)[1][1:])
+
+    def exists(self, target: str) -> Observation:
+        return self.inner.exists(self.redirect(target))
+
+    def param(self, target: str, name: str) -> Observation:
+        return self.inner.param(self.redirect(target), name)
+
+    def attr(self, target: str, name: str) -> Observation:
+        return self.inner.attr(self.redirect(target), name)
+
+    def field_default(self, target: str, name: str) -> Observation:
+        return self.inner.field_default(self.redirect(target), name)
+
+
 # --------------------------------------------------------------------------------------------
 # live
 

@@ -1,9 +1,12 @@
 """Shared contract for every adapter, run against the real installed vLLM (and speculators, when
 the matrix puts one on the path). Subclass, set ``adapter_id`` and ``first_new`` (the first vLLM
 release with the new shape, from DRIFT.md, written out here independently of the adapter's own
-declaration), and add ``test_patched_call`` exercising the patched object for real."""
+declaration), add ``test_patched_call`` exercising the patched object for real, and state the
+adapter's negative proof (``negative`` or ``not_observable_on_cpu``, read by
+tests/e2e/test_negative.py). tests/unit/test_contracts_exist.py checks every adapter has one."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import pytest
@@ -12,6 +15,7 @@ from packaging.version import Version
 import vllm_compat
 from vllm_compat import registry, versions
 from vllm_compat._wrapping import _ABSENT, owner_of, resolve
+from vllm_compat.audit import bridged
 from vllm_compat.sources import DirTree, LiveSource, StaticSource
 from vllm_compat.verdicts import ADAPTED, NATIVE, judge
 
@@ -26,10 +30,33 @@ def speculators() -> Version | None:
     return versions.speculators_version()
 
 
+def needs_vllm_platform() -> None:
+    """Skip a test that builds a ``VllmConfig`` where vLLM finds no platform: its CUDA wheel on a
+    host without a GPU (how 0.33.0, which has no CPU build, is checked here)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_unspecified():
+        pytest.skip("vLLM found no device platform (CUDA wheel without a GPU): VllmConfig cannot be built")
+
+
+# Model Runner V2 forced, where vLLM's CPU backend has one (negative_env of the V2-only adapters)
+RUNNER_V2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
 class AdapterContract:
     adapter_id: str = ""
     first_new: str = ""  # DRIFT.md: first release with the new shape ("" = every release)
     last_new: str = ""  # DRIFT.md: last release with it, when it went away again
+    # The negative proof (tests/e2e/test_negative.py): with the adapter disabled, the generator run
+    # fails with an error containing ``negative``, or any error (``"error"``), or gives wrong
+    # numbers or an error (``"wrong"``). Or, where a CPU run cannot show the failure, why not
+    # (``not_observable_on_cpu``; the failure is then proved elsewhere, named there).
+    negative: str = ""
+    not_observable_on_cpu: str = ""
+    family: str = ""  # the tiny model family whose run shows the failure ("" = llama)
+    negative_env: dict[str, str] = {}  # environment of the negative run
+    not_called_by: frozenset[str] = frozenset()  # speculators releases that never make the bridged call
+    same_value_on_cpu: frozenset[str] = frozenset()  # speculators releases passing the right value on CPU
 
     @property
     def adapter(self):
@@ -49,13 +76,19 @@ class AdapterContract:
         yield
         vllm_compat.revert()
 
+    def probe(self, source):
+        """The adapter's verdict as apply() reaches it: after the adapters applied before it have
+        put moved names back (on 0.33.0, kv_cache_specs_kwarg probes a name that moved)."""
+        version = versions.vllm_version()
+        return judge(self.adapter, bridged(source, version, before=self.adapter_id), version)
+
     def test_probe_matches_drift_atlas(self):
-        assert judge(self.adapter, LiveSource(), versions.vllm_version()).verdict == self.expected_verdict()
+        assert self.probe(LiveSource()).verdict == self.expected_verdict()
 
     def test_static_audit_agrees_with_live_probe(self):
         where = versions.package_dir("vllm")
-        static = judge(self.adapter, StaticSource(DirTree(where.parent)), versions.vllm_version())
-        alive = judge(self.adapter, LiveSource(), versions.vllm_version())
+        static = self.probe(StaticSource(DirTree(where.parent)))
+        alive = self.probe(LiveSource())
         assert (static.verdict, static.found) == (alive.verdict, alive.found)
 
     def _targets_now(self):
@@ -97,6 +130,15 @@ class AdapterContract:
         assert report[self.adapter_id].status == "disabled"
         now = self._targets_now()
         assert not any(owner_of(o) == self.adapter_id for t in now for o in [now[t], *_wrapped_chain(now[t])])
+
+
+def contract_for(adapter_id: str) -> type[AdapterContract]:
+    """The contract test class of an adapter: ``tests/contract/test_<id>.py``."""
+    module = importlib.import_module(f"tests.contract.test_{adapter_id}")
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, AdapterContract) and value.adapter_id == adapter_id:
+            return value
+    raise LookupError(f"tests/contract/test_{adapter_id}.py has no AdapterContract for {adapter_id}")
 
 
 def _wrapped_chain(obj) -> list:

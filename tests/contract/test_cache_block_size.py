@@ -6,6 +6,7 @@ from vllm_compat.adapters.cache_block_size import backend_chooses_block_size
 class TestCacheBlockSize(AdapterContract):
     adapter_id = "cache_block_size"
     first_new = "0.18.0"
+    negative = 'No common block size'
 
     def test_patched_call(self):
         from vllm.config import CacheConfig

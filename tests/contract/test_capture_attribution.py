@@ -31,6 +31,7 @@ def forward(worker, req_ids, tokens, rows_by_request):
 
 class TestCaptureAttribution(AdapterContract):
     adapter_id = "capture_attribution"
+    negative = 'wrong'
 
     def test_patched_call(self):
         worker = FakeWorker()

@@ -19,6 +19,7 @@ class FakeExecutor:
 class TestDeferredSampling(AdapterContract):
     adapter_id = "deferred_sampling"
     first_new = "0.11.1"
+    negative = 'sample_tokens() must be called'
 
     def test_patched_call(self):
         legacy = flush_pending_samples(FakeExecutor, None, (), {})

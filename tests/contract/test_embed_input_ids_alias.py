@@ -13,6 +13,7 @@ class Base:
 class TestEmbedInputIdsAlias(AdapterContract):
     adapter_id = "embed_input_ids_alias"
     first_new = "0.11.1"
+    negative = 'get_input_embeddings'
 
     def test_patched_call(self):
         base = Base()

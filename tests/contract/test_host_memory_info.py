@@ -8,6 +8,7 @@ from vllm_compat.adapters.host_memory_info import host_mem_get_info
 
 class TestHostMemoryInfo(AdapterContract):
     adapter_id = "host_memory_info"
+    negative = 'error'
 
     def test_patched_call(self, generator_module):
         if vllm_compat.apply()[self.adapter_id].status != "applied":

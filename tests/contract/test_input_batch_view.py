@@ -1,6 +1,6 @@
 from types import SimpleNamespace
 
-from tests.contract.base import AdapterContract
+from tests.contract.base import RUNNER_V2, AdapterContract
 
 from vllm_compat import _batch_order
 from vllm_compat.adapters.input_batch_view import with_input_batch_view
@@ -9,6 +9,8 @@ from vllm_compat.adapters.input_batch_view import with_input_batch_view
 class TestInputBatchView(AdapterContract):
     adapter_id = "input_batch_view"
     first_new = "0.12.0"
+    negative = 'input_batch'
+    negative_env = RUNNER_V2  # matters only under Model Runner V2
 
     def test_patched_call(self, monkeypatch):
         monkeypatch.setitem(_batch_order._v2, "req_ids", ["req_0_2", "req_0_0"])

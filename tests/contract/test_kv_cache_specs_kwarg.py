@@ -1,4 +1,4 @@
-from tests.contract.base import AdapterContract
+from tests.contract.base import AdapterContract, needs_vllm_platform
 
 import vllm_compat
 
@@ -6,8 +6,11 @@ import vllm_compat
 class TestKvCacheSpecsKwarg(AdapterContract):
     adapter_id = "kv_cache_specs_kwarg"
     first_new = "0.12.0"
+    negative = 'kv_cache_specs'
+    not_called_by = frozenset({'0.4.0'})  # 0.4 never passes kv_cache_specs
 
     def test_patched_call(self):
+        needs_vllm_platform()
         vllm_compat.apply()
         from vllm.config import VllmConfig
         from vllm.v1.core import kv_cache_utils

@@ -19,6 +19,7 @@ class FakeScheduler:
 
 class TestPrefillAbortDeferral(AdapterContract):
     adapter_id = "prefill_abort_deferral"
+    negative = 'wrong'
 
     def test_patched_call(self):
         from vllm.v1.request import RequestStatus

@@ -24,6 +24,7 @@ class FakeScheduler:
 
 class TestPrefillSlotRelease(AdapterContract):
     adapter_id = "prefill_slot_release"
+    negative = 'not found in captured states'
 
     def test_patched_call(self):
         waiting = ADAPTER.patches[0].factory(FakeScheduler)(["queued"])

@@ -8,6 +8,7 @@ import vllm_compat
 class TestPrefixCachingDefault(AdapterContract):
     adapter_id = "prefix_caching_default"
     first_new = "0.12.0"
+    negative = 'error'
 
     def test_patched_call(self, generator_module):
         if vllm_compat.apply()[self.adapter_id].status != "applied":

@@ -6,6 +6,7 @@ import vllm_compat
 class TestRequestEosTokenId(AdapterContract):
     adapter_id = "request_eos_token_id"
     first_new = "0.17.0"
+    negative = 'eos_token_id'
 
     def test_patched_call(self):
         vllm_compat.apply()

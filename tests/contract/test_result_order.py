@@ -8,6 +8,7 @@ from vllm_compat.adapters.result_order import input_order
 
 class TestResultOrder(AdapterContract):
     adapter_id = "result_order"
+    negative = 'wrong'
 
     def test_patched_call(self):
         inputs = [[i + 10] * (i + 1) for i in range(12)]

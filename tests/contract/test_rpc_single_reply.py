@@ -15,6 +15,7 @@ class FakeExecutor:
 class TestRpcSingleReply(AdapterContract):
     adapter_id = "rpc_single_reply"
     first_new = "0.11.1"
+    negative = 'wrong'
 
     def test_patched_call(self):
         executor = ADAPTER.patches[0].factory(FakeExecutor)()

@@ -8,6 +8,8 @@ from vllm_compat.adapters.scheduler_block_size import block_size_from_config
 class TestSchedulerBlockSize(AdapterContract):
     adapter_id = "scheduler_block_size"
     first_new = "0.11.1"
+    negative = 'block_size'
+    same_value_on_cpu = frozenset({'0.4.0'})  # 0.4 passes block_size=16, the config's block size on CPU
 
     def test_patched_call(self):
         from vllm.config import CacheConfig, ParallelConfig

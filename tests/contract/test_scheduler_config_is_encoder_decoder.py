@@ -8,6 +8,7 @@ import vllm_compat
 class TestSchedulerConfigIsEncoderDecoder(AdapterContract):
     adapter_id = "scheduler_config_is_encoder_decoder"
     first_new = "0.12.0"
+    negative = 'is_encoder_decoder'
 
     def test_patched_call(self, generator_module):
         if vllm_compat.apply()[self.adapter_id].status != "applied":

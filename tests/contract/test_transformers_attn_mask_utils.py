@@ -10,6 +10,7 @@ from vllm_compat.adapters.transformers_attn_mask_utils import MODULE, stand_in
 
 class TestTransformersAttnMaskUtils(AdapterContract):
     adapter_id = "transformers_attn_mask_utils"
+    negative = "No module named 'transformers.modeling_attn_mask_utils'"
 
     def test_stand_in_says_why(self):
         module = stand_in(None)

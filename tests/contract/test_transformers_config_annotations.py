@@ -5,6 +5,7 @@ import vllm_compat
 
 class TestTransformersConfigAnnotations(AdapterContract):
     adapter_id = "transformers_config_annotations"
+    negative = "name 'torch' is not defined"
 
     def test_patched_call(self):
         import transformers.configuration_utils as module

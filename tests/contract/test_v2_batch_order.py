@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.contract.base import AdapterContract
+from tests.contract.base import RUNNER_V2, AdapterContract
 
 from vllm_compat import _batch_order
 
@@ -10,6 +10,8 @@ from vllm_compat import _batch_order
 class TestV2BatchOrder(AdapterContract):
     adapter_id = "v2_batch_order"
     first_new = "0.12.0"
+    negative = 'wrong'  # its dependents (capture_attribution, input_batch_view) are disabled with it
+    negative_env = RUNNER_V2  # matters only under Model Runner V2
 
     def test_patched_call(self, monkeypatch):
         monkeypatch.setitem(_batch_order._v2, "req_ids", None)

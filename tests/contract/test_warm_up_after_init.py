@@ -17,6 +17,7 @@ class FakeExecutor:
 class TestWarmUpAfterInit(AdapterContract):
     adapter_id = "warm_up_after_init"
     first_new = "0.27.0"
+    not_observable_on_cpu = 'skipping warm-up is not fatal in eager mode (DRIFT.md); the contract test covers the call'
 
     def test_patched_call(self):
         executor = ADAPTER.patches[0].factory(FakeExecutor)()

@@ -7,6 +7,7 @@ from vllm_compat.adapters.worker_spawn import METHOD, spawn_workers
 
 class TestWorkerSpawn(AdapterContract):
     adapter_id = "worker_spawn"
+    not_observable_on_cpu = "vLLM's CPU platform always spawns workers; the GPU run is its test"
 
     def test_patched_call(self, monkeypatch):
         monkeypatch.delenv(METHOD, raising=False)

@@ -1,4 +1,5 @@
 """The registry against small fakes: decisions, idempotence, exact revert, deferral, env switches."""
+import os
 import sys
 import types
 
@@ -51,7 +52,7 @@ def adapter(id="drop_specs", old=(REQUIRED, OPTIONAL), new=(ABSENT,), vllm=">=0.
     defaults = dict(
         summary="test", drift="test drift", scope=Scope.GLOBAL, vllm=SpecifierSet(vllm),
         expect=Expect(Param("fakevllm_core:build", "specs"), old=set(old), new=set(new)),
-        patches=(Patch("fakevllm_core:build", function_wrapper(drop_specs)),),
+        patches=(Patch("fakevllm_core:build", function_wrapper(drop_specs)),), verified_through="0.32.0",
     )
     defaults.update(kw)
     return Adapter(id=id, **defaults)
@@ -102,10 +103,81 @@ def test_neither_shape_is_unknown_drift_and_strict_raises(fake_vllm, monkeypatch
 
 def test_disable_by_env(fake_vllm, monkeypatch):
     monkeypatch.setenv("VLLM_COMPAT_DISABLE", "other, drop_specs")
-    use(monkeypatch, adapter())
+    use(monkeypatch, adapter(), adapter(id="other"))
     original = fake_vllm.build
     assert vllm_compat.apply()["drop_specs"].status == "disabled"
     assert fake_vllm.build is original
+
+
+@pytest.mark.parametrize("where", ["env", "argument"])
+def test_unknown_id_in_disable_names_it_and_the_known_ones(fake_vllm, monkeypatch, where):
+    from vllm_compat.errors import AdapterNotApplicable
+
+    use(monkeypatch, adapter(), adapter(id="other"))
+    if where == "env":
+        monkeypatch.setenv("VLLM_COMPAT_DISABLE", "drop_specs,dorp_specs")
+    with pytest.raises(AdapterNotApplicable, match=r"'dorp_specs'; known: drop_specs, other"):
+        vllm_compat.apply(disable=("dorp_specs",) if where == "argument" else ())
+    assert not registry.is_active()
+
+
+def test_revert_gives_the_environment_back(fake_vllm, monkeypatch):
+    use(monkeypatch, adapter(), adapter(id="other"))
+    monkeypatch.delenv("VLLM_COMPAT_APPLY", raising=False)
+    monkeypatch.setenv("VLLM_COMPAT_DISABLE", "other")
+    vllm_compat.apply(disable=("drop_specs",), strict=True)
+    assert os.environ["VLLM_COMPAT_DISABLE"] == "drop_specs,other" and os.environ["VLLM_COMPAT_STRICT"] == "1"
+    assert os.environ["VLLM_COMPAT_APPLY"] == "1"
+    vllm_compat.revert()
+    assert os.environ["VLLM_COMPAT_DISABLE"] == "other"
+    assert "VLLM_COMPAT_STRICT" not in os.environ and "VLLM_COMPAT_APPLY" not in os.environ
+    vllm_compat.revert()  # a second revert changes nothing
+    assert os.environ["VLLM_COMPAT_DISABLE"] == "other"
+    vllm_compat.apply()
+    monkeypatch.setenv("VLLM_COMPAT_APPLY", "set by someone else")
+    vllm_compat.revert()
+    assert os.environ["VLLM_COMPAT_APPLY"] == "set by someone else", "a value changed since apply() is kept"
+
+
+def test_disabling_a_requirement_disables_its_dependents(fake_vllm, monkeypatch):
+    needs = adapter(id="needs_drop_specs", expect=None, vllm=">=0.10.0", requires=("drop_specs",),
+                    patches=(Patch("fakevllm_core:Base.run", function_wrapper(tagged)),))
+    use(monkeypatch, *registry._in_application_order([needs, adapter()]))
+    original = fake_vllm.Base.run
+    report = vllm_compat.apply(disable=("drop_specs",))
+    assert report["needs_drop_specs"].status == "disabled"
+    assert "requires drop_specs, which is disabled" in report["needs_drop_specs"].reason
+    assert fake_vllm.Base.run is original
+
+
+def test_application_order_is_phase_then_requirements_then_id():
+    from vllm_compat.adapter import Phase
+
+    late = adapter(id="a_transport", phase=Phase.TRANSPORT)
+    dependent = adapter(id="b_needs_c", requires=("c_base",))
+    base = adapter(id="c_base")
+    first = adapter(id="z_import", phase=Phase.IMPORT_FIX)
+    order = registry._in_application_order([late, dependent, base, first])
+    assert [a.id for a in order] == ["z_import", "c_base", "b_needs_c", "a_transport"]
+    with pytest.raises(RuntimeError, match="unknown adapter 'nowhere'"):
+        registry._in_application_order([adapter(id="x", requires=("nowhere",))])
+    with pytest.raises(RuntimeError, match="cycle"):
+        registry._in_application_order([adapter(id="x", requires=("y",)), adapter(id="y", requires=("x",))])
+    with pytest.raises(RuntimeError, match="later phase"):
+        registry._in_application_order([adapter(id="x", requires=("y",)), adapter(id="y", phase=Phase.TRANSPORT)])
+
+
+def test_newer_vllm_than_verified_warns_and_strict_refuses(fake_vllm, monkeypatch):
+    from vllm_compat.errors import NotVerifiedError
+
+    use(monkeypatch, adapter(verified_through="0.15.0"), adapter(id="other", verified_through="0.16.0"))
+    report = vllm_compat.apply()
+    assert report["drop_specs"].unverified == "not verified on vllm 0.16.0 (verified through 0.15.0)"
+    assert not report["other"].unverified and report.newest_verified == "0.15.0"
+    assert "not verified on vllm 0.16.0" in str(report) and "newest verified: 0.15.0" in report.summary()
+    vllm_compat.revert()
+    with pytest.raises(NotVerifiedError, match="drop_specs"):
+        vllm_compat.apply(strict=True)
 
 
 def test_consumer_version_gates(fake_vllm, monkeypatch):

@@ -23,7 +23,7 @@ from packaging.specifiers import SpecifierSet
 from .._transport import to_host
 from .._targets import IN_PROCESS_SPECULATORS, WORKER_EXTENSION
 from .._wrapping import function_wrapper
-from ..adapter import Adapter, Patch, Scope
+from ..adapter import Adapter, Patch, Phase, Scope
 
 
 def states_to_host(wrapped, worker, args, kwargs):
@@ -38,7 +38,8 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     deferred=True,
-    order=200,  # outermost: after capture_attribution has regrouped the rows
+    phase=Phase.TRANSPORT,  # outermost: after capture_attribution has regrouped the rows
     patches=(Patch(f"{WORKER_EXTENSION}._get_captured_states", function_wrapper(states_to_host)),),
+    verified_through="0.32.0",
     evidence="shared/gpu/README.md measured anchors; vllm/distributed/device_communicators/shm_broadcast.py enqueue()",
 )

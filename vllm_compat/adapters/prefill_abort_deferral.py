@@ -44,5 +44,6 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(">=0.3.0,<0.4"),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("finish_requests", _finish_after_prefill)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",
 )

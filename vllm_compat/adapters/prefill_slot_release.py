@@ -40,5 +40,6 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(">=0.4.0,<0.5"),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("schedule", _schedule_after_release)),),
+    verified_through="0.32.0",
     evidence="speculators 0.4.0 generate(): finish_requests only after the loop; max_num_seqs=32",
 )

@@ -12,25 +12,22 @@ Scope: consumer (the ``CacheConfig`` name inside the speculators generator modul
 from packaging.specifiers import SpecifierSet
 
 from .._targets import generator_name
-from .._wrapping import function_wrapper
-from ..adapter import Adapter, Expect, Patch, Scope
+from ..adapter import Expect, Scope
+from ..factories import default_keyword
 from ..shapes import FieldDefault
 
-
-def prefix_caching_off(wrapped, instance, args, kwargs):
-    kwargs.setdefault("enable_prefix_caching", False)
-    return wrapped(*args, **kwargs)
-
-
-ADAPTER = Adapter(
+ADAPTER = default_keyword(
     id="prefix_caching_default",
+    at=generator_name("CacheConfig"),
+    keyword="enable_prefix_caching",
+    value=False,
+    expect=Expect(FieldDefault("vllm.config:CacheConfig", "enable_prefix_caching"),
+                  old={"None", "False"}, new={"True"}),
     summary="build the generator's CacheConfig with enable_prefix_caching=False",
     drift="CacheConfig.enable_prefix_caching default None -> True in 0.12.0",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.12.0"),
-    expect=Expect(FieldDefault("vllm.config:CacheConfig", "enable_prefix_caching"),
-                  old={"None", "False"}, new={"True"}),
     speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
-    patches=(Patch(generator_name("CacheConfig"), function_wrapper(prefix_caching_off)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §2: vllm/config/cache.py:76; vllm/v1/core/block_pool.py:238 (0.12.0)",
 )

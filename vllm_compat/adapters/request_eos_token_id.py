@@ -10,25 +10,17 @@ Disable: ``VLLM_COMPAT_DISABLE=request_eos_token_id``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._wrapping import function_wrapper
-from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, OPTIONAL, REQUIRED, Param
+from ..adapter import Scope
+from ..factories import drop_keyword
 
-TARGET = "vllm.v1.request:Request.__init__"
-
-
-def drop_eos_token_id(wrapped, instance, args, kwargs):
-    kwargs.pop("eos_token_id", None)
-    return wrapped(*args, **kwargs)
-
-
-ADAPTER = Adapter(
+ADAPTER = drop_keyword(
     id="request_eos_token_id",
+    target="vllm.v1.request:Request.__init__",
+    keyword="eos_token_id",
     summary="accept and drop Request(eos_token_id=...)",
     drift="eos_token_id parameter removed in 0.17.0 (moved to SamplingParams)",
     scope=Scope.GLOBAL,
     vllm=SpecifierSet(">=0.17.0"),
-    expect=Expect(Param(TARGET, "eos_token_id"), old={REQUIRED, OPTIONAL}, new={ABSENT}),
-    patches=(Patch(TARGET, function_wrapper(drop_eos_token_id)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §1: vllm/v1/request.py:59-65 (0.16.0) -> :60-76 (0.17.0)",
 )

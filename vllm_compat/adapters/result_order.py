@@ -42,5 +42,6 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(">=0.4.0,<0.5"),
     patches=(Patch(generator_name("VllmHiddenStatesGenerator.generate"), function_wrapper(input_order)),),
+    verified_through="0.32.0",
     evidence="speculators 0.4.0 vllm_hidden_states_generator.py, generate(): sorted(request_id_to_idx.keys())",
 )

@@ -39,5 +39,6 @@ ADAPTER = Adapter(
                         "kv_output_aggregator"), old={ABSENT}, new={OPTIONAL}),
     speculators=SpecifierSet(">=0.3.0,<0.4"),
     patches=(Patch(generator_name("MultiprocExecutor"), wrap_constructed("collective_rpc", _reply_as_list)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §3 C10: vllm/v1/executor/multiproc_executor.py:237-271 (0.11.0) vs :296-297,346 (0.11.1)",
 )

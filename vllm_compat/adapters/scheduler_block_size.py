@@ -67,5 +67,6 @@ ADAPTER = Adapter(
                   old={ABSENT}, new={REQUIRED, OPTIONAL}),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("Scheduler"), function_wrapper(block_size_from_config)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §1: vllm/v1/core/sched/scheduler.py:45 (0.11.0) -> :53-58 (0.11.1)",
 )

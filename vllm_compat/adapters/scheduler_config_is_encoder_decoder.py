@@ -12,25 +12,22 @@ Disable: ``VLLM_COMPAT_DISABLE=scheduler_config_is_encoder_decoder``.
 from packaging.specifiers import SpecifierSet
 
 from .._targets import generator_name
-from .._wrapping import function_wrapper
-from ..adapter import Adapter, Expect, Patch, Scope
+from ..adapter import Expect, Scope
+from ..factories import default_keyword
 from ..shapes import ABSENT, REQUIRED, FieldDefault
 
-
-def default_is_encoder_decoder(wrapped, instance, args, kwargs):
-    kwargs.setdefault("is_encoder_decoder", False)
-    return wrapped(*args, **kwargs)
-
-
-ADAPTER = Adapter(
+ADAPTER = default_keyword(
     id="scheduler_config_is_encoder_decoder",
+    at=generator_name("SchedulerConfig"),
+    keyword="is_encoder_decoder",
+    value=False,
+    expect=Expect(FieldDefault("vllm.config:SchedulerConfig", "is_encoder_decoder"),
+                  old={ABSENT, "False"}, new={REQUIRED}),
     summary="pass SchedulerConfig(is_encoder_decoder=False) when the caller omits it",
     drift="is_encoder_decoder became a required SchedulerConfig InitVar in 0.12.0",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.12.0"),
-    expect=Expect(FieldDefault("vllm.config:SchedulerConfig", "is_encoder_decoder"),
-                  old={ABSENT, "False"}, new={REQUIRED}),
     speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
-    patches=(Patch(generator_name("SchedulerConfig"), function_wrapper(default_is_encoder_decoder)),),
+    verified_through="0.32.0",
     evidence="DRIFT.md §3 C1: vllm/config/scheduler.py:31,37,144-153 (0.12.0)",
 )

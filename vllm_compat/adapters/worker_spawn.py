@@ -42,5 +42,6 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(spawn_workers)),),
+    verified_through="0.32.0",
     evidence="shared/gpu/README.md: 'Cannot re-initialize CUDA in forked subprocess' (vLLM 0.20.0, H200)",
 )

@@ -1,0 +1,236 @@
+"""The call-site audit: every reference the consumer's code and our adapters make into vLLM.
+
+Read with ``ast`` from source (never imported): the speculators ``data_generation`` modules that
+mention vLLM, and the modules of every adapter the audit found ``adapted`` (plus the helper modules
+they import). Each import, call, method call and attribute read whose target is known is checked
+against vLLM's definition (:mod:`.signatures`). A break is then
+
+* **bridged** when an ``adapted`` adapter is about exactly that target: for a parameter, its
+  ``expect`` check is a ``Param`` or ``FieldDefault`` on the same callable (or class) and the same
+  parameter name; for a missing name, its ``expect`` check names it (``Exists``/``Attr``/``WhichAttr``)
+  or one of its patches creates it (``create=True``) at that target or at the consumer's own name
+  for it. A patch alone does not say which parameter it fixes, so it never bridges a parameter.
+* a **PROBLEM** otherwise. An adapter's own call into vLLM that no longer fits is always a problem.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._targets import GENERATOR
+from ..adapter import Adapter
+from ..shapes import Attr, Exists, FieldDefault, Param, WhichAttr
+from ..sources import StaticSource, _Found
+from .analyzer import CLASS, INSTANCE, METHOD, ModuleAnalysis, Reference, Value, _join
+from .signatures import FUNCTIONS, VllmIndex
+
+OK, BRIDGED, PROBLEM = "ok", "bridged", "PROBLEM"
+CONSUMER_PACKAGE = "speculators.data_generation"
+HERE = Path(__file__).resolve().parent.parent  # vllm_compat/
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """One checked reference. ``status``: ok / bridged / PROBLEM; ``by``: the bridging adapter."""
+
+    site: str
+    kind: str
+    target: str
+    where: str
+    status: str
+    problem: str = ""
+    by: str = ""
+
+
+def consumer_root() -> Path | None:
+    """The directory holding the installed ``speculators/`` package (located, not imported)."""
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def _parse(path: Path, text: str | None = None) -> ast.Module | None:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8") if text is None else text, filename=str(path))
+    except (OSError, SyntaxError):
+        return None
+
+
+def consumer_files(root: Path) -> dict[str, str]:
+    """``{file name: text}`` of the consumer's ``data_generation`` modules, from a directory holding
+    ``speculators/`` or from a speculators wheel (read inside the zip)."""
+    folder = "/".join(CONSUMER_PACKAGE.split("."))
+    if root.is_file():
+        with zipfile.ZipFile(root) as wheel:
+            return {name.rsplit("/", 1)[1]: wheel.read(name).decode("utf-8", errors="replace")
+                    for name in wheel.namelist() if name.startswith(f"{folder}/") and name.count("/") == 2
+                    and name.endswith(".py")}
+    return {path.name: path.read_text(encoding="utf-8", errors="replace")
+            for path in sorted((root / folder).glob("*.py"))}
+
+
+def consumer_analyses(index: VllmIndex, root: Path) -> list[ModuleAnalysis]:
+    """The ``data_generation`` modules of the speculators under ``root`` that reference vLLM."""
+    found = []
+    for name, text in sorted(consumer_files(root).items()):
+        label = f"{CONSUMER_PACKAGE.replace('.', '/')}/{name}"
+        tree = _parse(Path(label), text) if "vllm" in text else None
+        if tree is not None:
+            module = f"{CONSUMER_PACKAGE}.{name.removesuffix('.py')}"
+            found.append(ModuleAnalysis(index, tree, label, CONSUMER_PACKAGE, name=module))
+    return found
+
+
+def _patch_calls(tree: ast.Module) -> list[ast.Call]:
+    """The ``Patch(...)`` calls of the module's ``ADAPTER = Adapter(...)``, in declaration order."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "ADAPTER" for t in node.targets):
+            return [c for c in ast.walk(node.value) if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "Patch"]
+    return []
+
+
+class _Targets:
+    """Patch targets as values: vLLM-side ones resolved in vLLM, consumer-side ones through the
+    consumer module's own bindings."""
+
+    def __init__(self, index: VllmIndex, generator: ModuleAnalysis | None):
+        self.index, self.generator = index, generator
+
+    def value(self, target: str) -> Value | None:
+        module, _, qual = target.partition(":")
+        if module == GENERATOR and self.generator is not None:
+            head, *rest = qual.split(".")
+            value = self.generator.module_scope.name(head)
+            for part in rest:
+                if value is None or value.found is None or value.kind not in (CLASS, INSTANCE):
+                    return None
+                found = self.index.member(value.found, part)
+                if not isinstance(found, _Found):
+                    return None
+                value = self.generator._value_of(found, _join(value.target, part), value)
+            return value
+        if module.split(".")[0] != "vllm":
+            return None
+        found = self.index.resolve(target)
+        if not isinstance(found, _Found):
+            return None
+        kind = {ast.ClassDef: CLASS}.get(type(found.node), "function")
+        return Value(kind, target, found)
+
+
+def _seeds(tree: ast.Module, adapter: Adapter, targets: _Targets) -> dict[str, dict[str, Value]]:
+    """Types of the wrapper functions' parameters: ``function_wrapper(f)`` on target T gives
+    ``f(wrapped=T, instance=<T's class instance>, ...)``; ``wrap_constructed(name, f)`` on class C gives
+    ``f(run=C.name bound, instance=<C instance>, ...)``."""
+    functions = {n.name: n for n in tree.body if isinstance(n, FUNCTIONS)}
+    seeds: dict[str, dict[str, Value]] = {}
+    for call, patch in zip(_patch_calls(tree), adapter.patches):
+        factory = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "factory"), None)
+        if not isinstance(factory, ast.Call) or not factory.args:
+            continue
+        maker, fn = getattr(factory.func, "id", ""), factory.args[-1]
+        if not isinstance(fn, ast.Name) or fn.id not in functions:
+            continue
+        params = [a.arg for a in functions[fn.id].args.args]
+        target = targets.value(patch.target)
+        if target is None or len(params) < 2:
+            continue
+        if maker == "function_wrapper":
+            owner = None
+            if target.kind in ("function", METHOD) and "." in target.target.partition(":")[2]:
+                klass = targets.value(target.target.rsplit(".", 1)[0])
+                owner = Value(INSTANCE, klass.target, klass.found, klass.via) if klass and klass.kind == CLASS else None
+            seeds[fn.id] = {params[0]: target._replace(kind=METHOD) if owner else target}
+            if owner:
+                seeds[fn.id][params[1]] = owner
+        elif maker == "wrap_constructed" and target.kind == CLASS and isinstance(factory.args[0], ast.Constant):
+            method = targets.index.member(target.found, factory.args[0].value)
+            instance = Value(INSTANCE, target.target, target.found, target.via)
+            seeds[fn.id] = {params[1]: instance}
+            if isinstance(method, _Found):
+                seeds[fn.id][params[0]] = Value(METHOD, _join(target.target, factory.args[0].value), method, target.via)
+    return seeds
+
+
+def adapter_references(index: VllmIndex, adapted: list[Adapter], generator: ModuleAnalysis | None) -> list[Reference]:
+    """What the ``adapted`` adapters (and the helper modules they import) reference in vLLM."""
+    targets = _Targets(index, generator)
+    references: list[Reference] = []
+    helpers: set[str] = set()
+    for adapter in adapted:
+        path = HERE / "adapters" / f"{adapter.id}.py"
+        tree = _parse(path)
+        if tree is None:
+            continue
+        label = f"vllm_compat/adapters/{path.name}"
+        analysis = ModuleAnalysis(index, tree, label, "vllm_compat.adapters", _seeds(tree, adapter, targets))
+        references += analysis.references
+        for call, patch in zip(_patch_calls(tree), adapter.patches):
+            if patch.create or patch.target.split(".")[0] != "vllm":
+                continue
+            found = index.resolve(patch.target)
+            where = found.where if isinstance(found, _Found) else ""
+            references.append(Reference(f"{label}:{call.lineno}", "patch", patch.target, where,
+                                        "" if found else "patch target not found", missing=not found))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and (node.module or "").startswith("_"):
+                helpers.add(node.module)
+    for helper in sorted(helpers):
+        path = HERE / f"{helper}.py"
+        tree = _parse(path)
+        if tree is not None and "vllm" in ast.unparse(tree):
+            references += ModuleAnalysis(index, tree, f"vllm_compat/{path.name}", "vllm_compat").references
+    return references
+
+
+def _names(check) -> set[str]:
+    if isinstance(check, Exists):
+        return {check.target}
+    if isinstance(check, Attr):
+        return {_join(check.target, check.name)}
+    if isinstance(check, WhichAttr):
+        return {_join(check.target, check.old_name), _join(check.target, check.new_name)}
+    return set()
+
+
+def bridging(ref: Reference, adapted: list[Adapter], index: VllmIndex) -> str:
+    """The id of the adapted adapter that bridges a consumer's break, or ''."""
+    for adapter in adapted:
+        check = adapter.expect.check if adapter.expect else None
+        if ref.missing:
+            if check is not None and ref.target in _names(check):
+                return adapter.id
+            consumer_name = f"{GENERATOR}:{ref.via}" if ref.via else None
+            if any(p.create and p.target in (ref.target, consumer_name) for p in adapter.patches):
+                return adapter.id
+        elif ref.param and isinstance(check, (Param, FieldDefault)) and check.name == ref.param:
+            found = index.resolve(check.target)
+            same = ref.target.removesuffix(".__init__") == check.target.removesuffix(".__init__")
+            if same or (isinstance(found, _Found) and found.where == ref.where):
+                return adapter.id
+    return ""
+
+
+def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -> list[CallSite]:
+    """Every call site of the consumer under ``consumer`` (None: skip it) and of the ``adapted``
+    adapters, checked against ``source``."""
+    index = VllmIndex(source, {p.target: p.alias_of for a in adapted for p in a.patches if p.alias_of})
+    analyses = consumer_analyses(index, consumer) if consumer is not None else []
+    generator = next((a for a in analyses if a.name == GENERATOR), None)
+    results = []
+    for analysis in analyses:
+        for ref in analysis.references:
+            by = bridging(ref, adapted, index) if ref.problem else ""
+            status = OK if not ref.problem else BRIDGED if by else PROBLEM
+            results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by))
+    for ref in adapter_references(index, adapted, generator):
+        results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, PROBLEM if ref.problem else OK,
+                                ref.problem))
+    return results
+
+
+__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "check", "consumer_root"]
