@@ -6,11 +6,13 @@
     python -m hidden_states demo [--output-dir demo-output]
 
 Exit codes: 0 done; 1 an unexpected failure (full traceback printed); 2 bad input or arguments
-(one line naming the file, line or flag); 130 interrupted (rerun the same command to resume).
+(one line naming the file, line or flag); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (rerun
+the same command to resume).
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import traceback
 
@@ -19,6 +21,33 @@ from .errors import ExtractError
 from .presets import DEFAULTS, PRESETS
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len")
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (argparse names the flag when it refuses)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def share(text: str) -> float:
+    """An argparse type: a share of device memory, 0 < x <= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be more than 0 and at most 1 (a share of device memory)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,21 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tokenized JSONL (input_ids, loss_mask) or a saved dataset directory")
     extract.add_argument("--output-dir", required=True, help="where data_{i}.pt files go (a rerun resumes)")
     extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
-    extract.add_argument("--batch-size", type=int, help=f"sequences per generator call (default {DEFAULTS['batch_size']})")
-    extract.add_argument("--max-seq-len", type=int,
+    extract.add_argument("--batch-size", type=at_least(1),
+                         help=f"sequences per generator call (default {DEFAULTS['batch_size']})")
+    extract.add_argument("--max-seq-len", type=at_least(1),
                          help=f"longer samples are truncated (or refused with --strict) (default {DEFAULTS['max_seq_len']})")
-    extract.add_argument("--tp-size", type=int, help=f"tensor parallel size (default {DEFAULTS['tp_size']})")
-    extract.add_argument("--gpu-memory-utilization", type=float,
+    extract.add_argument("--tp-size", type=at_least(1), help=f"tensor parallel size (default {DEFAULTS['tp_size']})")
+    extract.add_argument("--gpu-memory-utilization", type=share,
                          help=f"share of device memory vLLM may use (default {DEFAULTS['gpu_memory_utilization']})")
     extract.add_argument("--layer-ids", type=int, nargs="+",
                          help="layers to capture, speculators' convention (default: 2, N/2, N-3, N-1)")
     extract.add_argument("--backend", choices=BACKENDS, default="speculators")
     extract.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
-    extract.add_argument("--max-samples", type=int, help="extract at most this many samples")
-    extract.add_argument("--start-index", type=int, default=0, help="skip samples before this index")
+    extract.add_argument("--max-samples", type=at_least(1), help="extract at most this many samples")
+    extract.add_argument("--start-index", type=at_least(0), default=0, help="skip samples before this index")
     extract.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
     extract.add_argument("--progress-interval", type=float, default=10.0, help="seconds between log lines")
-    extract.add_argument("--writer-threads", type=int, default=2, help="threads writing files (default 2)")
+    extract.add_argument("--writer-threads", type=at_least(1), default=2, help="threads writing files (default 2)")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
     demo.add_argument("--output-dir", default="demo-output")
     demo.add_argument("--samples", type=int, default=24)
@@ -68,13 +98,13 @@ def settings_from(args):
 
 
 def _extract(args) -> int:
-    from .extract import EXIT_INTERRUPTED, run
+    from .extract import run
 
     summary = run(settings_from(args))
     print(summary.line(), file=sys.stderr, flush=True)
-    if summary.interrupted:
+    if summary.interrupted is not None:
         print("[hidden-states] rerun the same command to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + summary.interrupted
     return 0
 
 
@@ -91,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExtractError as exc:
         print(f"hidden-states: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a second signal, or one while the model loaded
         print("hidden-states: aborted; finished samples are kept, rerun to resume", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except Exception as exc:  # everything else: the whole story, never an empty message
         traceback.print_exc()
         cause = exc

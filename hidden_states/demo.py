@@ -38,6 +38,8 @@ def run_demo(output_dir: str, samples: int) -> int:
 
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
+    print(f"[hidden-states] demo: building a tiny Llama-shaped model (6 layers) and {samples} samples in {root}",
+          file=sys.stderr, flush=True)
     model = build("llama", root / "tiny-llama")
     data = root / "prepared.jsonl"
     write_dataset(data, samples)
@@ -46,6 +48,8 @@ def run_demo(output_dir: str, samples: int) -> int:
     summary = run(settings)
     print(summary.line(), file=sys.stderr)
 
+    print("[hidden-states] comparing every written state with HF transformers' forward (fp32, a few seconds)",
+          file=sys.stderr, flush=True)
     files = sorted((root / "hidden_states").glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
     saved = [torch.load(f, weights_only=True) for f in files]
     hf = load_model(model)

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends
-from .errors import InputError, UsageError
+from . import backends, processes
+from .errors import InputError, OutputError, UsageError
 from .inputs import Sample, read_samples
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
-from .preflight import check_disk, check_input, check_layer_ids, check_vllm, default_layer_ids, model_facts
+from .preflight import (check_disk, check_input, check_layer_ids, check_tensor_parallel, check_vllm, default_layer_ids,
+                        human_size, model_facts, too_long)
 from .progress import Progress
 
-EXIT_INTERRUPTED = 130
 
 
 @dataclass
@@ -50,13 +50,13 @@ class Summary:
     shutdown_seconds: float = 0.0  # the backend's shutdown after that (vLLM's workers exiting)
     bytes_written: int = 0
     stall_seconds: float = 0.0
-    interrupted: bool = False
+    interrupted: int | None = None  # the signal that stopped the run after its batch in flight
     layer_ids: list[int] = field(default_factory=list)
 
     def line(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
         stall = 100 * self.stall_seconds / max(self.seconds, 1e-9)
-        state = "interrupted" if self.interrupted else "done"
+        state = "interrupted" if self.interrupted is not None else "done"
         return (f"[hidden-states] {state}: {self.extracted} samples extracted, {self.skipped} already finished, "
                 f"{self.tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s; model load "
                 f"{self.load_seconds:.1f} s, shutdown {self.shutdown_seconds:.1f} s), "
@@ -82,25 +82,40 @@ def count_samples(path: str) -> int:
         return sum(1 for line in handle if line.strip())
 
 
+class Aborted(KeyboardInterrupt):
+    """A signal that could not wait for the batch in flight: a second one, or one during the model load."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class _Interrupt:
-    """First SIGINT: finish the batch in flight, then stop. Second: the default (raise)."""
+    """SIGINT or SIGTERM while extracting: finish the batch in flight, then stop (``requested`` holds
+    the signal). While the model loads, or for a second signal: :class:`Aborted` at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.requested = False
-        self._previous = None
+        self.requested: int | None = None
+        self.extracting = False
+        self._previous: dict = {}
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
-        print("\n[hidden-states] interrupted: finishing the batch in flight (Ctrl-C again to abort now)",
-              file=sys.stderr, flush=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not self.extracting or self.requested is not None:
+            raise Aborted(signum)
+        self.requested = signum
+        print(f"\n[hidden-states] {signal.Signals(signum).name}: finishing the batch in flight "
+              f"(Ctrl-C again to abort now)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
 
 class ExtractionFailed(RuntimeError):
@@ -113,13 +128,17 @@ def run(settings: Settings, log=None) -> Summary:
         raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
     if settings.max_seq_len < 1:
         raise UsageError(f"--max-seq-len {settings.max_seq_len}: must be at least 1")
+    if settings.writer_threads < 1:  # no thread would ever write: files lost, or a hang on a full queue
+        raise UsageError(f"--writer-threads {settings.writer_threads}: must be at least 1")
     facts = model_facts(settings.model_path)
     if facts.remote_code and not settings.trust_remote_code:
         raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
                          f"config.json); pass --trust-remote-code if you trust it")
     layer_ids = list(settings.layer_ids) if settings.layer_ids else default_layer_ids(facts.num_layers)
-    check_layer_ids(layer_ids, facts.num_layers)
-    bytes_per_token = check_input(settings.prepared_data, facts.vocab_size)
+    check_layer_ids(layer_ids, facts.num_layers, given=bool(settings.layer_ids))
+    check_tensor_parallel(facts, settings.tp_size)
+    bytes_per_token = check_input(settings.prepared_data, facts.vocab_size,
+                                  settings.max_seq_len if settings.strict else None)
     output = OutputDir(settings.output_dir)
     identity = {"model": facts.path, "layer_ids": layer_ids}
     config = {
@@ -151,49 +170,64 @@ def run(settings: Settings, log=None) -> Summary:
     planned = [i for i in range(settings.start_index, min(total, end) if end is not None else total)]
     todo = len([i for i in planned if i not in finished])
     log(f"{len(planned)} samples in range, {len(planned) - todo} already finished, {todo} to extract "
-        f"(layers {layer_ids}, about {estimate / 1e9:.2f} GB for the whole input)")
+        f"(layers {layer_ids}, about {human_size(estimate)} for the whole input)")
 
     summary = Summary(layer_ids=layer_ids, skipped=len(planned) - todo)
     if todo == 0:
         output.write_lengths(finished)
         return summary
+    # Backends capture each layer once, in the model's order; the files list them as asked.
+    captured = sorted(set(layer_ids))
     backend = backends.create(settings.backend, backends.BackendSettings(
-        model_path=settings.model_path, layer_ids=layer_ids, max_seq_len=settings.max_seq_len,
+        model_path=settings.model_path, layer_ids=captured, max_seq_len=settings.max_seq_len,
         tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
         trust_remote_code=settings.trust_remote_code))
     started = time.monotonic()
-    writer = None
-    try:
-        info = backend.start()
-        summary.load_seconds = time.monotonic() - started
-        started = time.monotonic()
-        atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
-        writer = BackgroundWriter(output.path, settings.writer_queue, settings.writer_threads)
-        progress = Progress(todo, interval=settings.progress_interval)
-        with _Interrupt() as interrupt:
-            _loop(settings, backend, writer, progress, summary, finished, interrupt, facts.vocab_size, end)
-        progress.close()
-    finally:
-        drain_started = time.monotonic()
+    layer_order = [captured.index(layer) for layer in layer_ids]  # where each listed layer is among those captured
+    with processes.contained(), _Interrupt() as interrupt:
+        writer = None
         try:
-            if writer is not None:
-                writer.close()  # waits for the files still queued: time the extraction waits on disk
+            log(f"starting the {settings.backend} backend: vLLM loads the model "
+                f"(tens of seconds; Ctrl-C stops at once)")
+            info = backend.start()
+            summary.load_seconds = time.monotonic() - started
+            log(f"model loaded in {summary.load_seconds:.0f} s; extracting")
+            started = time.monotonic()
+            atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
+            writer = BackgroundWriter(output.path, settings.writer_queue, settings.writer_threads)
+            progress = Progress(todo, interval=settings.progress_interval)
+            interrupt.extracting = True
+            _loop(settings, backend, writer, progress, summary, finished, interrupt, facts.vocab_size, end, layer_order)
+            progress.close()
         finally:
-            drain = time.monotonic() - drain_started
-            # the rate counts until the last file is whole: vLLM's worker shutdown that follows
-            # (seconds, whatever the run's length) is reported on its own
-            summary.seconds = time.monotonic() - started
-            backend.close()
-            summary.shutdown_seconds = time.monotonic() - started - summary.seconds
-            if writer is not None:
-                summary.bytes_written = writer.stats.bytes
-                summary.stall_seconds = writer.stats.stall_seconds + drain
-                finished.update(writer.stats.lengths)
-            output.write_lengths(finished)
+            drain_started = time.monotonic()
+            try:
+                if writer is not None:
+                    writer.close()  # waits for the files still queued: time the extraction waits on disk
+            finally:
+                drain = time.monotonic() - drain_started
+                # the rate counts until the last file is whole: vLLM's worker shutdown that follows
+                # (seconds, whatever the run's length) is reported on its own
+                summary.seconds = time.monotonic() - started
+                log("shutting vLLM down")
+                backend.close()
+                summary.shutdown_seconds = time.monotonic() - started - summary.seconds
+                if writer is not None:
+                    summary.bytes_written = writer.stats.bytes
+                    summary.stall_seconds = writer.stats.stall_seconds + drain
+                    finished.update(writer.stats.lengths)
+                failing = sys.exc_info()[1]
+                try:
+                    output.write_lengths(finished)
+                except OutputError:
+                    # when the disk that failed the run fails this too, the first file it refused is
+                    # the one reported (once); a rerun rewrites the length index from the files
+                    if failing is None:
+                        raise
     return summary
 
 
-def _loop(settings, backend, writer, progress, summary, finished, interrupt, vocab_size, end) -> None:
+def _loop(settings, backend, writer, progress, summary, finished, interrupt, vocab_size, end, layer_order) -> None:
     import torch
 
     batch: list[Sample] = []
@@ -212,7 +246,7 @@ def _loop(settings, backend, writer, progress, summary, finished, interrupt, voc
             mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
             writer.submit(sample.index, {
                 "input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
-                "hidden_states": [layer.cpu() for layer in layers],
+                "hidden_states": [layers[k].cpu() for k in layer_order],
                 "loss_mask": torch.tensor(mask, dtype=torch.long),
             })
             summary.extracted += 1
@@ -229,16 +263,15 @@ def _loop(settings, backend, writer, progress, summary, finished, interrupt, voc
                 break
             if len(sample.input_ids) > settings.max_seq_len:
                 if settings.strict:
-                    raise InputError(f"{settings.prepared_data}:{sample.line}: {len(sample.input_ids)} tokens, "
-                                     f"more than --max-seq-len {settings.max_seq_len} (--strict)")
+                    raise InputError(too_long(settings.prepared_data, sample, settings.max_seq_len))
                 summary.truncated += 1
                 mask = sample.loss_mask[: settings.max_seq_len] if sample.loss_mask is not None else None
                 sample = Sample(sample.index, sample.line, sample.input_ids[: settings.max_seq_len], mask)
             batch.append(sample)
             if len(batch) == settings.batch_size:
                 flush()
-                if interrupt.requested:
-                    summary.interrupted = True
+                if interrupt.requested is not None:
+                    summary.interrupted = interrupt.requested
                     return
     except InputError as exc:
         pending_error = exc  # finish what was read before the bad line, then report it

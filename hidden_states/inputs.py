@@ -65,6 +65,15 @@ def validate(record, where: str, index: int, line: int, vocab_size: int | None) 
     return Sample(index, line, ids, mask)
 
 
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """What is wrong, placed in the file's line (the decoder counts the newline at its end as a
+    line of its own: "line 2 column 1" meant "the line ends too soon")."""
+    line = exc.doc.rstrip("\r\n")
+    if exc.pos >= len(line):
+        return f"{exc.msg} at the end of the line"
+    return f"{exc.msg} at column {exc.pos + 1}"
+
+
 def read_jsonl(path: Path, vocab_size: int | None = None) -> Iterator[Sample]:
     index = 0
     with path.open("rb") as handle:
@@ -74,8 +83,10 @@ def read_jsonl(path: Path, vocab_size: int | None = None) -> Iterator[Sample]:
             where = f"{path}:{line_number}"
             try:
                 record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise InputError(f"{where}: not valid JSON ({exc})") from None
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{where}: not valid JSON ({json_problem(exc)})") from None
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{where}: not UTF-8 (byte {exc.start + 1} of the line)") from None
             yield validate(record, where, index, line_number, vocab_size)
             index += 1
 

@@ -50,9 +50,13 @@ def ends_whole(path: Path) -> bool:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
-    with temp.open("wb") as handle:
-        handle.write(data)
-    os.replace(temp, path)
+    try:
+        with temp.open("wb") as handle:
+            handle.write(data)
+        os.replace(temp, path)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise OutputError(describe_os_error(exc, path)) from None
 
 
 def atomic_write_json(path: Path, value) -> None:
@@ -65,6 +69,17 @@ def describe_os_error(exc: OSError, path: Path) -> str:
     return f"{path}: {exc.strerror or exc}"
 
 
+def os_error_behind(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``, if any: torch's zip writer, failing to finish a file whose write
+    raised (a full disk), raises its own RuntimeError over the OSError."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class OutputDir:
     """An output directory, checked for writability and for belonging to the same extraction."""
 
@@ -74,6 +89,8 @@ class OutputDir:
 
     def prepare(self, identity: dict, config: dict) -> None:
         """Create the directory, check it is writable, refuse another run's files, write the config."""
+        if self.path.exists() and not self.path.is_dir():
+            raise OutputError(f"--output-dir {self.path}: is a file, not a directory")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f"{TEMP_PREFIX}probe.{os.getpid()}"
@@ -149,12 +166,14 @@ class BackgroundWriter:
     """
 
     def __init__(self, directory: Path, max_pending: int = 64, threads: int = 2):
+        if threads < 1:
+            raise ValueError(f"BackgroundWriter needs at least one thread, got {threads}")
         self.directory = directory
         self.stats = WriterStats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._ledger = (directory / LEDGER).open("a")
+        self._ledger = (directory / LEDGER).open("ab", buffering=0)  # unbuffered: a failed line never flushes at close
         self._threads = [threading.Thread(target=self._run, name=f"hidden-states-writer-{i}", daemon=True)
                          for i in range(threads)]
         for thread in self._threads:
@@ -204,21 +223,26 @@ class BackgroundWriter:
             temp = self.directory / f"{TEMP_PREFIX}data_{index}.pt.{os.getpid()}"
             started = time.perf_counter()
             try:
-                torch.save(record, temp)
+                # through a Python file: torch's own C++ writer reports a full disk as a RuntimeError
+                # ("basic_ios::clear", "unexpected pos") that names neither the cause nor the file
+                with open(temp, "wb") as handle:
+                    torch.save(record, handle)
                 os.replace(temp, final)
-            except OSError as exc:
-                temp.unlink(missing_ok=True)
-                self._error = self._error or OutputError(f"writing sample {index}: {describe_os_error(exc, final)}")
-                continue
             except BaseException as exc:  # noqa: BLE001 - carried to the main thread
                 temp.unlink(missing_ok=True)
+                cause = os_error_behind(exc)
+                if cause is not None:
+                    exc = OutputError(f"writing sample {index}: {describe_os_error(cause, final)}")
                 self._error = self._error or exc
                 continue
             length = int(record["input_ids"].shape[0])
             size = final.stat().st_size
             with self._lock:
-                self._ledger.write(json.dumps({"index": index, "length": length}) + "\n")
-                self._ledger.flush()
+                try:
+                    self._ledger.write((json.dumps({"index": index, "length": length}) + "\n").encode())
+                except OSError as exc:  # the file is whole: a rerun keeps it and asks it for its length
+                    self._error = self._error or OutputError(describe_os_error(exc, self.directory / LEDGER))
+                    continue
                 self.stats.files += 1
                 self.stats.bytes += size
                 self.stats.write_seconds += time.perf_counter() - started

@@ -7,8 +7,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PreflightError, UsageError
-from .inputs import read_samples
+from .errors import InputError, PreflightError, UsageError
+from .inputs import Sample, read_samples
 
 FIRST_LINES = 64  # samples validated up front; the rest are validated as they stream
 
@@ -19,11 +19,15 @@ class ModelFacts:
     num_layers: int
     hidden_size: int
     vocab_size: int
-    dtype_bytes: int
+    dtype_bytes: int  # per value of a written state
     remote_code: bool
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Bytes per value of the states as written: vLLM's dtype "auto" (which the generator hard-codes)
+# runs a float32 checkpoint in 16 bits (bf16 or fp16), so every state is 2 bytes whatever the config says.
+_DTYPE_BYTES = {"float32": 2, "float16": 2, "bfloat16": 2}
 
 
 def model_facts(model_path: str) -> ModelFacts:
@@ -45,30 +49,63 @@ def model_facts(model_path: str) -> ModelFacts:
     except (KeyError, TypeError, ValueError) as exc:
         raise PreflightError(f"{config_file}: cannot read {exc} (num_hidden_layers, hidden_size, vocab_size)") from None
     dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads", heads)
     return ModelFacts(str(path.resolve()), num_layers, hidden, vocab, _DTYPE_BYTES.get(dtype, 2),
-                      "auto_map" in config)
+                      "auto_map" in config, int(heads) if heads else None, int(kv_heads) if kv_heads else None)
+
+
+def check_tensor_parallel(facts: ModelFacts, tp_size: int) -> None:
+    """vLLM's own rule, checked before its 40 s of start-up: attention heads split evenly over the
+    ranks; KV heads too, or (fewer KV heads than ranks) each replicated on a whole number of ranks."""
+    if facts.num_heads and facts.num_heads % tp_size:
+        raise UsageError(f"--tp-size {tp_size}: the model's {facts.num_heads} attention heads do not divide "
+                         f"evenly over {tp_size} ranks")
+    kv = facts.num_kv_heads
+    if kv and (kv % tp_size if kv >= tp_size else tp_size % kv):
+        raise UsageError(f"--tp-size {tp_size}: the model's {kv} KV heads can be neither split nor replicated "
+                         f"evenly over {tp_size} ranks")
+
+
+def human_size(size: float) -> str:
+    """``size`` bytes in the unit that shows it best (1.5 GB, 310 MB, 12 kB)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(size) < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """speculators' default: layers 2, N/2, N-3 (EAGLE-3 fusion) and N-1 (the target's last state);
-    for very small models, where those coincide, each layer once."""
-    return sorted({2, num_layers // 2, num_layers - 3, num_layers - 1})
+    """speculators 0.3/0.4's own default (``VllmHiddenStatesGenerator``), entry for entry: layers
+    2, N/2 and N-3 (what EAGLE-3 fuses) and N-1 (the target's last state). Its trainer takes every
+    entry but the last as the fused input and the last as the target, so it needs all four even where
+    two coincide (N = 6: [2, 3, 3, 5]); each layer is captured once and written as often as listed."""
+    if num_layers < 3:
+        raise UsageError(f"the model has {num_layers} layers; speculators' default layer ids need at least 3: "
+                         f"pass --layer-ids")
+    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
 
-def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+def check_layer_ids(layer_ids: list[int], num_layers: int, *, given: bool = True) -> None:
+    """Given ids (``--layer-ids``) must be distinct (a repeat is taken for a typo); the default may repeat."""
     duplicates = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
-    if duplicates:
+    if duplicates and given:
         raise UsageError(f"--layer-ids: {duplicates} given more than once")
     outside = [i for i in layer_ids if not 0 <= i < num_layers]
     if outside:
         raise UsageError(f"--layer-ids: {outside} outside [0, {num_layers - 1}] (the model has {num_layers} layers)")
 
 
-def check_input(path: str, vocab_size: int) -> float:
-    """Validate the first samples; return the input's bytes per token (for the size estimate)."""
+def check_input(path: str, vocab_size: int, strict_max_len: int | None = None) -> float:
+    """Validate the first samples (with ``strict_max_len``: their length too, as ``--strict`` asks);
+    return the input's bytes per token (for the size estimate)."""
     samples = list(itertools.islice(read_samples(path, vocab_size), FIRST_LINES))
     if not samples:
         raise PreflightError(f"{path}: no samples")
+    for sample in samples:
+        if strict_max_len is not None and len(sample.input_ids) > strict_max_len:
+            raise InputError(too_long(path, sample, strict_max_len))
     source = Path(path)
     if source.is_dir():
         return 0.0
@@ -76,6 +113,10 @@ def check_input(path: str, vocab_size: int) -> float:
     with source.open("rb") as handle:
         head = sum(len(line) for line in itertools.islice(handle, samples[-1].line))
     return head / max(tokens, 1)
+
+
+def too_long(path: str, sample: Sample, max_seq_len: int) -> str:
+    return f"{path}:{sample.line}: {len(sample.input_ids)} tokens, more than --max-seq-len {max_seq_len} (--strict)"
 
 
 def check_disk(output_dir: Path, input_path: str, bytes_per_token: float, facts: ModelFacts,
@@ -87,8 +128,8 @@ def check_disk(output_dir: Path, input_path: str, bytes_per_token: float, facts:
     estimate = int(tokens * len(layer_ids) * facts.hidden_size * facts.dtype_bytes * 1.05)
     free = shutil.disk_usage(output_dir).free
     if estimate > free:
-        raise PreflightError(f"--output-dir {output_dir}: about {estimate / 1e9:.1f} GB of hidden states expected, "
-                             f"{free / 1e9:.1f} GB free")
+        raise PreflightError(f"--output-dir {output_dir}: about {human_size(estimate)} of hidden states expected, "
+                             f"{human_size(free)} free")
     return estimate
 
 

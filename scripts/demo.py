@@ -2,11 +2,17 @@
 """The README's demo command: a CPU extraction on a tiny local model, checked against HF.
 
 Builds (or reuses) the vLLM venv under .cache/ (scripts/vllm_venv.py), then runs
-``python -m hidden_states demo`` inside it with speculators 0.3.0 on the path.
+``python -m hidden_states demo`` inside it with speculators 0.3.0 on the path. Shows the demo's own
+lines; third-party log noise (vLLM's INFO lines, Gloo, warnings from speculators and transformers)
+goes to ``<output-dir>/demo.log`` only, unless ``--verbose``. Ends with the command that runs the
+extractor on your own data in the same environment.
 """
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,9 +21,73 @@ import vllm_venv  # noqa: E402
 
 VLLM = os.environ.get("DEMO_VLLM", "0.17.0")
 SPECULATORS = os.environ.get("DEMO_SPECULATORS", "0.3.0")
+# Lines that are ours or that a user must see; everything else is third-party chatter.
+SHOWN = re.compile(r"^(\[hidden-states\]|hidden-states:|Traceback|\s|\w*Error|\w*Exception|\| |\d+ samples|OK|MISMATCH"
+                   r"|ERROR|CRITICAL|.*vllm-compat)")
+ONCE = re.compile(r"^\[hidden-states\]|vllm-compat")  # shown once: every vLLM process logs the same report
+QUIET_AFTER = 5.0  # seconds without a shown line before the demo says it is still working
+
+
+def output_dir(argv: list[str]) -> Path:
+    for i, arg in enumerate(argv):
+        if arg == "--output-dir" and i + 1 < len(argv):
+            return ROOT / argv[i + 1]  # the demo runs in ROOT: a relative path is relative to it
+        if arg.startswith("--output-dir="):
+            return ROOT / arg.split("=", 1)[1]
+    return ROOT / "demo-output"
+
+
+def show_ours(stream, log, verbose: bool) -> None:
+    """Copy every line to ``log``; print ours (all with ``verbose``), each once; during a silence
+    longer than QUIET_AFTER, say what it is waiting on and for how long."""
+    state = {"since": time.monotonic(), "said": 0.0, "stage": "starting Python, torch and vLLM"}
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(1.0):
+            quiet = time.monotonic() - state["since"]
+            if quiet > QUIET_AFTER and quiet - state["said"] >= 15 or (quiet > QUIET_AFTER and not state["said"]):
+                state["said"] = quiet
+                print(f"[demo] ... {state['stage']} ({quiet:.0f} s)", flush=True)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    seen = set()
+    for line in stream:
+        log.write(line)
+        text = line.rstrip("\n")
+        key = re.sub(r"pid \d+", "pid", text)
+        if not verbose and (not SHOWN.match(text) or (ONCE.search(text) and key in seen)):
+            continue
+        seen.add(key)
+        print(text, flush=True)
+        if text.startswith("[hidden-states]"):
+            state["stage"] = text.removeprefix("[hidden-states] ").split(" (")[0][:80]
+        state.update(since=time.monotonic(), said=0.0)
+    done.set()
+
 
 if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--verbose"]
+    verbose = len(args) != len(sys.argv) - 1
+    print(f"[demo] preparing the vLLM {VLLM} venv (built once, cached under .cache/; minutes the first time)",
+          flush=True)
     python = vllm_venv.build_venv(VLLM, rebuild=False)
     speculators = vllm_venv.build_speculators(SPECULATORS)
-    env = {**os.environ, "PYTHONPATH": str(speculators), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    sys.exit(subprocess.run([str(python), "-m", "hidden_states", "demo", *sys.argv[1:]], cwd=ROOT, env=env).returncode)
+    env = {**os.environ, "PYTHONPATH": str(speculators), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONUNBUFFERED": "1"}
+    if not verbose:
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning")
+    out = output_dir(args)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "demo.log", "w") as log:
+        proc = subprocess.Popen([str(python), "-m", "hidden_states", "demo", *args], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        show_ours(proc.stdout, log, verbose)
+        code = proc.wait()
+    if not verbose:
+        print(f"[demo] the whole log, third-party lines included: {out / 'demo.log'} (or rerun with --verbose)")
+    print("\nTo extract your own data in the same environment (docs/extractor.md):\n"
+          f"  PYTHONPATH={speculators} HF_HUB_OFFLINE=1 {python} -m hidden_states extract \\\n"
+          "      --model-path MODEL_DIR --prepared-data DATA.jsonl --output-dir OUT_DIR")
+    sys.exit(code)

@@ -114,6 +114,8 @@ class Adapter:
         speculators: consumer releases whose code needs this; None means any caller.
         host_probe: for host-dependent needs (no CUDA device): returns (needed, detail).
         host_note: for the audit, which cannot run the host probe: when the adapter acts.
+        host_probe_static: the host probe only reads installed files (no import, no device): the
+            audit of the installed vLLM runs it too, so both state the same need.
         deferred: patch when the first target's module is imported, instead of importing it now.
         phase: application order, see :class:`Phase`.
         requires: ids of adapters whose patches this one relies on. When one of them is disabled
@@ -132,6 +134,7 @@ class Adapter:
     speculators: SpecifierSet | None = None
     host_probe: Callable[[], tuple[bool, str]] | None = None
     host_note: str = ""
+    host_probe_static: bool = False
     deferred: bool = False
     phase: Phase = Phase.ADAPT
     requires: tuple[str, ...] = ()

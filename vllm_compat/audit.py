@@ -19,6 +19,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import callsites, versions, wheels
+from ._targets import IN_PROCESS_SPECULATORS
 from .errors import VllmCompatError
 from .registry import adapters
 from .sources import AliasedSource, DirTree, LiveSource, StaticSource, Tree, WheelTree
@@ -210,6 +211,20 @@ def _consumer_version(consumer: str | None) -> Version | None:
     return _parse(version, f"--consumer {consumer}")
 
 
+def _refuse_without_generator(spec_version: Version | None) -> None:
+    """Only speculators releases with an in-process generator touch vLLM's internals; for any other,
+    "OK, 0 touch points" would be a verdict about nothing."""
+    if spec_version is None or versions.in_range(SpecifierSet(IN_PROCESS_SPECULATORS), spec_version):
+        return
+    if spec_version >= Version("0.5"):
+        raise AuditError(f"speculators {spec_version} has no in-process generator for vllm-compat to check: it "
+                         f"drives `vllm serve` with vLLM's own extract_hidden_states method (no shim needed; the "
+                         f"extractor's --backend vllm-native is that path). The audit covers speculators "
+                         f"{IN_PROCESS_SPECULATORS}")
+    raise AuditError(f"speculators {spec_version} predates the hidden-states generator vllm-compat keeps working; "
+                     f"the audit covers speculators {IN_PROCESS_SPECULATORS}")
+
+
 def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False,
           consumer_source: str | Path | None = None) -> AuditResult:
     """Check a vLLM against every adapter's expectation and every consumer touch point.
@@ -234,6 +249,7 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         WheelError: a named release that cannot be downloaded (none matches, no network).
     """
     spec_version = _consumer_version(consumer)
+    _refuse_without_generator(spec_version)
     if live:
         if vllm is not None:
             raise AuditError("live mode audits the installed vLLM; drop --vllm or --live")
@@ -258,7 +274,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         source, label = StaticSource(tree), str(vllm)
         static = source
 
-    findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version) for a in adapters()]
+    findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version,
+                                 installed=vllm is None) for a in adapters()]
     bridged_source = bridged(source, version)
     for check, expected, consumers in TOUCHPOINTS:
         if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
@@ -320,7 +337,7 @@ def _consumer_root(consumer_source, spec_version) -> Path | None:
     return callsites.consumer_root()
 
 
-def _adapter_finding(adapter, source, version, spec_version) -> Finding:
+def _adapter_finding(adapter, source, version, spec_version, installed: bool = False) -> Finding:
     common = dict(id=adapter.id, kind="adapter", scope=adapter.scope.value)
     expect = adapter.expect
     checked = expect.check.describe() if expect else adapter.drift
@@ -329,6 +346,12 @@ def _adapter_finding(adapter, source, version, spec_version) -> Finding:
             adapter.speculators, spec_version):
         return Finding(**common, verdict=NOT_APPLICABLE, checked=checked, old=old, new=new,
                        summary=f"not used by speculators {spec_version}")
+    if installed and adapter.host_probe_static:
+        # the installed vLLM comes with the host's packages: read the same fact apply() reads
+        needed, detail = adapter.host_probe()
+        if not needed:
+            return Finding(**common, verdict=NATIVE, checked=checked, old=old, new=new, found=detail,
+                           summary=adapter.summary, verified_through=str(adapter.verified_through))
     verdict = judge(adapter, source, version)
     note = f" ({adapter.host_note})" if adapter.host_note else ""
     unverified = "" if version is None or adapter.verified_on(version) else (

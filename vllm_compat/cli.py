@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 
 
 def _audit(args) -> int:
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except VllmCompatError as exc:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback as well: the exit code stays the same
+            traceback.print_exc()
         print(f"vllm-compat: error: {exc}", file=sys.stderr)
         return 2
 

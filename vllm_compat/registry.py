@@ -303,7 +303,10 @@ def _log(report: Report) -> None:
             logger.error("vllm-compat: %s", result)
         else:
             logger.debug("vllm-compat: %s", result)
-    logger.info("%s; applied: %s", report.summary(), ", ".join(report.applied) or "none")
+    # each name under its own status: "1 applied, 17 armed; applied: (18 names)" contradicted itself
+    named = "".join(f"; {status}: {', '.join(r.id for r in report.by_status(status))}"
+                    for status in (APPLIED, ARMED) if report.by_status(status))
+    logger.info("%s%s", report.summary(), named)
 
 
 def revert() -> None:

@@ -2,8 +2,6 @@
 import json
 import zipfile
 
-import pytest
-
 from vllm_compat.cli import main
 
 VLLM_FILES = {
@@ -63,11 +61,13 @@ def test_bad_consumer(capsys, tmp_path):
     assert "expected speculators==VERSION" in capsys.readouterr().err
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    from vllm_compat.audit import AuditError
-
-    with pytest.raises(AuditError):
-        main(["audit", "--vllm", str(tmp_path / "nope"), "--debug"])
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(capsys, tmp_path):
+    bad = tmp_path / "vllm.whl"
+    bad.write_bytes(b"not a zip")
+    assert main(["audit", "--vllm", str(bad), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "AuditError" in err
+    assert err.rstrip().splitlines()[-1].startswith(f"vllm-compat: error: {bad}: not a wheel")
 
 
 def test_json_of_a_partial_tree_reports_missing_symbols(capsys, tmp_path):
@@ -80,3 +80,13 @@ def test_json_of_a_partial_tree_reports_missing_symbols(capsys, tmp_path):
     assert (eos["verdict"], eos["found"], eos["where"]) == ("adapted", "absent", "vllm/v1/request.py:2")
     assert {"id", "kind", "verdict", "checked", "old", "new", "found", "where", "scope", "summary"} <= set(eos)
     assert any(f["verdict"] == "missing" for f in out["findings"])
+
+
+def test_a_consumer_without_in_process_generator_is_not_ok(capsys, tmp_path):
+    """speculators 0.5+ talks to `vllm serve`: nothing here to check, and saying OK would mislead."""
+    wheel = make_wheel(tmp_path / "v.whl", VLLM_FILES)
+    code = main(["audit", "--vllm", str(wheel), "--consumer", "speculators==0.9.9"])
+    captured = capsys.readouterr()
+    assert code == 2 and "OK" not in captured.out
+    assert "speculators 0.9.9 has no in-process generator" in captured.err
+    assert "drives `vllm serve` with vLLM's own extract_hidden_states" in captured.err

@@ -1,6 +1,7 @@
 """The extraction run around a backend: what its summary counts, and what a rerun trusts. A small
 fake backend stands in for vLLM here; the real one runs in tests/e2e/test_extractor.py."""
 import json
+import re
 import time
 from pathlib import Path
 
@@ -74,3 +75,106 @@ def test_a_file_cut_short_by_a_crash_is_redone(job, damage):
     assert any("1 files" in line and "cut short" in line and "data_1.pt" in line for line in said), said
     assert data_files(job) == ["data_0.pt", "data_1.pt", "data_2.pt"]
     assert torch.load(cut, weights_only=True)["input_ids"].tolist() == [5] * 4
+
+
+def test_no_writer_thread_is_refused_when_called_as_a_library(job):
+    from hidden_states.errors import UsageError
+
+    job.writer_threads = 0
+    with pytest.raises(UsageError, match="--writer-threads 0: must be at least 1"):
+        run(job, log=lambda message: None)
+    assert not Path(job.output_dir).exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB filesystem (tmpfs), so that the disk fills up the way it does in production."""
+    import subprocess
+
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+class BigStatesBackend(SlowShutdownBackend):
+    """States far larger than the config's hidden size says, so that the preflight's estimate lets
+    the run start and the disk fills up mid-run (about 64 KiB per sample)."""
+
+    def extract(self, batch):
+        import torch
+
+        return [[torch.ones(len(ids), 4096) for _ in self.settings.layer_ids] for ids in batch]
+
+    def close(self):
+        pass
+
+
+def test_a_full_disk_is_one_message_naming_the_file_and_keeps_finished_samples(job, small_disk, monkeypatch,
+                                                                                 capsys):
+    import torch
+
+    from hidden_states.cli import main
+
+    data = Path(job.prepared_data)
+    data.write_text("".join(json.dumps({"input_ids": [5] * 2}) + "\n" for _ in range(12)))
+    monkeypatch.setattr(backends, "create", lambda name, settings: BigStatesBackend(settings))
+    out = small_disk / "out"
+
+    code = main(["extract", "--model-path", job.model_path, "--prepared-data", str(data), "--output-dir", str(out),
+                 "--layer-ids", "1", "3", "--batch-size", "2", "--backend", "vllm-native"])  # no audit: a fake backend
+
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("hidden-states: error:")]
+    assert len(errors) == 1, err
+    assert re.search(r"writing sample \d+: .*/data_\d+\.pt: no space left on device$", errors[0]), errors[0]
+    finished = sorted(out.glob("data_*.pt"))
+    assert 0 < len(finished) < 12
+    for path in finished:  # every file under a final name is whole
+        assert torch.load(path, weights_only=True)["hidden_states"][0].shape == (2, 4096)
+    assert not list(out.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("depth, expected", [
+    (3, [2, 1, 0, 2]), (4, [2, 2, 1, 3]), (6, [2, 3, 3, 5]), (8, [2, 4, 5, 7]), (32, [2, 16, 29, 31]),
+    (61, [2, 30, 58, 60]),
+])
+def test_default_layer_ids_are_speculators_own_four_at_every_depth(job, depth, expected):
+    """speculators 0.3/0.4's generator default is [2, N//2, N-3, N-1] and its trainer fuses all
+    entries but the last: four entries even where layers coincide, each state where it is listed."""
+    import torch
+
+    config = Path(job.model_path) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": depth}))
+    job.layer_ids = None
+
+    run(job, log=lambda message: None)
+
+    assert json.loads((Path(job.output_dir) / "data_config.json").read_text())["layer_ids"] == expected
+    saved = torch.load(Path(job.output_dir) / "data_0.pt", weights_only=True)["hidden_states"]
+    assert [int(state[0, 0]) for state in saved] == expected  # the fake fills each layer's state with its id
+
+
+def test_given_layer_ids_are_written_in_the_order_given(job):
+    import torch
+
+    job.layer_ids = [3, 1]
+    run(job, log=lambda message: None)
+    saved = torch.load(Path(job.output_dir) / "data_0.pt", weights_only=True)["hidden_states"]
+    assert [int(state[0, 0]) for state in saved] == [3, 1]
+
+
+def test_a_model_too_shallow_for_the_default_needs_layer_ids(job):
+    from hidden_states.errors import UsageError
+
+    config = Path(job.model_path) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": 2}))
+    job.layer_ids = None
+    with pytest.raises(UsageError, match="the model has 2 layers; speculators' default layer ids need at least 3"):
+        run(job, log=lambda message: None)

@@ -32,7 +32,8 @@ GOOD = '{"input_ids": [5, 6, 7]}'
 
 
 @pytest.mark.parametrize("bad_line, message", [
-    ('{"input_ids": [5, 6', "not valid JSON"),
+    ('{"input_ids": [5, 6', "not valid JSON (Expecting ',' delimiter at the end of the line)"),
+    ('{"input_ids": [5, 6,, 7]}', "not valid JSON (Expecting value at column 21)"),
     ('{"tokens": [5, 6]}', "no 'input_ids' (keys: tokens)"),
     ('{"input_ids": [5, 6.5]}', "input_ids[1] is 6.5, not an integer"),
     ('{"input_ids": [5, true]}', "input_ids[1] is True, not an integer"),
@@ -104,9 +105,64 @@ def test_output_dir_of_another_model_is_refused(model, tmp_path, capsys):
     assert "holds another extraction (model '/elsewhere'" in capsys.readouterr().err
 
 
-def test_batch_size_must_be_positive(model, tmp_path, capsys):
-    assert extract(model, jsonl(tmp_path, GOOD), tmp_path / "out", "--batch-size", "0") == 2
-    assert "--batch-size 0: must be at least 1" in capsys.readouterr().err
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch-size", "0", "argument --batch-size: 0: must be at least 1"),
+    ("--writer-threads", "0", "argument --writer-threads: 0: must be at least 1"),
+    ("--start-index", "-5", "argument --start-index: -5: must be at least 0"),
+    ("--tp-size", "0", "argument --tp-size: 0: must be at least 1"),
+    ("--gpu-memory-utilization", "1.5", "argument --gpu-memory-utilization: 1.5: must be more than 0 and at most 1"),
+    ("--gpu-memory-utilization", "0", "argument --gpu-memory-utilization: 0.0: must be more than 0 and at most 1"),
+])
+def test_impossible_values_are_refused_at_parse_time(model, tmp_path, capsys, flag, value, message):
+    """Refused before anything runs (--writer-threads 0 wrote nothing and hung on a full queue)."""
+    with pytest.raises(SystemExit) as exited:
+        extract(model, jsonl(tmp_path, GOOD), tmp_path / "out", flag, value)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp, message", [
+    (4, 4, "3", "--tp-size 3: the model's 4 attention heads do not divide evenly over 3 ranks"),
+    (8, 3, "4", "--tp-size 4: the model's 3 KV heads can be neither split nor replicated evenly over 4 ranks"),
+])
+def test_tensor_parallel_size_is_checked_against_the_heads(model, tmp_path, capsys, heads, kv_heads, tp, message):
+    (model / "config.json").write_text(json.dumps({**CONFIG, "num_attention_heads": heads,
+                                                   "num_key_value_heads": kv_heads}))
+    assert extract(model, jsonl(tmp_path, GOOD), tmp_path / "out", "--tp-size", tp) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_kv_heads_replicated_over_more_ranks_are_accepted():
+    from hidden_states.preflight import ModelFacts, check_tensor_parallel
+
+    check_tensor_parallel(ModelFacts("m", 6, 128, 512, 2, False, num_heads=8, num_kv_heads=2), 8)
+
+
+def test_strict_refuses_an_over_long_first_sample_before_the_load(model, tmp_path, capsys):
+    data = jsonl(tmp_path, '{"input_ids": [5, 6, 7, 8, 9]}')
+    assert extract(model, data, tmp_path / "out", "--strict", "--max-seq-len", "4") == 2
+    assert f"hidden-states: error: {data}:1: 5 tokens, more than --max-seq-len 4 (--strict)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_dir_that_is_a_file(model, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert extract(model, jsonl(tmp_path, GOOD), blocker) == 2
+    assert f"--output-dir {blocker}: is a file, not a directory" in capsys.readouterr().err
+
+
+def test_disk_estimate_counts_16_bit_states_in_readable_units(model, tmp_path):
+    """vLLM runs a float32 checkpoint in 16 bits: states are written in 2 bytes, not the config's 4."""
+    from hidden_states.preflight import check_disk, human_size, model_facts
+
+    data = jsonl(tmp_path, *['{"input_ids": [5, 6, 7, 8]}'] * 10)
+    facts = model_facts(str(model))
+    bytes_per_token = data.stat().st_size / 40
+    estimate = check_disk(tmp_path, str(data), bytes_per_token, facts, [0, 2], 2048)
+    assert estimate == int(40 * 2 * 128 * 2 * 1.05)
+    assert [human_size(n) for n in (512, 21_504, 3_400_000, 2.5e9)] == ["512 B", "21.5 kB", "3.4 MB", "2.5 GB"]
 
 
 def test_preset_values_and_flag_overrides():

@@ -308,3 +308,18 @@ def test_factories_drop_default_and_alias(fake_vllm, monkeypatch):
 ])
 def test_verified_on(installed, verified):
     assert adapter(verified_through="0.32.0").verified_on(Version(installed)) is verified
+
+
+def test_the_summary_line_names_each_adapter_under_its_own_status(caplog):
+    """'1 applied, 2 armed; applied: a, b, c' contradicted itself: armed ones are listed as armed."""
+    import logging
+
+    from vllm_compat.registry import _log
+    from vllm_compat.report import AdapterResult, Report
+
+    report = Report("0.32.0", "0.4.0", (AdapterResult("a", "applied", "r"), AdapterResult("b", "armed", "r"),
+                                        AdapterResult("c", "armed", "r"), AdapterResult("d", "not_needed", "r")))
+    with caplog.at_level(logging.INFO, logger="vllm_compat"):
+        _log(report)
+    line = caplog.records[-1].getMessage()
+    assert line.endswith("1 applied, 2 armed, 1 not_needed; applied: a; armed: b, c"), line

@@ -15,11 +15,11 @@ the real function still fails loudly, never silently. Revert removes the stand-i
 Scope: worker (every process that imports speculators). Disable:
 ``VLLM_COMPAT_DISABLE=transformers_attn_mask_utils``.
 """
-import importlib.util
 import types
 
 from packaging.specifiers import SpecifierSet
 
+from .. import _transformers_source as transformers_source
 from .._targets import IN_PROCESS_SPECULATORS
 from ..adapter import Adapter, Patch, Phase, Scope
 
@@ -41,13 +41,14 @@ def stand_in(_absent) -> types.ModuleType:
 
 
 def module_missing() -> tuple[bool, str]:
-    if importlib.util.find_spec("transformers") is None:
+    """Read from the installed files (no import), so the audit states the same fact."""
+    package = transformers_source.package_dir()
+    if package is None:
         return False, "transformers is not installed"
-    import transformers
-
-    if importlib.util.find_spec(MODULE) is not None:
-        return False, f"transformers {transformers.__version__} has {MODULE}"
-    return True, f"transformers {transformers.__version__} has no {MODULE}"
+    version = transformers_source.version()
+    if transformers_source.has_module(package, MODULE.split(".", 1)[1]):
+        return False, f"transformers {version} has {MODULE}"
+    return True, f"transformers {version} has no {MODULE}"
 
 
 ADAPTER = Adapter(
@@ -59,6 +60,7 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     host_note="where transformers has no modeling_attn_mask_utils (5.2x)",
     host_probe=module_missing,
+    host_probe_static=True,
     phase=Phase.IMPORT_FIX,
     patches=(Patch(f"sys.modules:{MODULE}", stand_in, create=True),),
     verified_through="0.32.0",

@@ -15,10 +15,12 @@ first; in workers, vLLM's plugin hook runs it before the worker extension is imp
 Scope: worker (every process that imports speculators), applied only where transformers'
 annotations need it. Disable: ``VLLM_COMPAT_DISABLE=transformers_config_annotations``.
 """
+import ast
 import importlib
 
 from packaging.specifiers import SpecifierSet
 
+from .. import _transformers_source as transformers_source
 from .._targets import IN_PROCESS_SPECULATORS
 from ..adapter import Adapter, Patch, Phase, Scope
 
@@ -26,16 +28,19 @@ MODULE = "transformers.configuration_utils"
 
 
 def torch_annotations_unresolvable() -> tuple[bool, str]:
-    import transformers
-
-    module = importlib.import_module(MODULE)
-    uses_torch = [name for name, value in getattr(module.PretrainedConfig, "__annotations__", {}).items()
-                  if "torch." in str(value)]
+    """Read from the installed source (no import: importing it imports torch), so the audit states
+    the same fact."""
+    package = transformers_source.package_dir()
+    if package is None:
+        return False, "transformers is not installed"
+    version = transformers_source.version()
+    tree = ast.parse((package / "configuration_utils.py").read_text())
+    uses_torch = transformers_source.class_annotations_naming(tree, ("PreTrainedConfig", "PretrainedConfig"), "torch.")
     if not uses_torch:
-        return False, f"transformers {transformers.__version__}: PretrainedConfig has no torch annotations"
-    if "torch" in vars(module):
-        return False, f"transformers {transformers.__version__}: {MODULE} already has torch"
-    return True, f"transformers {transformers.__version__}: PretrainedConfig annotates {', '.join(uses_torch)} with torch types"
+        return False, f"transformers {version}: PretrainedConfig has no torch annotations"
+    if transformers_source.imports_at_run_time(tree, "torch"):
+        return False, f"transformers {version}: {MODULE} imports torch"
+    return True, f"transformers {version}: PretrainedConfig annotates {', '.join(uses_torch)} with torch types"
 
 
 ADAPTER = Adapter(
@@ -47,6 +52,7 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     host_note="where transformers annotates PretrainedConfig with torch types (5.x)",
     host_probe=torch_annotations_unresolvable,
+    host_probe_static=True,
     phase=Phase.IMPORT_FIX,
     patches=(Patch(f"{MODULE}:torch", lambda _: importlib.import_module("torch"), create=True),),
     verified_through="0.32.0",

@@ -11,7 +11,8 @@ _limit = int(os.environ.get("ENOSPC_AFTER", "0"))
 
 
 def _full_disk(wrapped, instance, args, kwargs):
-    target = os.path.basename(str(args[1] if len(args) > 1 else kwargs.get("f", "")))
+    file = args[1] if len(args) > 1 else kwargs.get("f", "")
+    target = os.path.basename(str(getattr(file, "name", file)))  # a path, or the file object it is written through
     if target.startswith(".tmp-data_"):
         if _saved["files"] >= _limit:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)

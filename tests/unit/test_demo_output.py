@@ -1,0 +1,46 @@
+"""scripts/demo.py shows its own lines once and keeps third-party noise in the log file only."""
+import importlib.util
+import io
+
+from tests.conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("demo_script", f"{ROOT}/scripts/demo.py")
+demo = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(demo)
+
+LINES = [
+    "INFO 11-30 22:01:02 [model.py:123] Resolved architecture: LlamaForCausalLM\n",
+    "[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0\n",
+    "WARNING 11-30 22:01:03 [_custom_ops.py:20] Failed to import from vllm._C_AVX2\n",
+    "/x/speculators/__init__.py:3: UserWarning: something\n",
+    "INFO [vllm-compat] vllm-compat (vllm process, pid 101): vllm 0.32.0: 18 applied\n",
+    "INFO [vllm-compat] vllm-compat (vllm process, pid 101): vllm 0.32.0: 18 applied\n",
+    "[hidden-states] starting the speculators backend: vLLM loads the model\n",
+    "[hidden-states] 8/24 samples, 3,000 tokens, 100 tok/s, ETA 0:00:10\n",
+    "Traceback (most recent call last):\n",
+    '  File "x.py", line 1, in <module>\n',
+    "RuntimeError: boom\n",
+]
+
+
+def shown(capsys, verbose):
+    log = io.StringIO()
+    demo.show_ours(iter(LINES), log, verbose)
+    assert log.getvalue() == "".join(LINES)  # the log keeps everything
+    return capsys.readouterr().out.splitlines()
+
+
+def test_our_lines_once_and_errors_in_full(capsys):
+    out = shown(capsys, verbose=False)
+    assert out == [
+        "INFO [vllm-compat] vllm-compat (vllm process, pid 101): vllm 0.32.0: 18 applied",
+        "[hidden-states] starting the speculators backend: vLLM loads the model",
+        "[hidden-states] 8/24 samples, 3,000 tokens, 100 tok/s, ETA 0:00:10",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "RuntimeError: boom",
+    ]
+
+
+def test_verbose_shows_everything(capsys):
+    assert shown(capsys, verbose=True) == [line.rstrip("\n") for line in LINES]
