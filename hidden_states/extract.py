@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import backends
-from .errors import InputError, UsageError
+from .errors import InputError, PreflightError, UsageError
 from .inputs import Sample, read_samples
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
 from .preflight import check_disk, check_input, check_layer_ids, check_vllm, default_layer_ids, model_facts
@@ -37,6 +37,7 @@ class Settings:
     writer_queue: int = 64
     writer_threads: int = 2
     progress_interval: float = 10.0
+    forward_check: bool = True
 
 
 @dataclass
@@ -167,6 +168,10 @@ def run(settings: Settings, log=None) -> Summary:
         info = backend.start()
         summary.load_seconds = time.monotonic() - started
         started = time.monotonic()
+        if settings.forward_check:
+            log(check_forward(backend, facts.vocab_size))
+        else:
+            log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
         atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
         writer = BackgroundWriter(output.path, settings.writer_queue, settings.writer_threads)
         progress = Progress(todo, interval=settings.progress_interval)
@@ -191,6 +196,24 @@ def run(settings: Settings, log=None) -> Summary:
                 finished.update(writer.stats.lengths)
             output.write_lengths(finished)
     return summary
+
+
+def check_forward(backend, vocab_size: int) -> str:
+    """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
+    (``vllm_compat.forward_check``): a kernel that is wrong for one layout (seen: vLLM's CPU RMSNorm
+    on 0.12-0.13, its CPU rotary on 3-D inputs from 0.14) makes every state after the first token
+    wrong with no error. One short sequence and a few small kernel calls: seconds."""
+    started = time.monotonic()
+    probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
+    checks = backend.check_forward(probe)
+    wrong = [check for check in checks if not check.ok]
+    if wrong:
+        lines = "\n".join(f"  {check}" for check in wrong)
+        raise PreflightError(f"the forward vLLM runs here is not the model's: {len(wrong)} of {len(checks)} kernel "
+                             f"self-tests disagree with plain PyTorch:\n{lines}\nThe captured states would be "
+                             f"wrong. Run `vllm-compat audit`; --skip-forward-check skips this check at your risk.")
+    return (f"forward check ok: {len(checks)} kernel self-tests on the model's own layouts "
+            f"in {time.monotonic() - started:.1f} s")
 
 
 def _loop(settings, backend, writer, progress, summary, finished, interrupt, vocab_size, end) -> None:

@@ -37,9 +37,11 @@ EXPECTED = {
     "v2_batch_order": "batch order",
     "input_batch_view": "input_batch",
     "cpu_rotary_head_layout": "wrong",
+    "cpu_rms_norm_strided_input": "wrong",
 }
-# Adapters whose failure only another model family shows (llama attention passes 2-D tensors).
-FAMILY_FOR = {"cpu_rotary_head_layout": "deepseek"}
+# Adapters whose failure only another model family shows (llama attention passes 2-D tensors and
+# has no q/k-norm).
+FAMILY_FOR = {"cpu_rotary_head_layout": "deepseek", "cpu_rms_norm_strided_input": "qwen3"}
 # Adapters that matter only under Model Runner V2: their negative runs force it (where vLLM's CPU
 # backend has a V2 runner).
 RUNNER_V2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
