@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from hidden_states import backends
+from hidden_states.errors import PreflightError
 from hidden_states.extract import Settings, run
+from vllm_compat.forward_check import KernelCheck
 
 pytest.importorskip("torch")
 
@@ -16,6 +18,8 @@ SHUTDOWN = 1.0
 
 class SlowShutdownBackend:
     name = "fake"
+
+    kernel_errors = [0.0, 1e-6]  # what the forward check reports: one relative error per self-test
 
     def __init__(self, settings):
         self.settings = settings
@@ -27,6 +31,10 @@ class SlowShutdownBackend:
         import torch
 
         return [[torch.full((len(ids), 8), float(layer)) for layer in self.settings.layer_ids] for ids in batch]
+
+    def check_forward(self, probe):
+        assert probe and all(0 <= i < 64 for i in probe)  # ids the model's vocabulary has
+        return [KernelCheck("RMSNorm (q_norm)", "[16, 4, 32]/stride [256, 32, 1]", e) for e in self.kernel_errors]
 
     def close(self):
         time.sleep(SHUTDOWN)
@@ -74,3 +82,18 @@ def test_a_file_cut_short_by_a_crash_is_redone(job, damage):
     assert any("1 files" in line and "cut short" in line and "data_1.pt" in line for line in said), said
     assert data_files(job) == ["data_0.pt", "data_1.pt", "data_2.pt"]
     assert torch.load(cut, weights_only=True)["input_ids"].tolist() == [5] * 4
+
+
+def test_a_kernel_the_forward_check_finds_wrong_stops_the_run_before_any_file(job, monkeypatch):
+    monkeypatch.setattr(SlowShutdownBackend, "kernel_errors", [0.0, 1.37])
+    with pytest.raises(PreflightError, match=r"(?s)1 of 2 kernel self-tests.*relative error 1.37e\+00 \(WRONG\)"):
+        run(job, log=lambda message: None)
+    assert data_files(job) == []
+
+
+def test_skip_forward_check_runs_without_it(job, monkeypatch):
+    monkeypatch.setattr(SlowShutdownBackend, "kernel_errors", [1.37])
+    job.forward_check = False
+    said = []
+    assert run(job, log=said.append).extracted == 3
+    assert any("forward check skipped" in line for line in said), said
