@@ -26,6 +26,7 @@ MAX_TOKENS = 16  # tokens per self-test: enough for every position-dependent def
 TOLERANCE = 5e-2  # relative; a layout defect is off by 0.3-1.3, rounding by < 1e-5 (fp32) or < 1e-2 (bf16)
 _HOOKS = "_vllm_compat_forward_check"
 _KINDS = {"RMSNorm": "rms_norm", "RotaryEmbedding": "rotary", "RotaryEmbeddingBase": "rotary"}
+_PARAMETERS = {"rms_norm": ("x", "residual"), "rotary": ("positions", "query", "key")}  # as vLLM names them
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,9 @@ def record_layouts(worker) -> int:
 
     def hook(name, kind):
         def record(module, args, kwargs):
-            bound = list(args) + [kwargs[k] for k in ("query", "key", "residual") if k in kwargs]
-            if kind == "rms_norm":
-                key = (type(module), _layout(bound[0]), _layout(bound[1]) if len(bound) > 1 else None)
-            else:
-                key = (type(module), _layout(bound[0]), _layout(bound[1]), _layout(bound[2]) if len(bound) > 2 else None)
+            names = _PARAMETERS[kind]
+            bound = list(args) + [kwargs.get(n) for n in names[len(args):]]
+            key = (type(module), *(_layout(value) for value in bound[:len(names)]))
             seen.setdefault(key, (name, module, kind))
         return record
 
