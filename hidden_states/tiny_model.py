@@ -97,6 +97,20 @@ def _tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
     config_path.write_text(json.dumps(config, indent=2))
 
 
+# transformers 5 saves some config fields under new names that transformers 4 does not read (it then
+# takes its default: Qwen3-MoE's 128 experts instead of 8), and the matrix shares one model directory
+# across vLLM releases that bring either. Keep the old name beside the new one.
+_RENAMED_IN_TRANSFORMERS_5 = ("num_experts",)
+
+
+def _keep_config_names(path: Path, kwargs: dict) -> None:
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    missing = {name: kwargs[name] for name in _RENAMED_IN_TRANSFORMERS_5 if name in kwargs and name not in config}
+    if missing:
+        config_path.write_text(json.dumps({**config, **missing}, indent=2, sort_keys=True))
+
+
 def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:
     """Write a tiny ``family`` checkpoint and tokenizer to ``path``; reuse it if already complete.
 
@@ -146,6 +160,7 @@ def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:
             else:
                 param.normal_(0.0, scale)
     model.save_pretrained(path, safe_serialization=True)
+    _keep_config_names(path, kwargs)
     _tokenizer(path, kwargs["vocab_size"])
     stamp.write_text(json.dumps(recipe, sort_keys=True))
     return path
