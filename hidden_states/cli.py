@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--start-index", type=at_least(0), default=0, help="skip samples before this index")
     extract.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
     extract.add_argument("--progress-interval", type=float, default=10.0, help="seconds between log lines")
+    extract.add_argument("--skip-forward-check", action="store_true",
+                         help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
     extract.add_argument("--writer-threads", type=at_least(1), default=2, help="threads writing files (default 2)")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
     demo.add_argument("--output-dir", default="demo-output")
@@ -94,7 +96,7 @@ def settings_from(args):
                     layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
                     max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
                     backend=args.backend, progress_interval=args.progress_interval,
-                    writer_threads=args.writer_threads, **values)
+                    writer_threads=args.writer_threads, forward_check=not args.skip_forward_check, **values)
 
 
 def _extract(args) -> int:

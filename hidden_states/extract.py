@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import backends, processes
-from .errors import InputError, OutputError, UsageError
+from .errors import InputError, OutputError, PreflightError, UsageError
 from .inputs import Sample, read_samples
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
 from .preflight import (check_disk, check_input, check_layer_ids, check_tensor_parallel, check_vllm, default_layer_ids,
@@ -37,6 +37,7 @@ class Settings:
     writer_queue: int = 64
     writer_threads: int = 2
     progress_interval: float = 10.0
+    forward_check: bool = True
 
 
 @dataclass
@@ -191,7 +192,12 @@ def run(settings: Settings, log=None) -> Summary:
                 f"(tens of seconds; Ctrl-C stops at once)")
             info = backend.start()
             summary.load_seconds = time.monotonic() - started
-            log(f"model loaded in {summary.load_seconds:.0f} s; extracting")
+            log(f"model loaded in {summary.load_seconds:.0f} s")
+            if settings.forward_check:
+                log(check_forward(backend, facts.vocab_size))
+            else:
+                log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
+            log("extracting")
             started = time.monotonic()
             atomic_write_json(output.path / CONFIG, {**config, **identity, **info})
             writer = BackgroundWriter(output.path, settings.writer_queue, settings.writer_threads)
@@ -225,6 +231,25 @@ def run(settings: Settings, log=None) -> Summary:
                     if failing is None:
                         raise
     return summary
+
+
+def check_forward(backend, vocab_size: int) -> str:
+    """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
+    (``vllm_compat.forward_check``): a kernel that is wrong for one layout (seen: vLLM's CPU RMSNorm
+    on 0.12-0.13, its CPU rotary on 3-D inputs from 0.14) makes every state after the first token
+    wrong with no error. One short sequence and a few small kernel calls: seconds."""
+    started = time.monotonic()
+    probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
+    checks = backend.check_forward(probe)
+    wrong = [check for check in checks if not check.ok]
+    if wrong:
+        lines = "\n".join(f"  {check}" for check in wrong)
+        raise PreflightError(f"the forward vLLM runs here is not the model's: {len(wrong)} of {len(checks)} kernel "
+                             f"self-tests disagree with plain PyTorch:\n{lines}\nThe captured states would be "
+                             f"wrong. Run `vllm-compat audit`; --skip-forward-check skips this check at your risk.")
+    untested = [f"\n  {check}" for check in checks if check.untested]
+    return (f"forward check ok: {len(checks) - len(untested)} kernel self-tests on the model's own layouts "
+            f"in {time.monotonic() - started:.1f} s" + "".join(untested))
 
 
 def _loop(settings, backend, writer, progress, summary, finished, interrupt, vocab_size, end, layer_order) -> None:

@@ -2,7 +2,7 @@
 
 Each family is a small decoder with real architecture code paths in both vLLM and HF
 transformers: fixed seed, fp32 weights, ``head_dim`` 32 (vLLM's CPU attention supports 32 and
-up), and a word-level tokenizer made with ``tokenizers`` so that ``AutoTokenizer`` loads it
+up; ``qwen3_hd128`` has Qwen3's real 128), and a word-level tokenizer made with ``tokenizers`` so that ``AutoTokenizer`` loads it
 offline.
 
     python -m hidden_states.tiny_model llama /tmp/tiny-llama
@@ -38,6 +38,12 @@ _COMMON = dict(
 FAMILIES = {
     "llama": ("LlamaConfig", dict(_COMMON, head_dim=32)),
     "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32)),
+    # Qwen3's real head size (128, as in Qwen3-0.6B to 235B): 2 query heads over 1 KV head
+    "qwen3_hd128": ("Qwen3Config", dict(_COMMON, num_attention_heads=2, num_key_value_heads=1, head_dim=128)),
+    # Qwen3-MoE layout (every layer routed, top-2 of 8 experts, q/k-norm) in miniature
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        _COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),
     "qwen2": ("Qwen2Config", dict(_COMMON)),
     # DeepSeek-V3 layout (MLA, a dense first layer, routed + shared experts, grouped top-k) in miniature
     "deepseek": ("DeepseekV3Config", dict(
@@ -91,6 +97,20 @@ def _tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
     config_path.write_text(json.dumps(config, indent=2))
 
 
+# transformers 5 saves some config fields under new names that transformers 4 does not read (it then
+# takes its default: Qwen3-MoE's 128 experts instead of 8), and the matrix shares one model directory
+# across vLLM releases that bring either. Keep the old name beside the new one.
+_RENAMED_IN_TRANSFORMERS_5 = ("num_experts",)
+
+
+def _keep_config_names(path: Path, kwargs: dict) -> None:
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    missing = {name: kwargs[name] for name in _RENAMED_IN_TRANSFORMERS_5 if name in kwargs and name not in config}
+    if missing:
+        config_path.write_text(json.dumps({**config, **missing}, indent=2, sort_keys=True))
+
+
 def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:
     """Write a tiny ``family`` checkpoint and tokenizer to ``path``; reuse it if already complete.
 
@@ -140,6 +160,7 @@ def build(family: str, path: str | Path, *, seed: int = SEED) -> Path:
             else:
                 param.normal_(0.0, scale)
     model.save_pretrained(path, safe_serialization=True)
+    _keep_config_names(path, kwargs)
     _tokenizer(path, kwargs["vocab_size"])
     stamp.write_text(json.dumps(recipe, sort_keys=True))
     return path

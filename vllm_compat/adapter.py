@@ -147,9 +147,17 @@ class Adapter:
 
     def verified_on(self, vllm: Version) -> bool:
         """Whether ``vllm`` (a release, a nightly, a local build) is no newer than the newest
-        verified release: a nightly of the verified release's successor is not verified."""
-        return Version(vllm.base_version) <= self.verified_through and not (
-            Version(vllm.base_version) == self.verified_through and vllm.is_devrelease)
+        verified release: a nightly of the verified release's successor is not verified. Past the
+        end of a bounded ``vllm`` range the adapter has nothing to do, so nothing to verify."""
+        base = Version(vllm.base_version)
+        if base > self.verified_through and not self.vllm.contains(base, prereleases=True):
+            return True
+        return base <= self.verified_through and not (base == self.verified_through and vllm.is_devrelease)
+
+    @property
+    def open_ended(self) -> bool:
+        """Whether the drift it bridges lasts into releases not yet made (no upper bound)."""
+        return self.vllm.contains(Version("9999"), prereleases=True)
 
     @property
     def target(self) -> str:

