@@ -129,32 +129,23 @@ def test_changed_signature_of_a_function_an_adapter_calls(tmp_path):
     assert result.exit_code == 1
 
 
-def test_new_required_parameter_of_set_kv_cache_layout(tmp_path):
+@pytest.mark.parametrize("parameter", ["planted_required", "cp_kv_cache_interleave_size"])
+def test_new_required_parameter_of_set_kv_cache_layout(tmp_path, parameter):
     """The kv_cache_layout adapter (vLLM >= 0.29) asks set_kv_cache_layout's signature for 0.33.0's
-    cp_kv_cache_interleave_size and otherwise calls it with one argument: a required parameter it
-    does not know is a PROBLEM at the call the release takes."""
+    cp_kv_cache_interleave_size and calls it with two arguments then, else with one: the audit
+    judges the call the release takes. A required parameter the adapter does not know is a PROBLEM
+    at its one-argument call; 0.33.0's own parameter takes the two-argument call, which fits."""
     if versions.base(versions.vllm_version()) < versions.parse("0.29.0"):
         pytest.skip("set_kv_cache_layout exists from vLLM 0.29.0")
     root = linked_copy(tmp_path)
     plant(root, "vllm/v1/executor/abstract.py", r"(def set_kv_cache_layout\(self, layout_name: str)",
-          r"\1, planted_required: int")
-    result = run(root, "0.4.0")
+          rf"\1, {parameter}: int")
+    ours = [p for p in problems(run(root, "0.4.0")) if p[0].startswith("vllm_compat/adapters/kv_cache_layout.py")]
+    if parameter == "cp_kv_cache_interleave_size":
+        assert ours == []
+        return
     adapter = Path(callsites.HERE / "adapters" / "kv_cache_layout.py").read_text().splitlines()
     line = next(i for i, text in enumerate(adapter, 1) if text.strip() == "executor.set_kv_cache_layout(layout.name)")
-    assert (f"vllm_compat/adapters/kv_cache_layout.py:{line}",
-            "vllm.v1.executor.multiproc_executor:MultiprocExecutor.set_kv_cache_layout",
-            "required parameter 'planted_required' not passed") in problems(result)
-    assert result.exit_code == 1
-
-
-def test_a_call_behind_a_signature_check_is_judged_on_the_branch_taken(tmp_path):
-    """0.33.0's set_kv_cache_layout(layout_name, cp_kv_cache_interleave_size), planted into this
-    release: the adapter's signature check takes its two-argument call, which fits; the
-    one-argument call in the other branch is not run there and is not a problem."""
-    if versions.base(versions.vllm_version()) < versions.parse("0.29.0"):
-        pytest.skip("set_kv_cache_layout exists from vLLM 0.29.0")
-    root = linked_copy(tmp_path)
-    plant(root, "vllm/v1/executor/abstract.py", r"(def set_kv_cache_layout\(self, layout_name: str)",
-          r"\1, cp_kv_cache_interleave_size: int")
-    result = run(root, "0.4.0")
-    assert not [p for p in problems(result) if p[0].startswith("vllm_compat/adapters/kv_cache_layout.py")]
+    assert ours == [(f"vllm_compat/adapters/kv_cache_layout.py:{line}",
+                     "vllm.v1.executor.multiproc_executor:MultiprocExecutor.set_kv_cache_layout",
+                     "required parameter 'planted_required' not passed")]

@@ -134,15 +134,10 @@ class ModuleAnalysis:
             return present if isinstance(test.ops[0], ast.In) else not present
         if (isinstance(test, ast.Call) and _call_name(test) == "hasattr" and len(test.args) == 2
                 and isinstance(test.args[1], ast.Constant) and isinstance(test.args[1].value, str)):
-            holder, name = scope.value(test.args[0]), test.args[1].value
-            if holder is None or holder.found is None:
+            holder = scope.value(test.args[0])
+            if holder is None or holder.found is None or holder.kind not in (MODULE, CLASS, INSTANCE):
                 return None
-            if holder.kind == MODULE:
-                found = self.index.top_level(holder.found.module, name)
-            elif holder.kind in (CLASS, INSTANCE):
-                found = self.index.member(holder.found, name)
-            else:
-                return None
+            found = self._lookup(holder, test.args[1].value)
             return None if found is True else found is not None
         return None
 
@@ -184,17 +179,20 @@ class ModuleAnalysis:
         prefix = ".".join(parts[: len(parts) - node.level + 1])
         return f"{prefix}.{node.module}" if node.module else prefix
 
+    def _lookup(self, holder: Value, name: str) -> _Found | None | bool:
+        """``holder.name`` in vLLM for a module, class or instance (see ``VllmIndex.member``)."""
+        if holder.kind == MODULE:
+            return self.index.top_level(holder.found.module, name)
+        return self.index.member(holder.found, name)
+
     def _member(self, holder: Value, name: str, node: ast.AST, kind: str) -> Value | None:
         """Look ``holder.name`` up in vLLM, record the reference, and return what it is."""
         if holder.found is None or (name.startswith("__") and name.endswith("__")):
             return None  # object's own attributes (__dict__, __class__): always there
         target = _join(holder.target, name)
-        if holder.kind == MODULE:
-            found = self.index.top_level(holder.found.module, name)
-        elif holder.kind in (CLASS, INSTANCE):
-            found = self.index.member(holder.found, name)
-        else:
+        if holder.kind not in (MODULE, CLASS, INSTANCE):
             return None
+        found = self._lookup(holder, name)
         if id(node) in self._call_funcs:
             kind = "call"
         if found is None:
