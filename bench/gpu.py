@@ -10,7 +10,8 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
-    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32
+    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--skip-forward-check]
+    python bench/gpu.py forward-check --model M                                  # the extractor's preflight alone
     python bench/gpu.py check     --model M --samples 4 [--bf16-floor]           # extractor (and HF bf16) vs HF fp32
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
     python bench/gpu.py table
@@ -255,9 +256,12 @@ def phase_extract(args) -> None:
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
                "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
-               "--backend", args.backend]
+               "--backend", args.backend] + (["--skip-forward-check"] if args.skip_forward_check else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
+    # "forward check ok: N kernel self-tests on the model's own layouts in X s", between the load and the run
+    forward = next((l for l in proc.stderr.splitlines() if "] forward check" in l), "")
+    forward_seconds = re.search(r"in ([\d.]+) s", forward)
     if proc.returncode != 0 or summary is None:
         emit("extract", error=(proc.stderr[-3000:]), returncode=proc.returncode)
         return
@@ -268,7 +272,34 @@ def phase_extract(args) -> None:
          tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
          shutdown_seconds=found["shutdown"],
-         gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"], summary=summary)
+         gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"],
+         forward_check_seconds=float(forward_seconds.group(1)) if forward_seconds else None,
+         forward_check=forward.split("] ", 1)[-1], summary=summary)
+
+
+def phase_forward_check(args) -> None:
+    """The extractor's preflight (``vllm_compat.forward_check`` through the backend) on its own:
+    every kernel self-test with its error, and the check's time on a cold and on a warm call."""
+    from hidden_states import backends
+
+    backend = backends.create(args.backend, backends.BackendSettings(
+        model_path=args.model, layer_ids=default_layers(args.model), max_seq_len=args.length, tp_size=args.tp,
+        gpu_memory_utilization=args.gpu_memory_utilization))
+    started = time.perf_counter()
+    try:
+        backend.start()
+        load = time.perf_counter() - started
+        probe = sequences(args.model, 1, 16, seed=2)[0]  # the extractor's probe is 16 tokens too
+        for call in ("cold", "warm"):
+            started = time.perf_counter()
+            checks = backend.check_forward(probe)
+            seconds = time.perf_counter() - started
+            emit("forward_check", model=Path(args.model).name, backend=args.backend, tp=args.tp, call=call,
+                 seconds=round(seconds, 3), load_seconds=round(load, 1), all_ok=all(c.ok for c in checks),
+                 checks=[{"module": c.module, "layout": c.layout, "relative_error": c.error, "ok": c.ok,
+                          "untested": c.untested} for c in checks])
+    finally:
+        backend.close()
 
 
 def phase_check(args) -> None:
@@ -312,7 +343,7 @@ def phase_table(args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("phase", choices=["env", "build", "matmul", "prefill", "hf", "generator", "extract",
-                                          "check", "native", "table"])
+                                          "forward-check", "check", "native", "table"])
     parser.add_argument("--model")
     parser.add_argument("--family")
     parser.add_argument("--path")
@@ -329,10 +360,11 @@ def main(argv=None) -> int:
     parser.add_argument("--token-budget", type=int, default=0,
                         help="generator: speculators' MIN_MAX_BATCHED_TOKENS (scheduler tokens per step)")
     parser.add_argument("--bf16-floor", action="store_true", help="check: also HF bf16 against HF fp32")
+    parser.add_argument("--skip-forward-check", action="store_true", help="extract: pass --skip-forward-check")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
     try:
-        globals()[f"phase_{args.phase}"](args)
+        globals()[f"phase_{args.phase.replace('-', '_')}"](args)
     except Exception as exc:  # one phase failing must not hide the others' results
         import traceback
 

@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh retest      # ... fork safety after apply(), the vllm-native backend on CUDA
 #   bash bench/gpu_session.sh budget      # ... the generator under larger scheduler token budgets
 #   bash bench/gpu_session.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
+#   bash bench/gpu_session.sh fwdcheck    # ... the extractor's forward check: its time, run with and without, per kernel
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=/tmp/vcache HF_HUB_OFFLINE=1
@@ -82,5 +83,15 @@ case "${1:?stage}" in
     $B hf --model $M --batch 4 2>&1 | grep RESULT
     $B native --model $M 2>&1 | grep -E "RESULT" | tail -1
     PYTHONPATH=$SPEC:$PYTHONPATH VLLM_COMPAT_DISABLE=capture_transport $B generator --model $M --batch 8 --speculators-version 0.3.0 2>&1 | grep RESULT
+    ;;
+  fwdcheck)  # the extractor's preflight forward check (issue 19): its share of a run, each kernel's error
+    M=/tmp/models/llama3-8b
+    $B env 2>&1 | grep RESULT
+    [ -f $M/config.json ] || $B build --family llama3-8b --path $M 2>&1 | grep RESULT
+    for flag in "" --skip-forward-check; do  # the same 32 x 2048 tokens, one model load each
+      PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --batch 8 --samples 32 --work /tmp/fwd$flag $flag 2>&1 | grep RESULT
+    done
+    PYTHONPATH=$SPEC:$PYTHONPATH $B forward-check --model $M 2>&1 | grep -E "RESULT|Error"
+    PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/fwd 2>&1 | grep RESULT
     ;;
 esac
