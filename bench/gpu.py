@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
