@@ -245,7 +245,6 @@ def write_jsonl(path: Path, seqs) -> None:
 
 
 def phase_extract(args) -> None:
-    import re
     import shutil
 
     work = Path(args.work)
