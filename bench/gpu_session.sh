@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh budget      # ... the generator under larger scheduler token budgets
 #   bash bench/gpu_session.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
 #   bash bench/gpu_session.sh fwdcheck    # ... the extractor's forward check: its time, run with and without, per kernel
+#   bash bench/gpu_session.sh timeline    # ... where the generator's time goes, parent and worker spans, batch 8 and 32
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=/tmp/vcache HF_HUB_OFFLINE=1
@@ -93,5 +94,12 @@ case "${1:?stage}" in
     done
     PYTHONPATH=$SPEC:$PYTHONPATH $B forward-check --model $M 2>&1 | grep -E "RESULT|Error"
     PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/fwd 2>&1 | grep RESULT
+    ;;
+  timeline)  # issue 13 step 1: the generator's time per step and per call (bench/timeline.py), before changes
+    M=/tmp/models/llama3-8b
+    $B env 2>&1 | grep RESULT
+    [ -f $M/config.json ] || $B build --family llama3-8b --path $M 2>&1 | grep RESULT
+    PYTHONPATH=$SPEC:$PYTHONPATH timeout 420 python3 bench/timeline.py --model $M --configs 8x2048,32x2048 \
+      --samples 64 --length 2048 2>&1 | tee "$OUT/timeline-full.log" | grep -vE "INFO|WARNING|Warning|^ +(class|if|wrapper)" | tee "$OUT/timeline.txt"
     ;;
 esac
