@@ -53,6 +53,10 @@ class VllmNativeBackend:
         # vLLM forks its engine core unless told otherwise, and a fork after anything in this process
         # asked CUDA (a library import, a probe) cannot use CUDA: spawn, as the generators' workers do.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # The forward check hands the workers functions (vllm_compat.forward_check) through
+        # LLM.collective_rpc; vLLM's engine-core channel (a local child process) carries callables
+        # only with its pickle fallback, which its own engine child reads from this variable.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
 
         self._store = tempfile.mkdtemp(prefix="vllm-native-states-")
