@@ -166,6 +166,18 @@ def phase_hf(args) -> None:
          seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
 
 
+def load_generator(args, configs: list[tuple[int, int]]):
+    """speculators' generator on ``args.model`` for the longest configured length, and its load time."""
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+
+    started = time.perf_counter()
+    generator = VllmHiddenStatesGenerator(args.model, layer_ids=default_layers(args.model),
+                                          max_model_len=max(length for _, length in configs) + 1,
+                                          gpu_memory_utilization=args.gpu_memory_utilization,
+                                          tensor_parallel_size=args.tp)
+    return generator, time.perf_counter() - started
+
+
 def sweep(spec: str) -> list[tuple[int, int]]:
     """``--configs "8x2048,32x512"`` -> [(batch, length), ...]; ``""`` -> ``[]``."""
     return [tuple(int(n) for n in item.split("x")) for item in spec.split(",") if item.strip()]
@@ -176,20 +188,13 @@ def phase_generator(args) -> None:
     (batch x length, about ``--samples`` x ``--length`` tokens each) timed on its own."""
     import vllm_compat
 
-    report = vllm_compat.apply()
-    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-
+    report = vllm_compat.apply()  # before speculators is imported (load_generator imports it)
     configs = sweep(args.configs) or [(args.batch, args.length)]
     if args.token_budget:  # an experiment on speculators' own scheduler limit, not a shim setting
         import speculators.data_generation.vllm_hidden_states_generator as module
 
         module.MIN_MAX_BATCHED_TOKENS = args.token_budget
-    started = time.perf_counter()
-    generator = VllmHiddenStatesGenerator(args.model, layer_ids=default_layers(args.model),
-                                          max_model_len=max(length for _, length in configs) + 1,
-                                          gpu_memory_utilization=args.gpu_memory_utilization,
-                                          tensor_parallel_size=args.tp)
-    load = time.perf_counter() - started
+    generator, load = load_generator(args, configs)
     for batch, length in configs:
         generator.generate(sequences(args.model, batch, length, seed=1))  # grows the transport's segment
         count = max(batch, args.samples * args.length // length // batch * batch)

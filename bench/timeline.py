@@ -33,7 +33,7 @@ HOOK = BENCH / "timeline_hook"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(HOOK))
 
-from gpu import default_layers, emit, model_config, sequences, sweep  # noqa: E402
+from gpu import default_layers, emit, load_generator, model_config, sequences, sweep  # noqa: E402
 from timeline_spans import ENV_DIR, Spans, read_worker_events, set_enabled  # noqa: E402
 
 COPY = "parent copy"  # opened when the states' RPC returns, closed when generate() returns
@@ -238,19 +238,12 @@ def main(argv=None) -> int:
 
     import vllm_compat
 
-    report = vllm_compat.apply()
-    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-
+    report = vllm_compat.apply()  # before speculators is imported (load_generator imports it)
     configs = sweep(args.configs)
     spans = Spans("parent")
     spans.enabled = False
     instrument_rpcs(spans)
-    started = time.perf_counter()
-    generator = VllmHiddenStatesGenerator(args.model, layer_ids=default_layers(args.model),
-                                          max_model_len=max(length for _, length in configs) + 1,
-                                          gpu_memory_utilization=args.gpu_memory_utilization,
-                                          tensor_parallel_size=args.tp)
-    load = time.perf_counter() - started
+    generator, load = load_generator(args, configs)
     instrument(generator, spans)
     workers = generator.executor.collective_rpc(set_enabled, args=(False,))
     if not all(workers if isinstance(workers, list) else [workers]):
