@@ -27,7 +27,6 @@ from .touchpoints import TOUCHPOINTS
 from .verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 
 OK = "ok"
-BRIDGED = "bridged"  # a touch point whose name moved, put back by an adapted adapter
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
 JSON_SCHEMA_VERSION = 2  # 2: call_sites, consumer_source
@@ -43,8 +42,8 @@ class Finding:
 
     Attributes:
         id: adapter id, or the touched symbol for touch points.
-        verdict: native / adapted / UNKNOWN DRIFT / missing / n/a (adapters); ok / bridged / missing /
-            UNKNOWN DRIFT (touch points; bridged: the name moved and an adapted adapter puts it back).
+        verdict: native / adapted / UNKNOWN DRIFT / missing / n/a (adapters); ok / missing / UNKNOWN DRIFT
+            (touch points).
         checked: what was looked at.
         old, new: observations meaning the old / new shape (adapters); ``new`` is empty for touch points.
         found: what was observed.
@@ -125,11 +124,7 @@ class AuditResult:
                 lines.append(f"{'':53} warning: {f.unverified}")
         touch = [f for f in self.findings if f.kind == "touchpoint"]
         bad_touch = [f for f in touch if f.verdict in BAD]
-        bridged = [f for f in touch if f.verdict == BRIDGED]
-        lines += ["", f"other touch points: {len(touch) - len(bad_touch) - len(bridged)} ok, "
-                      f"{len(bridged)} moved and bridged, {len(bad_touch)} broken"]
-        for f in bridged:
-            lines.append(f"  {f.verdict}: {f.checked}: found at {f.where} ({f.summary})")
+        lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
         lines += ["", *self._render_call_sites()]
@@ -282,13 +277,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
             continue
         seen = check.observe(bridged_source)
         verdict = OK if seen.value in expected else MISSING_SYMBOL if seen.value == "<missing>" else UNKNOWN_DRIFT
-        moved = bridged_source.moved_name(check.target)
-        if verdict == OK and moved:
-            verdict = BRIDGED
-        summary = f"moved to {bridged_source.redirect(check.target)}; put back by {bridged_source.owners[moved]}" \
-            if moved else ""
         findings.append(Finding(check.target, "touchpoint", verdict, check.describe(), tuple(sorted(expected)),
-                                (), seen.value, seen.where, summary=summary))
+                                (), seen.value, seen.where))
     adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
     adapted = [a for a in adapters() if a.id in adapted_ids]
     root = _consumer_root(consumer_source, spec_version)
@@ -303,15 +293,13 @@ def bridged(source, version: Version | None, before: str | None = None) -> Alias
     (moved functions, ``Patch.alias_of``) are read where they live now. ``before``: only the
     adapters applied before that one (an alias adapter is judged on the source without itself)."""
     aliases: dict[str, str] = {}
-    owners: dict[str, str] = {}
     for adapter in adapters():
         if adapter.id == before:
             break
         aliased = [p for p in adapter.patches if p.alias_of]
         if aliased and judge(adapter, AliasedSource(source, dict(aliases)), version).verdict == ADAPTED:
             aliases.update({p.target: p.alias_of for p in aliased})
-            owners.update({p.target: adapter.id for p in aliased})
-    return AliasedSource(source, aliases, owners)
+    return AliasedSource(source, aliases)
 
 
 def _consumer_root(consumer_source, spec_version) -> Path | None:

@@ -42,23 +42,16 @@ class AliasedSource:
     names still present where they were are read there.
     """
 
-    def __init__(self, inner: Source, aliases: dict[str, str], owners: dict[str, str] | None = None):
+    def __init__(self, inner: Source, aliases: dict[str, str]):
         self.inner, self.aliases, self.mode = inner, aliases, inner.mode
-        self.owners = owners or {}  # old address -> id of the adapter putting the name back
 
-    def moved_name(self, target: str) -> str | None:
-        """The old address (a key of ``aliases``) that ``target`` is read through, if any."""
+    def redirect(self, target: str) -> str:
+        """``target``, or where it lives now when it is read through a moved name."""
         module, parts = split_target(target)
         head = f"{module}:{parts[0]}" if parts else target
         if head not in self.aliases or self.inner.exists(head).value != MISSING:
-            return None
-        return head
-
-    def redirect(self, target: str) -> str:
-        head = self.moved_name(target)
-        if head is None:
             return target
-        return self.aliases[head] + "".join(f".{part}" for part in split_target(target)[1][1:])
+        return self.aliases[head] + "".join(f".{part}" for part in parts[1:])
 
     def exists(self, target: str) -> Observation:
         return self.inner.exists(self.redirect(target))
