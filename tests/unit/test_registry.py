@@ -9,10 +9,10 @@ from packaging.version import Version
 
 import vllm_compat
 from vllm_compat import registry
-from vllm_compat._wrapping import function_wrapper
 from vllm_compat.adapter import Adapter, Expect, Patch, Scope
 from vllm_compat.errors import UnknownDriftError
-from vllm_compat.shapes import ABSENT, OPTIONAL, REQUIRED, Param
+from vllm_compat.probes.shapes import ABSENT, OPTIONAL, REQUIRED, Param
+from vllm_compat.wrapping import function_wrapper
 
 
 def make_module(name, source):
