@@ -15,7 +15,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-ABSENT = object()
+ABSENT = object()  # resolve()'s value, and a record's original, for an attribute that did not exist
 
 
 @dataclass
