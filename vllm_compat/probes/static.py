@@ -55,6 +55,9 @@ class WheelTree:
 
 @dataclass(frozen=True)
 class Found:
+    """A definition found in the files: its node, the module defining it and its file (the
+    call-site audit, :mod:`vllm_compat.callsites`, walks the same nodes)."""
+
     node: ast.AST
     module: str
     file: str
