@@ -8,7 +8,7 @@ with timing wrappers installed by this bench alone (nothing in vllm_compat/ or h
 Parent (wrapt on the objects the generator built): per step ``schedule``, ``execute_model``,
 ``sample_tokens`` (vllm_compat's deferred_sampling flushes it before the next step),
 ``finish_requests``, ``update_from_output``, every ``collective_rpc``; per call the RPC that fetches
-the captured states, the mapping of the shared segment (``vllm_compat._transport._attach``), and the
+the captured states, the mapping of the shared segment (``vllm_compat.transport._attach``), and the
 parent's copy out of it (from that RPC's return to ``generate()``'s: speculators' ``.clone()`` of
 every slice). Workers (``bench/timeline_hook/sitecustomize.py``): ``execute_model``, the model forward
 (``torch.cuda.synchronize``-bounded), ``sample_tokens``, the ``_get_captured_states`` RPC, inside it
@@ -68,7 +68,7 @@ def instrument(generator, spans: Spans) -> None:
     import torch
     import wrapt
 
-    import vllm_compat._transport as transport
+    import vllm_compat.transport as transport
 
     def schedule(wrapped, instance, args, kwargs):
         if not spans.enabled:

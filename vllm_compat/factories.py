@@ -17,9 +17,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._wrapping import function_wrapper
 from .adapter import Adapter, Expect, Patch, Phase
-from .shapes import ABSENT, OPTIONAL, REQUIRED, Moved, Param
+from .probes.shapes import ABSENT, OPTIONAL, REQUIRED, Moved, Param
+from .wrapping import function_wrapper
 
 
 def _dropping(keyword: str):

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from packaging.version import Version
 
-from . import _wrapping
+from . import wrapping
 from .adapter import Adapter, Patch, Scope
 from .errors import AdapterNotApplicable, NotVerifiedError, UnknownDriftError
 from .report import APPLIED, ARMED, DISABLED, FAILED, NOT_NEEDED, UNKNOWN_DRIFT, AdapterResult, Report
@@ -43,7 +43,7 @@ ENV_DISABLE = "VLLM_COMPAT_DISABLE"  # comma-separated adapter ids
 ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": unknown drift, or a vLLM newer than verified, raises
 
 _lock = threading.RLock()
-_installed: dict[str, list[_wrapping.Installed]] = {}
+_installed: dict[str, list[wrapping.Installed]] = {}
 _results: dict[str, AdapterResult] = {}
 _pending: dict[str, set[str]] = {}  # adapter id -> targets still waiting for their module
 _generation = 0  # bumped by revert(); post-import hooks of an older generation do nothing
@@ -141,8 +141,8 @@ def _gate(adapter: Adapter, vllm, spec_version, disabled: set[str]) -> AdapterRe
 
 def _probe_and_activate(adapter: Adapter, vllm) -> AdapterResult:
     """Host probe, then the live shape probe; patch when it says the new shape is there."""
-    from .sources import live
-    from .verdicts import ADAPTED, NATIVE, judge
+    from .probes.live import live
+    from .probes.verdicts import ADAPTED, NATIVE, judge
 
     try:
         if adapter.host_probe is not None:
@@ -177,7 +177,7 @@ def _on_import_decide(adapter: Adapter, vllm, generation: int):
 
 
 def _install_now(adapter: Adapter, patch: Patch) -> None:
-    record = _wrapping.install(patch.target, patch.factory, owner=adapter.id, optional=patch.optional,
+    record = wrapping.install(patch.target, patch.factory, owner=adapter.id, optional=patch.optional,
                                create=patch.create)
     if record is not None:
         _installed.setdefault(adapter.id, []).append(record)
@@ -232,7 +232,7 @@ def _activate(adapter: Adapter, reason: str, where: str) -> AdapterResult:
 
 def _undo(adapter_id: str) -> None:
     for record in reversed(_installed.pop(adapter_id, [])):
-        _wrapping.uninstall(record)
+        wrapping.uninstall(record)
     _pending.pop(adapter_id, None)
 
 

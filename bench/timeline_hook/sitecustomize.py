@@ -108,7 +108,7 @@ def _install(spans) -> None:
                        ("vllm.v1.executor.multiproc_executor", on_executor),
                        ("speculators.data_generation.custom_worker", on_custom_worker),
                        ("vllm_compat.adapters.capture_transport", on_capture_transport),
-                       ("vllm_compat._transport", on_transport)):
+                       ("vllm_compat.transport", on_transport)):
         wrapt.register_post_import_hook(hook, name)
 
 

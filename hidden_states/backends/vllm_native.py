@@ -113,7 +113,7 @@ class VllmNativeBackend:
 def _refuse_cpu_without_spec_decode(version) -> None:
     """vLLM's CPU model runner refused every speculative method up to 0.18 (an assert at worker
     start, after which ``LLM()`` can hang instead of failing): say so before starting it."""
-    from vllm_compat._host import vllm_device_type
+    from vllm_compat.host import vllm_device_type
     from vllm_compat.versions import package_dir
 
     if vllm_device_type() != "cpu":

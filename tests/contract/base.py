@@ -14,10 +14,11 @@ from packaging.version import Version
 
 import vllm_compat
 from vllm_compat import registry, versions
-from vllm_compat._wrapping import _ABSENT, owner_of, resolve
 from vllm_compat.audit import bridged
-from vllm_compat.sources import DirTree, LiveSource, StaticSource
-from vllm_compat.verdicts import ADAPTED, NATIVE, judge
+from vllm_compat.probes.live import LiveSource
+from vllm_compat.probes.static import DirTree, StaticSource
+from vllm_compat.probes.verdicts import ADAPTED, NATIVE, judge
+from vllm_compat.wrapping import ABSENT, owner_of, resolve
 
 pytestmark = pytest.mark.vllm
 
@@ -114,7 +115,7 @@ class AdapterContract:
             patched = [t for t in before if ours[t]]
             assert patched, f"{self.adapter_id} reported {status} but patched nothing"
             for target in patched:  # other adapters may wrap the same name: the chain ends at the original
-                created = before[target] is _ABSENT  # an attribute the adapter adds (revert removes it)
+                created = before[target] is ABSENT  # an attribute the adapter adds (revert removes it)
                 assert len(ours[target]) == 1 and (created or before[target] in _wrapped_chain(after_first[target]))
         else:
             assert status == "not_needed", first[self.adapter_id]

@@ -14,7 +14,7 @@ def consumer_modules_imported():
     transformers 5: after apply() (which lets them import), then revert. Every test then starts
     from the original objects, and the consumer's by-value imports have been given them back."""
     import vllm_compat
-    from vllm_compat._targets import GENERATOR, WORKER_EXTENSION
+    from vllm_compat.consumer import GENERATOR, WORKER_EXTENSION
 
     if importlib.util.find_spec("speculators") is None:
         yield

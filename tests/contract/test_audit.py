@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import ROOT
 from vllm_compat import registry, versions
 from vllm_compat.audit import audit
+from vllm_compat.consumer import GENERATOR_RELEASES
 
 sys.path.insert(0, str(Path(ROOT) / "scripts"))
 import vllm_venv  # noqa: E402
@@ -57,7 +58,7 @@ def test_drift_appears_where_the_atlas_says(adapter, old, new):
     assert (before.verdict, after.verdict) == ("native", "adapted"), (before, after)
 
 
-@pytest.mark.parametrize("consumer", ["speculators==0.3.0", "speculators==0.4.0"])
+@pytest.mark.parametrize("consumer", [f"speculators=={s}" for s in GENERATOR_RELEASES])
 def test_moved_kv_cache_names_are_bridged_from_0330(consumer):
     """0.33.0 (CUDA wheel only) moved three functions the generator imports: the alias adapter is
     adapted there, not before, the generator's imports from the old address read as bridged by it,

@@ -12,6 +12,7 @@ import pytest
 from tests.e2e.harness import speculators_path
 from vllm_compat import callsites, versions
 from vllm_compat.audit import audit
+from vllm_compat.consumer import GENERATOR_RELEASES
 
 GENERATOR = "speculators/data_generation/vllm_hidden_states_generator.py"
 
@@ -55,7 +56,7 @@ def problems(result) -> list[tuple[str, str, str]]:
     return [(c.site, c.target, c.problem) for c in result.call_site_problems]
 
 
-@pytest.mark.parametrize("spec", ["0.3.0", "0.4.0"])
+@pytest.mark.parametrize("spec", GENERATOR_RELEASES)
 def test_the_installed_release_has_no_call_site_problem(spec):
     if versions.base(versions.vllm_version()) < versions.parse("0.12.0") and spec == "0.4.0":
         pytest.skip("speculators 0.4.0 requires vLLM >= 0.12.0")
@@ -64,7 +65,7 @@ def test_the_installed_release_has_no_call_site_problem(spec):
     assert sum(c.status == callsites.OK for c in result.call_sites) > 50
 
 
-@pytest.mark.parametrize("spec", ["0.3.0", "0.4.0"])
+@pytest.mark.parametrize("spec", GENERATOR_RELEASES)
 def test_new_required_constructor_parameter(tmp_path, spec):
     root = linked_copy(tmp_path)
     plant(root, "vllm/v1/core/sched/scheduler.py", r"(class Scheduler\(.*?def __init__\(\s*self,)",

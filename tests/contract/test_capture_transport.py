@@ -7,7 +7,7 @@ import torch
 
 from tests.contract.base import AdapterContract
 
-from vllm_compat import _transport
+from vllm_compat import transport
 from vllm_compat.adapters.capture_transport import states_to_host
 
 
@@ -53,7 +53,7 @@ class TestCaptureTransport(AdapterContract):
     def test_across_processes_with_regrowth(self, monkeypatch):
         """A real second process maps the segment, reply after reply; a bigger reply moves to a new
         segment; the names are gone from /dev/shm once mapped."""
-        monkeypatch.setattr(_transport, "_segment", _transport._Segment())  # as in a fresh worker
+        monkeypatch.setattr(transport, "_segment", transport._Segment())  # as in a fresh worker
         reader = subprocess.Popen(
             [sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -64,7 +64,7 @@ class TestCaptureTransport(AdapterContract):
                 reader.stdin.flush()
                 got = float(reader.stdout.readline())
                 assert abs(got - float(sum(t.float().sum() for t in reply))) < 1e-2
-            assert not [n for n in os.listdir(_transport.SHM_DIR) if n.startswith(f"vllm-compat-states-{os.getpid()}-")]
+            assert not [n for n in os.listdir(transport.SHM_DIR) if n.startswith(f"vllm-compat-states-{os.getpid()}-")]
         finally:
             reader.stdin.close()
             reader.wait(timeout=60)
@@ -72,8 +72,8 @@ class TestCaptureTransport(AdapterContract):
 
 
     def test_without_shared_memory_tensors_travel_out_of_band(self, monkeypatch):
-        monkeypatch.setattr(_transport, "SHM_DIR", "/nonexistent-shm")
-        monkeypatch.setattr(_transport, "_segment", _transport._Segment())
+        monkeypatch.setattr(transport, "SHM_DIR", "/nonexistent-shm")
+        monkeypatch.setattr(transport, "_segment", transport._Segment())
         back, inline, frames = through_vllm_pickling(states_to_host(lambda: LAYERS, None, (), {}))
         assert frames == 4 and inline < 4096
         assert all(torch.equal(t, w) for t, w in zip(back, LAYERS))

@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 from tests.contract.base import RUNNER_V2, AdapterContract
 
-from vllm_compat import _batch_order
+from vllm_compat import batch_order
 from vllm_compat.adapters.input_batch_view import with_input_batch_view
 
 
@@ -13,7 +13,7 @@ class TestInputBatchView(AdapterContract):
     negative_env = RUNNER_V2  # matters only under Model Runner V2
 
     def test_patched_call(self, monkeypatch):
-        monkeypatch.setitem(_batch_order._v2, "req_ids", ["req_0_2", "req_0_0"])
+        monkeypatch.setitem(batch_order._v2, "req_ids", ["req_0_2", "req_0_0"])
         worker = SimpleNamespace(model_runner=SimpleNamespace(), _current_request_metadata={"req_0_0": 3})
 
         def store(aux):  # what speculators 0.4's _store_captured_states reads

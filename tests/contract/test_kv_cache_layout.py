@@ -1,7 +1,7 @@
 import pytest
 
 from tests.contract.base import AdapterContract
-from vllm_compat.verdicts import ADAPTED
+from vllm_compat.probes.verdicts import ADAPTED
 
 
 class TestKvCacheLayout(AdapterContract):

@@ -5,7 +5,7 @@ import pytest
 
 import vllm_compat
 from tests.contract.base import AdapterContract, needs_vllm_platform
-from vllm_compat.verdicts import ADAPTED
+from vllm_compat.probes.verdicts import ADAPTED
 
 NAMES = ("get_kv_cache_config_from_groups", "_get_kv_cache_groups_uniform_spec", "unify_hybrid_kv_cache_specs")
 

@@ -5,7 +5,7 @@ import pytest
 import vllm_compat
 from tests.contract.base import AdapterContract
 from vllm_compat.adapters.native_connector_host_memory import MODULE
-from vllm_compat.verdicts import ADAPTED
+from vllm_compat.probes.verdicts import ADAPTED
 
 
 class TestNativeConnectorHostMemory(AdapterContract):

@@ -1,7 +1,7 @@
 from tests.contract.base import AdapterContract
 
-from vllm_compat._targets import GENERATOR
 from vllm_compat.adapters.rpc_single_reply import ADAPTER
+from vllm_compat.consumer import GENERATOR
 
 
 class FakeExecutor:

@@ -4,7 +4,7 @@ import pytest
 
 from tests.contract.base import RUNNER_V2, AdapterContract
 
-from vllm_compat import _batch_order
+from vllm_compat import batch_order
 
 
 class TestV2BatchOrder(AdapterContract):
@@ -14,15 +14,15 @@ class TestV2BatchOrder(AdapterContract):
     negative_env = RUNNER_V2  # matters only under Model Runner V2
 
     def test_patched_call(self, monkeypatch):
-        monkeypatch.setitem(_batch_order._v2, "req_ids", None)
+        monkeypatch.setitem(batch_order._v2, "req_ids", None)
         batch = SimpleNamespace(req_ids=["req_0_3", "req_0_1"])  # V2 sorts: not submission order
-        assert _batch_order.remember_v2_batch(lambda: batch, None, (), {}) is batch
+        assert batch_order.remember_v2_batch(lambda: batch, None, (), {}) is batch
         v2_runner = SimpleNamespace()  # no input_batch attribute
-        assert _batch_order.batch_order(v2_runner) == ["req_0_3", "req_0_1"]
+        assert batch_order.batch_order(v2_runner) == ["req_0_3", "req_0_1"]
         v1_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]))
-        assert _batch_order.batch_order(v1_runner) == ["a", "b"]  # V1's persistent batch wins
+        assert batch_order.batch_order(v1_runner) == ["a", "b"]  # V1's persistent batch wins
 
     def test_no_order_raises(self, monkeypatch):
-        monkeypatch.setitem(_batch_order._v2, "req_ids", None)
+        monkeypatch.setitem(batch_order._v2, "req_ids", None)
         with pytest.raises(RuntimeError, match="cannot read the batch order"):
-            _batch_order.batch_order(SimpleNamespace())
+            batch_order.batch_order(SimpleNamespace())

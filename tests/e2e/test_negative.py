@@ -9,6 +9,7 @@ import pytest
 from tests.contract.base import RUNNER_V2, contract_for
 from tests.e2e import harness
 from vllm_compat.audit import audit
+from vllm_compat.consumer import GENERATOR_RELEASES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -58,10 +59,10 @@ def refs(model):
     return harness.reference(model, CALLS)
 
 
-CASES = [(spec, adapter) for spec in ("0.3.0", "0.4.0") for adapter in active_adapters(spec)]
+CASES = [(spec, adapter) for spec in GENERATOR_RELEASES for adapter in active_adapters(spec)]
 
 
-@pytest.mark.parametrize("speculators", ["0.3.0", "0.4.0"])
+@pytest.mark.parametrize("speculators", GENERATOR_RELEASES)
 def test_with_every_adapter_it_is_right(model, refs, speculators):
     run = harness.run_generator(model, speculators, CALLS)
     assert harness.judge(run, CALLS, refs) == "ok"

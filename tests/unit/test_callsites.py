@@ -8,8 +8,8 @@ from packaging.specifiers import SpecifierSet
 
 from vllm_compat import callsites
 from vllm_compat.adapter import Adapter, Expect, Patch, Scope
-from vllm_compat.shapes import ABSENT, MISSING, OPTIONAL, PRESENT, Exists, Param
-from vllm_compat.sources import DirTree, StaticSource
+from vllm_compat.probes.shapes import ABSENT, MISSING, OPTIONAL, PRESENT, Exists, Param
+from vllm_compat.probes.static import DirTree, StaticSource
 
 VLLM = {
     "vllm/__init__.py": "",

@@ -9,10 +9,10 @@ from packaging.version import Version
 
 import vllm_compat
 from vllm_compat import registry
-from vllm_compat._wrapping import function_wrapper
 from vllm_compat.adapter import Adapter, Expect, Patch, Scope
 from vllm_compat.errors import UnknownDriftError
-from vllm_compat.shapes import ABSENT, OPTIONAL, REQUIRED, Param
+from vllm_compat.probes.shapes import ABSENT, OPTIONAL, REQUIRED, Param
+from vllm_compat.wrapping import function_wrapper
 
 
 def make_module(name, source):
@@ -261,7 +261,9 @@ def test_plugin_applies_only_worker_scope(fake_vllm, monkeypatch):
 def test_importing_vllm_compat_is_cheap():
     import subprocess
 
-    code = "import sys, vllm_compat; print(sorted(m for m in ('vllm', 'torch', 'wrapt', 'packaging') if m in sys.modules))"
+    # also what scripts/ import without a vLLM venv (the consumer facts) and the host facts' module
+    code = ("import sys, vllm_compat, vllm_compat.consumer, vllm_compat.host; "
+            "print(sorted(m for m in ('vllm', 'torch', 'wrapt', 'packaging') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -5,8 +5,9 @@ import zipfile
 
 import pytest
 
-from vllm_compat import shapes
-from vllm_compat.sources import DirTree, LiveSource, StaticSource, WheelTree
+from vllm_compat.probes import shapes
+from vllm_compat.probes.live import LiveSource
+from vllm_compat.probes.static import DirTree, StaticSource, WheelTree
 
 FILES = {
     "fakevllm/__init__.py": "",

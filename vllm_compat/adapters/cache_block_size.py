@@ -16,10 +16,10 @@ Scope: consumer. Disable: ``VLLM_COMPAT_DISABLE=cache_block_size``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, FieldDefault
+from ..consumer import IN_PROCESS_SPECULATORS, generator_name
+from ..probes.shapes import ABSENT, FieldDefault
+from ..wrapping import function_wrapper
 
 
 def backend_chooses_block_size(wrapped, instance, args, kwargs):

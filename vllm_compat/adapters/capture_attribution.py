@@ -19,10 +19,10 @@ Scope: worker, speculators 0.3.x only. Disable: ``VLLM_COMPAT_DISABLE=capture_at
 """
 from packaging.specifiers import SpecifierSet
 
-from .._batch_order import batch_order
-from .._targets import WORKER_EXTENSION
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
+from ..batch_order import batch_order
+from ..consumer import SPECULATORS_03, WORKER_EXTENSION
+from ..wrapping import function_wrapper
 
 SEGMENTS = "_vllm_compat_segments"  # on the worker object: [(request id or None, rows), ...]
 _step: dict[str, dict[str, int] | None] = {"tokens": None}  # this process's step in flight
@@ -105,7 +105,7 @@ ADAPTER = Adapter(
     drift="speculators 0.3.0 assumes rows arrive in submission order, one step per call",
     scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.10.0"),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),
+    speculators=SpecifierSet(SPECULATORS_03),
     deferred=True,
     patches=(
         Patch(f"{WORKER_EXTENSION}._store_captured_states", function_wrapper(record_rows)),

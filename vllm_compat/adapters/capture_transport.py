@@ -14,16 +14,16 @@ reply itself is a few hundred bytes saying where each tensor lies, and unpickles
 ordinary CPU ``torch.Tensor`` views of that segment (bit-identical; valid until the worker's next
 reply, and the generators copy every slice they keep before returning). Without a usable
 ``/dev/shm`` each tensor travels as one zero-copy out-of-band pickle frame instead. The parent never
-touches CUDA. See ``vllm_compat/_transport.py``.
+touches CUDA. See ``vllm_compat/transport.py``.
 
 Scope: worker, both in-process speculators releases. Disable: ``VLLM_COMPAT_DISABLE=capture_transport``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._transport import to_host
-from .._targets import IN_PROCESS_SPECULATORS, WORKER_EXTENSION
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Phase, Scope
+from ..consumer import IN_PROCESS_SPECULATORS, WORKER_EXTENSION
+from ..transport import to_host
+from ..wrapping import function_wrapper
 
 
 def states_to_host(wrapped, worker, args, kwargs):

@@ -22,9 +22,9 @@ imported). Disable: ``VLLM_COMPAT_DISABLE=cpu_rms_norm_strided_input``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._host import vllm_device_type
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
+from ..host import vllm_device_type
+from ..wrapping import function_wrapper
 
 RMS_NORM = "vllm.model_executor.layers.layernorm:rms_norm"
 

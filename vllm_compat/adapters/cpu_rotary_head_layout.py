@@ -23,9 +23,9 @@ this adapter ``not_needed``. Disable: ``VLLM_COMPAT_DISABLE=cpu_rotary_head_layo
 """
 from packaging.specifiers import SpecifierSet
 
-from .._host import vllm_device_type
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
+from ..host import vllm_device_type
+from ..wrapping import function_wrapper
 
 ROTARY = "vllm.model_executor.layers.rotary_embedding:RotaryEmbedding"
 

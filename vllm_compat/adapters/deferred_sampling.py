@@ -15,10 +15,10 @@ engine keeps the new protocol). Disable: ``VLLM_COMPAT_DISABLE=deferred_sampling
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
-from .._wrapping import function_wrapper, wrap_instance_method
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, PRESENT, Attr
+from ..consumer import SPECULATORS_03, generator_name
+from ..probes.shapes import ABSENT, PRESENT, Attr
+from ..wrapping import function_wrapper, wrap_instance_method
 
 
 def flush_pending_samples(wrapped, instance, args, kwargs):
@@ -49,7 +49,7 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.11.1"),
     expect=Expect(Attr("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "sample_tokens"),
                   old={ABSENT}, new={PRESENT}),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
+    speculators=SpecifierSet(SPECULATORS_03),  # 0.4 handles it itself
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(flush_pending_samples)),),
     verified_through="0.32.0",
     evidence="DRIFT.md §2: vllm/v1/executor/multiproc_executor.py:253-275 (0.11.1)",

@@ -13,10 +13,10 @@ Disable: ``VLLM_COMPAT_DISABLE=embed_input_ids_alias``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import WORKER_EXTENSION
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import WhichAttr
+from ..consumer import SPECULATORS_03, WORKER_EXTENSION
+from ..probes.shapes import WhichAttr
+from ..wrapping import function_wrapper
 
 OLD, NEW = "get_input_embeddings", "embed_input_ids"
 
@@ -37,7 +37,7 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.11.1"),
     expect=Expect(WhichAttr("vllm.model_executor.models.llama:LlamaModel", old_name=OLD, new_name=NEW),
                   old={OLD, "both"}, new={NEW}),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),
+    speculators=SpecifierSet(SPECULATORS_03),
     deferred=True,
     patches=(Patch(f"{WORKER_EXTENSION}._setup_hidden_states_capture", function_wrapper(alias_embedding)),),
     verified_through="0.32.0",

@@ -16,9 +16,9 @@ Disable: ``VLLM_COMPAT_DISABLE=finished_ids_delivery``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
-from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Patch, Scope
+from ..consumer import SPECULATORS_03, generator_name
+from ..wrapping import wrap_constructed
 
 HELD = "_vllm_compat_undelivered"  # on the scheduler object: ids of an output the generator dropped
 
@@ -39,7 +39,7 @@ ADAPTER = Adapter(
     drift="speculators 0.3.0 never executes the scheduler output that carries its final aborts",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),
+    speculators=SpecifierSet(SPECULATORS_03),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("schedule", _schedule_with_undelivered)),),
     verified_through="0.32.0",
     evidence="H200, vLLM 0.20.0, VLLM_USE_V2_MODEL_RUNNER=1: 'No free indices' (vllm/v1/worker/gpu/states.py:91)",

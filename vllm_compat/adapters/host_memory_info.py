@@ -15,9 +15,9 @@ import os
 import wrapt
 from packaging.specifiers import SpecifierSet
 
-from .._host import vllm_device_type
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
 from ..adapter import Adapter, Patch, Scope
+from ..consumer import IN_PROCESS_SPECULATORS, generator_name
+from ..host import vllm_device_type
 
 
 def host_mem_get_info(device=None) -> tuple[int, int]:

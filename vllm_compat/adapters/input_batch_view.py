@@ -15,11 +15,11 @@ from types import MappingProxyType, SimpleNamespace
 
 from packaging.specifiers import SpecifierSet
 
-from .._batch_order import batch_order
-from .._targets import WORKER_EXTENSION
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import MISSING, PRESENT, Exists
+from ..batch_order import batch_order
+from ..consumer import SPECULATORS_04, WORKER_EXTENSION
+from ..probes.shapes import MISSING, PRESENT, Exists
+from ..wrapping import function_wrapper
 
 
 def with_input_batch_view(wrapped, worker, args, kwargs):
@@ -42,7 +42,7 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.12.0"),
     expect=Expect(Exists("vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs"),
                   old={MISSING}, new={PRESENT}),
-    speculators=SpecifierSet(">=0.4.0,<0.5"),
+    speculators=SpecifierSet(SPECULATORS_04),
     deferred=True,
     patches=(Patch(f"{WORKER_EXTENSION}._store_captured_states", function_wrapper(with_input_batch_view)),),
     verified_through="0.32.0",

@@ -21,10 +21,10 @@ import inspect
 
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, PRESENT, Attr
+from ..consumer import IN_PROCESS_SPECULATORS, generator_name
+from ..probes.shapes import ABSENT, PRESENT, Attr
+from ..wrapping import function_wrapper
 
 
 def resolve_layout(wrapped, instance, args, kwargs):

@@ -13,8 +13,8 @@ Disable: ``VLLM_COMPAT_DISABLE=kv_cache_specs_kwarg``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
 from ..adapter import Scope
+from ..consumer import generator_name
 from ..factories import drop_keyword
 
 ADAPTER = drop_keyword(

@@ -16,9 +16,9 @@ Scope: worker (model code runs in vLLM's workers). Disable:
 """
 from packaging.specifiers import SpecifierSet
 
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, OPTIONAL, Param
+from ..probes.shapes import ABSENT, OPTIONAL, Param
+from ..wrapping import function_wrapper
 
 LAYER = "vllm.model_executor.models.deepseek_v2:DeepseekV2DecoderLayer"
 CONFIG = "_vllm_compat_llama_4_scaling"  # on each layer object: the config's llama_4_scaling dict

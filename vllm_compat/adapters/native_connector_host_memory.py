@@ -19,9 +19,9 @@ Scope: worker (the connector runs in vLLM's worker processes). Disable:
 import wrapt
 from packaging.specifiers import SpecifierSet
 
-from .._host import vllm_device_type
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import MISSING, PRESENT, Exists
+from ..host import vllm_device_type
+from ..probes.shapes import MISSING, PRESENT, Exists
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 

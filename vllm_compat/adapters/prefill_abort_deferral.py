@@ -15,9 +15,9 @@ Scope: consumer (the ``Scheduler`` name inside the speculators generator module)
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
-from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Patch, Scope
+from ..consumer import SPECULATORS_03, generator_name
+from ..wrapping import wrap_constructed
 
 
 def _prompt_pending(scheduler, request_id: str) -> bool:
@@ -42,7 +42,7 @@ ADAPTER = Adapter(
     drift="speculators 0.3.0 aborts chunked prompts after their first chunk (truncated states)",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),
+    speculators=SpecifierSet(SPECULATORS_03),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("finish_requests", _finish_after_prefill)),),
     verified_through="0.32.0",
     evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",

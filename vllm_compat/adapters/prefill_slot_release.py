@@ -16,9 +16,9 @@ Disable: ``VLLM_COMPAT_DISABLE=prefill_slot_release``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
-from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Patch, Scope
+from ..consumer import SPECULATORS_04, generator_name
+from ..wrapping import wrap_constructed
 
 
 def _schedule_after_release(run, scheduler, args, kwargs):
@@ -38,7 +38,7 @@ ADAPTER = Adapter(
     drift="speculators 0.4.0 holds finished prefills in their slots until the call ends",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
-    speculators=SpecifierSet(">=0.4.0,<0.5"),
+    speculators=SpecifierSet(SPECULATORS_04),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("schedule", _schedule_after_release)),),
     verified_through="0.32.0",
     evidence="speculators 0.4.0 generate(): finish_requests only after the loop; max_num_seqs=32",

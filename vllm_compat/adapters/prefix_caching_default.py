@@ -11,10 +11,10 @@ Scope: consumer (the ``CacheConfig`` name inside the speculators generator modul
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
 from ..adapter import Expect, Scope
+from ..consumer import SPECULATORS_03, generator_name
 from ..factories import default_keyword
-from ..shapes import FieldDefault
+from ..probes.shapes import FieldDefault
 
 ADAPTER = default_keyword(
     id="prefix_caching_default",
@@ -27,7 +27,7 @@ ADAPTER = default_keyword(
     drift="CacheConfig.enable_prefix_caching default None -> True in 0.12.0",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.12.0"),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
+    speculators=SpecifierSet(SPECULATORS_03),  # 0.4 handles it itself
     verified_through="0.32.0",
     evidence="DRIFT.md §2: vllm/config/cache.py:76; vllm/v1/core/block_pool.py:238 (0.12.0)",
 )

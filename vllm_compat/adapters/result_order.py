@@ -14,9 +14,9 @@ Scope: consumer (``VllmHiddenStatesGenerator.generate`` of speculators 0.4.x). D
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
+from ..consumer import SPECULATORS_04, generator_name
+from ..wrapping import function_wrapper
 
 
 def input_order(wrapped, generator, args, kwargs):
@@ -40,7 +40,7 @@ ADAPTER = Adapter(
     drift="speculators 0.4.0 returns results in string order of request ids (req_0_10 < req_0_2)",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.10.0"),
-    speculators=SpecifierSet(">=0.4.0,<0.5"),
+    speculators=SpecifierSet(SPECULATORS_04),
     patches=(Patch(generator_name("VllmHiddenStatesGenerator.generate"), function_wrapper(input_order)),),
     verified_through="0.32.0",
     evidence="speculators 0.4.0 vllm_hidden_states_generator.py, generate(): sorted(request_id_to_idx.keys())",

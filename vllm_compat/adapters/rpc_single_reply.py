@@ -15,10 +15,10 @@ Scope: consumer, speculators 0.3.x only (0.4.0 expects the new shape). Disable:
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import GENERATOR, generator_name
-from .._wrapping import caller_module, wrap_constructed
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, OPTIONAL, Param
+from ..consumer import GENERATOR, SPECULATORS_03, generator_name
+from ..probes.shapes import ABSENT, OPTIONAL, Param
+from ..wrapping import caller_module, wrap_constructed
 
 
 def _reply_as_list(run, executor, args, kwargs):
@@ -37,7 +37,7 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.11.1"),
     expect=Expect(Param("vllm.v1.executor.multiproc_executor:MultiprocExecutor.collective_rpc",
                         "kv_output_aggregator"), old={ABSENT}, new={OPTIONAL}),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),
+    speculators=SpecifierSet(SPECULATORS_03),
     patches=(Patch(generator_name("MultiprocExecutor"), wrap_constructed("collective_rpc", _reply_as_list)),),
     verified_through="0.32.0",
     evidence="DRIFT.md §3 C10: vllm/v1/executor/multiproc_executor.py:237-271 (0.11.0) vs :296-297,346 (0.11.1)",

@@ -17,10 +17,10 @@ import logging
 
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, OPTIONAL, REQUIRED, Param
+from ..consumer import IN_PROCESS_SPECULATORS, generator_name
+from ..probes.shapes import ABSENT, OPTIONAL, REQUIRED, Param
+from ..wrapping import function_wrapper
 
 logger = logging.getLogger("vllm_compat")
 BLOCK_SIZE_POSITION = 3  # (vllm_config, kv_cache_config, structured_output_manager, block_size, ...)

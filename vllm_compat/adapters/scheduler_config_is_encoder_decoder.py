@@ -11,10 +11,10 @@ Disable: ``VLLM_COMPAT_DISABLE=scheduler_config_is_encoder_decoder``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import generator_name
 from ..adapter import Expect, Scope
+from ..consumer import SPECULATORS_03, generator_name
 from ..factories import default_keyword
-from ..shapes import ABSENT, REQUIRED, FieldDefault
+from ..probes.shapes import ABSENT, REQUIRED, FieldDefault
 
 ADAPTER = default_keyword(
     id="scheduler_config_is_encoder_decoder",
@@ -27,7 +27,7 @@ ADAPTER = default_keyword(
     drift="is_encoder_decoder became a required SchedulerConfig InitVar in 0.12.0",
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.12.0"),
-    speculators=SpecifierSet(">=0.3.0,<0.4"),  # 0.4 handles it itself
+    speculators=SpecifierSet(SPECULATORS_03),  # 0.4 handles it itself
     verified_through="0.32.0",
     evidence="DRIFT.md §3 C1: vllm/config/scheduler.py:31,37,144-153 (0.12.0)",
 )

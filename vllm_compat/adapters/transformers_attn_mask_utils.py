@@ -20,8 +20,8 @@ import types
 from packaging.specifiers import SpecifierSet
 
 from .. import _transformers_source as transformers_source
-from .._targets import IN_PROCESS_SPECULATORS
 from ..adapter import Adapter, Patch, Phase, Scope
+from ..consumer import IN_PROCESS_SPECULATORS
 
 MODULE = "transformers.modeling_attn_mask_utils"
 

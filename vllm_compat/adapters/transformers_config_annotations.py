@@ -21,8 +21,8 @@ import importlib
 from packaging.specifiers import SpecifierSet
 
 from .. import _transformers_source as transformers_source
-from .._targets import IN_PROCESS_SPECULATORS
 from ..adapter import Adapter, Patch, Phase, Scope
+from ..consumer import IN_PROCESS_SPECULATORS
 
 MODULE = "transformers.configuration_utils"
 

@@ -16,11 +16,11 @@ Scope: worker. Disable: ``VLLM_COMPAT_DISABLE=v2_batch_order``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._batch_order import remember_v2_batch
-from .._targets import IN_PROCESS_SPECULATORS
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import MISSING, PRESENT, Exists
+from ..batch_order import remember_v2_batch
+from ..consumer import IN_PROCESS_SPECULATORS
+from ..probes.shapes import MISSING, PRESENT, Exists
+from ..wrapping import function_wrapper
 
 TARGET = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs"
 

@@ -14,10 +14,10 @@ Scope: consumer. Disable: ``VLLM_COMPAT_DISABLE=warm_up_after_init``.
 """
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
-from .._wrapping import wrap_constructed
 from ..adapter import Adapter, Expect, Patch, Scope
-from ..shapes import ABSENT, PRESENT, Attr
+from ..consumer import IN_PROCESS_SPECULATORS, generator_name
+from ..probes.shapes import ABSENT, PRESENT, Attr
+from ..wrapping import wrap_constructed
 
 
 def _then_warm_up(run, executor, args, kwargs):

@@ -17,9 +17,9 @@ import os
 
 from packaging.specifiers import SpecifierSet
 
-from .._targets import IN_PROCESS_SPECULATORS, generator_name
-from .._wrapping import function_wrapper
 from ..adapter import Adapter, Patch, Scope
+from ..consumer import IN_PROCESS_SPECULATORS, generator_name
+from ..wrapping import function_wrapper
 
 METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 

@@ -20,10 +20,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._targets import GENERATOR
 from ..adapter import Adapter
-from ..shapes import Attr, Exists, FieldDefault, Param, WhichAttr
-from ..sources import StaticSource, _Found
+from ..consumer import GENERATOR
+from ..probes.shapes import Attr, Exists, FieldDefault, Param, WhichAttr
+from ..probes.static import Found, StaticSource
 from .analyzer import CLASS, INSTANCE, METHOD, ModuleAnalysis, Reference, Value, _join
 from .signatures import FUNCTIONS, VllmIndex
 
@@ -109,14 +109,14 @@ class _Targets:
                 if value is None or value.found is None or value.kind not in (CLASS, INSTANCE):
                     return None
                 found = self.index.member(value.found, part)
-                if not isinstance(found, _Found):
+                if not isinstance(found, Found):
                     return None
                 value = self.generator._value_of(found, _join(value.target, part), value)
             return value
         if module.split(".")[0] != "vllm":
             return None
         found = self.index.resolve(target)
-        if not isinstance(found, _Found):
+        if not isinstance(found, Found):
             return None
         kind = {ast.ClassDef: CLASS}.get(type(found.node), "function")
         return Value(kind, target, found)
@@ -151,7 +151,7 @@ def _seeds(tree: ast.Module, adapter: Adapter, targets: _Targets) -> dict[str, d
             method = targets.index.member(target.found, factory.args[0].value)
             instance = Value(INSTANCE, target.target, target.found, target.via)
             seeds[fn.id] = {params[1]: instance}
-            if isinstance(method, _Found):
+            if isinstance(method, Found):
                 seeds[fn.id][params[0]] = Value(METHOD, _join(target.target, factory.args[0].value), method, target.via)
     return seeds
 
@@ -173,17 +173,19 @@ def adapter_references(index: VllmIndex, adapted: list[Adapter], generator: Modu
             if patch.create or patch.target.split(".")[0] != "vllm":
                 continue
             found = index.resolve(patch.target)
-            where = found.where if isinstance(found, _Found) else ""
+            where = found.where if isinstance(found, Found) else ""
             references.append(Reference(f"{label}:{call.lineno}", "patch", patch.target, where,
                                         "" if found else "patch target not found", missing=not found))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 2 and (node.module or "").startswith("_"):
+        for node in ast.walk(tree):  # `from ..host import ...`: the vllm_compat modules it runs
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
                 helpers.add(node.module)
     for helper in sorted(helpers):
-        path = HERE / f"{helper}.py"
+        path = HERE.joinpath(*helper.split(".")).with_suffix(".py")
         tree = _parse(path)
         if tree is not None and "vllm" in ast.unparse(tree):
-            references += ModuleAnalysis(index, tree, f"vllm_compat/{path.name}", "vllm_compat").references
+            label = f"vllm_compat/{path.relative_to(HERE).as_posix()}"
+            package = ".".join(["vllm_compat", *helper.split(".")[:-1]])
+            references += ModuleAnalysis(index, tree, label, package).references
     return references
 
 
@@ -210,7 +212,7 @@ def bridging(ref: Reference, adapted: list[Adapter], index: VllmIndex) -> str:
         elif ref.param and isinstance(check, (Param, FieldDefault)) and check.name == ref.param:
             found = index.resolve(check.target)
             same = ref.target.removesuffix(".__init__") == check.target.removesuffix(".__init__")
-            if same or (isinstance(found, _Found) and found.where == ref.where):
+            if same or (isinstance(found, Found) and found.where == ref.where):
                 return adapter.id
     return ""
 

@@ -12,7 +12,7 @@ import ast
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..sources import _Found
+from ..probes.static import Found
 from .signatures import FUNCTIONS, VllmIndex
 
 MODULE, CLASS, FUNCTION, METHOD, INSTANCE = "module", "class", "function", "method", "instance"
@@ -23,7 +23,7 @@ class Value(NamedTuple):
 
     kind: str
     target: str  # "vllm.pkg.mod:Qual.name"
-    found: _Found | None
+    found: Found | None
     via: str = ""  # the module-level name it was reached through in the analysed module
 
 
@@ -167,7 +167,7 @@ class ModuleAnalysis:
                 continue
             target = f"{module}:{alias.name}"
             found = self.index.top_level(module, alias.name)
-            where = found.where if isinstance(found, _Found) else ""
+            where = found.where if isinstance(found, Found) else ""
             problem = "" if found else ("module not found" if self.index.module(module) is None else "name not found")
             self._add(node, Reference(self._site(node), "import", target, where, problem, via=alias.asname or alias.name,
                                       missing=not found))
@@ -179,7 +179,7 @@ class ModuleAnalysis:
         prefix = ".".join(parts[: len(parts) - node.level + 1])
         return f"{prefix}.{node.module}" if node.module else prefix
 
-    def _lookup(self, holder: Value, name: str) -> _Found | None | bool:
+    def _lookup(self, holder: Value, name: str) -> Found | None | bool:
         """``holder.name`` in vLLM for a module, class or instance (see ``VllmIndex.member``)."""
         if holder.kind == MODULE:
             return self.index.top_level(holder.found.module, name)
@@ -206,7 +206,7 @@ class ModuleAnalysis:
             self._add(node, Reference(self._site(node), kind, target, found.where, via=holder.via))
         return value
 
-    def _value_of(self, found: _Found, target: str, holder: Value | None = None, via: str = "") -> Value | None:
+    def _value_of(self, found: Found, target: str, holder: Value | None = None, via: str = "") -> Value | None:
         via = via or (holder.via if holder else "")
         node = found.node
         if isinstance(node, ast.Module):
@@ -226,7 +226,7 @@ class ModuleAnalysis:
         return None  # a constant or enum member: present, nothing more to follow
 
     @staticmethod
-    def class_target(found: _Found) -> str:
+    def class_target(found: Found) -> str:
         return f"{found.module}:{found.node.name}"  # type: ignore[attr-defined]
 
     def _check_call(self, call: ast.Call, scope: _Scope) -> None:
@@ -342,7 +342,7 @@ class _Scope:
                 return None
             alias = next(a for a in binding.names if (a.asname or a.name) == name)
             found = analysis.index.top_level(module, alias.name) or analysis.index.moved_to(module, alias.name)
-            return analysis._value_of(found, f"{module}:{alias.name}", via=name) if isinstance(found, _Found) else None
+            return analysis._value_of(found, f"{module}:{alias.name}", via=name) if isinstance(found, Found) else None
         if isinstance(binding, ast.Import):
             alias = next(a for a in binding.names if (a.asname or a.name).split(".")[0] == name)
             module = alias.name if alias.asname else alias.name.split(".")[0]
@@ -357,7 +357,7 @@ class _Scope:
             return self.value(binding.value) if binding.value is not None else None
         return self.value(binding)
 
-    def annotated_class(self, annotation: ast.expr) -> _Found | None:
+    def annotated_class(self, annotation: ast.expr) -> Found | None:
         """The vLLM class an annotation in the analysed code names (``Scheduler``, ``mod.Scheduler``)."""
         holder = self.value(annotation) if isinstance(annotation, (ast.Name, ast.Attribute)) else None
         return holder.found if holder is not None and holder.kind == CLASS else None

@@ -1,6 +1,6 @@
 """What vLLM's definitions accept, read with ``ast``: names, members, parameters, types of results.
 
-Built on :class:`~vllm_compat.sources.StaticSource` (same module loading, re-exports and star
+Built on :class:`~vllm_compat.probes.static.StaticSource` (same module loading, re-exports and star
 imports). Everything here answers "unknown" (None) rather than guess: a base class outside vLLM,
 a ``__getattr__``, a decorator that builds the signature elsewhere. The call-site checks skip what
 is unknown, so an unknown never becomes a false alarm.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from ..shapes import REQUIRED
-from ..sources import StaticSource, _default_repr, _defining_nodes, _Found
+from ..probes.shapes import REQUIRED
+from ..probes.static import Found, StaticSource, default_repr, defining_nodes
 
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 # bases that add no constructor parameters and no members the checks could miss
@@ -88,13 +88,13 @@ class VllmIndex:
     def __init__(self, source: StaticSource, moved: dict[str, str] | None = None):
         self.source = source
         self.moved = moved or {}  # "old.module:name" -> "new.module:name", put back by an adapter
-        self._names: dict[tuple[str, str], _Found | None | bool] = {}
+        self._names: dict[tuple[str, str], Found | None | bool] = {}
 
     # -- names ----------------------------------------------------------------------------------
-    def module(self, name: str) -> _Found | None:
+    def module(self, name: str) -> Found | None:
         return self.source._module_node(name)
 
-    def top_level(self, module: str, name: str) -> _Found | None | bool:
+    def top_level(self, module: str, name: str) -> Found | None | bool:
         """The definition of ``module.name``; True when it exists but lies outside vLLM's files
         (re-exported from another package, or served by a module ``__getattr__``); None if missing."""
         key = (module, name)
@@ -102,7 +102,7 @@ class VllmIndex:
             self._names[key] = self._top_level(module, name)
         return self._names[key]
 
-    def moved_to(self, module: str, name: str) -> _Found | None | bool:
+    def moved_to(self, module: str, name: str) -> Found | None | bool:
         """Where a name that an adapter puts back at ``module.name`` lives on this release (its
         calls are checked there), or None if no adapter moves it."""
         new = self.moved.get(f"{module}:{name}")
@@ -111,7 +111,7 @@ class VllmIndex:
         new_module, _, new_name = new.partition(":")
         return self.top_level(new_module, new_name)
 
-    def _top_level(self, module: str, name: str) -> _Found | None | bool:
+    def _top_level(self, module: str, name: str) -> Found | None | bool:
         found = self.source._top_level(module, name) or self.source._module_node(f"{module}.{name}")
         if found is not None:
             return found
@@ -121,7 +121,7 @@ class VllmIndex:
         lazy = self._lazy_attr(module, loaded[0], name)
         if lazy is not None:
             return lazy
-        for stmt in (node for top in loaded[0].body for node in _defining_nodes(top)):
+        for stmt in (node for top in loaded[0].body for node in defining_nodes(top)):
             if (isinstance(stmt, ast.ImportFrom) and not stmt.level and not (stmt.module or "").startswith("vllm")
                     and any((a.asname or a.name) == name or a.name == "*" for a in stmt.names)):
                 return True
@@ -129,7 +129,7 @@ class VllmIndex:
                 return True
         return None
 
-    def _lazy_attr(self, module: str, tree: ast.Module, name: str) -> _Found | None | bool:
+    def _lazy_attr(self, module: str, tree: ast.Module, name: str) -> Found | None | bool:
         """A name served by a module ``__getattr__`` from a ``{"name": "pkg.mod:attr"}`` table."""
         if not any(isinstance(s, FUNCTIONS) and s.name == "__getattr__" for s in tree.body):
             return None
@@ -144,7 +144,7 @@ class VllmIndex:
                         return self.top_level(where, attr)
         return True  # a __getattr__ we cannot read: assume it serves the name
 
-    def resolve(self, target: str) -> _Found | None | bool:
+    def resolve(self, target: str) -> Found | None | bool:
         module, _, qual = target.partition(":")
         parts = [p for p in qual.split(".") if p]
         if not parts:
@@ -162,7 +162,7 @@ class VllmIndex:
         return found
 
     # -- classes ------------------------------------------------------------------------------
-    def bases(self, klass: _Found) -> tuple[list[_Found], bool]:
+    def bases(self, klass: Found) -> tuple[list[Found], bool]:
         """(vLLM bases, whether every base is known: in vLLM or inert)."""
         found, complete = [], True
         for expr in klass.node.bases:  # type: ignore[attr-defined]
@@ -174,15 +174,15 @@ class VllmIndex:
                 base = self.top_level(klass.module, expr.id)
             elif isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
                 holder = self.top_level(klass.module, expr.value.id)
-                if isinstance(holder, _Found) and isinstance(holder.node, ast.Module):
+                if isinstance(holder, Found) and isinstance(holder.node, ast.Module):
                     base = self.top_level(holder.module, expr.attr)
-            if isinstance(base, _Found) and isinstance(base.node, ast.ClassDef):
+            if isinstance(base, Found) and isinstance(base.node, ast.ClassDef):
                 found.append(base)
             else:
                 complete = False
         return found, complete
 
-    def mro(self, klass: _Found) -> tuple[list[_Found], bool]:
+    def mro(self, klass: Found) -> tuple[list[Found], bool]:
         """Depth-first, left-to-right class order (enough for single inheritance chains), and
         whether every class on it is known."""
         order, complete, stack = [], True, [klass]
@@ -196,25 +196,25 @@ class VllmIndex:
             stack = bases + stack
         return order, complete
 
-    def member(self, klass: _Found, name: str) -> _Found | None | bool:
+    def member(self, klass: Found, name: str) -> Found | None | bool:
         """The last definition of ``name`` in the class or its bases; True if it may come from
         somewhere unreadable (a base outside vLLM, ``__getattr__``, an attribute set on ``self``)."""
         order, complete = self.mro(klass)
         for current in order:
             last = None
             for stmt in current.node.body:  # type: ignore[attr-defined]
-                for node in _defining_nodes(stmt):
+                for node in defining_nodes(stmt):
                     if isinstance(node, (*FUNCTIONS, ast.ClassDef)) and node.name == name:
                         last = node if "overload" not in _decorator_names(node) or last is None else last
                     elif isinstance(node, (ast.Assign, ast.AnnAssign)) and name in _targets(node):
                         last = node
             if last is not None:
-                return _Found(last, current.module, current.file)
+                return Found(last, current.module, current.file)
         if not complete or any(self._sets_on_self(c, name) or self._dynamic(c) for c in order):
             return True
         return None
 
-    def _sets_on_self(self, klass: _Found, name: str) -> bool:
+    def _sets_on_self(self, klass: Found, name: str) -> bool:
         for node in ast.walk(klass.node):
             if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr == name
                     and isinstance(node.value, ast.Name) and node.value.id == "self"):
@@ -224,11 +224,11 @@ class VllmIndex:
         return False
 
     @staticmethod
-    def _dynamic(klass: _Found) -> bool:
+    def _dynamic(klass: Found) -> bool:
         return any(isinstance(s, FUNCTIONS) and s.name in ("__getattr__", "__getattribute__")
                    for s in klass.node.body)  # type: ignore[attr-defined]
 
-    def constructor(self, klass: _Found) -> Signature | None:
+    def constructor(self, klass: Found) -> Signature | None:
         """What ``Class(...)`` accepts: an explicit ``__init__`` or the fields of a dataclass-like
         class, following the bases; None where that is not readable."""
         order, complete = self.mro(klass)
@@ -241,7 +241,7 @@ class VllmIndex:
                 return None
             init = next((s for s in reversed(node.body) if isinstance(s, FUNCTIONS) and s.name == "__init__"), None)
             if init is not None and not field_based:
-                return function_signature(init, _Found(init, current.module, current.file).where, bound=True)
+                return function_signature(init, Found(init, current.module, current.file).where, bound=True)
             is_struct = any(_base_name(b) in STRUCT_BASES for b in node.bases)
             if DATACLASS_DECORATORS & _decorator_names(node) or is_struct:
                 if not field_based:
@@ -257,7 +257,7 @@ class VllmIndex:
             return Signature((), (), False, False, klass.where)  # object.__init__
         return Signature(tuple(fields), tuple(kw_only_fields), False, False, klass.where)
 
-    def callable_signature(self, found: _Found, bound: bool) -> Signature | None:
+    def callable_signature(self, found: Found, bound: bool) -> Signature | None:
         node = found.node
         if isinstance(node, ast.ClassDef):
             return self.constructor(found)
@@ -272,7 +272,7 @@ class VllmIndex:
         return function_signature(node, found.where, bound=bound and "staticmethod" not in decorators)
 
     # -- types --------------------------------------------------------------------------------
-    def annotation_class(self, module: str, annotation: ast.expr | None) -> _Found | None:
+    def annotation_class(self, module: str, annotation: ast.expr | None) -> Found | None:
         """The vLLM class an annotation names (``X``, ``mod.X``, ``"X"``, ``X | None``)."""
         if annotation is None:
             return None
@@ -292,11 +292,11 @@ class VllmIndex:
             found = self.top_level(module, annotation.id)
         elif isinstance(annotation, ast.Attribute) and isinstance(annotation.value, ast.Name):
             holder = self.top_level(module, annotation.value.id)
-            if isinstance(holder, _Found) and isinstance(holder.node, ast.Module):
+            if isinstance(holder, Found) and isinstance(holder.node, ast.Module):
                 found = self.top_level(holder.module, annotation.attr)
-        return found if isinstance(found, _Found) and isinstance(found.node, ast.ClassDef) else None
+        return found if isinstance(found, Found) and isinstance(found.node, ast.ClassDef) else None
 
-    def result_class(self, found: _Found) -> _Found | None:
+    def result_class(self, found: Found) -> Found | None:
         """The class a function returns (its annotation), or a class attribute's annotated type."""
         node = found.node
         if isinstance(node, FUNCTIONS):
@@ -333,6 +333,6 @@ def _fields(node: ast.ClassDef, is_struct: bool) -> tuple[list[tuple[str, bool]]
             continue
         if stmt.target.id.startswith("_") and is_struct:
             continue
-        required = _default_repr(stmt.value) == REQUIRED
+        required = default_repr(stmt.value) == REQUIRED
         (keyword_only if kw_only else positional).append((stmt.target.id, required))
     return positional, keyword_only

@@ -15,14 +15,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_ABSENT = object()
+ABSENT = object()  # resolve()'s value, and a record's original, for an attribute that did not exist
 
 
 @dataclass
 class Installed:
     parent: Any
     attribute: str
-    original: Any  # _ABSENT when the attribute did not exist at all
+    original: Any  # ABSENT when the attribute did not exist at all
     own: bool
     replacement: Any
     target: str
@@ -50,7 +50,7 @@ def _vars(obj: Any) -> dict:
 
 
 def resolve(target: str) -> tuple[Any, str, Any, bool]:
-    """(parent, attribute, current value or _ABSENT, whether the parent owns it) for a target.
+    """(parent, attribute, current value or ABSENT, whether the parent owns it) for a target.
 
     Class attributes are read from ``vars()`` along the MRO, never through ``getattr``, so that
     functions stay unbound and descriptors (staticmethod, classmethod) are kept as they are.
@@ -58,7 +58,7 @@ def resolve(target: str) -> tuple[Any, str, Any, bool]:
     module_name, _, qualname = target.partition(":")
     if module_name == "sys.modules":
         modules = _Modules()
-        return modules, qualname, sys.modules.get(qualname, _ABSENT), qualname in sys.modules
+        return modules, qualname, sys.modules.get(qualname, ABSENT), qualname in sys.modules
     parent: Any = importlib.import_module(module_name)
     parts = qualname.split(".")
     for part in parts[:-1]:
@@ -70,10 +70,10 @@ def resolve(target: str) -> tuple[Any, str, Any, bool]:
         for klass in parent.__mro__[1:]:
             if name in vars(klass):
                 return parent, name, vars(klass)[name], False
-        return parent, name, _ABSENT, False
+        return parent, name, ABSENT, False
     if name in vars(parent):
         return parent, name, vars(parent)[name], True
-    return parent, name, _ABSENT, False
+    return parent, name, ABSENT, False
 
 
 # Replacements currently installed, by id, with how many places hold them. A consumer that imports
@@ -99,14 +99,14 @@ def install(target: str, factory, *, owner: str, optional: bool = False, create:
         create: add the attribute (``factory(None)``) where it is missing.
     """
     parent, name, current, own = resolve(target)
-    if current is _ABSENT and create:
+    if current is ABSENT and create:
         replacement = factory(None)
         setattr(parent, name, replacement)
         _ours.setdefault(id(replacement), [replacement, 0, owner])[1] += 1
-        return Installed(parent, name, _ABSENT, False, replacement, target)
-    if current is _ABSENT and optional:
+        return Installed(parent, name, ABSENT, False, replacement, target)
+    if current is ABSENT and optional:
         return None
-    if current is _ABSENT:
+    if current is ABSENT:
         raise AttributeError(f"{target}: nothing to patch there")
     if owner_of(current) == owner:
         original, replacement = current.__wrapped__, current
@@ -126,7 +126,7 @@ def uninstall(record: Installed) -> bool:
         entry[1] -= 1
         if entry[1] <= 0:
             del _ours[id(record.replacement)]
-    current = _vars(record.parent).get(record.attribute, _ABSENT)
+    current = _vars(record.parent).get(record.attribute, ABSENT)
     if current is not record.replacement:
         logger.warning("vllm-compat: %s was patched again by someone else; leaving it as it is", record.target)
         return False

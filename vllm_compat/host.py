@@ -5,6 +5,8 @@ child this process forks ("Cannot re-initialize CUDA in forked subprocess"; ``be
 on an H200), and ``torch.accelerator``'s queries reach the same runtime. vLLM forks its engine core
 by default, so a host probe run before ``vllm.LLM(...)`` must not ask torch: seen with the
 extractor's ``vllm-native`` backend. vLLM's own platform detection asks NVML and is fork-safe.
+
+Public: the host-dependent adapters and the extractor (``hidden_states``) ask here.
 """
 from __future__ import annotations
 

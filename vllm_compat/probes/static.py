@@ -1,190 +1,21 @@
-"""Where shape checks look: the live, imported vLLM, or vLLM's files read with ``ast``.
+"""The static reader: checks against vLLM's files read with ``ast``, never importing them.
 
-The static reader resolves ``"pkg.module:Class.attr"`` the way Python would, as far as source
-alone allows: names re-exported through ``from x import y`` / ``from x import *`` are followed,
-and class attributes are searched through the bases (depth first, left to right), so
-``MultiprocExecutor.initialize_from_config`` is found on ``Executor`` in ``abstract.py``.
+It resolves ``"pkg.module:Class.attr"`` the way Python would, as far as source alone allows: names
+re-exported through ``from x import y`` / ``from x import *`` are followed, and class attributes
+are searched through the bases (depth first, left to right), so
+``MultiprocExecutor.initialize_from_config`` is found on ``Executor`` in ``abstract.py``. The files
+come from a :class:`Tree`: an installed package or source tree (:class:`DirTree`) or a wheel
+(:class:`WheelTree`). The call-site audit (:mod:`vllm_compat.callsites`) builds on the same reader.
 """
 from __future__ import annotations
 
 import ast
-import dataclasses
-import importlib
-import inspect
 import zipfile
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from .shapes import ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, Observation
-
-
-class Source(Protocol):
-    mode: str
-
-    def exists(self, target: str) -> Observation: ...
-    def param(self, target: str, name: str) -> Observation: ...
-    def attr(self, target: str, name: str) -> Observation: ...
-    def field_default(self, target: str, name: str) -> Observation: ...
-
-
-def split_target(target: str) -> tuple[str, list[str]]:
-    module, _, qualname = target.partition(":")
-    return module, [part for part in qualname.split(".") if part]
-
-
-class AliasedSource:
-    """Another source, seen as it is once a bridging adapter has put moved names back.
-
-    ``aliases`` maps an old address to where the name lives now (``Patch.alias_of``). A check on a
-    name that is missing at its old address, or on a member of it, reads the new address instead;
-    names still present where they were are read there.
-    """
-
-    def __init__(self, inner: Source, aliases: dict[str, str]):
-        self.inner, self.aliases, self.mode = inner, aliases, inner.mode
-
-    def redirect(self, target: str) -> str:
-        """``target``, or where it lives now when it is read through a moved name."""
-        module, parts = split_target(target)
-        head = f"{module}:{parts[0]}" if parts else target
-        if head not in self.aliases or self.inner.exists(head).value != MISSING:
-            return target
-        return self.aliases[head] + "".join(f".{part}" for part in parts[1:])
-
-    def exists(self, target: str) -> Observation:
-        return self.inner.exists(self.redirect(target))
-
-    def param(self, target: str, name: str) -> Observation:
-        return self.inner.param(self.redirect(target), name)
-
-    def attr(self, target: str, name: str) -> Observation:
-        return self.inner.attr(self.redirect(target), name)
-
-    def field_default(self, target: str, name: str) -> Observation:
-        return self.inner.field_default(self.redirect(target), name)
-
-
-# --------------------------------------------------------------------------------------------
-# live
-
-
-def _proxy_types() -> tuple[type, ...]:
-    import wrapt
-
-    names = ("ObjectProxy", "BaseObjectProxy")  # wrapt 1.x / 2.x
-    return tuple(getattr(wrapt, n) for n in names if hasattr(wrapt, n))
-
-
-def _unwrap(obj: Any) -> Any:
-    """Look through wrapt proxies (ours or anyone's) to the object they wrap."""
-    proxies = _proxy_types()
-    while issubclass(type(obj), proxies):
-        obj = obj.__wrapped__
-    return obj
-
-
-def _where(obj: Any) -> str:
-    try:
-        path = inspect.getsourcefile(obj) or ""
-        line = inspect.getsourcelines(obj)[1]
-    except (OSError, TypeError):
-        return ""
-    parts = Path(path).parts
-    for top in ("vllm", "speculators"):
-        if top in parts:
-            path = "/".join(parts[len(parts) - 1 - parts[::-1].index(top):])
-            break
-    return f"{path}:{line}"
-
-
-class LiveSource:
-    """Checks against the imported objects. Importing vLLM modules is slow (tens of seconds)."""
-
-    mode = "live"
-
-    def _resolve(self, target: str) -> tuple[Any, Any] | None:
-        """(parent, object) for a target, or None if the module or an attribute is missing."""
-        module_name, parts = split_target(target)
-        try:
-            obj: Any = importlib.import_module(module_name)
-        except ImportError:
-            return None
-        parent = None
-        for part in parts:
-            parent = obj
-            if isinstance(obj, type):
-                for klass in obj.__mro__:
-                    if part in vars(klass):
-                        obj = vars(klass)[part]
-                        break
-                else:
-                    return None
-            elif hasattr(obj, part):
-                obj = getattr(obj, part)
-            else:
-                return None
-        return parent, _unwrap(obj)
-
-    def exists(self, target: str) -> Observation:
-        found = self._resolve(target)
-        return Observation(PRESENT, _where(found[1])) if found else Observation(MISSING)
-
-    def param(self, target: str, name: str) -> Observation:
-        found = self._resolve(target)
-        if found is None:
-            return Observation(MISSING)
-        func = found[1]
-        if isinstance(func, (staticmethod, classmethod)):
-            func = func.__func__
-        try:
-            params = inspect.signature(func).parameters
-        except (TypeError, ValueError):
-            return Observation(MISSING, _where(func))
-        if name not in params:
-            return Observation(ABSENT, _where(func))
-        required = params[name].default is inspect.Parameter.empty and params[name].kind not in (
-            inspect.Parameter.VAR_POSITIONAL,
-            inspect.Parameter.VAR_KEYWORD,
-        )
-        return Observation(REQUIRED if required else OPTIONAL, _where(func))
-
-    def attr(self, target: str, name: str) -> Observation:
-        found = self._resolve(target)
-        if found is None:
-            return Observation(MISSING)
-        obj = found[1]
-        if isinstance(obj, type):
-            for klass in obj.__mro__:
-                if name in vars(klass):
-                    return Observation(PRESENT, _where(_unwrap(vars(klass)[name])) or _where(klass))
-            return Observation(ABSENT, _where(obj))
-        return Observation(PRESENT if hasattr(obj, name) else ABSENT, _where(obj))
-
-    def field_default(self, target: str, name: str) -> Observation:
-        found = self._resolve(target)
-        if found is None:
-            return Observation(MISSING)
-        cls = found[1]
-        fields = getattr(cls, "__dataclass_fields__", {})
-        if name not in fields:
-            return Observation(ABSENT, _where(cls))
-        f = fields[name]
-        default = f.default
-        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
-            return Observation("<factory>", _where(cls))
-        # pydantic's Field(default=...) may sit in the dataclass default slot
-        if type(default).__name__ == "FieldInfo":
-            inner = getattr(default, "default", dataclasses.MISSING)
-            default = dataclasses.MISSING if type(inner).__name__ == "PydanticUndefinedType" else inner
-        if default is dataclasses.MISSING:
-            return Observation(REQUIRED, _where(cls))
-        return Observation(repr(default), _where(cls))
-
-
-# --------------------------------------------------------------------------------------------
-# static
+from .shapes import ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, Observation, split_target
 
 
 class Tree(Protocol):
@@ -223,7 +54,10 @@ class WheelTree:
 
 
 @dataclass(frozen=True)
-class _Found:
+class Found:
+    """A definition found in the files: its node, the module defining it and its file (the
+    call-site audit, :mod:`vllm_compat.callsites`, walks the same nodes)."""
+
     node: ast.AST
     module: str
     file: str
@@ -269,20 +103,20 @@ class StaticSource:
         prefix = ".".join(parts[:keep])
         return f"{prefix}.{node.module}" if node.module else prefix
 
-    def _top_level(self, module: str, name: str, depth: int = 0) -> _Found | None:
+    def _top_level(self, module: str, name: str, depth: int = 0) -> Found | None:
         loaded = self._module(module)
         if loaded is None or depth > 12:
             return None
         tree, rel = loaded
         is_package = rel.endswith("__init__.py")
-        found: _Found | None = None
+        found: Found | None = None
         star_sources: list[str] = []
         for stmt in tree.body:
-            for node in _defining_nodes(stmt):
+            for node in defining_nodes(stmt):
                 if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                    found = _Found(node, module, rel)
+                    found = Found(node, module, rel)
                 elif isinstance(node, (ast.Assign, ast.AnnAssign)) and name in _assigned_names(node):
-                    found = _Found(node, module, rel)
+                    found = Found(node, module, rel)
                 elif isinstance(node, ast.ImportFrom):
                     source = self._absolute(module, is_package, node)
                     for alias in node.names:
@@ -299,11 +133,11 @@ class StaticSource:
                     break
         return found
 
-    def _module_node(self, module: str) -> _Found | None:
+    def _module_node(self, module: str) -> Found | None:
         loaded = self._module(module)
-        return _Found(loaded[0], module, loaded[1]) if loaded else None
+        return Found(loaded[0], module, loaded[1]) if loaded else None
 
-    def _resolve(self, target: str) -> _Found | None:
+    def _resolve(self, target: str) -> Found | None:
         module, parts = split_target(target)
         if not parts:
             return self._module_node(module)
@@ -314,7 +148,7 @@ class StaticSource:
             found = self._class_member(found, part)
         return found
 
-    def _bases(self, klass: _Found) -> list[_Found]:
+    def _bases(self, klass: Found) -> list[Found]:
         bases = []
         for expr in klass.node.bases:  # type: ignore[attr-defined]
             if isinstance(expr, ast.Name):
@@ -328,13 +162,13 @@ class StaticSource:
                 bases.append(base)
         return bases
 
-    def _class_member(self, klass: _Found, name: str, depth: int = 0) -> _Found | None:
+    def _class_member(self, klass: Found, name: str, depth: int = 0) -> Found | None:
         for stmt in klass.node.body:  # type: ignore[attr-defined]
-            for node in _defining_nodes(stmt):
+            for node in defining_nodes(stmt):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-                    return _Found(node, klass.module, klass.file)
+                    return Found(node, klass.module, klass.file)
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and name in _assigned_names(node):
-                    return _Found(node, klass.module, klass.file)
+                    return Found(node, klass.module, klass.file)
         if depth < 12:
             for base in self._bases(klass):
                 found = self._class_member(base, name, depth + 1)
@@ -379,17 +213,17 @@ class StaticSource:
         member = self._class_member(found, name)
         if member is None or not isinstance(member.node, ast.AnnAssign):
             return Observation(ABSENT, found.where)
-        return Observation(_default_repr(member.node.value), found.where)
+        return Observation(default_repr(member.node.value), found.where)
 
 
-def _defining_nodes(stmt: ast.stmt):
+def defining_nodes(stmt: ast.stmt):
     """The statement, or for ``if``/``try`` blocks at module or class level, the statements inside."""
     if isinstance(stmt, ast.If):
         for inner in stmt.body + stmt.orelse:
-            yield from _defining_nodes(inner)
+            yield from defining_nodes(inner)
     elif isinstance(stmt, ast.Try):
         for inner in stmt.body + stmt.orelse + stmt.finalbody:
-            yield from _defining_nodes(inner)
+            yield from defining_nodes(inner)
     else:
         yield stmt
 
@@ -404,18 +238,18 @@ def _assigned_names(node: ast.Assign | ast.AnnAssign) -> set[str]:
     return names
 
 
-def _default_repr(value: ast.expr | None) -> str:
+def default_repr(value: ast.expr | None) -> str:
     """repr() of a dataclass field's default as the live object would show it."""
     if value is None:
         return REQUIRED
     if isinstance(value, ast.Call) and _call_name(value) in {"field", "Field"}:
         for kw in value.keywords:
             if kw.arg == "default":
-                return _default_repr(kw.value)
+                return default_repr(kw.value)
             if kw.arg == "default_factory":
                 return "<factory>"
         if value.args and _call_name(value) == "Field":  # pydantic: Field(default, ...)
-            return _default_repr(value.args[0])
+            return default_repr(value.args[0])
         return REQUIRED
     try:
         return repr(ast.literal_eval(value))
@@ -426,8 +260,3 @@ def _default_repr(value: ast.expr | None) -> str:
 def _call_name(call: ast.Call) -> str:
     func = call.func
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-
-
-@lru_cache(maxsize=None)
-def live() -> LiveSource:
-    return LiveSource()

@@ -8,13 +8,15 @@ observations for the same release, so both callers reach the same verdict.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
-from .adapter import Adapter
-from .shapes import MISSING
-from .sources import Source
-from .versions import in_range
+from ..versions import in_range
+from .shapes import MISSING, Source
+
+if TYPE_CHECKING:  # the declaration judged; read, never built here (adapter.py builds on this layer)
+    from ..adapter import Adapter
 
 NATIVE = "native"
 ADAPTED = "adapted"

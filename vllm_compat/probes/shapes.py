@@ -3,8 +3,8 @@
 A check names a target (``"vllm.v1.request:Request.__init__"``) and one fact about it (a
 parameter, an attribute, a field default). It is evaluated against a *source*:
 
-* :class:`~vllm_compat.sources.LiveSource` imports the module and inspects the live object;
-* :class:`~vllm_compat.sources.StaticSource` parses the files of an installed package, a wheel or
+* :class:`~vllm_compat.probes.live.LiveSource` imports the module and inspects the live object;
+* :class:`~vllm_compat.probes.static.StaticSource` parses the files of an installed package, a wheel or
   a source tree with :mod:`ast`, without importing anything.
 
 Both return the same :class:`Observation` strings for the same release, so the probe an adapter
@@ -13,10 +13,7 @@ runs before patching and the audit a user runs before upgrading give the same ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from .sources import Source
+from typing import NamedTuple, Protocol
 
 # Observation values shared by every check.
 MISSING = "<missing>"  # the target itself could not be found
@@ -31,6 +28,25 @@ class Observation(NamedTuple):
 
     value: str
     where: str = ""
+
+
+class Source(Protocol):
+    """Where a check looks: :class:`~vllm_compat.probes.live.LiveSource` or
+    :class:`~vllm_compat.probes.static.StaticSource` (or either seen through
+    :class:`~vllm_compat.probes.aliased.AliasedSource`)."""
+
+    mode: str
+
+    def exists(self, target: str) -> Observation: ...
+    def param(self, target: str, name: str) -> Observation: ...
+    def attr(self, target: str, name: str) -> Observation: ...
+    def field_default(self, target: str, name: str) -> Observation: ...
+
+
+def split_target(target: str) -> tuple[str, list[str]]:
+    """``"pkg.module:Class.attr"`` as ``("pkg.module", ["Class", "attr"])``."""
+    module, _, qualname = target.partition(":")
+    return module, [part for part in qualname.split(".") if part]
 
 
 @dataclass(frozen=True)

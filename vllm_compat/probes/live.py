@@ -1,0 +1,135 @@
+"""The live reader: checks against the imported objects, as ``apply()``'s probes see them.
+
+Attributes are looked up through the class's MRO with ``vars()`` (no binding), and wrapt proxies
+(ours or anyone's) are looked through, so a patched target reads as the object it wraps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .shapes import ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, Observation, split_target
+
+
+def _proxy_types() -> tuple[type, ...]:
+    import wrapt
+
+    names = ("ObjectProxy", "BaseObjectProxy")  # wrapt 1.x / 2.x
+    return tuple(getattr(wrapt, n) for n in names if hasattr(wrapt, n))
+
+
+def _unwrap(obj: Any) -> Any:
+    """Look through wrapt proxies (ours or anyone's) to the object they wrap."""
+    proxies = _proxy_types()
+    while issubclass(type(obj), proxies):
+        obj = obj.__wrapped__
+    return obj
+
+
+def _where(obj: Any) -> str:
+    try:
+        path = inspect.getsourcefile(obj) or ""
+        line = inspect.getsourcelines(obj)[1]
+    except (OSError, TypeError):
+        return ""
+    parts = Path(path).parts
+    for top in ("vllm", "speculators"):
+        if top in parts:
+            path = "/".join(parts[len(parts) - 1 - parts[::-1].index(top):])
+            break
+    return f"{path}:{line}"
+
+
+class LiveSource:
+    """Checks against the imported objects. Importing vLLM modules is slow (tens of seconds)."""
+
+    mode = "live"
+
+    def _resolve(self, target: str) -> tuple[Any, Any] | None:
+        """(parent, object) for a target, or None if the module or an attribute is missing."""
+        module_name, parts = split_target(target)
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            return None
+        parent = None
+        for part in parts:
+            parent = obj
+            if isinstance(obj, type):
+                for klass in obj.__mro__:
+                    if part in vars(klass):
+                        obj = vars(klass)[part]
+                        break
+                else:
+                    return None
+            elif hasattr(obj, part):
+                obj = getattr(obj, part)
+            else:
+                return None
+        return parent, _unwrap(obj)
+
+    def exists(self, target: str) -> Observation:
+        found = self._resolve(target)
+        return Observation(PRESENT, _where(found[1])) if found else Observation(MISSING)
+
+    def param(self, target: str, name: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        func = found[1]
+        if isinstance(func, (staticmethod, classmethod)):
+            func = func.__func__
+        try:
+            params = inspect.signature(func).parameters
+        except (TypeError, ValueError):
+            return Observation(MISSING, _where(func))
+        if name not in params:
+            return Observation(ABSENT, _where(func))
+        required = params[name].default is inspect.Parameter.empty and params[name].kind not in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        )
+        return Observation(REQUIRED if required else OPTIONAL, _where(func))
+
+    def attr(self, target: str, name: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        obj = found[1]
+        if isinstance(obj, type):
+            for klass in obj.__mro__:
+                if name in vars(klass):
+                    return Observation(PRESENT, _where(_unwrap(vars(klass)[name])) or _where(klass))
+            return Observation(ABSENT, _where(obj))
+        return Observation(PRESENT if hasattr(obj, name) else ABSENT, _where(obj))
+
+    def field_default(self, target: str, name: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        cls = found[1]
+        fields = getattr(cls, "__dataclass_fields__", {})
+        if name not in fields:
+            return Observation(ABSENT, _where(cls))
+        f = fields[name]
+        default = f.default
+        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            return Observation("<factory>", _where(cls))
+        # pydantic's Field(default=...) may sit in the dataclass default slot
+        if type(default).__name__ == "FieldInfo":
+            inner = getattr(default, "default", dataclasses.MISSING)
+            default = dataclasses.MISSING if type(inner).__name__ == "PydanticUndefinedType" else inner
+        if default is dataclasses.MISSING:
+            return Observation(REQUIRED, _where(cls))
+        return Observation(repr(default), _where(cls))
+
+
+
+
+@lru_cache(maxsize=None)
+def live() -> LiveSource:
+    return LiveSource()
