@@ -95,11 +95,13 @@ class OutputDir:
                 previous = json.loads(existing.read_text())
             except (OSError, json.JSONDecodeError) as exc:
                 raise OutputError(f"{existing}: unreadable ({exc}); remove it or use another --output-dir") from None
-            for key in IDENTITY_KEYS:
-                if previous.get(key) != identity.get(key):
-                    raise OutputError(
-                        f"{self.path} holds another extraction ({key} {previous.get(key)!r}, this run "
-                        f"{identity.get(key)!r}); use another --output-dir or remove that one")
+            # a directory written before formats had names holds speculators-0.3, the only format then
+            previous_format = (previous.get("format") or {}).get("name", "speculators-0.3")
+            for key, was, now in [*((key, previous.get(key), identity.get(key)) for key in IDENTITY_KEYS),
+                                  ("format", previous_format, self.format.name)]:
+                if was != now:
+                    raise OutputError(f"{self.path} holds another extraction ({key} {was!r}, this run {now!r}); "
+                                      f"use another --output-dir or remove that one")
         for stale in self.path.glob(f"{TEMP_PREFIX}*"):
             stale.unlink(missing_ok=True)
         atomic_write_json(existing, {**config, **identity})
