@@ -67,8 +67,8 @@ class Pending:
         size, which a JSONL file learns while it streams."""
         total, exact = self.stream.expected_samples()
         limit = min(total, self.end) if self.end is not None else total
-        if self.end is not None and total >= self.end:
-            exact = True  # the range ends inside what the input is known to hold
+        if self.end is not None and self.stream.samples_read >= self.end:
+            exact = True  # the range ends inside what has been read
         if limit <= self.start:
             return 0, exact
         done = bisect.bisect_left(self._finished_sorted, limit) - bisect.bisect_left(self._finished_sorted, self.start)
