@@ -9,7 +9,11 @@ their users drive them; the one thing changed is the device, because both assume
 ``train/trainer.py:348``, 0.3.0 ``train/trainer.py:110``), which CPU-only torch refuses ("Cannot
 access accelerator device when none is available"), and 0.9.0's step timer calls
 ``torch.accelerator.synchronize()`` on every logged step (``train/trainer.py:80``), which raises the
-same on CPU, where there is nothing to synchronize. The losses are read from the trainer's own
+same on CPU, where there is nothing to synchronize. speculators 0.3.0 also runs its attention only as
+``flex_attention`` under ``torch.compile`` (``models/eagle3/attention.py:141-173``, ``core.py:282``),
+which CPU torch cannot differentiate ("FlexAttention does not support backward on CPU"; compiled, an
+inductor IndexError): on CPU its attention runs as SDPA over the dense form of its own block mask
+(its ``block_mask_to_dense_attention_mask``), the same mask, and compilation is off. The losses are read from the trainer's own
 metric logger (``speculators.metrics``), where its ``train_epoch`` reports every step.
 """
 from __future__ import annotations
@@ -84,14 +88,19 @@ def train_03(data_dir: str, verifier: str, steps: int, losses: StepLosses) -> No
                         num_attention_heads=verifier_config.num_attention_heads,
                         num_key_value_heads=verifier_config.num_key_value_heads,
                         max_position_embeddings=total_seq_len, rms_norm_eps=verifier_config.rms_norm_eps)
+    layer._attn_implementation = "simple_flex_attention"  # speculators 0.3.0 registers its attention under this name
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=verifier_config.vocab_size,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=verifier, architectures=verifier_config.architectures)))
-    model = Eagle3DraftModel(config=config, t2d=None, d2t=None)
-    model.load_verifier_lm_head(verifier)
+    # the full vocabulary: every target token is a draft token, at offset 0
+    vocab = verifier_config.vocab_size
+    model = Eagle3DraftModel(config=config, t2d=torch.ones(vocab, dtype=torch.bool),
+                             d2t=torch.zeros(vocab, dtype=torch.long))
+    if not torch.cuda.is_available():
+        cpu_attention()
     kwargs = {"use_off_policy_tokens": False, "ttt_steps": 3, "ttt_step_loss_decay": 1.0}
     trainer_config = TrainerConfig(lr=3e-3, num_epochs=steps, save_path=str(losses.save_path),
                                    local_rank="cpu", train_call_kwargs=kwargs, val_call_kwargs=kwargs,
@@ -99,6 +108,24 @@ def train_03(data_dir: str, verifier: str, steps: int, losses: StepLosses) -> No
     logging.getLogger("speculators.metrics").addHandler(losses)
     logging.getLogger("speculators.metrics").setLevel(logging.INFO)
     Trainer(model, trainer_config, loader, None).run_training()
+
+
+def cpu_attention() -> None:
+    """speculators 0.3.0's attention, as SDPA over the dense form of its block mask (see above)."""
+    import torch
+    import torch._dynamo
+
+    from speculators.models.eagle3 import attention
+
+    torch._dynamo.config.disable = True
+
+    def dense_attention(module, query, key, value, attention_mask, scaling=None, **_kwargs):
+        mask = attention.block_mask_to_dense_attention_mask(attention_mask, query.device, torch.bool)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+
+    attention.ALL_ATTENTION_FUNCTIONS.register("simple_flex_attention", dense_attention)
 
 
 def main() -> int:
