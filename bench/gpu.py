@@ -96,7 +96,7 @@ def phase_env(args) -> None:
 
 
 def phase_build(args) -> None:
-    from hidden_states.tiny_model import build
+    from hidden_states.fixtures.tiny_model import build
 
     started = time.monotonic()
     build(args.family, args.path)
@@ -313,7 +313,7 @@ def phase_check(args) -> None:
     carries a layer of this (random-weight) model, the yardstick for the extractor's numbers."""
     import torch
 
-    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
 
     work = Path(args.work)
     files = sorted((work / "out").glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[: args.samples]

@@ -59,7 +59,7 @@ def main() -> int:
 
     import torch
 
-    from hidden_states.reference import decoder_layer_outputs, load_model
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model
 
     config = json.loads((args.output_dir / "data_config.json").read_text())
     model_dir = config["model"]

@@ -30,7 +30,7 @@ def main() -> int:
     import torch
     import transformers
 
-    from hidden_states.tiny_model import VOCAB_SIZE, build
+    from hidden_states.fixtures.tiny_model import VOCAB_SIZE, build
 
     cache = Path(os.environ.get("VLLM_COMPAT_CACHE", ".cache"))
     path = str(build(args.family, cache / "models" / args.family))

@@ -18,7 +18,9 @@ import traceback
 
 from .backends import BACKENDS
 from .errors import ExtractError
-from .presets import DEFAULTS, PRESETS
+from .formats import FORMATS
+from .presets import PRESETS
+from .settings import Settings, default
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len")
 
@@ -57,52 +59,53 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--model-path", required=True, help="local checkpoint directory")
     extract.add_argument("--prepared-data", required=True,
                          help="tokenized JSONL (input_ids, loss_mask) or a saved dataset directory")
-    extract.add_argument("--output-dir", required=True, help="where data_{i}.pt files go (a rerun resumes)")
+    extract.add_argument("--output-dir", required=True, help="where the sample files go (a rerun resumes)")
     extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
+    # The tunable flags default to None here so that a preset's value stands unless a flag is given.
     extract.add_argument("--batch-size", type=at_least(1),
-                         help=f"sequences per generator call (default {DEFAULTS['batch_size']})")
+                         help=f"sequences per generator call (default {default('batch_size')})")
     extract.add_argument("--max-seq-len", type=at_least(1),
-                         help=f"longer samples are truncated (or refused with --strict) (default {DEFAULTS['max_seq_len']})")
-    extract.add_argument("--tp-size", type=at_least(1), help=f"tensor parallel size (default {DEFAULTS['tp_size']})")
+                         help=f"longer samples are truncated (or refused with --strict) (default {default('max_seq_len')})")
+    extract.add_argument("--tp-size", type=at_least(1), help=f"tensor parallel size (default {default('tp_size')})")
     extract.add_argument("--gpu-memory-utilization", type=share,
-                         help=f"share of device memory vLLM may use (default {DEFAULTS['gpu_memory_utilization']})")
+                         help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')})")
     extract.add_argument("--layer-ids", type=int, nargs="+",
                          help="layers to capture, speculators' convention (default: 2, N/2, N-3, N-1)")
-    extract.add_argument("--backend", choices=BACKENDS, default="speculators")
+    extract.add_argument("--backend", choices=BACKENDS, default=default("backend"))
+    extract.add_argument("--format", choices=sorted(FORMATS), default=default("format"),
+                         help=f"output format (default {default('format')})")
     extract.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
     extract.add_argument("--max-samples", type=at_least(1), help="extract at most this many samples")
-    extract.add_argument("--start-index", type=at_least(0), default=0, help="skip samples before this index")
+    extract.add_argument("--start-index", type=at_least(0), default=default("start_index"),
+                         help="skip samples before this index")
     extract.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
-    extract.add_argument("--progress-interval", type=float, default=10.0, help="seconds between log lines")
+    extract.add_argument("--progress-interval", type=float, default=default("progress_interval"),
+                         help="seconds between log lines")
     extract.add_argument("--skip-forward-check", action="store_true",
                          help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
-    extract.add_argument("--writer-threads", type=at_least(1), default=2, help="threads writing files (default 2)")
+    extract.add_argument("--writer-threads", type=at_least(1), default=default("writer_threads"),
+                         help=f"threads writing files (default {default('writer_threads')})")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
     demo.add_argument("--output-dir", default="demo-output")
     demo.add_argument("--samples", type=int, default=24)
     return parser
 
 
-def settings_from(args):
-    from .extract import Settings
-
-    values = dict(DEFAULTS)
-    if args.preset:
-        values.update(PRESETS[args.preset])
-    for name in TUNABLE:
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
+def settings_from(args) -> Settings:
+    """Settings from parsed flags: each tunable from its flag, else the preset, else its default."""
+    tuned = dict(PRESETS[args.preset]) if args.preset else {}
+    tuned.update({name: getattr(args, name) for name in TUNABLE if getattr(args, name) is not None})
     return Settings(model_path=args.model_path, prepared_data=args.prepared_data, output_dir=args.output_dir,
                     layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
                     max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
-                    backend=args.backend, progress_interval=args.progress_interval,
-                    writer_threads=args.writer_threads, forward_check=not args.skip_forward_check, **values)
+                    backend=args.backend, format=args.format, progress_interval=args.progress_interval,
+                    writer_threads=args.writer_threads, forward_check=not args.skip_forward_check, **tuned)
 
 
 def _extract(args) -> int:
-    from .extract import run
+    from .extraction import Extraction
 
-    summary = run(settings_from(args))
+    summary = Extraction(settings_from(args)).run()
     print(summary.line(), file=sys.stderr, flush=True)
     if summary.interrupted is not None:
         print("[hidden-states] rerun the same command to resume", file=sys.stderr)
@@ -111,7 +114,7 @@ def _extract(args) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
+    from .fixtures.demo import run_demo
 
     return run_demo(args.output_dir, args.samples)
 

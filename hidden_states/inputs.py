@@ -7,12 +7,13 @@ Two sources, both what speculators' preprocessing produces:
 * a dataset directory saved with ``datasets.Dataset.save_to_disk`` (memory-mapped Arrow; needs the
   ``datasets`` package), with the same two columns.
 
-Sample ``i`` is the ``i``-th sample of the source (0-based); its output file is ``data_{i}.pt``, which
-is what makes a rerun skip finished work.
+Sample ``i`` is the ``i``-th sample of the source (0-based); the output format names its file by
+``i`` (``data_{i}.pt``), which is what makes a rerun skip finished work.
 """
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,48 +75,105 @@ def json_problem(exc: json.JSONDecodeError) -> str:
     return f"{exc.msg} at column {exc.pos + 1}"
 
 
-def read_jsonl(path: Path, vocab_size: int | None = None) -> Iterator[Sample]:
-    index = 0
-    with path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{where}: not valid JSON ({json_problem(exc)})") from None
-            except UnicodeDecodeError as exc:
-                raise InputError(f"{where}: not UTF-8 (byte {exc.start + 1} of the line)") from None
-            yield validate(record, where, index, line_number, vocab_size)
-            index += 1
+class InputStream:
+    """The input, opened once and read once, in order, validated as it is read.
 
+    :meth:`peek` reads the first samples ahead (what the preflight checks before the model loads);
+    iterating hands them out again, then reads on from where the peek stopped. How many samples the
+    input holds is learned while streaming (:meth:`expected_samples`): a saved dataset knows its
+    row count; a JSONL file's count is estimated from the bytes read so far, and exact at its end.
 
-def read_dataset_dir(path: Path, vocab_size: int | None = None) -> Iterator[Sample]:
-    try:
-        import datasets
-    except ImportError:
-        raise InputError(f"{path}: reading a saved dataset directory needs the 'datasets' package "
-                         f"(pip install datasets), or pass the JSONL file instead") from None
-    try:
-        dataset = datasets.load_from_disk(str(path))
-    except Exception as exc:  # datasets raises several types for a bad directory
-        raise InputError(f"{path}: not a dataset saved with save_to_disk ({type(exc).__name__}: {exc})") from None
-    if isinstance(dataset, datasets.DatasetDict):
-        raise InputError(f"{path}: a DatasetDict ({', '.join(dataset)}); point at one split's directory")
-    for row, record in enumerate(dataset):
-        yield validate(record, f"{path} row {row}", row, row + 1, vocab_size)
+    Attributes:
+        path: the JSONL file or dataset directory.
+        samples_read: samples read so far (peeked ones included).
+        bytes_read: bytes of the JSONL file read so far (0 for a dataset directory).
+    """
 
+    def __init__(self, path: str | Path, vocab_size: int | None = None):
+        self.path = Path(path)
+        self.vocab_size = vocab_size
+        self.samples_read = 0
+        self.bytes_read = 0
+        self._size: int | None = None  # bytes of the JSONL file
+        self._rows: int | None = None  # rows of a dataset directory
+        self._ended = False
+        self._peeked: list[Sample] = []
+        self._reader: Iterator[Sample] | None = None
 
-def read_samples(path: str | Path, vocab_size: int | None = None) -> Iterator[Sample]:
-    """Samples of a JSONL file or a saved dataset directory, validated as they are read."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
-    if path.is_dir():
-        return read_dataset_dir(path, vocab_size)
-    try:
-        path.open("rb").close()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot be read ({exc.strerror})") from None
-    return read_jsonl(path, vocab_size)
+    def peek(self, count: int) -> list[Sample]:
+        """The first ``count`` samples (fewer if the input is shorter), read now and handed out again
+        by iteration."""
+        reader = self._open()
+        while len(self._peeked) < count:
+            sample = next(reader, None)
+            if sample is None:
+                break
+            self._peeked.append(sample)
+        return list(self._peeked)
+
+    def __iter__(self) -> Iterator[Sample]:
+        reader = self._open()
+        while self._peeked:
+            yield self._peeked.pop(0)
+        yield from reader
+
+    def expected_samples(self) -> tuple[int, bool]:
+        """(samples in the input, whether that number is exact): exact for a dataset directory and at
+        the end of a JSONL file; before that, the samples read plus the bytes left at the mean size
+        of those read."""
+        if self._rows is not None:
+            return self._rows, True
+        if self._ended or not self.samples_read or not self.bytes_read:
+            return self.samples_read, self._ended
+        left = max(self._size - self.bytes_read, 0) * self.samples_read / self.bytes_read
+        return self.samples_read + round(left), False
+
+    def _open(self) -> Iterator[Sample]:
+        if self._reader is None:
+            if not self.path.exists():
+                raise InputError(f"{self.path}: no such file or directory")
+            self._reader = self._dataset_dir() if self.path.is_dir() else self._jsonl()
+        return self._reader
+
+    def _jsonl(self) -> Iterator[Sample]:
+        try:
+            handle = self.path.open("rb")
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot be read ({exc.strerror})") from None
+        with handle:
+            self._size = os.fstat(handle.fileno()).st_size
+            for line_number, raw in enumerate(handle, start=1):
+                self.bytes_read += len(raw)
+                if not raw.strip():
+                    continue
+                where = f"{self.path}:{line_number}"
+                try:
+                    record = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"{where}: not valid JSON ({json_problem(exc)})") from None
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"{where}: not UTF-8 (byte {exc.start + 1} of the line)") from None
+                sample = validate(record, where, self.samples_read, line_number, self.vocab_size)
+                self.samples_read += 1
+                yield sample
+        self._ended = True
+
+    def _dataset_dir(self) -> Iterator[Sample]:
+        try:
+            import datasets
+        except ImportError:
+            raise InputError(f"{self.path}: reading a saved dataset directory needs the 'datasets' package "
+                             f"(pip install datasets), or pass the JSONL file instead") from None
+        try:
+            dataset = datasets.load_from_disk(str(self.path))
+        except Exception as exc:  # datasets raises several types for a bad directory
+            raise InputError(f"{self.path}: not a dataset saved with save_to_disk ({type(exc).__name__}: {exc})") \
+                from None
+        if isinstance(dataset, datasets.DatasetDict):
+            raise InputError(f"{self.path}: a DatasetDict ({', '.join(dataset)}); point at one split's directory")
+        self._rows = len(dataset)
+        for row, record in enumerate(dataset):
+            sample = validate(record, f"{self.path} row {row}", row, row + 1, self.vocab_size)
+            self.samples_read += 1
+            yield sample
+        self._ended = True

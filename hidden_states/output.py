@@ -1,16 +1,17 @@
-"""The output directory: what speculators 0.3/0.4's trainer reads, written so nothing is ever lost.
+"""The output directory, written so nothing is ever lost, whatever the format (``formats/``).
 
-* ``data_{i}.pt``: ``{"input_ids": LongTensor[n], "hidden_states": [Tensor[n, hidden] per layer],
-  "loss_mask": LongTensor[n]}`` (``speculators.train.data.standardize_data_v1``);
-* ``sample_lengths.json``: ``{"i": n}`` for every finished sample (the trainer's length index);
-* ``data_config.json``: model, layer ids, package versions, the vllm-compat adapters applied.
+* the format's sample files, one per sample index (``data_{i}.pt`` for speculators 0.3/0.4);
+* ``done.jsonl``: the resume ledger, one ``{"index": i, "length": n}`` line per finished sample;
+* ``data_config.json``: model, layer ids, package versions, the vllm-compat adapters applied, the
+  format's own description;
+* whatever index files the format writes when a run ends (``sample_lengths.json``).
 
 Every file is written under a temporary name and renamed into place, so a final name always holds
 a whole file. A background thread does the writing from a bounded queue: the model never waits on
 disk unless the disk is slower than extraction, and that wait is measured (``stall_seconds``).
-``done.jsonl`` records each finished sample's length after its rename; a rerun skips every sample
-whose file exists and ends whole (files are not fsync'ed, for speed: after a power cut a renamed
-file whose data never reached the disk can be empty or cut short, and is redone).
+The ledger line is written after the rename; a rerun skips every sample whose file exists and ends
+whole (files are not fsync'ed, for speed: after a power cut a renamed file whose data never reached
+the disk can be empty or cut short, and is redone).
 """
 from __future__ import annotations
 
@@ -18,34 +19,19 @@ import errno
 import json
 import os
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import OutputError
+from .settings import default
 
-DATA_FILE = re.compile(r"^data_(\d+)\.pt$")
 TEMP_PREFIX = ".tmp-"
 LEDGER = "done.jsonl"
 CONFIG = "data_config.json"
-LENGTHS = "sample_lengths.json"
 # What must match for a rerun to continue in the same directory.
 IDENTITY_KEYS = ("model", "layer_ids")
-
-
-ZIP_END = b"PK\x05\x06"  # torch.save writes a zip: its end-of-central-directory record comes last
-
-
-def ends_whole(path: Path) -> bool:
-    """Whether ``path`` ends the way every complete ``torch.save`` file does (one seek and read)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(-22, os.SEEK_END)
-            return handle.read(4) == ZIP_END
-    except OSError:  # shorter than the record, or unreadable
-        return False
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -81,11 +67,16 @@ def os_error_behind(exc: BaseException) -> OSError | None:
 
 
 class OutputDir:
-    """An output directory, checked for writability and for belonging to the same extraction."""
+    """An output directory, checked for writability and for belonging to the same extraction.
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.cut_short: list[int] = []  # samples whose data file finished() found incomplete and removed
+    Args:
+        format: the run's output format (``formats.create``), writing into this directory.
+    """
+
+    def __init__(self, format):
+        self.format = format
+        self.path = Path(format.directory)
+        self.cut_short: list[int] = []  # samples whose file finished() found incomplete and removed
 
     def prepare(self, identity: dict, config: dict) -> None:
         """Create the directory, check it is writable, refuse another run's files, write the config."""
@@ -104,24 +95,29 @@ class OutputDir:
                 previous = json.loads(existing.read_text())
             except (OSError, json.JSONDecodeError) as exc:
                 raise OutputError(f"{existing}: unreadable ({exc}); remove it or use another --output-dir") from None
-            for key in IDENTITY_KEYS:
-                if previous.get(key) != identity.get(key):
-                    raise OutputError(
-                        f"{self.path} holds another extraction ({key} {previous.get(key)!r}, this run "
-                        f"{identity.get(key)!r}); use another --output-dir or remove that one")
+            # a directory written before formats had names holds speculators-0.3, the only format then
+            previous_format = (previous.get("format") or {}).get("name", "speculators-0.3")
+            for key, was, now in [*((key, previous.get(key), identity.get(key)) for key in IDENTITY_KEYS),
+                                  ("format", previous_format, self.format.name)]:
+                if was != now:
+                    raise OutputError(f"{self.path} holds another extraction ({key} {was!r}, this run {now!r}); "
+                                      f"use another --output-dir or remove that one")
         for stale in self.path.glob(f"{TEMP_PREFIX}*"):
             stale.unlink(missing_ok=True)
         atomic_write_json(existing, {**config, **identity})
 
     def finished(self) -> dict[int, int | None]:
-        """Sample index -> length (None when only the file tells) of every finished sample."""
+        """Sample index -> length (None when only the file tells) of every finished sample; files
+        cut short are removed (and listed in ``cut_short``)."""
         lengths: dict[int, int | None] = {}
         for entry in os.scandir(self.path):
-            match = DATA_FILE.match(entry.name)
-            if match and ends_whole(Path(entry.path)):
-                lengths[int(match.group(1))] = None
-            elif match:
-                self.cut_short.append(int(match.group(1)))
+            index = self.format.sample_index(entry.name)
+            if index is None:
+                continue
+            if self.format.ends_whole(Path(entry.path)):
+                lengths[index] = None
+            else:
+                self.cut_short.append(index)
                 os.unlink(entry.path)
         ledger = self.path / LEDGER
         if ledger.exists():
@@ -134,16 +130,12 @@ class OutputDir:
                     lengths[record["index"]] = record["length"]
         return lengths
 
-    def write_lengths(self, lengths: dict[int, int | None]) -> None:
-        import torch
-
-        complete = {}
-        for index, length in sorted(lengths.items()):
-            if length is None:  # renamed into place, crash before the ledger line: ask the file
-                length = int(torch.load(self.path / f"data_{index}.pt", weights_only=True, mmap=True)
-                             ["input_ids"].shape[0])
-            complete[str(index)] = length
-        atomic_write_json(self.path / LENGTHS, complete)
+    def finish(self, lengths: dict[int, int | None]) -> None:
+        """Hand every finished sample's length to the format's end-of-run hook; a file renamed into
+        place before a crash took its ledger line is asked for its length."""
+        complete = {index: length if length is not None else self.format.read_length(
+                    self.path / self.format.sample_file(index)) for index, length in lengths.items()}
+        self.format.finish(complete)
 
 
 @dataclass
@@ -158,22 +150,33 @@ class WriterStats:
 class BackgroundWriter:
     """Writes finished samples on threads from a bounded queue; errors surface in the caller.
 
+    Each record goes to a temporary file that ``format.save`` fills, is renamed to the format's
+    sample file, then gets its ledger line.
+
     Args:
-        directory: where ``data_{i}.pt`` files go.
+        directory: where the sample files go.
         max_pending: samples allowed to wait for the disk before ``submit`` blocks.
         threads: writer threads (``torch.save`` serialises one file at a time; several keep a fast
             disk busy).
+        format: the output format (``formats.create``); the default format when None.
     """
 
-    def __init__(self, directory: Path, max_pending: int = 64, threads: int = 2):
+    def __init__(self, directory: Path, max_pending: int = default("writer_queue"),
+                 threads: int = default("writer_threads"), format=None):
         if threads < 1:
             raise ValueError(f"BackgroundWriter needs at least one thread, got {threads}")
-        self.directory = directory
+        if format is None:
+            from . import formats
+
+            format = formats.create(default("format"), directory)
+        self.directory = Path(directory)
+        self.format = format
         self.stats = WriterStats()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._ledger = (directory / LEDGER).open("ab", buffering=0)  # unbuffered: a failed line never flushes at close
+        # unbuffered: a failed line never flushes at close
+        self._ledger = (self.directory / LEDGER).open("ab", buffering=0)
         self._threads = [threading.Thread(target=self._run, name=f"hidden-states-writer-{i}", daemon=True)
                          for i in range(threads)]
         for thread in self._threads:
@@ -205,13 +208,6 @@ class BackgroundWriter:
             raise error
 
     def _run(self) -> None:
-        import torch
-
-        config = getattr(torch.serialization, "config", None)
-        if config is not None and hasattr(config.save, "compute_crc32"):
-            # zip CRCs cost a pass over every byte on one core; torch.load does not check them
-            config.save.compute_crc32 = False
-
         while True:
             item = self._queue.get()
             if item is None:
@@ -219,14 +215,12 @@ class BackgroundWriter:
             if self._error is not None:
                 continue  # drain: after a failure nothing more is written
             index, record = item
-            final = self.directory / f"data_{index}.pt"
-            temp = self.directory / f"{TEMP_PREFIX}data_{index}.pt.{os.getpid()}"
+            final = self.directory / self.format.sample_file(index)
+            temp = self.directory / f"{TEMP_PREFIX}{final.name}.{os.getpid()}"
             started = time.perf_counter()
             try:
-                # through a Python file: torch's own C++ writer reports a full disk as a RuntimeError
-                # ("basic_ios::clear", "unexpected pos") that names neither the cause nor the file
                 with open(temp, "wb") as handle:
-                    torch.save(record, handle)
+                    self.format.save(record, handle)
                 os.replace(temp, final)
             except BaseException as exc:  # noqa: BLE001 - carried to the main thread
                 temp.unlink(missing_ok=True)
@@ -235,7 +229,7 @@ class BackgroundWriter:
                     exc = OutputError(f"writing sample {index}: {describe_os_error(cause, final)}")
                 self._error = self._error or exc
                 continue
-            length = int(record["input_ids"].shape[0])
+            length = self.format.length(record)
             size = final.stat().st_size
             with self._lock:
                 try:

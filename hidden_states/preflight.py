@@ -1,16 +1,15 @@
 """Checks that run before any weight is loaded: each failure is one clear message."""
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError, PreflightError, UsageError
-from .inputs import Sample, read_samples
+from .inputs import InputStream, Sample
 
-FIRST_LINES = 64  # samples validated up front; the rest are validated as they stream
+FIRST_LINES = 64  # samples validated before the model loads (a bounded peek); the rest as they stream
 
 
 @dataclass(frozen=True)
@@ -97,22 +96,16 @@ def check_layer_ids(layer_ids: list[int], num_layers: int, *, given: bool = True
         raise UsageError(f"--layer-ids: {outside} outside [0, {num_layers - 1}] (the model has {num_layers} layers)")
 
 
-def check_input(path: str, vocab_size: int, strict_max_len: int | None = None) -> float:
-    """Validate the first samples (with ``strict_max_len``: their length too, as ``--strict`` asks);
-    return the input's bytes per token (for the size estimate)."""
-    samples = list(itertools.islice(read_samples(path, vocab_size), FIRST_LINES))
+def check_first_samples(stream: InputStream, strict_max_len: int | None = None) -> float:
+    """Read the first samples ahead and validate them (with ``strict_max_len``: their length too, as
+    ``--strict`` asks); return the input's bytes per token (for the size estimate; 0 when unknown)."""
+    samples = stream.peek(FIRST_LINES)
     if not samples:
-        raise PreflightError(f"{path}: no samples")
+        raise PreflightError(f"{stream.path}: no samples")
     for sample in samples:
         if strict_max_len is not None and len(sample.input_ids) > strict_max_len:
-            raise InputError(too_long(path, sample, strict_max_len))
-    source = Path(path)
-    if source.is_dir():
-        return 0.0
-    tokens = sum(len(s.input_ids) for s in samples)
-    with source.open("rb") as handle:
-        head = sum(len(line) for line in itertools.islice(handle, samples[-1].line))
-    return head / max(tokens, 1)
+            raise InputError(too_long(str(stream.path), sample, strict_max_len))
+    return stream.bytes_read / max(sum(len(s.input_ids) for s in samples), 1)
 
 
 def too_long(path: str, sample: Sample, max_seq_len: int) -> str:

@@ -1,4 +1,5 @@
-"""Named sets of extractor settings; flags given on the command line override them."""
+"""Named sets of extractor settings; flags given on the command line override them, and every
+setting a preset leaves out keeps its default (``settings.Settings``)."""
 
 PRESETS: dict[str, dict] = {
     # 8x RTX PRO 6000 Blackwell 96 GB: the mission's TP=8 job (1T-parameter MoE class).
@@ -10,5 +11,3 @@ PRESETS: dict[str, dict] = {
     # The CPU demo and tests: vLLM's CPU backend, a tiny local model.
     "cpu-tiny": {"tp_size": 1, "gpu_memory_utilization": 0.02, "batch_size": 8, "max_seq_len": 1024},
 }
-
-DEFAULTS = {"tp_size": 1, "gpu_memory_utilization": 0.80, "batch_size": 4, "max_seq_len": 2048}

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 import time
 
+from .settings import default
+
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
@@ -11,8 +13,22 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total_samples: int, *, stream=None, interval: float = 10.0):
+    """Samples and tokens done against a total that may be an estimate (``exact`` False: the input's
+    size in samples is still being learned while it streams; shown as ``~N``).
+
+    Args:
+        total_samples: samples this run expects to extract.
+        log: where the periodic lines go when ``stream`` is not a terminal.
+        exact: whether ``total_samples`` is known or estimated.
+        stream: the terminal the bar draws on (stderr).
+        interval: seconds between periodic lines.
+    """
+
+    def __init__(self, total_samples: int, *, log, exact: bool = True, stream=None,
+                 interval: float = default("progress_interval")):
         self.total = total_samples
+        self.exact = exact
+        self.log = log
         self.stream = stream or sys.stderr
         self.interval = interval
         self.samples = 0
@@ -36,7 +52,13 @@ class Progress:
         if not self.samples:
             return "?"
         rate = self.samples / max(time.monotonic() - self.started, 1e-9)
-        return _duration((self.total - self.samples) / rate)
+        return _duration(max(self.total - self.samples, 0) / rate)
+
+    def retotal(self, total_samples: int, exact: bool) -> None:
+        """A better estimate of the total (or the exact one)."""
+        self.total, self.exact = max(total_samples, self.samples), exact
+        if self._bar is not None:
+            self._bar.total = self.total
 
     def update(self, samples: int, tokens: int) -> None:
         self.samples += samples
@@ -48,8 +70,8 @@ class Progress:
         now = time.monotonic()
         if now - self._last_line >= self.interval or self.samples >= self.total:
             self._last_line = now
-            print(f"[hidden-states] {self.samples}/{self.total} samples, {self.tokens:,} tokens, "
-                  f"{self.tokens_per_second:,.0f} tok/s, ETA {self.eta()}", file=self.stream, flush=True)
+            self.log(f"{self.samples}/{'' if self.exact else '~'}{self.total} samples, {self.tokens:,} tokens, "
+                     f"{self.tokens_per_second:,.0f} tok/s, ETA {self.eta()}")
 
     def close(self) -> None:
         if self._bar is not None:

@@ -90,7 +90,7 @@ def speculators_path(version: str) -> Path:
 
 
 def tiny_model(family: str) -> Path:
-    from hidden_states.tiny_model import build
+    from hidden_states.fixtures.tiny_model import build
 
     return build(family, Path(CACHE) / "models" / family)
 
@@ -155,7 +155,7 @@ _REFERENCE_CACHE: dict = {}
 
 def reference(model: Path, calls):
     """HF fp32 decoder-layer outputs for every sequence of every call (cached per model)."""
-    from hidden_states.reference import decoder_layer_outputs, load_model
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model
 
     key = str(model)
     if key not in _REFERENCE_CACHE:
@@ -175,7 +175,7 @@ def judge(run: Run, calls, refs, routed_layers=frozenset()) -> str:
     ``routed_layers`` may have up to ROUTED_TOKEN_SHARE of a call's tokens over TOLERANCE."""
     import torch
 
-    from hidden_states.reference import relative_errors
+    from hidden_states.fixtures.reference import relative_errors
 
     if run.error:  # the exception line, with pydantic's detail lines after it
         lines = [line for line in run.error.strip().splitlines() if line.strip()]
@@ -209,7 +209,7 @@ def judge(run: Run, calls, refs, routed_layers=frozenset()) -> str:
 
 
 def worst_error(run: Run, refs, skip_layers=frozenset()) -> float:
-    from hidden_states.reference import relative_errors
+    from hidden_states.fixtures.reference import relative_errors
 
     return max(float(relative_errors(h, r).max())
                for got_call, ref_call in zip(run.calls, refs)

@@ -45,7 +45,7 @@ def test_same_states_from_both_backends(both):
         pytest.skip(f"vllm-native cannot run on vLLM {VERSION} here (checked above)")
     assert runs["speculators"].returncode == 0, runs["speculators"].stderr[-3000:]
     assert sorted(data_files(root / "vllm-native")) == sorted(data_files(root / "speculators")) == list(range(24))
-    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
 
     reference = decoder_layer_outputs(load_model(model), [r["input_ids"] for r in rows], [0, 2, 3, 5])
     for i in range(24):

@@ -81,7 +81,7 @@ def test_extracts_every_sample(extracted):
 def test_states_match_hf_and_masks_are_kept(extracted, model):
     import torch
 
-    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
 
     root, rows, _ = extracted
     saved = [torch.load(root / "out" / f"data_{i}.pt", weights_only=True) for i in range(50)]
@@ -336,7 +336,7 @@ def test_tensor_parallel_2_matches_hf(model, tmp_path):
     """TP=2 on vLLM's CPU backend: it needs one OpenMP core set per worker (VLLM_CPU_OMP_THREADS_BIND)."""
     import torch
 
-    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
 
     rows = write_jsonl(tmp_path / "data.jsonl", 6, seed=12)
     proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--tp-size", "2"),
@@ -354,7 +354,7 @@ def test_default_layer_ids_give_speculators_trainer_its_four_states(model, tmp_p
     trainer, which fuses all entries but the last, then failed): layer 3 captured once, written twice."""
     import torch
 
-    from hidden_states.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
 
     rows = write_jsonl(tmp_path / "data.jsonl", 6, seed=13)
     args = extract_args(model, tmp_path / "data.jsonl", tmp_path / "out")

@@ -9,7 +9,8 @@ import pytest
 
 from hidden_states import backends
 from hidden_states.errors import PreflightError
-from hidden_states.extract import Settings, run
+from hidden_states.extraction import Extraction
+from hidden_states.settings import Settings
 from vllm_compat.forward_check import KernelCheck
 
 pytest.importorskip("torch")
@@ -52,6 +53,10 @@ def job(tmp_path, monkeypatch):
     monkeypatch.setattr(backends, "create", lambda name, settings: SlowShutdownBackend(settings))
     return Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
                     batch_size=2, layer_ids=[1, 3], backend="fake")
+
+
+def run(settings, log):
+    return Extraction(settings, log=log).run()
 
 
 def data_files(settings):

@@ -1,0 +1,129 @@
+"""Replica modes: which samples this process extracts, handed out in batches (:class:`BatchSource`).
+
+The input is read once, in order (``inputs.InputStream``). :class:`Pending` applies what every mode
+shares: the ``--start-index``/``--max-samples`` range, the finished set (resume: a sample whose
+file is whole is never handed out again) and ``--max-seq-len`` (truncated, or refused with
+``--strict``); it counts the finished samples it passes and the samples it truncates. A batch
+source asks :meth:`Pending.samples` for the samples it wants, in input order, and groups them.
+
+:class:`Sequential` (one process, every sample, in order) is today's only mode. A new mode (static
+shards, replicas fed by a coordinator) is a class here following :class:`BatchSource`, chosen in
+:func:`batch_source`; the extraction loop, the ledger, resume and the writer stay as they are.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Collection, Iterator
+from typing import Protocol
+
+from .errors import InputError
+from .inputs import InputStream, Sample
+from .preflight import too_long
+
+
+class Pending:
+    """The input's samples still to extract, read once, in order.
+
+    Args:
+        stream: the input (its peeked samples come first).
+        start, end: the range of sample indices (``end`` None: to the end of the input).
+        finished: indices whose files are whole.
+        max_seq_len: longer samples are truncated to it, or refused when ``strict``.
+
+    Attributes:
+        skipped: finished samples in range passed over so far (those a source wanted).
+        truncated: samples handed out truncated so far.
+    """
+
+    def __init__(self, stream: InputStream, *, start: int, end: int | None, finished: Collection[int],
+                 max_seq_len: int, strict: bool):
+        self.stream = stream
+        self.start = start
+        self.end = end
+        self.finished = finished
+        self.max_seq_len = max_seq_len
+        self.strict = strict
+        self.skipped = 0
+        self.truncated = 0
+        self._finished_sorted = sorted(finished)
+
+    def samples(self, wanted: Callable[[int], bool] = lambda index: True) -> Iterator[Sample]:
+        """The samples in range that ``wanted`` picks and that are not finished, in input order, fitted
+        to ``max_seq_len``; an input error is raised where the stream meets it."""
+        for sample in self.stream:
+            if sample.index < self.start:
+                continue
+            if self.end is not None and sample.index >= self.end:
+                return
+            if not wanted(sample.index):
+                continue
+            if sample.index in self.finished:
+                self.skipped += 1
+                continue
+            yield self._fit(sample)
+
+    def todo(self) -> tuple[int, bool]:
+        """(samples in range not finished before this run, whether exact): from the input's expected
+        size, which a JSONL file learns while it streams."""
+        total, exact = self.stream.expected_samples()
+        limit = min(total, self.end) if self.end is not None else total
+        if self.end is not None and self.stream.samples_read >= self.end:
+            exact = True  # the range ends inside what has been read
+        if limit <= self.start:
+            return 0, exact
+        done = bisect.bisect_left(self._finished_sorted, limit) - bisect.bisect_left(self._finished_sorted, self.start)
+        return limit - self.start - done, exact
+
+    def _fit(self, sample: Sample) -> Sample:
+        if len(sample.input_ids) <= self.max_seq_len:
+            return sample
+        if self.strict:
+            raise InputError(too_long(str(self.stream.path), sample, self.max_seq_len))
+        self.truncated += 1
+        mask = sample.loss_mask[: self.max_seq_len] if sample.loss_mask is not None else None
+        return Sample(sample.index, sample.line, sample.input_ids[: self.max_seq_len], mask)
+
+
+def batched(samples: Iterator[Sample], size: int) -> Iterator[list[Sample]]:
+    """``samples`` in lists of ``size`` (the last may be shorter). An input error mid-stream first
+    hands out the samples read before the bad one, then is raised."""
+    batch: list[Sample] = []
+    try:
+        for sample in samples:
+            batch.append(sample)
+            if len(batch) == size:
+                yield batch
+                batch = []
+    except InputError:
+        if batch:
+            yield batch
+        raise
+    if batch:
+        yield batch
+
+
+class BatchSource(Protocol):
+    """Hands this process its batches."""
+
+    name: str
+
+    def batches(self, pending: Pending, batch_size: int) -> Iterator[list[Sample]]: ...
+
+    def expected(self, todo: int) -> int: ...  # of ``todo`` samples left in range, about how many come here
+
+
+class Sequential:
+    """One process extracts every pending sample, in input order."""
+
+    name = "sequential"
+
+    def batches(self, pending: Pending, batch_size: int) -> Iterator[list[Sample]]:
+        return batched(pending.samples(), batch_size)
+
+    def expected(self, todo: int) -> int:
+        return todo
+
+
+def batch_source(settings) -> BatchSource:
+    """The replica mode ``settings`` ask for (``settings.Settings``)."""
+    return Sequential()

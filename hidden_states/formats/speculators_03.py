@@ -1,0 +1,89 @@
+"""speculators 0.3/0.4's layout, what its ``Eagle3SampleFileDataset`` reads:
+
+* ``data_{i}.pt``: ``{"input_ids": LongTensor[n], "hidden_states": [Tensor[n, hidden] per layer],
+  "loss_mask": LongTensor[n]}`` (``speculators.train.data.standardize_data_v1``);
+* ``sample_lengths.json``: ``{"i": n}`` for every finished sample (the trainer's length index).
+
+Layer ids are written as the extractor counts them (speculators 0.3/0.4's own convention).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import BinaryIO
+
+from ..inputs import Sample
+from ..output import atomic_write_json
+from . import Layers
+
+DATA_FILE = re.compile(r"^data_(\d+)\.pt$")
+LENGTHS = "sample_lengths.json"
+ZIP_END = b"PK\x05\x06"  # torch.save writes a zip: its end-of-central-directory record comes last
+
+
+class Speculators03:
+    name = "speculators-0.3"
+
+    def __init__(self, directory: Path, layers: Layers | None):
+        self.directory = directory
+        self.layers = layers
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "file_pattern": "data_{idx}.pt",
+            "input_ids": "torch.long [seq_len]",
+            "hidden_states": f"list of {len(self.layers.ids)} x [seq_len, {self.layers.hidden_size}] (output of "
+                             "each layer in layer_ids, before the final norm)",
+            "loss_mask": "torch.long [seq_len] (all ones when the input has none)",
+        }
+
+    def sample_file(self, index: int) -> str:
+        return f"data_{index}.pt"
+
+    def sample_index(self, file_name: str) -> int | None:
+        match = DATA_FILE.match(file_name)
+        return int(match.group(1)) if match else None
+
+    def ends_whole(self, path: Path) -> bool:
+        """Whether ``path`` ends the way every complete ``torch.save`` file does (one seek and read)."""
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(-22, os.SEEK_END)
+                return handle.read(4) == ZIP_END
+        except OSError:  # shorter than the record, or unreadable
+            return False
+
+    def record(self, sample: Sample, states: list) -> dict:
+        import torch
+
+        n = len(sample.input_ids)
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+        return {"input_ids": torch.tensor(sample.input_ids, dtype=torch.long), "hidden_states": states,
+                "loss_mask": torch.tensor(mask, dtype=torch.long)}
+
+    def save(self, record: dict, handle: BinaryIO) -> None:
+        import torch
+
+        config = getattr(torch.serialization, "config", None)
+        if config is not None and hasattr(config.save, "compute_crc32"):
+            # zip CRCs cost a pass over every byte on one core; torch.load does not check them
+            config.save.compute_crc32 = False
+        # into a Python file: torch's own C++ writer reports a full disk as a RuntimeError
+        # ("basic_ios::clear", "unexpected pos") that names neither the cause nor the file
+        torch.save(record, handle)
+
+    def length(self, record: dict) -> int:
+        return int(record["input_ids"].shape[0])
+
+    def read_length(self, path: Path) -> int:
+        import torch
+
+        return int(torch.load(path, weights_only=True, mmap=True)["input_ids"].shape[0])
+
+    def finish(self, lengths: dict[int, int]) -> None:
+        atomic_write_json(self.directory / LENGTHS, {str(index): length for index, length in sorted(lengths.items())})
+
+
+FORMAT = Speculators03

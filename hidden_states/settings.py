@@ -1,0 +1,54 @@
+"""The extractor's settings and their defaults: the one place each default is defined.
+
+The CLI (``cli.py``) and the presets (``presets.py``) read their defaults from :class:`Settings`;
+a library caller gets the same values by leaving a field out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class Settings:
+    """One extraction: what to read, where to write, how to run the model.
+
+    Attributes:
+        batch_size: sequences per backend call.
+        max_seq_len: longer samples are truncated (or refused with ``strict``).
+        tp_size: tensor parallel size.
+        gpu_memory_utilization: share of device memory vLLM may use.
+        layer_ids: layers to capture (speculators 0.3/0.4 convention); None: speculators' default.
+        max_samples, start_index: the range of sample indices to extract.
+        backend: ``backends.BACKENDS``; format: ``formats.FORMATS``.
+        writer_queue: samples allowed to wait for the disk before the loop blocks.
+        writer_threads: threads writing files.
+        progress_interval: seconds between progress lines when stderr is not a terminal.
+        forward_check: self-test the model's kernels after the load.
+    """
+
+    model_path: str
+    prepared_data: str
+    output_dir: str
+    batch_size: int = 4
+    max_seq_len: int = 2048
+    tp_size: int = 1
+    gpu_memory_utilization: float = 0.80
+    layer_ids: list[int] | None = None
+    trust_remote_code: bool = False
+    max_samples: int | None = None
+    start_index: int = 0
+    strict: bool = False
+    backend: str = "speculators"
+    format: str = "speculators-0.3"
+    writer_queue: int = 64
+    writer_threads: int = 2
+    progress_interval: float = 10.0
+    forward_check: bool = True
+
+
+def default(name: str):
+    """The default of the setting ``name``."""
+    for field in fields(Settings):
+        if field.name == name:
+            return field.default
+    raise KeyError(name)

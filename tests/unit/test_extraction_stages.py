@@ -1,0 +1,222 @@
+"""The extraction's stages and plug-ins (formats, batch sources) with a small fake backend; the real
+vLLM runs in tests/e2e/test_extractor.py."""
+import json
+import pathlib
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hidden_states import backends, formats
+from hidden_states.batches import Pending, Sequential, batched
+from hidden_states.errors import InputError
+from hidden_states.extraction import Extraction
+from hidden_states.formats.speculators_03 import Speculators03
+from hidden_states.inputs import InputStream, Sample
+from hidden_states.settings import Settings
+
+pytest.importorskip("torch")
+
+
+class FakeBackend:
+    """Fills each captured layer's state with the layer's id."""
+
+    name = "fake"
+    created = 0
+
+    def __init__(self, settings):
+        self.settings = settings
+        FakeBackend.created += 1
+
+    def start(self):
+        return {"backend": self.name}
+
+    def extract(self, batch):
+        import torch
+
+        return [[torch.full((len(ids), 8), float(layer)) for layer in self.settings.layer_ids] for ids in batch]
+
+    def check_forward(self, probe):
+        return []
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """A 4-layer model and six samples of 3..8 tokens."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 64}))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in range(3, 9)))
+    FakeBackend.created = 0
+    monkeypatch.setattr(backends, "create", lambda name, settings: FakeBackend(settings))
+    return Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+                    batch_size=2, layer_ids=[3, 1], backend="fake")
+
+
+def quiet(message):
+    pass
+
+
+def test_the_input_is_opened_once(job, monkeypatch):
+    opened = []
+    real = pathlib.Path.open
+
+    def counting(self, *args, **kwargs):
+        if self == Path(job.prepared_data):
+            opened.append(args)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", counting)
+    summary = Extraction(job, log=quiet).run()
+    assert summary.extracted == 6
+    assert len(opened) == 1, opened
+
+
+def test_a_format_plug_in_gets_each_sample_its_states_in_listed_order_and_the_lengths(job, monkeypatch):
+    seen = {"records": [], "finish": None}
+
+    class Recording(Speculators03):
+        name = "recording"
+
+        def record(self, sample, states):
+            seen["records"].append((sample.index, [int(state[0, 0]) for state in states]))
+            return super().record(sample, states)
+
+        def finish(self, lengths):
+            seen["finish"] = lengths
+
+    module = types.ModuleType("hidden_states.formats.recording")
+    module.FORMAT = Recording
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(formats.FORMATS, "recording", "recording")
+    job.format = "recording"
+
+    Extraction(job, log=quiet).run()
+
+    assert sorted(seen["records"]) == [(i, [3, 1]) for i in range(6)]
+    assert seen["finish"] == {i: i + 3 for i in range(6)}
+    config = json.loads((Path(job.output_dir) / "data_config.json").read_text())
+    assert config["format"]["name"] == "recording"
+    assert not (Path(job.output_dir) / "sample_lengths.json").exists()  # that file is speculators-0.3's
+
+
+def test_a_rerun_in_another_format_is_refused(job):
+    from hidden_states.errors import OutputError
+
+    Extraction(job, log=quiet).run()
+    config = Path(job.output_dir) / "data_config.json"
+    written = json.loads(config.read_text())
+    config.write_text(json.dumps({**written, "format": {**written["format"], "name": "speculators-0.5"}}))
+    with pytest.raises(OutputError, match="holds another extraction \\(format 'speculators-0.5', this run "
+                                          "'speculators-0.3'\\)"):
+        Extraction(job, log=quiet).run()
+
+
+class EverySecond(Sequential):
+    """A replica mode taking the even sample indices, one per batch."""
+
+    def __init__(self):
+        self.batch_sizes = []
+
+    def batches(self, pending, batch_size):
+        for batch in batched(pending.samples(lambda index: index % 2 == 0), 1):
+            self.batch_sizes.append(len(batch))
+            yield batch
+
+    def expected(self, todo):
+        return todo // 2
+
+
+def test_a_batch_source_decides_which_samples_this_process_extracts(job):
+    source = EverySecond()
+    summary = Extraction(job, log=quiet, source=source).run()
+    assert sorted(p.name for p in Path(job.output_dir).glob("data_*.pt")) == ["data_0.pt", "data_2.pt", "data_4.pt"]
+    assert source.batch_sizes == [1, 1, 1] and summary.extracted == 3
+
+    # every mode shares resume: a sequential rerun extracts the rest, skips what the source did
+    summary = Extraction(job, log=quiet).run()
+    assert (summary.extracted, summary.skipped) == (3, 3)
+    assert json.loads((Path(job.output_dir) / "sample_lengths.json").read_text()) == {
+        str(i): i + 3 for i in range(6)}
+
+
+def test_nothing_left_to_do_loads_no_model(job):
+    Extraction(job, log=quiet).run()
+    assert FakeBackend.created == 1
+    summary = Extraction(job, log=quiet).run()
+    assert (summary.extracted, summary.skipped) == (0, 6)
+    assert FakeBackend.created == 1
+
+
+def test_progress_lines_go_through_the_extractions_logger(job):
+    job.progress_interval = 0
+    said = []
+    Extraction(job, log=said.append).run()
+    progress = [line for line in said if " samples, " in line and "tok/s" in line]
+    assert progress and progress[-1].startswith("6/6 samples"), said  # exact once the input is read
+
+
+def test_the_range_and_the_plan_line(job):
+    job.start_index, job.max_samples = 1, 3
+    said = []
+    summary = Extraction(job, log=said.append).run()
+    assert summary.extracted == 3
+    assert sorted(p.name for p in Path(job.output_dir).glob("data_*.pt")) == ["data_1.pt", "data_2.pt", "data_3.pt"]
+    assert "3 samples in range, 0 already finished, 3 to extract" in "\n".join(said)
+
+
+def test_a_jsonl_files_sample_count_is_estimated_while_streaming_and_exact_at_its_end(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [7] * 10}) + "\n" for _ in range(100)))
+    stream = InputStream(data)
+    assert [s.index for s in stream.peek(10)] == list(range(10))
+    assert stream.expected_samples() == (100, False)
+    assert [s.index for s in stream] == list(range(100))  # the peeked ones first, then the rest, once
+    assert stream.expected_samples() == (100, True)
+
+
+def test_a_bad_line_after_the_peek_first_hands_out_the_samples_before_it(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [1]}\n' * 5 + '{"input_ids": ["x"]}\n' + '{"input_ids": [1]}\n')
+    pending = Pending(InputStream(data), start=0, end=None, finished=set(), max_seq_len=8, strict=False)
+    batches = batched(pending.samples(), 2)
+    assert [[s.index for s in next(batches)] for _ in range(3)] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(InputError, match=r"data.jsonl:6: input_ids\[0\] is 'x', not an integer"):
+        next(batches)
+
+
+def test_pending_skips_finished_and_fits_lengths(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1] * n, "loss_mask": [1] * n}) + "\n" for n in (2, 9, 3, 12)))
+    pending = Pending(InputStream(data), start=0, end=None, finished={2}, max_seq_len=8, strict=False)
+    got = list(pending.samples())
+    assert [(s.index, len(s.input_ids), len(s.loss_mask)) for s in got] == [(0, 2, 2), (1, 8, 8), (3, 8, 8)]
+    assert (pending.skipped, pending.truncated) == (1, 2)
+    assert pending.todo() == (3, True)
+
+    strict = Pending(InputStream(data), start=0, end=None, finished=set(), max_seq_len=8, strict=True)
+    with pytest.raises(InputError, match=r"data.jsonl:2: 9 tokens, more than --max-seq-len 8 \(--strict\)"):
+        list(strict.samples())
+
+
+def test_every_default_is_the_settings_one():
+    from hidden_states.cli import build_parser, settings_from
+
+    args = build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o"])
+    assert settings_from(args) == Settings(model_path="m", prepared_data="d", output_dir="o")
+    preset = settings_from(build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d",
+                                                      "--output-dir", "o", "--preset", "cpu-tiny"]))
+    assert (preset.batch_size, preset.max_seq_len, preset.writer_threads) == (8, 1024, Settings.writer_threads)
+
+
+def test_a_sample_records_file_and_length_follow_the_format(tmp_path):
+    format = formats.create("speculators-0.3", tmp_path, formats.Layers([1], 2, 8))
+    record = format.record(Sample(4, 5, [1, 2, 3], None), [])
+    assert (format.sample_file(4), format.sample_index("data_4.pt"), format.sample_index("data_4.pt.tmp")) == (
+        "data_4.pt", 4, None)
+    assert format.length(record) == 3 and record["loss_mask"].tolist() == [1, 1, 1]
