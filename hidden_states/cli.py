@@ -70,10 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--gpu-memory-utilization", type=share,
                          help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')})")
     extract.add_argument("--layer-ids", type=int, nargs="+",
-                         help="layers to capture, speculators' convention (default: 2, N/2, N-3, N-1)")
+                         help="layers to capture, counted as --format's trainer counts them: speculators-0.3 "
+                              "the output of layer L (default 2, N/2, N-3, N-1), speculators-0.5 the state "
+                              "after k layers (default 2, N/2, N-3, N)")
     extract.add_argument("--backend", choices=BACKENDS, default=default("backend"))
-    extract.add_argument("--format", choices=sorted(FORMATS), default=default("format"),
-                         help=f"output format (default {default('format')})")
+    extract.add_argument("--format", choices=sorted(FORMATS),
+                         help="output format: what the installed speculators trains on (speculators-0.3 for "
+                              "0.3/0.4, speculators-0.5 for 0.5 and later or none installed)")
     extract.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
     extract.add_argument("--max-samples", type=at_least(1), help="extract at most this many samples")
     extract.add_argument("--start-index", type=at_least(0), default=default("start_index"),

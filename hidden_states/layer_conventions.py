@@ -21,6 +21,7 @@ same layers to the trainer that reads the files.
 from __future__ import annotations
 
 from .errors import UsageError
+from .preflight import default_layer_ids
 
 SPECULATORS_03 = "speculators-0.3"
 SPECULATORS_05 = "speculators-0.5"
@@ -32,14 +33,33 @@ MEANING = {
 }
 
 
+def meaning(format_name: str) -> str:
+    """What a layer id means in ``format_name`` (a format of its own counts as the extractor does)."""
+    return MEANING.get(format_name, MEANING[SPECULATORS_03])
+
+
 def default_ids(format_name: str, num_layers: int) -> list[int]:
     """The default layer ids of the trainer that reads ``format_name``, in that format's convention."""
+    if format_name != SPECULATORS_05:
+        return default_layer_ids(num_layers)
     if num_layers < 3:
         raise UsageError(f"the model has {num_layers} layers; speculators' default layer ids need at least 3: "
                          f"pass --layer-ids")
-    if format_name == SPECULATORS_05:
-        return sorted({2, num_layers // 2, num_layers - 3, num_layers})
-    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
+    return sorted({2, num_layers // 2, num_layers - 3, num_layers})
+
+
+def default_format() -> str:
+    """``--format``'s default: what the installed speculators trains on (read from its distribution,
+    not imported); speculators-0.5 when none is installed, as the newer releases read that layout."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    try:
+        installed = Version(importlib.metadata.version("speculators"))
+    except importlib.metadata.PackageNotFoundError:
+        return SPECULATORS_05
+    return SPECULATORS_05 if installed.release[:2] >= (0, 5) else SPECULATORS_03
 
 
 def to_extractor(format_name: str, ids: list[int], num_layers: int) -> list[int]:

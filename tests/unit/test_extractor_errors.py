@@ -19,7 +19,7 @@ def model(tmp_path):
 
 def extract(model, data, out, *extra):
     return main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
-                 "--layer-ids", "0", "2", *extra])
+                 "--format", "speculators-0.3", "--layer-ids", "0", "2", *extra])
 
 
 def jsonl(tmp_path, *lines):
@@ -59,7 +59,7 @@ def test_bad_sample_names_file_and_line(model, tmp_path, capsys, bad_line, messa
 def test_bad_layer_ids(model, tmp_path, capsys, layers, message):
     data = jsonl(tmp_path, GOOD)
     code = main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir",
-                 str(tmp_path / "out"), "--layer-ids", *layers])
+                 str(tmp_path / "out"), "--format", "speculators-0.3", "--layer-ids", *layers])
     assert code == 2 and message in capsys.readouterr().err
 
 
