@@ -164,6 +164,7 @@ def write_dataset(directory: Path, count: int) -> None:
     except ImportError:
         raise OutputError(f"{SPECULATORS_05} needs the 'datasets' package to write its dataset index "
                           f"(pip install 'datasets>=4'); the sample files are whole, rerun to write it") from None
+    datasets.disable_progress_bars()  # the run's own log says what happens; no bars in it
     temp = directory / DATASET_TEMP
     shutil.rmtree(temp, ignore_errors=True)
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
