@@ -17,6 +17,7 @@ its first samples, and the loop reads on from there. The plug-ins: the output fo
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import itertools
 import sys
 import time
@@ -151,6 +152,9 @@ class Extraction:
         self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
         layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
         check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
+        if self.format_name == layer_conventions.SPECULATORS_05 and importlib.util.find_spec("datasets") is None:
+            raise PreflightError(f"--format {self.format_name} writes a datasets index the trainer reads: install "
+                                 f"the 'datasets' package (pip install 'datasets>=4') in this environment")
         check_tensor_parallel(facts, settings.tp_size)
         self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
         self.summary.layer_ids = self.format_layer_ids
