@@ -141,6 +141,37 @@ def test_the_two_layouts_hold_the_same_tensors(both):
             assert torch.equal(old["hidden_states"][j], new["hidden_states"][:, j]), f"sample {i} layer {IDS_03[j]}"
 
 
+def test_05_rerun_redoes_only_a_cut_short_file_and_rewrites_the_index(both, model, tmp_path):
+    """The shared resume path under the 0.5 layout: a sample file cut short (a crash before it reached
+    the disk) is found, removed and redone; the others are not touched; the dataset index is rewritten."""
+    import shutil
+
+    import torch
+
+    from hidden_states.fixtures.reference import relative_errors
+
+    root, _ = both
+    out = tmp_path / "out05"
+    shutil.copytree(root / "out05", out)
+    cut = out / "hidden_states" / "hs_5.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-100])
+    (out / "state.json").unlink()
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir() if p != cut}
+    env = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), str(speculators_09()), ROOT])}
+    proc = run_cli(*layout_args(model, root / "data.jsonl", out, "speculators-0.5", IDS_05), env_extra=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 files in" in proc.stderr and "hidden_states/hs_5.safetensors" in proc.stderr
+    assert f"1 samples extracted, {SAMPLES - 1} already finished" in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir() if p != cut} == before
+    redone, original = load_05(out, 5), load_05(root / "out05", 5)
+    assert torch.equal(redone["token_ids"], original["token_ids"]) and torch.equal(redone["loss_mask"],
+                                                                                   original["loss_mask"])
+    # extracted alone this time, not in a batch of 8: vLLM's bf16 sums may round differently
+    for j in range(len(IDS_05)):
+        assert float(relative_errors(redone["hidden_states"][:, j], original["hidden_states"][:, j]).max()) < 0.05
+    assert (out / "state.json").exists()
+
+
 def convert(src, dst, to):
     return subprocess.run([sys.executable, "-m", "hidden_states", "convert", str(src), str(dst), "--to", to],
                           capture_output=True, text=True, cwd=ROOT, timeout=600,
