@@ -104,6 +104,7 @@ def convert(src: str | Path, dst: str | Path, to: str, log=print) -> int:
     if name == to:
         raise UsageError(f"{src} is already {to}")
     files = whole_samples(src, name)
+    # the model may not be here: its depth bounds nothing the source did not already hold
     src_ids = layer_conventions.to_extractor(name, config["layer_ids"], num_layers=max(config["layer_ids"]))
     dst_ids = sorted(set(src_ids))  # what both layouts can hold: each layer once, in the model's order
     order = [src_ids.index(layer) for layer in dst_ids]
