@@ -260,7 +260,7 @@ def phase_extract(args) -> None:
                "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
-               "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
+               "--format", "speculators-0.3", "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
                "--backend", args.backend] + (["--skip-forward-check"] if args.skip_forward_check else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)

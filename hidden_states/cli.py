@@ -2,7 +2,8 @@
 
     python -m hidden_states extract --model-path M --prepared-data data.jsonl --output-dir OUT \\
         [--preset blackwell-tp8] [--batch-size 4] [--max-seq-len 2048] [--tp-size 8] \\
-        [--gpu-memory-utilization 0.80] [--layer-ids 2 30 58 60] ...
+        [--gpu-memory-utilization 0.80] [--layer-ids 2 30 58 60] [--format speculators-0.5] ...
+    python -m hidden_states convert SRC DST --to speculators-0.5     # or back: --to speculators-0.3
     python -m hidden_states demo [--output-dir demo-output]
 
 Exit codes: 0 done; 1 an unexpected failure (full traceback printed); 2 bad input or arguments
@@ -70,10 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--gpu-memory-utilization", type=share,
                          help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')})")
     extract.add_argument("--layer-ids", type=int, nargs="+",
-                         help="layers to capture, speculators' convention (default: 2, N/2, N-3, N-1)")
+                         help="layers to capture, counted as --format's trainer counts them: speculators-0.3 "
+                              "the output of layer L (default 2, N/2, N-3, N-1), speculators-0.5 the state "
+                              "after k layers (default 2, N/2, N-3, N)")
     extract.add_argument("--backend", choices=BACKENDS, default=default("backend"))
-    extract.add_argument("--format", choices=sorted(FORMATS), default=default("format"),
-                         help=f"output format (default {default('format')})")
+    extract.add_argument("--format", choices=sorted(FORMATS),
+                         help="output format: what the installed speculators trains on (speculators-0.3 for "
+                              "0.3/0.4, speculators-0.5 for 0.5 and later or none installed)")
     extract.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
     extract.add_argument("--max-samples", type=at_least(1), help="extract at most this many samples")
     extract.add_argument("--start-index", type=at_least(0), default=default("start_index"),
@@ -85,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
     extract.add_argument("--writer-threads", type=at_least(1), default=default("writer_threads"),
                          help=f"threads writing files (default {default('writer_threads')})")
+    convert = sub.add_parser("convert", help="convert an extraction to the other layout (no model, no GPU; a "
+                                             "rerun resumes)")
+    convert.add_argument("src", help="a finished extraction's output directory")
+    convert.add_argument("dst", help="where the converted extraction goes")
+    convert.add_argument("--to", required=True, choices=sorted(FORMATS), help="the layout to write")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
     demo.add_argument("--output-dir", default="demo-output")
     demo.add_argument("--samples", type=int, default=24)
@@ -113,6 +122,14 @@ def _extract(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    from .convert import convert
+
+    written = convert(args.src, args.dst, args.to, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"[hidden-states] converted: {written} samples written to {args.dst}", file=sys.stderr, flush=True)
+    return 0
+
+
 def _demo(args) -> int:
     from .fixtures.demo import run_demo
 
@@ -122,7 +139,7 @@ def _demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _extract(args) if args.command == "extract" else _demo(args)
+        return {"extract": _extract, "convert": _convert, "demo": _demo}[args.command](args)
     except ExtractError as exc:
         print(f"hidden-states: error: {exc}", file=sys.stderr)
         return exc.exit_code

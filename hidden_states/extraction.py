@@ -17,6 +17,7 @@ its first samples, and the loop reads on from there. The plug-ins: the output fo
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import itertools
 import sys
 import time
@@ -24,14 +25,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, formats, processes
+from . import backends, formats, layer_conventions, processes
 from .batches import BatchSource, Pending, batch_source
 from .errors import OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
 from .preflight import (check_disk, check_first_samples, check_layer_ids, check_tensor_parallel, check_vllm,
-                        default_layer_ids, human_size, model_facts)
+                        human_size, model_facts)
 from .progress import Progress
 from .settings import Settings
 
@@ -143,18 +144,27 @@ class Extraction:
         if facts.remote_code and not settings.trust_remote_code:
             raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
                              f"config.json); pass --trust-remote-code if you trust it")
-        layer_ids = list(settings.layer_ids) if settings.layer_ids else default_layer_ids(facts.num_layers)
-        check_layer_ids(layer_ids, facts.num_layers, given=bool(settings.layer_ids))
+        # --layer-ids count as the chosen format's trainer counts; the backends capture in ours
+        self.format_name = settings.format or layer_conventions.default_format()
+        if self.format_name not in formats.FORMATS:
+            raise UsageError(f"--format {self.format_name}: unknown (known: {', '.join(formats.FORMATS)})")
+        given = list(settings.layer_ids) if settings.layer_ids else None
+        self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
+        layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
+        check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
+        if self.format_name == layer_conventions.SPECULATORS_05 and importlib.util.find_spec("datasets") is None:
+            raise PreflightError(f"--format {self.format_name} writes a datasets index the trainer reads: install "
+                                 f"the 'datasets' package (pip install 'datasets>=4') in this environment")
         check_tensor_parallel(facts, settings.tp_size)
         self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
-        self.summary.layer_ids = layer_ids
+        self.summary.layer_ids = self.format_layer_ids
         self.input = InputStream(settings.prepared_data, facts.vocab_size)
         self.bytes_per_token = check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
 
     def prepare(self) -> None:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""
-        settings, layer_ids = self.settings, self.layers.ids
-        self.format = formats.create(settings.format, Path(settings.output_dir), self.layers)
+        settings, layer_ids = self.settings, self.format_layer_ids
+        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers)
         self.output = OutputDir(self.format)
         self.config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -165,6 +175,7 @@ class Extraction:
             "format": self.format.describe(),
             "model": self.facts.path,
             "layer_ids": layer_ids,
+            "layer_convention": layer_conventions.meaning(self.format_name),
         }
         self.output.prepare({"model": self.facts.path, "layer_ids": layer_ids}, self.config)
         self.finished = self.output.finished()

@@ -104,13 +104,19 @@ class OutputDir:
                                       f"use another --output-dir or remove that one")
         for stale in self.path.glob(f"{TEMP_PREFIX}*"):
             stale.unlink(missing_ok=True)
+        self.samples_dir.mkdir(exist_ok=True)
         atomic_write_json(existing, {**config, **identity})
+
+    @property
+    def samples_dir(self) -> Path:
+        """The folder of the format's sample files (the directory itself, or a folder in it)."""
+        return (self.path / self.format.sample_file(0)).parent
 
     def finished(self) -> dict[int, int | None]:
         """Sample index -> length (None when only the file tells) of every finished sample; files
         cut short are removed (and listed in ``cut_short``)."""
         lengths: dict[int, int | None] = {}
-        for entry in os.scandir(self.path):
+        for entry in os.scandir(self.samples_dir) if self.samples_dir.is_dir() else ():
             index = self.format.sample_index(entry.name)
             if index is None:
                 continue
@@ -168,7 +174,7 @@ class BackgroundWriter:
         if format is None:
             from . import formats
 
-            format = formats.create(default("format"), directory)
+            format = formats.create(default("format") or "speculators-0.3", directory)
         self.directory = Path(directory)
         self.format = format
         self.stats = WriterStats()

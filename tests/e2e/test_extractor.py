@@ -50,7 +50,8 @@ def run_cli(*args, env_extra=None, timeout=900):
 
 def extract_args(model, data, out, *extra):
     return ["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
-            "--preset", "cpu-tiny", "--layer-ids", *LAYERS, "--progress-interval", "1", *extra]
+            "--preset", "cpu-tiny", "--format", "speculators-0.3", "--layer-ids", *LAYERS, "--progress-interval", "1",
+            *extra]
 
 
 def data_files(out: Path) -> dict[int, os.stat_result]:

@@ -52,7 +52,7 @@ def job(tmp_path, monkeypatch):
     data.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in (3, 4, 5)))
     monkeypatch.setattr(backends, "create", lambda name, settings: SlowShutdownBackend(settings))
     return Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
-                    batch_size=2, layer_ids=[1, 3], backend="fake")
+                    batch_size=2, layer_ids=[1, 3], backend="fake", format="speculators-0.3")
 
 
 def run(settings, log):
@@ -139,7 +139,7 @@ def test_a_full_disk_is_one_message_naming_the_file_and_keeps_finished_samples(j
     out = small_disk / "out"
 
     code = main(["extract", "--model-path", job.model_path, "--prepared-data", str(data), "--output-dir", str(out),
-                 "--layer-ids", "1", "3", "--batch-size", "2", "--backend", "vllm-native"])  # no audit: a fake backend
+                 "--format", "speculators-0.3", "--layer-ids", "1", "3", "--batch-size", "2", "--backend", "vllm-native"])  # no audit: a fake backend
 
     err = capsys.readouterr().err
     assert code == 2, err

@@ -55,7 +55,7 @@ def job(tmp_path, monkeypatch):
     FakeBackend.created = 0
     monkeypatch.setattr(backends, "create", lambda name, settings: FakeBackend(settings))
     return Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
-                    batch_size=2, layer_ids=[3, 1], backend="fake")
+                    batch_size=2, layer_ids=[3, 1], backend="fake", format="speculators-0.3")
 
 
 def quiet(message):

@@ -19,7 +19,7 @@ def model(tmp_path):
 
 def extract(model, data, out, *extra):
     return main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
-                 "--layer-ids", "0", "2", *extra])
+                 "--format", "speculators-0.3", "--layer-ids", "0", "2", *extra])
 
 
 def jsonl(tmp_path, *lines):
@@ -59,8 +59,30 @@ def test_bad_sample_names_file_and_line(model, tmp_path, capsys, bad_line, messa
 def test_bad_layer_ids(model, tmp_path, capsys, layers, message):
     data = jsonl(tmp_path, GOOD)
     code = main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir",
-                 str(tmp_path / "out"), "--layer-ids", *layers])
+                 str(tmp_path / "out"), "--format", "speculators-0.3", "--layer-ids", *layers])
     assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers, message", [
+    (["0", "3"], "--layer-ids: [0] outside [1, 6] for --format speculators-0.5, which counts layers done"),
+    (["3", "7"], "--layer-ids: [7] outside [1, 6]"),
+])
+def test_05_layer_ids_are_checked_in_their_own_convention(model, tmp_path, capsys, layers, message):
+    data = jsonl(tmp_path, GOOD)
+    code = main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir",
+                 str(tmp_path / "out"), "--format", "speculators-0.5", "--layer-ids", *layers])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_05_layout_without_datasets_is_refused_before_the_load(model, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else find_spec(name, *a))
+    code = main(["extract", "--model-path", str(model), "--prepared-data", str(jsonl(tmp_path, GOOD)), "--output-dir",
+                 str(tmp_path / "out"), "--format", "speculators-0.5", "--layer-ids", "1", "3"])
+    assert code == 2 and "install the 'datasets' package" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_model_path(tmp_path, capsys):

@@ -1,0 +1,137 @@
+"""``hidden-states convert SRC DST --to FORMAT``: an existing extraction in the other layout, no model.
+
+Streams one sample at a time from ``SRC`` into the shared writer (``output.BackgroundWriter``: the
+temporary name and rename, the ``done.jsonl`` ledger), so a rerun after an interruption resumes
+where it stopped and ``DST`` only ever holds whole files. Layer ids are translated
+(``layer_conventions``): speculators-0.5 stores each layer once, in ascending order, so a 0.3
+extraction listing a layer twice (speculators 0.3's default on a 6-layer model, ``[2, 3, 3, 5]``)
+converts to its distinct layers.
+
+``SRC`` must be one whole extraction: its ``data_config.json``, one layout only, and a whole file
+for every sample ``0 .. n-1``. Anything else is refused, naming what is wrong; ``SRC`` is only read.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import formats, layer_conventions
+from .errors import OutputError, UsageError
+from .inputs import Sample
+from .output import CONFIG, TEMP_PREFIX, BackgroundWriter, OutputDir
+
+CONVERTIBLE = (layer_conventions.SPECULATORS_03, layer_conventions.SPECULATORS_05)
+
+
+def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], list]:
+    """``input_ids``, ``loss_mask`` and the per-layer ``[T, hidden]`` states (in the file's layer
+    order) of one sample file of ``format_name``."""
+    if format_name == layer_conventions.SPECULATORS_05:
+        from .formats.speculators_05 import read_sample as read_05
+
+        tensors = read_05(path)
+        if "loss_mask" not in tensors:
+            raise UsageError(f"{path}: no loss_mask (not written by hidden-states): cannot convert it")
+        states = tensors["hidden_states"]
+        return tensors["token_ids"].tolist(), tensors["loss_mask"].tolist(), list(states.unbind(dim=1))
+    import torch
+
+    record = torch.load(path, weights_only=True)
+    return record["input_ids"].tolist(), record["loss_mask"].tolist(), list(record["hidden_states"])
+
+
+def source_format(src: Path) -> tuple[str, dict]:
+    """The layout ``src`` holds (from its ``data_config.json``, checked against its files) and that config."""
+    config_file = src / CONFIG
+    if not config_file.is_file():
+        raise UsageError(f"{src}: no {CONFIG}: not an extraction, or one that never started")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{config_file}: unreadable ({exc})") from None
+    name = (config.get("format") or {}).get("name", layer_conventions.SPECULATORS_03)
+    if name not in CONVERTIBLE:
+        raise UsageError(f"{src}: format {name!r} cannot be converted (known: {', '.join(CONVERTIBLE)})")
+    present = [other for other in CONVERTIBLE if _sample_files(src, other)]
+    if len(present) > 1:
+        raise UsageError(f"{src} holds samples of both {' and '.join(present)}: a mixed directory; convert from "
+                         f"a directory holding one extraction")
+    if present and present != [name]:
+        raise UsageError(f"{src}: {CONFIG} says {name}, the files are {present[0]}")
+    return name, config
+
+
+def _sample_files(directory: Path, format_name: str) -> dict[int, Path]:
+    layout = formats.create(format_name, directory)
+    folder = (directory / layout.sample_file(0)).parent
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for entry in os.scandir(folder):
+        index = layout.sample_index(entry.name)
+        if index is not None and not entry.name.startswith(TEMP_PREFIX):
+            found[index] = Path(entry.path)
+    return found
+
+
+def whole_samples(src: Path, name: str) -> dict[int, Path]:
+    """Every sample file of ``src``, refusing a source that is cut short or has gaps."""
+    layout = formats.create(name, src)
+    files = _sample_files(src, name)
+    if not files:
+        raise UsageError(f"{src}: no {name} sample files")
+    cut = sorted(index for index, path in files.items() if not layout.ends_whole(path))
+    missing = sorted(set(range(max(files) + 1)) - set(files))
+    for problem, indices in (("cut short (a crash before they reached the disk?)", cut),
+                             ("missing (an unfinished or partial extraction?)", missing)):
+        if indices:
+            shown = ", ".join(map(str, indices[:10])) + (f" and {len(indices) - 10} more" if len(indices) > 10 else "")
+            raise UsageError(f"{src} is incomplete: samples {shown} {problem}; rerun its extraction to finish it, "
+                             f"then convert")
+    return files
+
+
+def convert(src: str | Path, dst: str | Path, to: str, log=print) -> int:
+    """Convert the extraction in ``src`` to format ``to`` in ``dst``; returns the samples written."""
+    src, dst = Path(src), Path(dst)
+    if to not in CONVERTIBLE:
+        raise UsageError(f"--to {to}: unknown (known: {', '.join(CONVERTIBLE)})")
+    if src.resolve() == dst.resolve():
+        raise UsageError("SRC and DST are the same directory: convert into another one")
+    name, config = source_format(src)
+    if name == to:
+        raise UsageError(f"{src} is already {to}")
+    files = whole_samples(src, name)
+    # the model may not be here: its depth bounds nothing the source did not already hold
+    src_ids = layer_conventions.to_extractor(name, config["layer_ids"], num_layers=max(config["layer_ids"]))
+    dst_ids = sorted(set(src_ids))  # what both layouts can hold: each layer once, in the model's order
+    order = [src_ids.index(layer) for layer in dst_ids]
+    first = read_sample(name, files[0])
+    layers = formats.Layers(dst_ids, num_layers=0, hidden_size=int(first[2][0].shape[-1]))  # num_layers: unused here
+    layout = formats.create(to, dst, layers)
+    output = OutputDir(layout)
+    dst_layer_ids = layer_conventions.from_extractor(to, dst_ids)
+    output.prepare({"model": config.get("model"), "layer_ids": dst_layer_ids}, {
+        **{key: value for key, value in config.items() if key not in ("format", "layer_ids", "layer_convention")},
+        "format": layout.describe(), "layer_convention": layer_conventions.meaning(to),
+        "converted_from": {"directory": str(src.resolve()), "format": name, "layer_ids": config["layer_ids"],
+                           "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}})
+    finished = output.finished()
+    todo = [index for index in sorted(files) if index not in finished]
+    log(f"[hidden-states] convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "
+        f"{dst_layer_ids}): {len(files)} samples, {len(files) - len(todo)} already converted, {len(todo)} to go")
+    writer = BackgroundWriter(dst, max_pending=8, format=layout)
+    try:
+        for index in todo:
+            input_ids, loss_mask, states = read_sample(name, files[index])
+            if len(states) != len(src_ids):
+                raise OutputError(f"{files[index]}: {len(states)} layers, {CONFIG} lists {len(src_ids)}")
+            writer.submit(index, layout.record(Sample(index, index + 1, input_ids, loss_mask),
+                                               [states[k] for k in order]))
+    finally:
+        writer.close()
+        finished.update(writer.stats.lengths)
+        output.finish(finished)
+    return len(todo)

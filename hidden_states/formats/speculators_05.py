@@ -1,0 +1,193 @@
+"""speculators >= 0.5's layout, what its ``ArrowDataset`` reads through the ``file`` hidden-states
+backend (``speculators/train/data.py``, ``hs_connectors/transfer.py:FileTransfer`` in 0.9.0):
+
+* the output directory is a dataset saved with ``datasets.Dataset.save_to_disk``, torch format,
+  columns ``input_ids`` (int64 [T]), ``loss_mask`` (int64 [T]) and ``seq_len`` (int64); row ``i`` is
+  sample ``i`` (the trainer opens ``hidden_states/hs_{row}.safetensors`` for row ``row``);
+* ``hidden_states/hs_{i}.safetensors``: ``hidden_states`` [T, n_layers, hidden] (the layers in
+  ascending id order, as vLLM's ``extract_hidden_states`` stacks them; the trainer fuses all but the
+  last and takes the last as the verifier's final state) and ``token_ids`` int64 [T], which the
+  trainer compares with the row's ``input_ids``; plus ``loss_mask`` int64 [T], which the trainer
+  does not read: it lets the dataset be rebuilt from the files alone (resume, ``convert``).
+
+Layer ids count decoder layers done (``layer_conventions``): this format's ``k`` is the extractor's
+``k - 1``. The dataset is written when a run ends, over samples ``0 .. n-1``, and only when every one
+of them has its file: the trainer maps row ``i`` to file ``i``, so a gap would misalign or stall it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import OutputError
+from ..inputs import Sample
+from ..layer_conventions import MEANING, SPECULATORS_05, from_extractor
+from . import Layers
+
+STATES_DIR = "hidden_states"
+SAMPLE_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
+DATASET_FILES = re.compile(r"^(data-\d{5}-of-\d{5}\.arrow|dataset_info\.json|state\.json)$")
+DATASET_TEMP = ".tmp-dataset"
+
+
+def safetensors_header(path: Path) -> dict | None:
+    """The JSON header of a safetensors file, or None when the file is not one or is cut short
+    (its size must be exactly header + the largest tensor end: one small read, no tensor data)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return None
+            (size,) = struct.unpack("<Q", head)
+            if size > 100_000_000:
+                return None
+            header = json.loads(handle.read(size))
+            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                      default=0)
+            return header if os.fstat(handle.fileno()).st_size == 8 + size + end else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def stacked_states(states: list):
+    """One sample's per-layer ``[T, hidden]`` states as ``[T, n_layers, hidden]``, contiguous."""
+    import torch
+
+    return torch.stack(list(states), dim=1).contiguous()
+
+
+def sample_tensors(input_ids, loss_mask, states) -> dict:
+    import torch
+
+    return {"hidden_states": stacked_states(states),
+            "token_ids": torch.as_tensor(input_ids, dtype=torch.long),
+            "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long)}
+
+
+def read_sample(path: Path) -> dict:
+    """``hidden_states``, ``token_ids`` and ``loss_mask`` of one sample file."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+class Speculators05:
+    name = SPECULATORS_05
+
+    def __init__(self, directory: Path, layers: Layers | None):
+        self.directory = directory
+        self.layers = layers
+        if layers is not None and list(layers.ids) != sorted(set(layers.ids)):
+            raise ValueError(f"{self.name} stores layers once each, in ascending order; got {layers.ids}")
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The layer ids in this format's own convention."""
+        return from_extractor(self.name, self.layers.ids)
+
+    def describe(self) -> dict:
+        ids = self.layer_ids
+        return {
+            "name": self.name,
+            "layer_ids": ids,
+            "layer_convention": MEANING[self.name],
+            "file_pattern": f"{STATES_DIR}/hs_{{idx}}.safetensors",
+            "hidden_states": f"[seq_len, {len(ids)}, {self.layers.hidden_size}] (layers {ids} in this order)",
+            "token_ids": "int64 [seq_len]",
+            "loss_mask": "int64 [seq_len] (all ones when the input has none; the dataset's column too)",
+            "dataset": "datasets.save_to_disk in the output directory: input_ids, loss_mask, seq_len",
+            "train_with": f"--data-path <this directory> --target-layer-ids {' '.join(map(str, ids[:-1]))}",
+        }
+
+    def sample_file(self, index: int) -> str:
+        return f"{STATES_DIR}/hs_{index}.safetensors"
+
+    def sample_index(self, file_name: str) -> int | None:
+        match = SAMPLE_FILE.match(Path(file_name).name)
+        return int(match.group(1)) if match else None
+
+    def ends_whole(self, path: Path) -> bool:
+        return safetensors_header(path) is not None
+
+    def record(self, sample: Sample, states: list) -> dict:
+        n = len(sample.input_ids)
+        return sample_tensors(sample.input_ids, sample.loss_mask if sample.loss_mask is not None else [1] * n, states)
+
+    def save(self, record: dict, handle: BinaryIO) -> None:
+        from safetensors.torch import save
+
+        handle.write(save(record))
+
+    def length(self, record: dict) -> int:
+        return int(record["token_ids"].shape[0])
+
+    def read_length(self, path: Path) -> int:
+        header = safetensors_header(path)
+        if header is None:
+            raise OutputError(f"{path}: not a whole safetensors file")
+        return int(header["token_ids"]["shape"][0])
+
+    def finish(self, lengths: dict[int, int]) -> None:
+        """Write the dataset over samples ``0 .. n-1`` when each has its file; otherwise say why not."""
+        missing = sorted(set(range(max(lengths, default=-1) + 1)) - set(lengths))
+        if not lengths or missing:
+            shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+            print(f"[hidden-states] {self.name}: the dataset index is not written: "
+                  + (f"samples {shown} have no file yet" if missing else "no sample is finished")
+                  + " (the trainer maps row i to hs_i.safetensors); extract them and it is",
+                  file=sys.stderr, flush=True)
+            return
+        write_dataset(self.directory, len(lengths))
+
+
+def _rows(directory: Path, count: int):
+    from safetensors import safe_open
+
+    for index in range(count):
+        with safe_open(str(directory / STATES_DIR / f"hs_{index}.safetensors"), framework="pt") as handle:
+            ids = handle.get_tensor("token_ids")
+            mask = handle.get_tensor("loss_mask")
+        yield {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": int(ids.shape[0])}
+
+
+def write_dataset(directory: Path, count: int) -> None:
+    """The Arrow dataset of samples ``0 .. count-1``, built from their files (streaming: one sample's
+    ids at a time), saved beside them; the previous one is replaced, its state file last."""
+    try:
+        import datasets
+    except ImportError:
+        raise OutputError(f"{SPECULATORS_05} needs the 'datasets' package to write its dataset index "
+                          f"(pip install 'datasets>=4'); the sample files are whole, rerun to write it") from None
+    datasets.disable_progress_bars()  # the run's own log says what happens; no bars in it
+    temp = directory / DATASET_TEMP
+    shutil.rmtree(temp, ignore_errors=True)
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64")})
+    try:
+        dataset = datasets.Dataset.from_generator(_rows, gen_kwargs={"directory": directory, "count": count},
+                                                  features=features, cache_dir=str(temp / "cache"))
+        dataset.set_format(type="torch")
+        dataset.save_to_disk(str(temp / "saved"))
+        del dataset
+        written = sorted(p.name for p in (temp / "saved").iterdir())
+        for name in written:
+            if name != "state.json":
+                os.replace(temp / "saved" / name, directory / name)
+        os.replace(temp / "saved" / "state.json", directory / "state.json")
+        for stale in directory.iterdir():
+            if DATASET_FILES.match(stale.name) and stale.name not in written:
+                stale.unlink()
+    except OSError as exc:
+        raise OutputError(f"{directory}: writing the dataset index: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+FORMAT = Speculators05

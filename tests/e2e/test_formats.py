@@ -1,0 +1,275 @@
+"""Both output layouts end to end on CPU vLLM, proven with the real trainers that read them.
+
+One tiny extraction per layout (same samples, same layers: speculators-0.3 ids 0 2 3 5 are
+speculators-0.5 ids 1 3 4 6), then: the 0.5 layout's layer k against HF's state after k layers;
+the two layouts tensor for tensor; ``convert`` both ways against the directly written ones;
+speculators 0.9.0's own ``ArrowDataset`` and trainer on the 0.5 layout, speculators 0.3.0's own
+dataset and trainer on the 0.3 layout, each for a few EAGLE-3 steps with a falling loss.
+
+speculators 0.9.0 needs Python >= 3.11 and transformers >= 5 (the vLLM 0.32.0 venv); 0.3.0's trainer
+builds pydantic configs that transformers 5 cannot (``'Eagle3SpeculatorConfig' object has no
+attribute '__pydantic_fields_set__'``), so it trains in the vLLM 0.17.0 venv (transformers 4.57), as
+its users did. Marked ``formats``: run on vLLM 0.32.0 only.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CACHE, ROOT
+from tests.e2e import harness
+from tests.e2e.test_extractor import run_cli
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.formats]
+
+IDS_03 = [0, 2, 3, 5]
+IDS_05 = [1, 3, 4, 6]  # the same layers, counted as layers done
+SAMPLES = 12
+DRIVER = Path(__file__).with_name("trainer_driver.py")
+
+
+def speculators_09() -> Path:
+    """speculators 0.9.0 with the requirements this venv lacks (datasets, pyarrow, hs-connectors)."""
+    target = Path(CACHE) / "speculators" / "0.9.0"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "vllm_venv.py"), "--speculators-only", "0.9.0",
+                    "--with-requirements-of", sys.executable], check=True, capture_output=True)
+    return target
+
+
+def transformers_4_python() -> str:
+    """The vLLM 0.17.0 matrix venv (transformers 4.57), built when missing."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import vllm_venv
+
+    return str(vllm_venv.build_venv("0.17.0", rebuild=False))
+
+
+def write_jsonl(path: Path, n: int, seed: int) -> list[dict]:
+    """Short samples (the trainers run on CPU), every other one with a loss mask."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = rng.randrange(16, 200)
+        row = {"input_ids": [rng.randrange(4, 512) for _ in range(length)]}
+        if i % 2 == 0:
+            row["loss_mask"] = [0] * (length // 3) + [1] * (length - length // 3)
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def layout_args(model, data, out, fmt, ids):
+    return ["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out), "--preset",
+            "cpu-tiny", "--format", fmt, "--layer-ids", *map(str, ids), "--progress-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return harness.tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def both(model, tmp_path_factory):
+    """The same samples extracted into each layout (speculators 0.3.0 runs the generator; the 0.9.0
+    folder, after it on the path, brings ``datasets`` for the 0.5 layout's dataset index)."""
+    root = tmp_path_factory.mktemp("formats")
+    rows = write_jsonl(root / "data.jsonl", SAMPLES, seed=21)
+    with_datasets = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), str(speculators_09()),
+                                                    ROOT])}
+    for fmt, ids, out in (("speculators-0.3", IDS_03, "out03"), ("speculators-0.5", IDS_05, "out05")):
+        proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), env_extra=with_datasets)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return root, rows
+
+
+def load_05(out: Path, index: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "hidden_states" / f"hs_{index}.safetensors"))
+
+
+def test_the_05_layout_and_its_record_of_the_convention(both):
+    root, rows = both
+    out = root / "out05"
+    config = json.loads((out / "data_config.json").read_text())
+    assert config["layer_ids"] == IDS_05 and config["format"]["name"] == "speculators-0.5"
+    assert "after k decoder layers" in config["layer_convention"]
+    assert sorted(p.name for p in (out / "hidden_states").iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(SAMPLES))
+    for i, row in enumerate(rows):
+        sample = load_05(out, i)
+        n = len(row["input_ids"])
+        assert tuple(sample["hidden_states"].shape) == (n, len(IDS_05), 128)
+        assert sample["token_ids"].tolist() == row["input_ids"]
+        assert sample["loss_mask"].tolist() == row.get("loss_mask", [1] * n)
+
+
+def test_05_layer_k_is_hfs_state_after_k_layers(both, model):
+    """HF's ``hidden_states[k]`` is the state after k layers for k < N; for k = N HF applies the final
+    norm, so the last layer is taken before it (a hook on decoder layer N-1)."""
+    import torch
+
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+
+    root, rows = both
+    hf = load_model(model)
+    n_layers = hf.config.num_hidden_layers
+    last = decoder_layer_outputs(hf, [r["input_ids"] for r in rows], [n_layers - 1])
+    for i, row in enumerate(rows):
+        got = load_05(root / "out05", i)["hidden_states"]
+        with torch.no_grad():
+            after = hf(torch.tensor([row["input_ids"]]), output_hidden_states=True).hidden_states
+        for j, k in enumerate(IDS_05):
+            want = last[i][0] if k == n_layers else after[k][0]
+            assert float(relative_errors(got[:, j], want).max()) < harness.TOLERANCE, f"sample {i} layer {k}"
+
+
+def test_the_two_layouts_hold_the_same_tensors(both):
+    import torch
+
+    root, _ = both
+    for i in range(SAMPLES):
+        old = torch.load(root / "out03" / f"data_{i}.pt", weights_only=True)
+        new = load_05(root / "out05", i)
+        assert torch.equal(old["input_ids"], new["token_ids"]) and torch.equal(old["loss_mask"], new["loss_mask"])
+        for j in range(len(IDS_03)):  # our L is their L + 1: same order
+            assert torch.equal(old["hidden_states"][j], new["hidden_states"][:, j]), f"sample {i} layer {IDS_03[j]}"
+
+
+def test_05_rerun_redoes_only_a_cut_short_file_and_rewrites_the_index(both, model, tmp_path):
+    """The shared resume path under the 0.5 layout: a sample file cut short (a crash before it reached
+    the disk) is found, removed and redone; the others are not touched; the dataset index is rewritten."""
+    import shutil
+
+    import torch
+
+    from hidden_states.fixtures.reference import relative_errors
+
+    root, _ = both
+    out = tmp_path / "out05"
+    shutil.copytree(root / "out05", out)
+    cut = out / "hidden_states" / "hs_5.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-100])
+    (out / "state.json").unlink()
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir() if p != cut}
+    env = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), str(speculators_09()), ROOT])}
+    proc = run_cli(*layout_args(model, root / "data.jsonl", out, "speculators-0.5", IDS_05), env_extra=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 files in" in proc.stderr and "hidden_states/hs_5.safetensors" in proc.stderr
+    assert f"1 samples extracted, {SAMPLES - 1} already finished" in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir() if p != cut} == before
+    redone, original = load_05(out, 5), load_05(root / "out05", 5)
+    assert torch.equal(redone["token_ids"], original["token_ids"]) and torch.equal(redone["loss_mask"],
+                                                                                   original["loss_mask"])
+    # extracted alone this time, not in a batch of 8: vLLM's bf16 sums may round differently
+    for j in range(len(IDS_05)):
+        assert float(relative_errors(redone["hidden_states"][:, j], original["hidden_states"][:, j]).max()) < 0.05
+    assert (out / "state.json").exists()
+
+
+def convert(src, dst, to):
+    return subprocess.run([sys.executable, "-m", "hidden_states", "convert", str(src), str(dst), "--to", to],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_09()), ROOT])})
+
+
+def test_converted_equals_directly_written_both_ways(both):
+    import torch
+
+    root, _ = both
+    to05, to03 = root / "conv05", root / "conv03"
+    for src, dst, to in ((root / "out03", to05, "speculators-0.5"), (root / "out05", to03, "speculators-0.3")):
+        proc = convert(src, dst, to)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    again = convert(root / "out03", to05, "speculators-0.5")
+    assert again.returncode == 0 and f"{SAMPLES} already converted, 0 to go" in again.stderr
+    assert json.loads((to05 / "data_config.json").read_text())["layer_ids"] == IDS_05
+    assert json.loads((to03 / "data_config.json").read_text())["layer_ids"] == IDS_03
+    for i in range(SAMPLES):
+        direct, converted = load_05(root / "out05", i), load_05(to05, i)
+        assert direct.keys() == converted.keys()
+        assert all(torch.equal(direct[key], converted[key]) for key in direct)
+        direct, converted = (torch.load(d / f"data_{i}.pt", weights_only=True) for d in (root / "out03", to03))
+        assert torch.equal(direct["input_ids"], converted["input_ids"])
+        assert all(torch.equal(a, b) for a, b in zip(direct["hidden_states"], converted["hidden_states"], strict=True))
+    assert json.loads((to03 / "sample_lengths.json").read_text()) == json.loads(
+        (root / "out03" / "sample_lengths.json").read_text())
+
+
+def test_convert_refuses_a_mixed_or_incomplete_source(both, tmp_path):
+    import shutil
+
+    root, _ = both
+    mixed = tmp_path / "mixed"
+    shutil.copytree(root / "out05", mixed)
+    shutil.copy(root / "out03" / "data_0.pt", mixed / "data_0.pt")
+    proc = convert(mixed, tmp_path / "a", "speculators-0.3")
+    assert proc.returncode == 2 and "holds samples of both speculators-0.3 and speculators-0.5" in proc.stderr
+
+    gappy = tmp_path / "gappy"
+    shutil.copytree(root / "out03", gappy)
+    (gappy / "data_4.pt").unlink()
+    cut = gappy / "data_7.pt"
+    cut.write_bytes(cut.read_bytes()[:1000])
+    proc = convert(gappy, tmp_path / "b", "speculators-0.5")
+    assert proc.returncode == 2 and "samples 7 cut short" in proc.stderr, proc.stderr[-2000:]
+    cut.unlink()
+    proc = convert(gappy, tmp_path / "b", "speculators-0.5")
+    assert proc.returncode == 2 and "samples 4, 7 missing" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "b").exists()
+
+
+def run_trainer(python: str, path: Path, args: list[str], tmp_path: Path) -> list[float]:
+    result = tmp_path / "losses.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), ROOT]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([python, str(DRIVER), *args[:1], str(result), *args[1:]], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0 and result.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [step["loss"] for step in json.loads(result.read_text())]
+
+
+def test_speculators_09_dataset_reads_the_05_layout(both):
+    """speculators 0.9.0's own ArrowDataset over the output (``--on-missing raise``: a sample it could
+    not load would fail, not be generated)."""
+    root, rows = both
+    script = (
+        "import json, sys, torch\n"
+        "from speculators.train.data import ArrowDataset\n"
+        "ds = ArrowDataset(max_len=2048, datapath=sys.argv[1], on_missing='raise')\n"
+        "out = [{k: list(v.shape) for k, v in ds[i].items()} for i in range(len(ds))]\n"
+        "print(json.dumps({'n': len(ds), 'lengths': ds.approx_lengths, 'shapes': out}))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(root / "out05")], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(speculators_09())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    lengths = [len(r["input_ids"]) for r in rows]
+    assert seen["n"] == SAMPLES and seen["lengths"] == lengths
+    for n, shapes in zip(lengths, seen["shapes"]):
+        # the three auxiliary layers fused, the last one the verifier's own final state
+        assert shapes["hidden_states"] == [n, 3 * 128] and shapes["verifier_last_hidden_states"] == [n, 128]
+        assert shapes["input_ids"] == [n] and shapes["loss_mask"] == [n]
+
+
+def test_speculators_09_trainer_learns_from_the_05_layout(both, model, tmp_path):
+    root, _ = both
+    losses = run_trainer(sys.executable, speculators_09(), ["0.9", "--", "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(model), "--data-path", str(root / "out05"),
+        "--target-layer-ids", *map(str, IDS_05[:-1]), "--num-layers", "1", "--total-seq-len", "512",
+        "--epochs", "4", "--train-data-ratio", "0.75", "--save-path", str(tmp_path / "checkpoints"),
+        "--num-workers", "0", "--on-missing", "raise", "--lr", "3e-3", "--log-freq", "1", "--logger", "",
+        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--scheduler-type", "none"], tmp_path)
+    assert len(losses) >= 4, losses
+    assert losses[-1] < losses[0], losses
+
+
+def test_speculators_03_trainer_learns_from_the_03_layout(both, model, tmp_path):
+    root, _ = both
+    losses = run_trainer(transformers_4_python(), harness.speculators_path("0.3.0"),
+                         ["0.3", str(root / "out03"), str(model), "3"], tmp_path)
+    assert len(losses) >= 4, losses
+    assert losses[-1] < losses[0], losses
