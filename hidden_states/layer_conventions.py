@@ -53,13 +53,15 @@ def default_format() -> str:
     not imported); speculators-0.5 when none is installed, as the newer releases read that layout."""
     import importlib.metadata
 
-    from packaging.version import Version
+    from packaging.specifiers import SpecifierSet
+    from vllm_compat.consumer import TRAINER_LAYOUTS
 
     try:
-        installed = Version(importlib.metadata.version("speculators"))
+        installed = importlib.metadata.version("speculators")
     except importlib.metadata.PackageNotFoundError:
         return SPECULATORS_05
-    return SPECULATORS_05 if installed.release[:2] >= (0, 5) else SPECULATORS_03
+    newer = SpecifierSet(TRAINER_LAYOUTS[SPECULATORS_05])
+    return SPECULATORS_05 if newer.contains(installed, prereleases=True) else SPECULATORS_03
 
 
 def to_extractor(format_name: str, ids: list[int], num_layers: int) -> list[int]:

@@ -30,6 +30,14 @@ SPECULATORS_04 = ">=0.4.0,<0.5"
 # speculators releases that drive `vllm serve` instead: nothing in-process for the shim to check
 SERVING_SPECULATORS = ">=0.5"
 
+# -- the trainers that read the extractor's output ---------------------------------------------------
+# Not generators: they read the files hidden_states writes (hidden_states.formats). speculators 0.5
+# added the Arrow + hidden_states/hs_{i}.safetensors layout and 0.8 removed the reader of the old one.
+# Per layout: the releases that train on it, and the release whose own trainer the e2e suite runs on
+# it (tests/e2e/test_formats.py).
+TRAINER_LAYOUTS = {"speculators-0.3": IN_PROCESS_SPECULATORS, "speculators-0.5": SERVING_SPECULATORS}
+TRAINER_PROOF_RELEASES = {"speculators-0.3": "0.3.0", "speculators-0.5": "0.9.0"}
+
 # -- the generator's code the adapters patch ------------------------------------------------------
 GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER_EXTENSION = "speculators.data_generation.custom_worker:HiddenStatesWorkerExtension"

@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import CACHE, ROOT
 from tests.e2e import harness
 from tests.e2e.test_extractor import run_cli
+from vllm_compat.consumer import TRAINER_PROOF_RELEASES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.formats]
 
@@ -33,8 +34,9 @@ DRIVER = Path(__file__).with_name("trainer_driver.py")
 
 def speculators_09() -> Path:
     """speculators 0.9.0 with the requirements this venv lacks (datasets, pyarrow, hs-connectors)."""
-    target = Path(CACHE) / "speculators" / "0.9.0"
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "vllm_venv.py"), "--speculators-only", "0.9.0",
+    release = TRAINER_PROOF_RELEASES["speculators-0.5"]
+    target = Path(CACHE) / "speculators" / release
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "vllm_venv.py"), "--speculators-only", release,
                     "--with-requirements-of", sys.executable], check=True, capture_output=True)
     return target
 
@@ -79,7 +81,7 @@ def both(model, tmp_path_factory):
     folder, after it on the path, brings ``datasets`` for the 0.5 layout's dataset index)."""
     root = tmp_path_factory.mktemp("formats")
     rows = write_jsonl(root / "data.jsonl", SAMPLES, seed=21)
-    with_datasets = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), str(speculators_09()),
+    with_datasets = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path(TRAINER_PROOF_RELEASES["speculators-0.3"])), str(speculators_09()),
                                                     ROOT])}
     for fmt, ids, out in (("speculators-0.3", IDS_03, "out03"), ("speculators-0.5", IDS_05, "out05")):
         proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), env_extra=with_datasets)
@@ -157,7 +159,7 @@ def test_05_rerun_redoes_only_a_cut_short_file_and_rewrites_the_index(both, mode
     cut.write_bytes(cut.read_bytes()[:-100])
     (out / "state.json").unlink()
     before = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir() if p != cut}
-    env = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), str(speculators_09()), ROOT])}
+    env = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path(TRAINER_PROOF_RELEASES["speculators-0.3"])), str(speculators_09()), ROOT])}
     proc = run_cli(*layout_args(model, root / "data.jsonl", out, "speculators-0.5", IDS_05), env_extra=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 files in" in proc.stderr and "hidden_states/hs_5.safetensors" in proc.stderr
@@ -269,7 +271,7 @@ def test_speculators_09_trainer_learns_from_the_05_layout(both, model, tmp_path)
 
 def test_speculators_03_trainer_learns_from_the_03_layout(both, model, tmp_path):
     root, _ = both
-    losses = run_trainer(transformers_4_python(), harness.speculators_path("0.3.0"),
+    losses = run_trainer(transformers_4_python(), harness.speculators_path(TRAINER_PROOF_RELEASES["speculators-0.3"]),
                          ["0.3", str(root / "out03"), str(model), "3"], tmp_path)
     assert len(losses) >= 4, losses
     assert losses[-1] < losses[0], losses
