@@ -234,6 +234,7 @@ def _assert_same_as_clean(out: Path, clean: Path, indices) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got["hidden_states"], want["hidden_states"], strict=True)), i
 
 
+@pytest.mark.faults
 def test_kill_9_loses_at_most_the_batch_in_flight(model, tmp_path, clean_run):
     write_jsonl(tmp_path / "data.jsonl", INTERRUPTED_ROWS, seed=INTERRUPTED_SEED)
     proc, started, segments = _run_until(model, tmp_path / "data.jsonl", tmp_path / "out", 8)
@@ -258,6 +259,7 @@ def test_kill_9_loses_at_most_the_batch_in_flight(model, tmp_path, clean_run):
         (clean_run / "sample_lengths.json").read_text())
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_process_group_finishes_the_batch_and_resumes(model, tmp_path, clean_run, signum, code):
     """What a Ctrl-C in a terminal does (SIGINT to the whole foreground group), and what `timeout`
@@ -281,6 +283,7 @@ def test_a_signal_to_the_process_group_finishes_the_batch_and_resumes(model, tmp
     _assert_same_as_clean(tmp_path / "out", clean_run, range(INTERRUPTED_ROWS))
 
 
+@pytest.mark.faults
 def test_full_disk_stops_cleanly_and_keeps_finished_work(model, tmp_path):
     write_jsonl(tmp_path / "data.jsonl", 20, seed=7)
     injected = {"PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).parent / "enospc"),
@@ -296,6 +299,7 @@ def test_full_disk_stops_cleanly_and_keeps_finished_work(model, tmp_path):
     assert resumed.returncode == 0 and sorted(data_files(tmp_path / "out")) == list(range(20))
 
 
+@pytest.mark.faults
 def test_bad_line_mid_stream_keeps_what_came_before(model, tmp_path):
     write_jsonl(tmp_path / "data.jsonl", 80, seed=8)
     lines = (tmp_path / "data.jsonl").read_text().splitlines()
@@ -307,6 +311,7 @@ def test_bad_line_mid_stream_keeps_what_came_before(model, tmp_path):
     assert sorted(data_files(tmp_path / "out")) == list(range(69))
 
 
+@pytest.mark.faults
 def test_strict_refuses_a_long_sample(model, tmp_path):
     write_jsonl(tmp_path / "data.jsonl", 6, seed=9, long_every=3)
     proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--strict"))
