@@ -51,7 +51,8 @@ def model_config(model: str) -> dict:
 def default_layers(model: str) -> list[int]:
     from hidden_states.preflight import default_layer_ids
 
-    return default_layer_ids(int(model_config(model)["num_hidden_layers"]))
+    # a tiny model's defaults can repeat a layer ([2, 3, 3, 5] for 6), which the extractor's CLI refuses
+    return sorted(set(default_layer_ids(int(model_config(model)["num_hidden_layers"]))))
 
 
 def sequences(model: str, samples: int, length: int, seed: int = 0) -> list[list[int]]:

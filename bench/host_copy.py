@@ -58,7 +58,7 @@ def one_process(batch: int, length: int, hidden: int, layers: int, calls: int, i
     with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="host-copy-") as handle:
         os.ftruncate(handle.fileno(), size)
         writer = mmap.mmap(handle.fileno(), size)  # the worker's side
-        torch.frombuffer(writer, dtype=torch.bfloat16).copy_(torch.randn(size // 2, dtype=torch.bfloat16))
+        torch.frombuffer(writer, dtype=torch.bfloat16).fill_(1.5)  # every page of the segment exists, as after a D2H copy
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if os.environ.get("HOST_COPY_POPULATE") else 0)
         reader = mmap.mmap(handle.fileno(), size, flags=flags)  # the parent's side
         segment = torch.frombuffer(reader, dtype=torch.bfloat16).view(layers, rows, hidden)

@@ -15,17 +15,21 @@
 #   bash bench/device/stages.sh fwdcheck    # ... the extractor's forward check: its time, run with and without, per kernel
 #   bash bench/device/stages.sh timeline    # ... where the generator's time goes, parent and worker spans, batch 8 and 32
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
+# CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
+# this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
 set -uo pipefail
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=/tmp/vcache HF_HUB_OFFLINE=1
+SITE=${SITE:-/tmp/site}
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=${VLLM_COMPAT_CACHE:-/tmp/vcache} HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # this checkout's vllm-compat, with its vLLM plugin entry point, next to vLLM
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . 2>&1 | grep -v WARNING
-SPEC=/tmp/vcache/speculators/0.3.0
+[ -n "${DRY_RUN:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . 2>&1 | grep -v WARNING
+SPEC=${SPEC:-/tmp/vcache/speculators/0.3.0}
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 B="python3 bench/gpu.py"
-M8=/tmp/models/llama3-8b
+M8=${M8:-/tmp/models/llama3-8b}
+LENGTH=${LENGTH:-2048}  # tokens per sequence in the speed stages (64 sequences per run)
 # step SECONDS COMMAND...: run COMMAND under `timeout`, unless fewer than SECONDS are left of the
 # stage's DEADLINE (seconds since the stage began; the device kills a call at 600 s, and a killed
 # call returns no output): a skipped or timed-out step is said, and the stage goes on.
@@ -37,9 +41,9 @@ step() {
   echo "## [${SECONDS}s] $*"
   timeout "$left" bash -c "$*" || echo "STEP FAILED or timed out (rc $?): $*" | tee -a "$OUT/skipped.txt"
 }
-# extract ARGS...: the extractor over 64 x 2048 random tokens of the 8B shape, its RESULT line
-extract() { PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M8 --samples 64 "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
-export -f extract; export B M8 SPEC
+# extract ARGS...: the extractor over 64 x $LENGTH random tokens of the 8B shape, its RESULT line
+extract() { PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M8 --samples 64 --length $LENGTH "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
+export -f extract; export B M8 SPEC LENGTH
 case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, ~40 s)
     $B env 2>&1 | grep RESULT
@@ -49,23 +53,23 @@ case "${1:?stage}" in
   speed)  # issue 13 step 2, after the change: one call, both batch sizes, most important first
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     # the generator's breakdown with the transport's allocator setting; parent copy GB/s and faults
-    step 150 "PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x2048,32x2048 --samples 64 --length 2048 \
+    step 150 "PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x$LENGTH,32x$LENGTH --samples 64 --length $LENGTH \
       2>&1 | tee $OUT/timeline-full.log | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline.txt"
     step 100 "extract --batch 8 --work /tmp/x8"
     step 100 "extract --batch 32 --work /tmp/x32"
     step 100 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 extract --batch 8 --work /tmp/x8-before"  # before, same run
-    step 70 "$B prefill --model $M8 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same run
+    step 70 "$B prefill --model $M8 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same run
     step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/x8 2>&1 | grep RESULT"
     ;;
   speed2)  # issue 13 step 2, the rest
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 100 "extract --batch 8 --backend vllm-native --work /tmp/n8"
     step 100 "extract --batch 32 --backend vllm-native --work /tmp/n32"
-    step 150 "$B prefill --model $M8 --compiled 2>&1 | grep RESULT | tail -1"
+    step 150 "$B prefill --model $M8 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
     step 100 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 extract --batch 32 --work /tmp/x32-before"
     step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT"
-    step 150 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x2048,32x2048 \
-      --samples 64 --length 2048 2>&1 | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline-before.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline-before.txt"
+    step 150 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x$LENGTH,32x$LENGTH \
+      --samples 64 --length $LENGTH 2>&1 | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline-before.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline-before.txt"
     ;;
   smoke)
     $B env
