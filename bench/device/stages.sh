@@ -57,9 +57,9 @@ case "${1:?stage}" in
       2>&1 | tee $OUT/timeline-full.log | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline.txt"
     step 100 "extract --batch 8 --work /tmp/x8"
     step 100 "extract --batch 32 --work /tmp/x32"
-    step 100 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 extract --batch 8 --work /tmp/x8-before"  # before, same run
     step 70 "$B prefill --model $M8 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same run
     step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/x8 2>&1 | grep RESULT"
+    step 100 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 extract --batch 8 --work /tmp/x8-before"  # before, same run
     ;;
   speed2)  # issue 13 step 2, the rest
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
@@ -70,6 +70,7 @@ case "${1:?stage}" in
     step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT"
     step 150 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x$LENGTH,32x$LENGTH \
       --samples 64 --length $LENGTH 2>&1 | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline-before.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline-before.txt"
+    step 90 "$B native --model $M8 --length $LENGTH --work /tmp/native-alone 2>&1 | grep RESULT | tail -1"  # vLLM's path alone, files on disk
     ;;
   smoke)
     $B env
