@@ -48,7 +48,7 @@ case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, ~40 s)
     $B env 2>&1 | grep RESULT
     [ -f $M8/config.json ] || $B build --family llama3-8b --path $M8 2>&1 | grep RESULT
-    python3 bench/host_copy.py --batches 8,32 --threads default,1 --calls 6 --jsonl "$OUT/results.jsonl" | tee "$OUT/host-copy.txt"
+    timeout 300 python3 bench/host_copy.py --batches 8,32 --threads default,1 --calls 6 --jsonl "$OUT/results.jsonl" | tee "$OUT/host-copy.txt"
     ;;
   speed)  # issue 13 step 2, after the change: one call, both batch sizes, most important first
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
