@@ -45,7 +45,7 @@ step() {
 extract() { PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M8 --samples 64 --length $LENGTH "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
 export -f extract; export B M8 SPEC LENGTH
 case "${1:?stage}" in
-  build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, ~40 s)
+  build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
     $B env 2>&1 | grep RESULT
     [ -f $M8/config.json ] || $B build --family llama3-8b --path $M8 2>&1 | grep RESULT
     timeout 300 python3 bench/host_copy.py --batches 8,32 --threads default,1 --calls 6 --jsonl "$OUT/results.jsonl" | tee "$OUT/host-copy.txt"
