@@ -51,7 +51,8 @@ def model_config(model: str) -> dict:
 def default_layers(model: str) -> list[int]:
     from hidden_states.preflight import default_layer_ids
 
-    return default_layer_ids(int(model_config(model)["num_hidden_layers"]))
+    # a tiny model's defaults can repeat a layer ([2, 3, 3, 5] for 6), which the extractor's CLI refuses
+    return sorted(set(default_layer_ids(int(model_config(model)["num_hidden_layers"]))))
 
 
 def sequences(model: str, samples: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -128,15 +129,18 @@ def phase_prefill(args) -> None:
     from vllm.inputs import TokensPrompt
 
     seqs = sequences(args.model, args.samples, args.length)
-    llm = LLM(model=args.model, enforce_eager=True, max_model_len=args.length + 1,
+    started = time.perf_counter()
+    llm = LLM(model=args.model, enforce_eager=not args.compiled, max_model_len=args.length + 1,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
               tensor_parallel_size=args.tp, disable_custom_all_reduce=args.tp > 1)
+    load = time.perf_counter() - started
     params_ = SamplingParams(max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences(args.model, 4, args.length, seed=1)], params_)
     started = time.perf_counter()
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
     seconds = time.perf_counter() - started
-    emit("prefill", model=Path(args.model).name, tp=args.tp, tokens=len(seqs) * args.length,
+    emit("prefill", model=Path(args.model).name, mode="compiled" if args.compiled else "eager",
+         load_seconds=round(load, 1), tp=args.tp, tokens=len(seqs) * args.length,
          seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
 
 
@@ -209,7 +213,8 @@ def phase_generator(args) -> None:
              length=length, tp=args.tp, tokens=tokens, seconds=round(seconds, 2),
              tokens_per_s=round(tokens / seconds), load_seconds=round(load, 1),
              token_budget=generator.vllm_config.scheduler_config.max_num_batched_tokens,
-             disabled=os.environ.get("VLLM_COMPAT_DISABLE", ""), applied=report.applied)
+             disabled=os.environ.get("VLLM_COMPAT_DISABLE", ""), keep_freed_host_memory=keep_freed_host_memory(),
+             applied=report.applied)
     generator.executor.shutdown()
 
 
@@ -243,6 +248,12 @@ def phase_native(args) -> None:
     emit("native", model=Path(args.model).name, tp=args.tp, tokens=len(seqs) * args.length, seconds=round(seconds, 2),
          tokens_per_s=round(len(seqs) * args.length / seconds), files=sum(1 for p in paths if p),
          vllm_layer_ids=vllm_ids)
+
+
+def keep_freed_host_memory() -> bool:
+    """Whether vllm_compat's transport lets the generator's process reuse freed memory (on unless
+    ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0``): the before / after switch of issue 13 step 2."""
+    return os.environ.get("VLLM_COMPAT_KEEP_FREED_HOST_MEMORY", "1") != "0"
 
 
 def write_jsonl(path: Path, seqs) -> None:
@@ -279,7 +290,7 @@ def phase_extract(args) -> None:
          shutdown_seconds=found["shutdown"],
          gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"],
          forward_check_seconds=float(forward_seconds.group(1)) if forward_seconds else None,
-         forward_check=forward.split("] ", 1)[-1], summary=summary)
+         forward_check=forward.split("] ", 1)[-1], keep_freed_host_memory=keep_freed_host_memory(), summary=summary)
 
 
 def phase_forward_check(args) -> None:
@@ -366,6 +377,7 @@ def main(argv=None) -> int:
                         help="generator: speculators' MIN_MAX_BATCHED_TOKENS (scheduler tokens per step)")
     parser.add_argument("--bf16-floor", action="store_true", help="check: also HF bf16 against HF fp32")
     parser.add_argument("--skip-forward-check", action="store_true", help="extract: pass --skip-forward-check")
+    parser.add_argument("--compiled", action="store_true", help="prefill: vLLM's compiled mode (default: eager)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
     try:

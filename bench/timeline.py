@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -57,8 +58,8 @@ def instrument_rpcs(spans: Spans) -> None:
         name = rpc_name(args, kwargs)
         with spans.span(name):
             reply = wrapped(*args, **kwargs)
-        if name == "rpc:_get_captured_states":
-            spans.open(COPY)
+        if name == "rpc:_get_captured_states":  # minor page faults: does the copy land on fresh pages?
+            spans.open(COPY, {"minflt": resource.getrusage(resource.RUSAGE_SELF).ru_minflt})
         return reply
 
     wrapt.wrap_function_wrapper(MultiprocExecutor, "collective_rpc", collective_rpc)
@@ -93,6 +94,8 @@ def timed_generate(generator, spans: Spans, batch) -> int:
     with spans.span("generate") as info:
         results = generator.generate(batch)
         if spans.is_open(COPY):
+            copy = spans.open_info()
+            copy["minflt"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - copy["minflt"]
             spans.close(COPY)
         info["tokens"] = sum(r["input_ids"].numel() for r in results)
     return info["tokens"]
@@ -168,7 +171,9 @@ def breakdown(parent: list[dict], worker: list[dict]) -> dict:
     ]
     accounted = sum(seconds for _, _, _, (seconds, _) in rows)
     state_bytes = sum(e.get("info", {}).get("bytes", 0) for e in inside if e["name"] == "w:to_host")
+    copy_faults = sum(e.get("info", {}).get("minflt", 0) for e in parent if e["name"] == COPY)
     return {"wall": wall, "calls": len(calls), "steps": steps, "rows": rows, "unaccounted": wall - accounted,
+            "copy_faults": copy_faults,
             "tokens": sum(e["info"]["tokens"] for e in calls), "state_bytes": state_bytes,
             "forward_tokens": sum(e.get("info", {}).get("tokens", 0) for e in inside if e["name"] == "w:forward")}
 
@@ -193,7 +198,8 @@ def render(result: dict) -> str:
     if gb and d2h and copy:
         lines.append(f"captured states {gb:.2f} GB: D2H {gb / d2h:.1f} GB/s, parent copy {gb / copy:.1f} GB/s; "
                      f"forward {result['forward_tokens'] / max(rows['model forward (synchronized)'], 1e-9):,.0f} tokens/s "
-                     "while it runs")
+                     f"while it runs; parent copy {result['copy_faults'] / (gb * 1e9 / 2**20):.1f} minor page faults "
+                     "per MiB (256: every 4 KiB page fresh)")
     return "\n".join(lines)
 
 
@@ -286,7 +292,8 @@ def main(argv=None) -> int:
                  timed_tokens_per_s=round(result["tokens"] / result["wall"]), wall_s=round(result["wall"], 4),
                  load_s=round(load, 1), state_gb=round(result["state_bytes"] / 1e9, 3),
                  rows={stage: round(seconds, 4) for _, stage, _, (seconds, _) in result["rows"]},
-                 unaccounted_s=round(result["unaccounted"], 4))
+                 unaccounted_s=round(result["unaccounted"], 4), parent_copy_minor_faults=result["copy_faults"],
+                 keep_freed_host_memory=os.environ.get("VLLM_COMPAT_KEEP_FREED_HOST_MEMORY", "1") != "0")
     finally:
         generator.executor.shutdown()
     return 0

@@ -47,6 +47,9 @@ class Spans:
                 self._sink = open(self.path, "a", buffering=1)
             self._sink.write(json.dumps(event) + "\n")
 
+    def open_info(self) -> dict:
+        return self._stack[-1][3]
+
     def is_open(self, name: str) -> bool:
         return bool(self._stack) and self._stack[-1][0] == name
 

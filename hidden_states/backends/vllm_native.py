@@ -21,6 +21,8 @@ from . import BackendSettings
 
 FIRST = Version("0.17.0")
 LAST_LAYER_FROM = Version("0.18.0")
+SHM = "/dev/shm"
+STORE_REQUESTS = 128  # requests of the longest length /dev/shm must hold to be the connector's store
 
 
 class VllmNativeBackend:
@@ -59,7 +61,9 @@ class VllmNativeBackend:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
 
-        self._store = tempfile.mkdtemp(prefix="vllm-native-states-")
+        facts = model_facts(self.settings.model_path)
+        request_bytes = (self.settings.max_seq_len + 1) * len(vllm_ids) * facts.hidden_size * facts.dtype_bytes
+        self._store = tempfile.mkdtemp(prefix="vllm-native-states-", dir=state_store_root(STORE_REQUESTS * request_bytes))
         self._llm = LLM(
             model=self.settings.model_path, tensor_parallel_size=self.settings.tp_size, max_model_len=self.settings.max_seq_len + 1,
             gpu_memory_utilization=self.settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
@@ -108,6 +112,21 @@ class VllmNativeBackend:
             del llm
         if self._store:
             shutil.rmtree(self._store, ignore_errors=True)
+
+
+def state_store_root(needed_bytes: int) -> str | None:
+    """Where vLLM's connector writes each request's file, which this backend reads back and
+    deletes at once: ``/dev/shm`` (memory) where it has room for ``needed_bytes``, else the default
+    temporary directory. On a disk the files cost a write and a read of every state besides the
+    extractor's own output (on the H200: 12,957 tokens/s against 26,251 for the other backend);
+    in memory they are gone before anything reaches a disk."""
+    try:
+        stat = os.statvfs(SHM)
+    except OSError:
+        return None
+    if stat.f_bavail * stat.f_frsize < needed_bytes or not os.access(SHM, os.W_OK):
+        return None
+    return SHM
 
 
 def _refuse_cpu_without_spec_decode(version) -> None:

@@ -14,7 +14,12 @@ reply itself is a few hundred bytes saying where each tensor lies, and unpickles
 ordinary CPU ``torch.Tensor`` views of that segment (bit-identical; valid until the worker's next
 reply, and the generators copy every slice they keep before returning). Without a usable
 ``/dev/shm`` each tensor travels as one zero-copy out-of-band pickle frame instead. The parent never
-touches CUDA. See ``vllm_compat/transport.py``.
+touches CUDA. In the parent, the first reply also tells glibc's allocator to keep freed memory
+(``mallopt``: no ``mmap`` for ``malloc``, no trimming), so the generator's ``.clone()`` of every
+slice reuses the pages of the previous calls' freed clones instead of faulting in fresh 4 KiB pages
+(one fault per page held that copy to 2 GB/s on an H200 host; ``bench/host_copy.py``); the process
+keeps its peak heap instead. ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0`` leaves the allocator alone.
+See ``vllm_compat/transport.py``.
 
 Scope: worker, both in-process speculators releases. Disable: ``VLLM_COMPAT_DISABLE=capture_transport``.
 """

@@ -1,27 +1,77 @@
 #!/usr/bin/env bash
-# Device side, after scripts/gpu/install.sh: one stage per device call (each under 10 minutes).
-#   bash bench/gpu_session.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
-#   bash bench/gpu_session.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
-#   bash bench/gpu_session.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
-#   bash bench/gpu_session.sh perf1       # Llama-3-8B shape: roofline, extractor (256 x 2048) and check
-#   bash bench/gpu_session.sh perf2       # ... generator sweep, vllm-native backend, writer alone
-#   bash bench/gpu_session.sh retest      # ... fork safety after apply(), the vllm-native backend on CUDA
-#   bash bench/gpu_session.sh budget      # ... the generator under larger scheduler token budgets
-#   bash bench/gpu_session.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
-#   bash bench/gpu_session.sh fwdcheck    # ... the extractor's forward check: its time, run with and without, per kernel
-#   bash bench/gpu_session.sh timeline    # ... where the generator's time goes, parent and worker spans, batch 8 and 32
+# Device side, after bench/device/install.sh: one stage per device call (each under 10 minutes).
+# The whole workflow (prepare here, install there, these stages): bench/device/README.md.
+#   bash bench/device/stages.sh build       # Llama-3-8B shape into /tmp/models/llama3-8b, and the host copy bench (CPU)
+#   bash bench/device/stages.sh speed       # issue 13 after: host copy, timeline, extractor b8/b32 (+ before), check, prefill
+#   bash bench/device/stages.sh speed2      # ... the rest: vllm-native b8/b32, compiled prefill, extractor b32 before, timeline before
+#   bash bench/device/stages.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
+#   bash bench/device/stages.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
+#   bash bench/device/stages.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
+#   bash bench/device/stages.sh perf1       # Llama-3-8B shape: roofline, extractor (256 x 2048) and check
+#   bash bench/device/stages.sh perf2       # ... generator sweep, vllm-native backend, writer alone
+#   bash bench/device/stages.sh retest      # ... fork safety after apply(), the vllm-native backend on CUDA
+#   bash bench/device/stages.sh budget      # ... the generator under larger scheduler token budgets
+#   bash bench/device/stages.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
+#   bash bench/device/stages.sh fwdcheck    # ... the extractor's forward check: its time, run with and without, per kernel
+#   bash bench/device/stages.sh timeline    # ... where the generator's time goes, parent and worker spans, batch 8 and 32
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
+# CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
+# this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
 set -uo pipefail
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=/tmp/vcache HF_HUB_OFFLINE=1
+SITE=${SITE:-/tmp/site}
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=${VLLM_COMPAT_CACHE:-/tmp/vcache} HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # this checkout's vllm-compat, with its vLLM plugin entry point, next to vLLM
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . 2>&1 | grep -v WARNING
-SPEC=/tmp/vcache/speculators/0.3.0
+[ -n "${DRY_RUN:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . 2>&1 | grep -v WARNING
+SPEC=${SPEC:-/tmp/vcache/speculators/0.3.0}
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 B="python3 bench/gpu.py"
+M8=${M8:-/tmp/models/llama3-8b}
+LENGTH=${LENGTH:-2048}  # tokens per sequence in the speed stages (64 sequences per run)
+# step SECONDS COMMAND...: run COMMAND under `timeout`, unless fewer than SECONDS are left of the
+# stage's DEADLINE (seconds since the stage began; the device kills a call at 600 s, and a killed
+# call returns no output): a skipped or timed-out step is said, and the stage goes on.
+DEADLINE=${DEADLINE:-560}
+step() {
+  local need=$1; shift
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt "$need" ]; then echo "SKIPPED (${left}s left, needs ${need}s): $*" | tee -a "$OUT/skipped.txt"; return 0; fi
+  echo "## [${SECONDS}s] $*"
+  timeout "$left" bash -c "$*" || echo "STEP FAILED or timed out (rc $?): $*" | tee -a "$OUT/skipped.txt"
+}
+# extract ARGS...: the extractor over 64 x $LENGTH random tokens of the 8B shape, its RESULT line
+extract() { PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M8 --samples 64 --length $LENGTH "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
+export -f extract; export B M8 SPEC LENGTH
 case "${1:?stage}" in
+  build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
+    $B env 2>&1 | grep RESULT
+    [ -f $M8/config.json ] || $B build --family llama3-8b --path $M8 2>&1 | grep RESULT
+    timeout 300 python3 bench/host_copy.py --batches 8,32 --threads default,1 --calls 6 --jsonl "$OUT/results.jsonl" | tee "$OUT/host-copy.txt"
+    ;;
+  speed)  # issue 13 step 2, after the change: one call, both batch sizes, most important first
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    # the generator's breakdown with the transport's allocator setting; parent copy GB/s and faults
+    step 150 "PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x$LENGTH,32x$LENGTH --samples 64 --length $LENGTH \
+      2>&1 | tee $OUT/timeline-full.log | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline.txt"
+    step 100 "extract --batch 8 --work /tmp/x8"
+    step 100 "extract --batch 32 --work /tmp/x32"
+    step 70 "$B prefill --model $M8 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same run
+    step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/x8 2>&1 | grep RESULT"
+    step 100 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 extract --batch 8 --work /tmp/x8-before"  # before, same run
+    ;;
+  speed2)  # issue 13 step 2, the rest
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 100 "extract --batch 8 --backend vllm-native --work /tmp/n8"
+    step 100 "extract --batch 32 --backend vllm-native --work /tmp/n32"
+    step 150 "$B prefill --model $M8 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
+    step 100 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 extract --batch 32 --work /tmp/x32-before"
+    step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT"
+    step 150 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x$LENGTH,32x$LENGTH \
+      --samples 64 --length $LENGTH 2>&1 | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline-before.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline-before.txt"
+    step 90 "$B native --model $M8 --length $LENGTH --work /tmp/native-alone 2>&1 | grep RESULT | tail -1"  # vLLM's path alone, files on disk
+    ;;
   smoke)
     $B env
     timeout 420 python3 -m pytest -x -q tests/e2e/test_generator.py -k "llama" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/smoke-pytest.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side: reassemble the parts prepared by scripts/gpu/prepare.py and install into /tmp/site.
+# Device side: reassemble the parts prepared by bench/device/prepare.py and install into /tmp/site.
 # Each of three calls copies its carried part into /tmp/vw (`cp -r .gpu/pN/. /tmp/vw/`); the call
 # that has all parts runs this. /tmp survives between calls while the machine stays warm.
 set -euo pipefail

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Prepare, on this machine, everything the lent H200 needs to run vLLM and the extractor.
 
-    python3 scripts/gpu/prepare.py          # -> .gpu/p1 .gpu/p2 .gpu/p3 (each under 60 MiB, git-ignored)
+    python3 bench/device/prepare.py          # -> .gpu/p1 .gpu/p2 .gpu/p3 (each under 60 MiB, git-ignored)
 
 The device has Python 3.12, torch 2.11.0+cu130, transformers 5.17 and no network. vLLM 0.20.x pins
 torch 2.11.0 and its PyPI wheel links CUDA 13, like the image. The wheel (244 MB) is unpacked
 without FlashAttention-2's kernels (Hopper runs FA3) and recompressed with xz (119 MiB), then split;
 ``p3`` adds the small wheels vLLM and speculators import that the image lacks, and speculators
 0.3.0 / 0.4.0. Three device calls carry one part each (``carry: [".gpu/pN"]``); the third runs
-``scripts/gpu/install.sh`` (see docs/performance.md for the exact calls).
+``bench/device/install.sh`` (bench/device/README.md gives the exact calls).
 """
 import hashlib
 import shutil
