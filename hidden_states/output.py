@@ -214,6 +214,12 @@ class BackgroundWriter:
                 self._raise_if_failed()
         self.stats.stall_seconds += time.perf_counter() - started
 
+    def lengths_written(self) -> dict[int, int]:
+        """A copy of ``stats.lengths`` (sample index -> length of every file written and in the
+        ledger so far), safe while the threads write."""
+        with self._lock:
+            return dict(self.stats.lengths)
+
     def close(self) -> None:
         """Write everything queued, stop the threads, raise the first write error if any."""
         for _ in self._threads:
