@@ -211,8 +211,7 @@ class Extraction:
         """Extract and hand to the writer every batch the source gives, until it stops or a signal asks."""
         self.log("extracting")
         self._started = time.monotonic()
-        self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
-                                       self.format, tag=self.source.tag)
+        self._start_writer()
         todo, exact = self.pending.todo()
         self.progress = Progress(self.source.expected(todo), log=self.log, exact=exact,
                                  interval=self.settings.progress_interval)
@@ -230,6 +229,10 @@ class Extraction:
                 self.log(f"warning: {self.pending.truncated} samples longer than --max-seq-len "
                          f"{self.settings.max_seq_len} were truncated (--strict refuses them)")
         self.progress.close()
+
+    def _start_writer(self) -> None:
+        self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
+                                       self.format, tag=self.source.tag)
 
     def _extract(self, batch: list[Sample]) -> None:
         tokens = self.extract_batch(batch)
