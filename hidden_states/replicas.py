@@ -93,9 +93,11 @@ class Replica:
         try:
             ext.writer.close()
         finally:
+            started = time.monotonic()
             ext.backend.close()
         stats = ext.writer.stats
-        return {"written": self._written(), "bytes": stats.bytes, "stall_seconds": stats.stall_seconds}
+        return {"written": self._written(), "bytes": stats.bytes, "stall_seconds": stats.stall_seconds,
+                "shutdown_seconds": time.monotonic() - started}
 
     def _written(self) -> dict[int, int]:
         lengths = self.extraction.writer.lengths_written()
@@ -133,7 +135,7 @@ class RayExtraction(Extraction):
         self.calls: dict = {}  # ObjectRef -> (replica id, Batch)
         self.retry: collections.deque[Batch] = collections.deque()
         self.failed: list[Batch] = []
-        self.load_seconds: dict[int, float] = {}
+        self.shutdown_seconds = 0.0  # the slowest replica's vLLM shutdown, after its last file
 
     # -- load: start Ray and the replicas
     def load(self) -> None:
@@ -169,7 +171,6 @@ class RayExtraction(Extraction):
                 ray.kill(actors[k])
                 continue
             self.replicas[k] = Handle(k, actors[k], info)
-            self.load_seconds[k] = info["load_seconds"]
             self.log(f"replica {k} loaded in {info['load_seconds']:.0f} s (pid {info['pid']} on {info['host']}"
                      + (f", devices {info['devices']}" if info["devices"] else "") + ")")
         if not self.replicas:
@@ -280,6 +281,9 @@ class RayExtraction(Extraction):
                 if self.ray.is_initialized():
                     self.ray.shutdown()
                 super().finish()
+                # the rate counts until the last file is whole, as in a single run
+                self.summary.seconds -= self.shutdown_seconds
+                self.summary.shutdown_seconds += self.shutdown_seconds
         if not aborting:
             self._report_failures()
 
@@ -302,6 +306,7 @@ class RayExtraction(Extraction):
             self._confirm(handle, result["written"])
             self.summary.bytes_written += result["bytes"]
             self.summary.stall_seconds += result["stall_seconds"]
+            self.shutdown_seconds = max(self.shutdown_seconds, result["shutdown_seconds"])
 
     def _report_failures(self) -> None:
         left = [*self.failed, *self.retry]

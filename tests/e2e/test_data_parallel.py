@@ -1,16 +1,15 @@
-"""Data-parallel extraction end to end on CPU vLLM: two Ray replicas (on a local Ray cluster this
-module starts) give the single-replica run's files, tensor for tensor; a replica frozen with its
+"""Data-parallel extraction end to end on CPU vLLM: two Ray replicas (on the local Ray the run
+starts) give the single-replica run's files, tensor for tensor; a replica frozen with its
 batches in flight and then killed loses nothing, its vLLM worker dies with it, and the run resumes
 what a static shard left; two static shards give the same set, and ``status`` sees both.
 
-Lean on purpose (2 cores in CI): one small input, one Ray cluster for the module, five model loads
-in all (the reference, two shards, and two runs of two replicas)."""
+Lean on purpose (2 cores in CI): one small input, seven model loads in all (the reference, two
+shards, and two runs of two replicas)."""
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -59,29 +58,6 @@ def shard_zero(model, data, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_address(tmp_path_factory):
-    """A local Ray head for the module (``ray start --block``: stopping it stops the cluster)."""
-    pytest.importorskip("ray")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**cli()[1], "RAY_USAGE_STATS_ENABLED": "0"}  # the replicas' environment: the CLI's (speculators too)
-    log = (tmp_path_factory.mktemp("ray") / "head.log").open("w")
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             "--port", str(port), "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard=false",
-                             "--object-store-memory", str(200 * 2**20)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    yield address
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
-
-
 def assert_identical(out: Path, reference: Path) -> None:
     """Every file of ``reference`` in ``out``, no other, each tensor equal bit for bit."""
     import torch
@@ -108,10 +84,10 @@ def assert_written_once(out: Path) -> None:
     assert len(written) == len(set(written)), f"a file written twice: {ledgers(out)}"
 
 
-def test_two_replicas_give_the_single_replica_files(model, data, reference, ray_address, tmp_path):
+def test_two_replicas_give_the_single_replica_files(model, data, reference, tmp_path):
+    pytest.importorskip("ray")
     started = time.monotonic()
-    proc = run_cli(*extract_args(model, data, tmp_path / "out", *BATCH, "--data-parallel-size", "2",
-                                 "--ray-address", ray_address))
+    proc = run_cli(*extract_args(model, data, tmp_path / "out", *BATCH, "--data-parallel-size", "2"))
     assert proc.returncode == 0, proc.stderr[-6000:]
     print(f"2 replicas: {time.monotonic() - started:.0f} s")
     assert f"done: {ROWS} samples extracted" in proc.stderr
@@ -139,15 +115,14 @@ def test_static_shards_give_the_same_set_and_status_sees_both(model, data, refer
     assert f"done.shard-0-of-2.jsonl: {ROWS // 2} files written" in status.stdout
 
 
-def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data, reference, shard_zero, ray_address,
-                                                                    tmp_path):
+def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data, reference, shard_zero, tmp_path):
     """Replica 1 is frozen (SIGSTOP) as soon as it is up, so it holds batches in flight, then killed
     (SIGKILL): its batches go to replica 0, its vLLM worker dies with it. The directory starts with
     static shard 0's files: the run extracts the rest, whatever wrote the first half."""
+    pytest.importorskip("ray")
     out = tmp_path / "mixed"
     shutil.copytree(shard_zero, out)
-    command, env = cli(*extract_args(model, data, out, *BATCH, "--data-parallel-size", "2",
-                                     "--ray-address", ray_address))
+    command, env = cli(*extract_args(model, data, out, *BATCH, "--data-parallel-size", "2"))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines: list[str] = []
     frozen: dict = {}
