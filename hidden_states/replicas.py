@@ -36,6 +36,7 @@ from .output import OutputDir
 IN_FLIGHT = 2  # calls queued per replica: the next batch is there when one ends
 OBJECT_STORE = 256 * 2**20  # bytes, for a local Ray
 ATTEMPTS = 2  # replicas a batch may fail on before it is given up
+RETIRE_SECONDS = 120  # for a replica whose call raised to finish its files and shut vLLM down
 # the driver's environment the replicas get (a remote node has its own otherwise)
 FORWARDED_ENV = ("VLLM_", "HF_", "TRANSFORMERS_", "VLLM_COMPAT_", "HIDDEN_STATES_")
 
@@ -50,11 +51,11 @@ def import_ray():
 
 class Replica:
     """One model replica, in a Ray actor: loads the backend, extracts the batches it is given, writes
-    their files through its own writer. ``replica_id`` names its ledger (``done.replica-K.jsonl``)."""
+    their files through its own writer, tagged ``tag`` (its ledger is ``done.<tag>.jsonl``)."""
 
-    def __init__(self, settings, config: dict, replica_id: int):
+    def __init__(self, settings, config: dict, replica_id: int, tag: str):
         self.replica_id = replica_id
-        self.tag = f"replica-{replica_id}"
+        self.tag = tag
         self.extraction = Extraction(settings, log=self._log)
         self.config = config
         self._reported: set[int] = set()
@@ -160,7 +161,10 @@ class RayExtraction(Extraction):
                  f"{have:g} {'GPUs' if gpus else 'CPUs'}) in {time.monotonic() - started:.0f} s: starting "
                  f"{settings.data_parallel_size} replicas (each loads the model; tens of seconds)")
         actor_class = ray.remote(Replica).options(num_cpus=1, max_concurrency=1, max_restarts=0, **need)
-        actors = {k: actor_class.remote(settings, self.config, k) for k in range(settings.data_parallel_size)}
+        # a static shard's replicas carry its tag too: two sharded Ray runs never share a ledger
+        tags = {k: f"{self.source.tag}.replica-{k}" if self.source.tag else f"replica-{k}"
+                for k in range(settings.data_parallel_size)}
+        actors = {k: actor_class.remote(settings, self.config, k, tags[k]) for k in tags}
         loads = {actors[k].load.remote(): k for k in actors}
         started = time.monotonic()
         for ref, k in loads.items():
@@ -226,7 +230,9 @@ class RayExtraction(Extraction):
             self.finished[index] = length
 
     def _retire(self, replica_id: int, batch: Batch, exc: BaseException) -> None:
-        """A replica failed: log why, kill it, queue again every batch it had not put on disk."""
+        """A replica failed: log why, stop it, queue again every batch it had not put on disk. One whose
+        call raised is alive: it first finishes writing what it has (so no file of it is written again
+        by another), within RETIRE_SECONDS; then it is killed."""
         handle = self.replicas.pop(replica_id, None)
         if handle is None:  # already retired (its other call in flight): its batches were queued again then
             return
@@ -234,6 +240,11 @@ class RayExtraction(Extraction):
         batch.errors.append(f"replica {replica_id} {what}:\n{remote_traceback(exc)}")
         self.log(f"replica {replica_id} {what} on samples {batch.where()}; its unfinished batches go to the "
                  f"{len(self.replicas)} other replicas:\n{remote_traceback(exc)}")
+        if what == "failed":
+            try:
+                self._confirm(handle, self.ray.get(handle.actor.finish.remote(), timeout=RETIRE_SECONDS)["written"])
+            except Exception:  # noqa: BLE001 - broken for good: what it did not confirm is checked on disk
+                pass
         self.ray.kill(handle.actor)
         lost = {id(b): b for b in handle.unconfirmed.values()}
         for lost_batch in lost.values():

@@ -85,15 +85,15 @@ class FakeRay:
                 return ActorClass
 
             @staticmethod
-            def remote(settings, config, replica_id):
+            def remote(settings, config, replica_id, tag):
                 fault = ray.faults.get(replica_id, ray.faults.get("every"))
-                actor = FakeActor(cls(settings, config, replica_id), fault)
+                actor = FakeActor(cls(settings, config, replica_id, tag), fault)
                 ray.actors.append(actor)
                 return actor
 
         return ActorClass
 
-    def get(self, ref):
+    def get(self, ref, timeout=None):
         if ref.error is not None:
             raise ref.error
         return ref.value
