@@ -38,7 +38,7 @@ OBJECT_STORE = 256 * 2**20  # bytes, for a local Ray
 ATTEMPTS = 2  # replicas a batch may fail on before it is given up
 RETIRE_SECONDS = 120  # for a replica whose call raised to finish its files and shut vLLM down
 # the driver's environment the replicas get (a remote node has its own otherwise)
-FORWARDED_ENV = ("VLLM_", "HF_", "TRANSFORMERS_", "VLLM_COMPAT_", "HIDDEN_STATES_")
+FORWARDED_ENV = ("VLLM_", "HF_", "TRANSFORMERS_", "VLLM_COMPAT_", "OMP_NUM_THREADS")
 
 
 def import_ray():
@@ -53,7 +53,8 @@ class Replica:
     """One model replica, in a Ray actor: loads the backend, extracts the batches it is given, writes
     their files through its own writer, tagged ``tag`` (its ledger is ``done.<tag>.jsonl``)."""
 
-    def __init__(self, settings, config: dict, replica_id: int, tag: str):
+    def __init__(self, settings, config: dict, replica_id: int, tag: str, env: dict[str, str]):
+        self.driver_env = env  # the driver's variables this replica got (FORWARDED_ENV)
         self.replica_id = replica_id
         self.tag = tag
         self.extraction = Extraction(settings, log=self._log)
@@ -66,6 +67,12 @@ class Replica:
     def load(self) -> dict:
         """Plan (model facts, layers), load the backend in this actor, start the writer."""
         import socket
+
+        if "OMP_NUM_THREADS" not in self.driver_env:
+            # Ray sets OMP_NUM_THREADS to the actor's CPUs (1) where the driver has none: torch in this
+            # process (the generator's copy of the states) and vLLM's workers would then run on one
+            # thread, where a single run uses every core
+            os.environ.pop("OMP_NUM_THREADS", None)
 
         from . import formats
         from .output import BackgroundWriter
@@ -164,7 +171,7 @@ class RayExtraction(Extraction):
         # a static shard's replicas carry its tag too: two sharded Ray runs never share a ledger
         tags = {k: f"{self.source.tag}.replica-{k}" if self.source.tag else f"replica-{k}"
                 for k in range(settings.data_parallel_size)}
-        actors = {k: actor_class.remote(settings, self.config, k, tags[k]) for k in tags}
+        actors = {k: actor_class.remote(settings, self.config, k, tags[k], env) for k in tags}
         loads = {actors[k].load.remote(): k for k in actors}
         started = time.monotonic()
         for ref, k in loads.items():

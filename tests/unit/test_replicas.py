@@ -85,9 +85,9 @@ class FakeRay:
                 return ActorClass
 
             @staticmethod
-            def remote(settings, config, replica_id, tag):
+            def remote(settings, config, replica_id, tag, env):
                 fault = ray.faults.get(replica_id, ray.faults.get("every"))
-                actor = FakeActor(cls(settings, config, replica_id, tag), fault)
+                actor = FakeActor(cls(settings, config, replica_id, tag, env), fault)
                 ray.actors.append(actor)
                 return actor
 
