@@ -153,8 +153,10 @@ class RayExtraction(Extraction):
         if settings.ray_address:
             ray.init(address=settings.ray_address, log_to_driver=True, runtime_env={"env_vars": env})
         else:  # hidden states never pass through Ray's object store: only sample ids and small results
-            ray.init(include_dashboard=False, object_store_memory=OBJECT_STORE, log_to_driver=True,
-                     runtime_env={"env_vars": env})
+            # "local": a cluster of this run's own, even where another runs on this machine (ray.init()
+            # alone would join that one, or fail on the address a dead one left in /tmp/ray)
+            ray.init(address="local", include_dashboard=False, object_store_memory=OBJECT_STORE,
+                     log_to_driver=True, runtime_env={"env_vars": env})
         resources = ray.cluster_resources()
         gpus = resources.get("GPU", 0)
         need = {"num_gpus": settings.tp_size} if gpus else {"num_gpus": 0}
