@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--model-path", required=True, help="local checkpoint directory")
     extract.add_argument("--prepared-data", required=True,
                          help="tokenized JSONL (input_ids, loss_mask) or a saved dataset directory")
-    extract.add_argument("--output-dir", required=True, help="where data_{i}.pt files go (a rerun resumes)")
+    extract.add_argument("--output-dir", required=True, help="where the sample files go (a rerun resumes)")
     extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
     # The tunable flags default to None here so that a preset's value stands unless a flag is given.
     extract.add_argument("--batch-size", type=at_least(1),

@@ -107,6 +107,7 @@ class Extraction:
         self.pending: Pending | None = None
         # load and loop
         self.backend = None
+        self._layer_order: list[int] = []  # where each listed layer is among those the backend captures
         self.interrupt: Interrupt | None = None
         self.writer: BackgroundWriter | None = None
         self.progress: Progress | None = None
@@ -180,10 +181,10 @@ class Extraction:
         self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
                                max_seq_len=settings.max_seq_len, strict=settings.strict)
         todo, exact = self.pending.todo()
+        done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
         about = "" if exact else "about "
-        self.log(f"{about}{todo + self._finished_in_range()} samples in range, {self._finished_in_range()} already "
-                 f"finished, {about}{todo} to extract (layers {layer_ids}, about {human_size(estimate)} for the "
-                 f"whole input)")
+        self.log(f"{about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract "
+                 f"(layers {layer_ids}, about {human_size(estimate)} for the whole input)")
 
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""
@@ -292,10 +293,6 @@ class Extraction:
                 # the one reported (once); a rerun rewrites the format's index files from the files
                 if failing is None:
                     raise
-
-    def _finished_in_range(self) -> int:
-        end = self.pending.end
-        return sum(1 for index in self.finished if index >= self.pending.start and (end is None or index < end))
 
 
 def check_forward(backend, vocab_size: int) -> str:
