@@ -6,9 +6,11 @@ file is whole is never handed out again) and ``--max-seq-len`` (truncated, or re
 ``--strict``); it counts the finished samples it passes and the samples it truncates. A batch
 source asks :meth:`Pending.samples` for the samples it wants, in input order, and groups them.
 
-:class:`Sequential` (one process, every sample, in order) is today's only mode. A new mode (static
-shards, replicas fed by a coordinator) is a class here following :class:`BatchSource`, chosen in
-:func:`batch_source`; the extraction loop, the ledger, resume and the writer stay as they are.
+:class:`Sequential` (one process, every sample, in order) and :class:`ShardBatches` (one static
+shard's share, ``shards.py``) are the modes of one process. A new mode is a class here following
+:class:`BatchSource`, chosen in :func:`batch_source`; the extraction loop, the ledger, resume and the
+writer stay as they are. Data-parallel replicas (``replicas.py``) take their batches from the
+driver's source, whichever it is.
 """
 from __future__ import annotations
 
@@ -103,9 +105,14 @@ def batched(samples: Iterator[Sample], size: int) -> Iterator[list[Sample]]:
 
 
 class BatchSource(Protocol):
-    """Hands this process its batches."""
+    """Hands this process its batches.
+
+    ``tag`` is None when this process is the only one writing into the output directory; else its
+    writer tag (its own ledger and temporary names, ``output.BackgroundWriter``).
+    """
 
     name: str
+    tag: str | None
 
     def batches(self, pending: Pending, batch_size: int) -> Iterator[list[Sample]]: ...
 
@@ -116,6 +123,7 @@ class Sequential:
     """One process extracts every pending sample, in input order."""
 
     name = "sequential"
+    tag = None
 
     def batches(self, pending: Pending, batch_size: int) -> Iterator[list[Sample]]:
         return batched(pending.samples(), batch_size)
@@ -124,6 +132,24 @@ class Sequential:
         return todo
 
 
+class ShardBatches:
+    """One static shard (``shards.Shard``): every ``count``-th batch of the range, starting at its
+    ``index``-th, batched as a single run would batch them."""
+
+    def __init__(self, shard):
+        self.shard = shard
+        self.name = self.tag = shard.tag
+
+    def batches(self, pending: Pending, batch_size: int) -> Iterator[list[Sample]]:
+        start = pending.start
+        return batched(pending.samples(lambda index: self.shard.owns(index, start, batch_size)), batch_size)
+
+    def expected(self, todo: int) -> int:
+        return -(-todo // self.shard.count)  # about: the shards' shares differ by a batch at most
+
+
 def batch_source(settings) -> BatchSource:
     """The replica mode ``settings`` ask for (``settings.Settings``)."""
+    if settings.shard is not None:
+        return ShardBatches(settings.shard)
     return Sequential()

@@ -4,6 +4,9 @@
         [--preset blackwell-tp8] [--batch-size 4] [--max-seq-len 2048] [--tp-size 8] \\
         [--gpu-memory-utilization 0.80] [--layer-ids 2 30 58 60] [--format speculators-0.5] ...
     python -m hidden_states convert SRC DST --to speculators-0.5     # or back: --to speculators-0.3
+    python -m hidden_states extract ... --data-parallel-size 2 [--ray-address auto]   # Ray replicas
+    python -m hidden_states extract ... --shard 0/4                                   # static shard
+    python -m hidden_states status OUT
     python -m hidden_states demo [--output-dir demo-output]
 
 Exit codes: 0 done; 1 an unexpected failure (full traceback printed); 2 bad input or arguments
@@ -17,6 +20,7 @@ import signal
 import sys
 import traceback
 
+from . import shards
 from .backends import BACKENDS
 from .errors import ExtractError
 from .formats import FORMATS
@@ -94,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", help="a finished extraction's output directory")
     convert.add_argument("dst", help="where the converted extraction goes")
     convert.add_argument("--to", required=True, choices=sorted(FORMATS), help="the layout to write")
+    extract.add_argument("--data-parallel-size", type=at_least(1), default=default("data_parallel_size"),
+                         help="replicas of the model, each a Ray actor owning --tp-size devices; batches go to "
+                              "whichever is free (needs vllm-compat[ray])")
+    extract.add_argument("--ray-address", default=default("ray_address"),
+                         help="the Ray cluster to start the replicas on ('auto', or host:port); default: a local one")
+    extract.add_argument("--shard", metavar="I/N",
+                         help="this process is static shard I of N (every N-th batch, its own ledger); default "
+                              "from RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS when set")
+    status = sub.add_parser("status", help="what an output directory holds, across shards and replicas")
+    status.add_argument("output_dir")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
     demo.add_argument("--output-dir", default="demo-output")
     demo.add_argument("--samples", type=int, default=24)
@@ -108,13 +122,26 @@ def settings_from(args) -> Settings:
                     layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
                     max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
                     backend=args.backend, format=args.format, progress_interval=args.progress_interval,
-                    writer_threads=args.writer_threads, forward_check=not args.skip_forward_check, **tuned)
+                    writer_threads=args.writer_threads, forward_check=not args.skip_forward_check,
+                    shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
+                    ray_address=args.ray_address, **tuned)
 
 
 def _extract(args) -> int:
     from .extraction import Extraction
 
-    summary = Extraction(settings_from(args)).run()
+    settings = settings_from(args)
+    if settings.shard is not None:
+        print(f"[hidden-states] {settings.shard}", file=sys.stderr, flush=True)
+        devices = shards.leave_torchrun(tp_size=settings.tp_size)
+        if devices is not None:
+            print(f"[hidden-states] torchrun rank: devices {devices}", file=sys.stderr, flush=True)
+    if settings.data_parallel_size > 1 or settings.ray_address:
+        from .replicas import RayExtraction
+
+        summary = RayExtraction(settings).run()
+    else:
+        summary = Extraction(settings).run()
     print(summary.line(), file=sys.stderr, flush=True)
     if summary.interrupted is not None:
         print("[hidden-states] rerun the same command to resume", file=sys.stderr)
@@ -139,6 +166,11 @@ def _demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "status":
+            from .status import status
+
+            print(status(args.output_dir))
+            return 0
         return {"extract": _extract, "convert": _convert, "demo": _demo}[args.command](args)
     except ExtractError as exc:
         print(f"hidden-states: error: {exc}", file=sys.stderr)

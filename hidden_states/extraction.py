@@ -165,7 +165,7 @@ class Extraction:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""
         settings, layer_ids = self.settings, self.format_layer_ids
         self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers)
-        self.output = OutputDir(self.format)
+        self.output = OutputDir(self.format, tag=self.source.tag)
         self.config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "prepared_data": str(Path(settings.prepared_data).resolve()),
@@ -223,8 +223,7 @@ class Extraction:
         """Extract and hand to the writer every batch the source gives, until it stops or a signal asks."""
         self.log("extracting")
         self._started = time.monotonic()
-        self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
-                                       self.format)
+        self._start_writer()
         todo, exact = self.pending.todo()
         self.progress = Progress(self.source.expected(todo), log=self.log, exact=exact,
                                  interval=self.settings.progress_interval)
@@ -243,7 +242,22 @@ class Extraction:
                          f"{self.settings.max_seq_len} were truncated (--strict refuses them)")
         self.progress.close()
 
+    def _start_writer(self) -> None:
+        self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
+                                       self.format, tag=self.source.tag)
+
     def _extract(self, batch: list[Sample]) -> None:
+        tokens = self.extract_batch(batch)
+        self.summary.extracted += len(batch)
+        self.summary.tokens += tokens
+        todo, exact = self.pending.todo()
+        self.progress.retotal(self.source.expected(todo), exact)
+        self.progress.update(len(batch), tokens)
+
+    def extract_batch(self, batch: list[Sample], skip: frozenset[int] = frozenset()) -> int:
+        """One batch: backend -> the format's records -> the writer, except the samples in ``skip``
+        (extracted with the batch, not written: a data-parallel retry of a batch some of whose files
+        are already whole). Returns the batch's tokens. A data-parallel replica runs this alone."""
         try:
             states = self.backend.extract([s.input_ids for s in batch])
         except Exception as exc:
@@ -252,13 +266,11 @@ class Extraction:
                                    f"{exc or '(no message)'}") from exc
         tokens = 0
         for sample, layers in zip(batch, states, strict=True):
-            self.writer.submit(sample.index, self.format.record(sample, [layers[k].cpu() for k in self._layer_order]))
+            if sample.index not in skip:
+                self.writer.submit(sample.index,
+                                   self.format.record(sample, [layers[k].cpu() for k in self._layer_order]))
             tokens += len(sample.input_ids)
-        self.summary.extracted += len(batch)
-        self.summary.tokens += tokens
-        todo, exact = self.pending.todo()
-        self.progress.retotal(self.source.expected(todo), exact)
-        self.progress.update(len(batch), tokens)
+        return tokens
 
     def finish(self) -> None:
         """Drain the writer, shut the backend down, write the format's end-of-run files. Runs after a
@@ -283,6 +295,8 @@ class Extraction:
                 self.summary.stall_seconds = self.writer.stats.stall_seconds + drain
                 self.finished.update(self.writer.stats.lengths)
             failing = failing or sys.exc_info()[1]
+            if self.source.tag is not None:  # other shards wrote too: the index lists theirs as well
+                self.finished = self.output.finished()
             try:
                 self.output.finish(self.finished)
             except OutputError:

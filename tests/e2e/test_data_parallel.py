@@ -1,0 +1,156 @@
+"""Data-parallel extraction end to end on CPU vLLM: two Ray replicas (on the local Ray the run
+starts) give the single-replica run's files, tensor for tensor; a replica frozen with its
+batches in flight and then killed loses nothing, its vLLM worker dies with it, and the run resumes
+what a static shard left; two static shards give the same set, and ``status`` sees both.
+
+Lean on purpose (2 cores in CI): one small input, seven model loads in all (the reference, two
+shards, and two runs of two replicas)."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e import harness
+from tests.e2e.test_extractor import _alive, _descendants, cli, extract_args, run_cli, write_jsonl
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.data_parallel]
+
+ROWS = 24
+BATCH = ["--batch-size", "2"]  # 12 batches: both replicas get several
+
+
+@pytest.fixture(scope="module")
+def model():
+    return harness.tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dp") / "data.jsonl"
+    write_jsonl(path, ROWS, seed=11)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "out"
+    proc = run_cli(*extract_args(model, data, out, *BATCH))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def shard_zero(model, data, tmp_path_factory):
+    """Static shard 0 of 2, alone: half the files (the start of two tests below)."""
+    out = tmp_path_factory.mktemp("shard0") / "out"
+    proc = run_cli(*extract_args(model, data, out, *BATCH, "--shard", "0/2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "shard 0/2 (from --shard)" in proc.stderr
+    return out
+
+
+def assert_identical(out: Path, reference: Path) -> None:
+    """Every file of ``reference`` in ``out``, no other, each tensor equal bit for bit."""
+    import torch
+
+    names = sorted(p.name for p in reference.glob("data_*.pt"))
+    assert sorted(p.name for p in out.glob("data_*.pt")) == names
+    for name in names:
+        got, want = torch.load(out / name, weights_only=True), torch.load(reference / name, weights_only=True)
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+        assert len(got["hidden_states"]) == len(want["hidden_states"])
+        for a, b in zip(got["hidden_states"], want["hidden_states"]):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert json.loads((out / "sample_lengths.json").read_text()) == json.loads(
+        (reference / "sample_lengths.json").read_text())
+
+
+def ledgers(out: Path) -> dict[str, list[int]]:
+    return {p.name: [json.loads(line)["index"] for line in p.read_text().splitlines() if line.strip()]
+            for p in out.glob("done*.jsonl")}
+
+
+def assert_written_once(out: Path) -> None:
+    written = [index for indices in ledgers(out).values() for index in indices]
+    assert len(written) == len(set(written)), f"a file written twice: {ledgers(out)}"
+
+
+def test_two_replicas_give_the_single_replica_files(model, data, reference, tmp_path):
+    pytest.importorskip("ray")
+    started = time.monotonic()
+    proc = run_cli(*extract_args(model, data, tmp_path / "out", *BATCH, "--data-parallel-size", "2"))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    print(f"2 replicas: {time.monotonic() - started:.0f} s")
+    assert f"done: {ROWS} samples extracted" in proc.stderr
+    assert_identical(tmp_path / "out", reference)
+    shares = ledgers(tmp_path / "out")
+    assert sorted(shares) == ["done.replica-0.jsonl", "done.replica-1.jsonl"] and all(shares.values()), shares
+    assert_written_once(tmp_path / "out")
+
+
+def test_static_shards_give_the_same_set_and_status_sees_both(model, data, reference, shard_zero, tmp_path):
+    half = sorted(int(p.stem.split("_")[1]) for p in shard_zero.glob("data_*.pt"))
+    assert half == [i for i in range(ROWS) if i // 2 % 2 == 0]  # every other batch of 2
+    out = tmp_path / "out"
+    shutil.copytree(shard_zero, out)
+    second = run_cli(*extract_args(model, data, out, *BATCH), env_extra={"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "shard 1/2 (from SLURM_PROCID/SLURM_NTASKS)" in second.stderr
+    assert_identical(out, reference)
+    assert sorted(ledgers(out)) == ["done.shard-0-of-2.jsonl", "done.shard-1-of-2.jsonl"]
+    assert_written_once(out)
+    status = subprocess.run([sys.executable, "-m", "hidden_states", "status", str(out)], env=cli()[1],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert status.returncode == 0, status.stderr
+    assert f"{ROWS} sample files whole" in status.stdout and "every one finished" in status.stdout
+    assert f"done.shard-0-of-2.jsonl: {ROWS // 2} files written" in status.stdout
+
+
+def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data, reference, shard_zero, tmp_path):
+    """Replica 1 is frozen (SIGSTOP) as soon as it is up, so it holds batches in flight, then killed
+    (SIGKILL): its batches go to replica 0, its vLLM worker dies with it. The directory starts with
+    static shard 0's files: the run extracts the rest, whatever wrote the first half."""
+    pytest.importorskip("ray")
+    out = tmp_path / "mixed"
+    shutil.copytree(shard_zero, out)
+    command, env = cli(*extract_args(model, data, out, *BATCH, "--data-parallel-size", "2"))
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    lines: list[str] = []
+    frozen: dict = {}
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            found = re.search(r"replica 1 loaded in \d+ s \(pid (\d+)", line)
+            if found and not frozen:
+                pid = int(found.group(1))
+                os.kill(pid, signal.SIGSTOP)
+                frozen.update(pid=pid, workers=_descendants(pid))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 900
+    while not any("extracting" in line for line in lines) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)  # replica 0 works on; replica 1 holds its batches, frozen
+    assert frozen, "".join(lines)[-4000:]
+    assert proc.poll() is None, "the run ended with replica 1 frozen: it held no batch\n" + "".join(lines)[-4000:]
+    os.kill(frozen["pid"], signal.SIGKILL)
+    proc.wait(timeout=600)
+    reader.join(timeout=10)
+    log = "".join(lines)
+    assert proc.returncode == 0, log[-6000:]
+    assert re.search(r"replica 1 died on samples .*; its unfinished batches go to the 1 other replicas", log), log[-4000:]
+    assert frozen["workers"] and not any(_alive(p) for p in frozen["workers"]), "replica 1's vLLM workers outlived it"
+    assert f"{ROWS // 2} already finished" in log
+    assert_identical(out, reference)
+    assert_written_once(out)
