@@ -45,6 +45,7 @@ def main() -> int:
 
     import torch
 
+    from hidden_states import formats
     from hidden_states.output import BackgroundWriter
 
     record = {"input_ids": torch.arange(args.tokens),
@@ -58,7 +59,7 @@ def main() -> int:
     for threads in args.threads:
         work = Path(tempfile.mkdtemp(prefix="bench-writer-", dir=args.dir))
         try:
-            writer = BackgroundWriter(work, threads=threads)
+            writer = BackgroundWriter(work, threads=threads, format=formats.create("speculators-0.3", work))
             done = threading.Event()
 
             def feed(writer=writer, done=done):

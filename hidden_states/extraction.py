@@ -244,7 +244,7 @@ class Extraction:
 
     def _start_writer(self) -> None:
         self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
-                                       self.format, tag=self.source.tag)
+                                       format=self.format, tag=self.source.tag)
 
     def _extract(self, batch: list[Sample]) -> None:
         tokens = self.extract_batch(batch)

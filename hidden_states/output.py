@@ -181,19 +181,15 @@ class BackgroundWriter:
         max_pending: samples allowed to wait for the disk before ``submit`` blocks.
         threads: writer threads (``torch.save`` serialises one file at a time; several keep a fast
             disk busy).
-        format: the output format (``formats.create``); the default format when None.
+        format: the output format (``formats.create``) whose files this writer writes.
         tag: this writer's name among several writing into one directory (a shard, a replica):
             its ledger is ``done.<tag>.jsonl`` and its temporary files carry the tag.
     """
 
     def __init__(self, directory: Path, max_pending: int = default("writer_queue"),
-                 threads: int = default("writer_threads"), format=None, tag: str | None = None):
+                 threads: int = default("writer_threads"), *, format, tag: str | None = None):
         if threads < 1:
             raise ValueError(f"BackgroundWriter needs at least one thread, got {threads}")
-        if format is None:
-            from . import formats
-
-            format = formats.create(default("format") or "speculators-0.3", directory)
         self.directory = Path(directory)
         self.format = format
         self.stats = WriterStats()

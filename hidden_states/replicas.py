@@ -87,7 +87,7 @@ class Replica:
         with processes.contained():  # vLLM's workers die with this actor (a kill reaches them too)
             ext.load()
         ext.writer = BackgroundWriter(ext.output.path, ext.settings.writer_queue, ext.settings.writer_threads,
-                                      ext.format, tag=self.tag)
+                                      format=ext.format, tag=self.tag)
         return {"pid": os.getpid(), "host": socket.gethostname(), "load_seconds": time.monotonic() - started,
                 "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
