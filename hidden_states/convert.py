@@ -12,7 +12,6 @@ for every sample ``0 .. n-1``. Anything else is refused, naming what is wrong; `
 """
 from __future__ import annotations
 
-import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 from . import formats, layer_conventions
 from .errors import OutputError, UsageError
 from .inputs import Sample
-from .output import CONFIG, TEMP_PREFIX, BackgroundWriter, OutputDir
+from .output import CONFIG, TEMP_PREFIX, BackgroundWriter, OutputDir, format_name, read_json
 
 CONVERTIBLE = (layer_conventions.SPECULATORS_03, layer_conventions.SPECULATORS_05)
 
@@ -47,11 +46,8 @@ def source_format(src: Path) -> tuple[str, dict]:
     config_file = src / CONFIG
     if not config_file.is_file():
         raise UsageError(f"{src}: no {CONFIG}: not an extraction, or one that never started")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{config_file}: unreadable ({exc})") from None
-    name = (config.get("format") or {}).get("name", layer_conventions.SPECULATORS_03)
+    config = read_json(config_file, UsageError)
+    name = format_name(config)
     if name not in CONVERTIBLE:
         raise UsageError(f"{src}: format {name!r} cannot be converted (known: {', '.join(CONVERTIBLE)})")
     present = [other for other in CONVERTIBLE if _sample_files(src, other)]

@@ -49,6 +49,21 @@ def temp_prefix(tag: str | None) -> str:
     return f"{TEMP_PREFIX}{tag}." if tag else TEMP_PREFIX
 
 
+def read_json(path: Path, error: type[Exception] = OutputError, what: str = "unreadable", hint: str = "") -> dict:
+    """A JSON file the extractor reads (a model's config.json, an output's data_config.json); a
+    missing or broken one is ``error`` naming the file: ``{path}: {what} ({why}){hint}``."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise error(f"{path}: {what} ({exc}){hint}") from None
+
+
+def format_name(config: dict) -> str:
+    """The output format a ``data_config.json`` names; a directory written before formats had names
+    holds speculators-0.3, the only format then."""
+    return (config.get("format") or {}).get("name", "speculators-0.3")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
     try:
@@ -109,12 +124,8 @@ class OutputDir:
             raise OutputError(f"--output-dir {describe_os_error(exc, self.path)} (not writable)") from None
         existing = self.path / CONFIG
         if existing.exists():
-            try:
-                previous = json.loads(existing.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise OutputError(f"{existing}: unreadable ({exc}); remove it or use another --output-dir") from None
-            # a directory written before formats had names holds speculators-0.3, the only format then
-            previous_format = (previous.get("format") or {}).get("name", "speculators-0.3")
+            previous = read_json(existing, hint="; remove it or use another --output-dir")
+            previous_format = format_name(previous)
             for key, was, now in [*((key, previous.get(key), identity.get(key)) for key in IDENTITY_KEYS),
                                   ("format", previous_format, self.format.name)]:
                 if was != now:

@@ -1,13 +1,13 @@
 """Checks that run before any weight is loaded: each failure is one clear message."""
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
+from .output import read_json
 
 FIRST_LINES = 64  # samples validated before the model loads (a bounded peek); the rest as they stream
 
@@ -36,10 +36,7 @@ def model_facts(model_path: str) -> ModelFacts:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UsageError(f"--model-path {model_path}: no config.json there")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PreflightError(f"{config_file}: unreadable ({exc})") from None
+    config = read_json(config_file, PreflightError)
     text = config.get("text_config") or config
     try:
         num_layers = int(text["num_hidden_layers"])

@@ -2,14 +2,12 @@
 (a single run, static shards, data-parallel replicas). Reads only; removes nothing."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from . import formats
-from .errors import OutputError
 from .inputs import InputStream
-from .output import CONFIG, LEDGERS, TEMP_PREFIX
+from .output import CONFIG, LEDGERS, TEMP_PREFIX, format_name, read_json
 
 
 def _ranges(indices: list[int], shown: int = 8) -> str:
@@ -27,11 +25,8 @@ def _ranges(indices: list[int], shown: int = 8) -> str:
 def status(path: str | Path) -> str:
     directory = Path(path)
     config_path = directory / CONFIG
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise OutputError(f"{config_path}: not an extraction's output directory ({exc})") from None
-    format = formats.create((config.get("format") or {}).get("name", "speculators-0.3"), directory)
+    config = read_json(config_path, what="not an extraction's output directory")
+    format = formats.create(format_name(config), directory)
     whole, cut_short, temporary = set(), [], 0
     for entry in os.scandir(directory):
         if entry.name.startswith(TEMP_PREFIX):

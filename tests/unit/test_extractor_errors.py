@@ -196,3 +196,23 @@ def test_preset_values_and_flag_overrides():
     assert (settings.tp_size, settings.gpu_memory_utilization, settings.max_seq_len, settings.batch_size) == (
         8, 0.80, 2048, 2)
     assert settings.trust_remote_code is False
+
+
+def test_broken_json_files_are_named(model, tmp_path, capsys):
+    """A model's config.json, an output directory's data_config.json, a convert or status source:
+    one line naming the file, exit 2."""
+    data = jsonl(tmp_path, GOOD)
+    (model / "config.json").write_text("{not json")
+    assert extract(model, data, tmp_path / "out") == 2
+    assert f"hidden-states: error: {model / 'config.json'}: unreadable (" in capsys.readouterr().err
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "data_config.json").write_text("{")
+    assert extract(model, data, out) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'data_config.json'}: unreadable (" in err and "; remove it or use another --output-dir" in err
+    assert main(["convert", str(out), str(tmp_path / "dst"), "--to", "speculators-0.5"]) == 2
+    assert f"{out / 'data_config.json'}: unreadable (" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert f"{tmp_path / 'nowhere' / 'data_config.json'}: not an extraction's output directory (" in capsys.readouterr().err
