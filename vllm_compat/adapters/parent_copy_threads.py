@@ -44,7 +44,7 @@ from ..host import vllm_device_type
 from ..probes.shapes import MISSING, PRESENT, Exists
 from ..wrapping import function_wrapper
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm_compat")
 
 # the most threads the generator's process gets back (16 measured slower than 8 on a 16-core host)
 PARENT_COPY_THREADS = 8
@@ -87,7 +87,7 @@ def workers_off_cpu() -> tuple[bool, str]:
     device = vllm_device_type()
     if device == "cpu":
         return False, "vLLM's workers run on the CPU and use its cores: the generator's process keeps one thread"
-    return True, f"vLLM's workers run on {device}: the generator's process copies the states on the CPU"
+    return True, f"vLLM's workers run on {device or 'no platform found'}, not the CPU: the generator's process copies the states"
 
 
 ADAPTER = Adapter(
