@@ -5,7 +5,7 @@ Not a signature drift but a cost vLLM's executor puts on its caller's process. B
 ``OMP_NUM_THREADS`` is set outside: ``set_multiprocessing_worker_envs()``, called by
 ``MultiprocExecutor._init_executor`` before the workers start, sets ``OMP_NUM_THREADS=1`` and
 ``torch.set_num_threads(1)`` to size the workers' pools (``vllm/v1/executor/multiproc_executor.py``,
-0.11.0 to 0.26.0: "Reducing Torch parallelism from %d threads to 1"); from 0.32.0 it sets
+0.11.0 to at least 0.26.0: "Reducing Torch parallelism from %d threads to 1"); from 0.32.0 it sets
 ``cpus // workers`` instead, and ``_init_executor`` then calls ``set_torch_threads_for_runtime()``
 after ``WorkerProc.wait_for_ready`` to put this process on one thread ("this process only
 schedules"). That suits vLLM's engine core, which only schedules. The speculators generator builds
@@ -21,9 +21,10 @@ one, at most ``PARENT_COPY_THREADS`` (8). Only torch's count in this process cha
 
 Why it is safe: the constructor returns after ``_init_executor`` has started the workers and waited
 for them to be ready, so they have already read ``OMP_NUM_THREADS`` (spawned) or inherited torch's
-count (forked); vLLM reads neither again in this process on the generator's path. The cap: the
-writer's threads and the workers share the host's cores with the copy, and 16 threads measured
-slower than 8 on a 16-core host.
+count (forked); vLLM reads neither again in this process on the generator's path. (A child forked
+from a process that has run a torch parallel region can hang in libgomp: this process's children
+are spawned, ``worker_spawn`` sees to the workers.) The cap: the writer's threads and the workers
+share the host's cores with the copy, and 16 threads measured slower than 8 on a 16-core host.
 
 Measured (vLLM 0.20.0, H200, Llama-3-8B shape, one run each): the extractor at batch 8 went from
 28,685 to 34,304 tokens/s with 8 threads given through ``OMP_NUM_THREADS`` (16: 23,405).
@@ -104,6 +105,6 @@ ADAPTER = Adapter(
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(give_threads_back)),),
     verified_through="0.32.0",
     evidence="vllm/v1/executor/multiproc_executor.py: _init_executor -> set_multiprocessing_worker_envs "
-             "(0.11.0-0.26.0, 0.20.0 wheel: line 124), + set_torch_threads_for_runtime after wait_for_ready "
-             "(0.32.0: lines 136, 221); docs/performance.md 'Measured on the H200 (2026-12-01)'",
+             "(0.11.0, 0.12.0, 0.16.0, 0.17.0, 0.20.0, 0.26.0), + set_torch_threads_for_runtime after wait_for_ready "
+             "(0.32.0: lines 136, 221; 0.33.0); docs/performance.md 'Measured on the H200 (2026-12-01)'",
 )
