@@ -4,6 +4,7 @@
 #   bash bench/device/stages.sh build       # Llama-3-8B shape into /tmp/models/llama3-8b, and the host copy bench (CPU)
 #   bash bench/device/stages.sh speed       # issue 13 after: host copy, timeline, extractor b8/b32 (+ before), check, prefill
 #   bash bench/device/stages.sh speed2      # ... the rest: vllm-native b8/b32, compiled prefill, extractor b32 before, timeline before
+#   bash bench/device/stages.sh threads     # issue 13 step 3: the extractor with parent_copy_threads (cap 8) b8/b32, off, cap 16
 #   bash bench/device/stages.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
 #   bash bench/device/stages.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
 #   bash bench/device/stages.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
@@ -42,7 +43,7 @@ step() {
   timeout "$left" bash -c "$*" || echo "STEP FAILED or timed out (rc $?): $*" | tee -a "$OUT/skipped.txt"
 }
 # extract ARGS...: the extractor over 64 x $LENGTH random tokens of the 8B shape, its RESULT line
-extract() { PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M8 --samples 64 --length $LENGTH "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
+extract() { PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M8 --samples 64 --length $LENGTH "$@" 2>&1 | grep -E "RESULT|Error|torch threads" | tail -3; }
 export -f extract; export B M8 SPEC LENGTH
 case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
@@ -71,6 +72,15 @@ case "${1:?stage}" in
     step 150 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x$LENGTH,32x$LENGTH \
       --samples 64 --length $LENGTH 2>&1 | grep -vE 'INFO|WARNING|Warning|^ +(class|if|wrapper)' > $OUT/timeline-before.txt; grep -E 'RESULT|untimed|GB/s' $OUT/timeline-before.txt"
     step 90 "$B native --model $M8 --length $LENGTH --work /tmp/native-alone 2>&1 | grep RESULT | tail -1"  # vLLM's path alone, files on disk
+    ;;
+  threads)  # issue 13 step 3: the generator's process gets torch threads back for its copy (parent_copy_threads)
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    # one work folder at a time (4 GB each); the adapter's default cap first, then off (before), then 16
+    step 100 "rm -rf /tmp/t8 && extract --batch 8 --work /tmp/t8"
+    step 100 "rm -rf /tmp/t8-off && VLLM_COMPAT_PARENT_THREADS=0 extract --batch 8 --work /tmp/t8-off; rm -rf /tmp/t8-off"
+    step 100 "rm -rf /tmp/t32 && extract --batch 32 --work /tmp/t32; rm -rf /tmp/t32"
+    step 100 "rm -rf /tmp/t8-16 && VLLM_COMPAT_PARENT_THREADS=16 extract --batch 8 --work /tmp/t8-16; rm -rf /tmp/t8-16"
+    step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/t8 2>&1 | grep RESULT"  # states unchanged
     ;;
   smoke)
     $B env
