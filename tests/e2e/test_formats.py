@@ -75,16 +75,21 @@ def model():
     return harness.tiny_model("llama")
 
 
+def with_datasets() -> dict:
+    """speculators 0.3.0 (the generator), then the 0.9.0 folder, which brings ``datasets`` for the 0.5
+    layout's dataset index."""
+    return {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path(TRAINER_PROOF_RELEASES["speculators-0.3"])),
+                                           str(speculators_09()), ROOT])}
+
+
 @pytest.fixture(scope="module")
 def both(model, tmp_path_factory):
     """The same samples extracted into each layout (speculators 0.3.0 runs the generator; the 0.9.0
     folder, after it on the path, brings ``datasets`` for the 0.5 layout's dataset index)."""
     root = tmp_path_factory.mktemp("formats")
     rows = write_jsonl(root / "data.jsonl", SAMPLES, seed=21)
-    with_datasets = {"PYTHONPATH": os.pathsep.join([str(harness.speculators_path(TRAINER_PROOF_RELEASES["speculators-0.3"])), str(speculators_09()),
-                                                    ROOT])}
     for fmt, ids, out in (("speculators-0.3", IDS_03, "out03"), ("speculators-0.5", IDS_05, "out05")):
-        proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), env_extra=with_datasets)
+        proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), env_extra=with_datasets())
         assert proc.returncode == 0, proc.stderr[-4000:]
     return root, rows
 
@@ -275,3 +280,23 @@ def test_speculators_03_trainer_learns_from_the_03_layout(both, model, tmp_path)
                          ["0.3", str(root / "out03"), str(model), "3"], tmp_path)
     assert len(losses) >= 4, losses
     assert losses[-1] < losses[0], losses
+
+
+def test_the_native_backend_writes_the_05_layout_too(both, model, tmp_path):
+    """--backend vllm-native (vLLM's own extract_hidden_states) into the 0.5 layout: the same files,
+    ids and masks, states within the two backends' bf16 difference of the generator's."""
+    root, rows = both
+    proc = run_cli(*layout_args(model, root / "data.jsonl", tmp_path / "native", "speculators-0.5", IDS_05),
+                   "--backend", "vllm-native", env_extra=with_datasets())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import torch
+
+    from hidden_states.fixtures.reference import relative_errors
+
+    for i in range(SAMPLES):
+        native, generator = load_05(tmp_path / "native", i), load_05(root / "out05", i)
+        assert torch.equal(native["token_ids"], generator["token_ids"])
+        assert torch.equal(native["loss_mask"], generator["loss_mask"])
+        assert native["hidden_states"].shape == generator["hidden_states"].shape
+        assert float(relative_errors(native["hidden_states"], generator["hidden_states"]).max()) < 0.02
+    assert (tmp_path / "native" / "state.json").is_file()  # the dataset index the trainer opens
