@@ -26,8 +26,9 @@ from a process that has run a torch parallel region can hang in libgomp: this pr
 are spawned, ``worker_spawn`` sees to the workers.) The cap: the writer's threads and the workers
 share the host's cores with the copy, and 16 threads measured slower than 8 on a 16-core host.
 
-Measured (vLLM 0.20.0, H200, Llama-3-8B shape, one run each): the extractor at batch 8 went from
-28,685 to 34,304 tokens/s with 8 threads given through ``OMP_NUM_THREADS`` (16: 23,405).
+Measured (vLLM 0.20.0, H200, Llama-3-8B shape, 64 x 2048, one run each): the extractor at batch 8
+went from 27,799 tokens/s with the adapter off to 32,720 with it (a cap of 16: 22,607; 8 threads
+through ``OMP_NUM_THREADS`` earlier: 34,304), the states unchanged.
 
 Scope: consumer (vLLM's own engine keeps its single thread), where vLLM's workers are not on the
 CPU: vLLM's CPU workers use every core, which a multi-threaded parent would fight. Switch:
