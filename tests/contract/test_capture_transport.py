@@ -58,8 +58,10 @@ print(steady[len(steady) // 2])  # the median call: one call that a stray small 
 
 
 def clone_faults_per_mib(**env) -> float:
+    # a fresh process with only these variables: what earlier tests left in this one's environment
+    # must not decide how the child's allocator behaves
     run = subprocess.run([sys.executable, "-c", CLONING_PARENT], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env})
+                         env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path), **env})
     return float(run.stdout.strip().splitlines()[-1])
 
 

@@ -40,10 +40,15 @@ def init_executor_threads_only():
 
 @pytest.fixture
 def clean_threads(monkeypatch):
-    """No OMP_NUM_THREADS from outside, torch on START_THREADS; both restored afterwards."""
+    """No OMP_NUM_THREADS from outside, torch on START_THREADS, and vLLM's platform answering as a
+    GPU host's does (from 0.26.0 set_multiprocessing_worker_envs lowers the threads only where the
+    platform is not the CPU, and this host's is); all restored afterwards."""
     for name in VLLM_ENV:  # set then delete: monkeypatch restores each to absent
         monkeypatch.setenv(name, "0")
         monkeypatch.delenv(name)
+    platform = getattr(_executor_module(), "current_platform", None)
+    if platform is not None:
+        monkeypatch.setattr(type(platform), "is_cpu", lambda self: False)
     threads = torch.get_num_threads()
     torch.set_num_threads(START_THREADS)
     yield monkeypatch
