@@ -11,7 +11,7 @@ from tests.e2e import harness
 from tests.e2e.test_extractor import data_files, extract_args, run_cli, write_jsonl
 from vllm_compat.versions import base, vllm_version
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.backends]
 
 VERSION = base(vllm_version())
 
