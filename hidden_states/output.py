@@ -141,19 +141,27 @@ class OutputDir:
         """The folder of the format's sample files (the directory itself, or a folder in it)."""
         return (self.path / self.format.sample_file(0)).parent
 
-    def finished(self) -> dict[int, int | None]:
-        """Sample index -> length (None when only the file tells) of every finished sample; files
-        cut short are removed (and listed in ``cut_short``)."""
-        lengths: dict[int, int | None] = {}
+    def sample_files(self) -> tuple[set[int], dict[int, Path]]:
+        """The samples whose file is whole, and the files cut short by index; reads only."""
+        whole, cut_short = set(), {}
         for entry in os.scandir(self.samples_dir) if self.samples_dir.is_dir() else ():
             index = self.format.sample_index(entry.name)
             if index is None:
                 continue
             if self.format.ends_whole(Path(entry.path)):
-                lengths[index] = None
+                whole.add(index)
             else:
-                self.cut_short.append(index)
-                os.unlink(entry.path)
+                cut_short[index] = Path(entry.path)
+        return whole, cut_short
+
+    def finished(self) -> dict[int, int | None]:
+        """Sample index -> length (None when only the file tells) of every finished sample; files
+        cut short are removed (and listed in ``cut_short``)."""
+        whole, cut_short = self.sample_files()
+        lengths: dict[int, int | None] = dict.fromkeys(whole)
+        for index, path in cut_short.items():
+            self.cut_short.append(index)
+            os.unlink(path)
         for ledger in sorted(self.path.glob(LEDGERS)):
             for raw in ledger.read_text().splitlines():
                 try:

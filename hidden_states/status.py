@@ -7,7 +7,7 @@ from pathlib import Path
 
 from . import formats
 from .inputs import InputStream
-from .output import CONFIG, LEDGERS, TEMP_PREFIX, format_name, read_json
+from .output import CONFIG, LEDGERS, TEMP_PREFIX, OutputDir, format_name, read_json
 
 
 def _ranges(indices: list[int], shown: int = 8) -> str:
@@ -26,16 +26,9 @@ def status(path: str | Path) -> str:
     directory = Path(path)
     config_path = directory / CONFIG
     config = read_json(config_path, what="not an extraction's output directory")
-    format = formats.create(format_name(config), directory)
-    whole, cut_short, temporary = set(), [], 0
-    for entry in os.scandir(directory):
-        if entry.name.startswith(TEMP_PREFIX):
-            temporary += 1
-            continue
-        index = format.sample_index(entry.name)
-        if index is None:
-            continue
-        (whole.add if format.ends_whole(Path(entry.path)) else cut_short.append)(index)
+    # the format's own folder of sample files (speculators-0.5 keeps them in hidden_states/)
+    whole, cut_short = OutputDir(formats.create(format_name(config), directory)).sample_files()
+    temporary = sum(1 for entry in os.scandir(directory) if entry.name.startswith(TEMP_PREFIX))
     lines = [f"{directory}: {len(whole)} sample files whole"
              + (f", {len(cut_short)} cut short (redone by a rerun): {_ranges(sorted(cut_short))}" if cut_short else "")
              + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]

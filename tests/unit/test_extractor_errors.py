@@ -216,3 +216,18 @@ def test_broken_json_files_are_named(model, tmp_path, capsys):
     assert f"{out / 'data_config.json'}: unreadable (" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "nowhere")]) == 2
     assert f"{tmp_path / 'nowhere' / 'data_config.json'}: not an extraction's output directory (" in capsys.readouterr().err
+
+
+def test_status_reads_the_05_layouts_own_folder(tmp_path):
+    """speculators-0.5 keeps its sample files in hidden_states/: status counts them there."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from hidden_states.status import status
+
+    (tmp_path / "data_config.json").write_text(json.dumps({"format": {"name": "speculators-0.5"}}))
+    (tmp_path / "hidden_states").mkdir()
+    save_file({"hidden_states": torch.zeros(3, 2, 4), "token_ids": torch.arange(3)},
+              str(tmp_path / "hidden_states" / "hs_0.safetensors"))
+    (tmp_path / "hidden_states" / "hs_1.safetensors").write_bytes(b"cut")
+    assert status(tmp_path).splitlines()[0] == f"{tmp_path}: 1 sample files whole, 1 cut short (redone by a rerun): 1"
