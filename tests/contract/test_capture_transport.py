@@ -108,9 +108,11 @@ class TestCaptureTransport(AdapterContract):
         per MiB is one per page: what every call costs without it."""
         if platform.libc_ver()[0] != "glibc":
             pytest.skip("not glibc: no mallopt")
-        # The median call from the 4th on: reused pages (an odd call whose clones a small allocation
-        # left in a freed hole pushes to fresh pages raised the mean to 77 once on a busy 2-core host)
-        assert clone_faults_per_mib() < 64
+        # The median call from the 4th on, at most half its pages fresh. Not "none": a small
+        # allocation left in a freed hole pushes one clone of a call's four onto fresh pages, and on
+        # a busy 2-core CI host that happened on every call (64 per MiB, a quarter); without the
+        # setting every page of every clone is fresh (256)
+        assert clone_faults_per_mib() <= 128
         assert clone_faults_per_mib(VLLM_COMPAT_KEEP_FREED_HOST_MEMORY="0") > 200  # negative proof, this host
 
     def test_without_shared_memory_tensors_travel_out_of_band(self, monkeypatch):
