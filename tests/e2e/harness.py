@@ -36,7 +36,7 @@ MEAN_TOLERANCE = 0.05
 # after the first (a wrong rotation, a shifted slice): far above this share.
 ROUTED_LAYERS = {"deepseek": frozenset({2, 3, 5})}  # LAYER_IDS after first_k_dense_replace=1
 # every layer of the tiny Qwen3-MoE is routed (decoder_sparse_step=1)
-ROUTED_LAYERS["qwen3_moe"] = frozenset(LAYER_IDS)
+ROUTED_LAYERS["qwen3_moe"] = ROUTED_LAYERS["qwen3_moe_tp8"] = frozenset(LAYER_IDS)
 ROUTED_TOKEN_SHARE = 0.08
 
 
