@@ -148,7 +148,8 @@ def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_le
     path = Path(facts.path)
     index = path / _SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = read_json(index, PreflightError).get("weight_map")
+        listed = read_json(index, PreflightError)
+        weight_map = listed.get("weight_map") if isinstance(listed, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise PreflightError(f"{index}: no weight_map")
         files = sorted({path / name for name in weight_map.values()})

@@ -89,6 +89,14 @@ def test_a_shard_the_index_names_must_be_there_and_be_safetensors(tmp_path):
         estimate_memory(facts, 1, 1, 1)
 
 
+def test_an_index_without_a_weight_map_is_named(tmp_path):
+    path = tmp_path / "m"
+    facts = checkpoint(path, {"model.safetensors": dense()})
+    (path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(PreflightError, match=f"{path / 'model.safetensors.index.json'}: no weight_map"):
+        estimate_memory(facts, 1, 1, 1)
+
+
 def test_no_safetensors_no_estimate(tmp_path):
     path = tmp_path / "m"
     path.mkdir()
