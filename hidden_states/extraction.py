@@ -1,7 +1,8 @@
 """One extraction run, in stages: plan -> prepare -> load -> loop -> finish.
 
 * :meth:`Extraction.plan`: what can be checked before anything is written or loaded (settings, the
-  model's config, layer ids, tensor parallelism, the first samples of the input, read ahead);
+  model's config, layer ids, tensor parallelism, the first samples of the input, read ahead, the
+  memory the model needs per rank against the devices');
 * :meth:`Extraction.prepare`: the output directory (identity, config, finished samples, files cut
   short), the disk estimate, the vLLM audit, the samples still to do;
 * :meth:`Extraction.load`: the backend loads the model, then the forward check;
@@ -31,8 +32,8 @@ from .errors import OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
-from .preflight import (check_disk, check_first_samples, check_layer_ids, check_tensor_parallel, check_vllm,
-                        human_size, model_facts)
+from .preflight import (check_disk, check_first_samples, check_layer_ids, check_memory, check_tensor_parallel,
+                        check_vllm, device_budget, estimate_memory, human_size, model_facts)
 from .progress import Progress
 from .settings import Settings
 
@@ -88,7 +89,13 @@ class Extraction:
         settings: what to extract, where, how.
         log: the logger (one line per message); :func:`log_to_stderr` when None.
         source: the replica mode; the one ``settings`` ask for when None (``batches.batch_source``).
+
+    Attributes:
+        loads_model_here: the backend runs in this process, on this host's devices, against which
+            the plan checks the memory the model needs.
     """
+
+    loads_model_here = True
 
     def __init__(self, settings: Settings, *, log=None, source: BatchSource | None = None):
         self.settings = settings
@@ -132,7 +139,8 @@ class Extraction:
         return self.summary
 
     def plan(self) -> None:
-        """Settings, model config, layer ids, tensor parallelism and the input's first samples."""
+        """Settings, model config, layer ids, tensor parallelism, the input's first samples and the
+        memory the model needs on this host's devices."""
         settings = self.settings
         if settings.batch_size < 1:
             raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
@@ -160,6 +168,10 @@ class Extraction:
         self.summary.layer_ids = self.format_layer_ids
         self.input = InputStream(settings.prepared_data, facts.vocab_size)
         self.bytes_per_token = check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
+        if self.loads_model_here:  # last: asking the device imports vLLM (seconds)
+            memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
+            self.log(check_memory(settings.model_path, memory, device_budget(settings.gpu_memory_utilization))
+                     if memory else f"memory: not estimated ({facts.path} holds no .safetensors files)")
 
     def prepare(self) -> None:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""

@@ -1,7 +1,11 @@
 """Checks that run before any weight is loaded: each failure is one clear message."""
 from __future__ import annotations
 
+import json
+import math
+import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,8 @@ class ModelFacts:
     remote_code: bool
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mla_kv_dim: int | None = None  # MLA's cached latent per token and layer: kv_lora_rank + qk_rope_head_dim
 
 
 # Bytes per value of the states as written: vLLM's dtype "auto" (which the generator hard-codes)
@@ -47,8 +53,12 @@ def model_facts(model_path: str) -> ModelFacts:
     dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads", heads)
+    head_dim = text.get("head_dim") or (hidden // int(heads) if heads else None)
+    latent = text.get("kv_lora_rank")
     return ModelFacts(str(path.resolve()), num_layers, hidden, vocab, _DTYPE_BYTES.get(dtype, 2),
-                      "auto_map" in config, int(heads) if heads else None, int(kv_heads) if kv_heads else None)
+                      "auto_map" in config, int(heads) if heads else None, int(kv_heads) if kv_heads else None,
+                      int(head_dim) if head_dim else None,
+                      int(latent) + int(text.get("qk_rope_head_dim") or 0) if latent else None)
 
 
 def check_tensor_parallel(facts: ModelFacts, tp_size: int) -> None:
@@ -61,6 +71,182 @@ def check_tensor_parallel(facts: ModelFacts, tp_size: int) -> None:
     if kv and (kv % tp_size if kv >= tp_size else tp_size % kv):
         raise UsageError(f"--tp-size {tp_size}: the model's {kv} KV heads can be neither split nor replicated "
                          f"evenly over {tp_size} ranks")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one tensor-parallel rank needs at least, from the checkpoint's safetensors headers.
+
+    Attributes:
+        files: safetensors files read.
+        weights: bytes of every tensor vLLM loads, as stored (packed INT4 at its packed size).
+        weights_per_rank: the tensors of two or more dimensions divided by ``tp_size``, the others whole.
+        kv_per_rank: the KV cache of one batch of ``max_seq_len``-token sequences on one rank.
+        tp_size, batch_size, max_seq_len: what the estimate is for.
+    """
+
+    files: int
+    weights: int
+    weights_per_rank: int
+    kv_per_rank: int
+    tp_size: int
+    batch_size: int
+    max_seq_len: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.weights_per_rank + self.kv_per_rank
+
+    def line(self) -> str:
+        files = f"{self.files} file{'s' if self.files > 1 else ''}"
+        return (f"weights {human_size(self.weights)} as stored in {files}, about "
+                f"{human_size(self.weights_per_rank)} per rank at --tp-size {self.tp_size}, + "
+                f"{human_size(self.kv_per_rank)} KV cache for one batch ({self.batch_size} x {self.max_seq_len} "
+                f"tokens) = {human_size(self.per_rank)} per rank")
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """What the ranks may fill.
+
+    Attributes:
+        memory: one GPU's total bytes, or (``shared``) the host's available bytes.
+        utilization: ``--gpu-memory-utilization``; None where it does not bound the weights (CPU).
+        shared: every rank lives in this one memory (vLLM's CPU backend), so their needs add up.
+    """
+
+    memory: int
+    utilization: float | None
+    shared: bool
+
+    @property
+    def budget(self) -> int:
+        return int(self.memory * self.utilization) if self.utilization is not None else self.memory
+
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_MAX_HEADER = 100_000_000  # safetensors' own limit: a larger length is not a safetensors header
+_DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_len: int) -> MemoryEstimate | None:
+    """The least one rank holds, read from the safetensors headers alone (8 bytes of length, then JSON;
+    no tensor data is read); None for a checkpoint without safetensors files.
+
+    A tensor's size is its stored span (``data_offsets``), so a quantized checkpoint counts at its
+    packed size (compressed-tensors' int32 ``weight_packed`` with its scales). Decoder layers at or
+    past ``num_hidden_layers`` are left out: vLLM does not load them (DeepSeek-V3's MTP layer).
+
+    Per rank, a lower bound on purpose, since the check refuses on it: tensors of two or more
+    dimensions count as split over the ranks (vLLM splits linear layers, embeddings, the LM head and
+    each expert), the rest (norms, biases, per-tensor scales) whole on every rank. vLLM keeps a few
+    matrices whole too (MoE router gates; the low-rank query and KV down-projections of MLA models:
+    about 2 GB of a Kimi-K2-class model, counted here at 1/tp). The KV cache is one batch's: ``2 x KV
+    heads (at least one per rank) x head_dim`` per token and layer, or MLA's latent (``kv_lora_rank +
+    qk_rope_head_dim``), which every rank caches whole; activations and CUDA graphs are not counted.
+    """
+    path = Path(facts.path)
+    index = path / _SAFETENSORS_INDEX
+    if index.is_file():
+        listed = read_json(index, PreflightError)
+        weight_map = listed.get("weight_map") if isinstance(listed, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise PreflightError(f"{index}: no weight_map")
+        files = sorted({path / name for name in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    split = whole = 0
+    for file in files:
+        for name, dims, size in _tensor_sizes(file):
+            layer = _DECODER_LAYER.match(name)
+            if layer and int(layer.group(1)) >= facts.num_layers:
+                continue
+            if dims >= 2:
+                split += size
+            else:
+                whole += size
+    if facts.mla_kv_dim:
+        kv_per_token = facts.mla_kv_dim
+    elif facts.num_kv_heads and facts.head_dim:
+        kv_per_token = 2 * math.ceil(facts.num_kv_heads / tp_size) * facts.head_dim
+    else:
+        kv_per_token = 0
+    kv = kv_per_token * facts.num_layers * facts.dtype_bytes * batch_size * max_seq_len
+    return MemoryEstimate(len(files), split + whole, math.ceil(split / tp_size) + whole, kv, tp_size, batch_size,
+                          max_seq_len)
+
+
+def _tensor_sizes(file: Path):
+    """(name, dimensions, bytes) of each tensor in a safetensors file, from its header."""
+    try:
+        with file.open("rb") as stream:
+            (length,) = struct.unpack("<Q", stream.read(8))
+            if length > _MAX_HEADER:
+                raise ValueError(f"{length} bytes long")
+            header = json.loads(stream.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                yield name, len(entry["shape"]), end - start
+    except OSError as exc:
+        raise PreflightError(f"{file}: cannot read ({exc})") from None
+    except (struct.error, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise PreflightError(f"{file}: not a safetensors file (its header: {type(exc).__name__}: {exc})") from None
+
+
+def device_budget(gpu_memory_utilization: float) -> DeviceBudget | str:
+    """What vLLM's ranks may fill here, asked without creating a CUDA context in this process (vLLM
+    forks its workers; ``vllm_compat.host``); a string says why it is not known.
+
+    On a GPU: the first visible GPU's total memory (its ranks' GPUs taken to be alike) times
+    ``gpu_memory_utilization``, the share vLLM gives the weights, activations and KV cache.
+    On vLLM's CPU backend every rank lives in host memory, and what ``gpu_memory_utilization``
+    means there changed (up to 0.17 nothing: ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache; from
+    0.26 a share of the NUMA node, unless that variable is set): the ranks together against the
+    host's available memory, the one limit no setting moves.
+    """
+    try:
+        from vllm_compat.host import device_total_memory, host_memory, vllm_device_type
+
+        device = vllm_device_type()
+        if device == "cpu":
+            return DeviceBudget(host_memory()[0], None, shared=True)
+        total = device_total_memory()
+    except Exception as exc:  # noqa: BLE001 - an advisory check: vLLM reports its own failure at load
+        return f"asking vLLM's platform failed: {type(exc).__name__}: {exc}"
+    if total is None:
+        return f"vLLM on {device or 'this host'} tells it only by starting the device's runtime in this process"
+    return DeviceBudget(total, gpu_memory_utilization, shared=False)
+
+
+def check_memory(model_path: str, estimate: MemoryEstimate, budget: DeviceBudget | str) -> str:
+    """Refuse a model that cannot fit: ``estimate`` (a lower bound) over ``budget``. Returns the log line."""
+    if isinstance(budget, str):
+        return f"memory: {estimate.line()}; not compared with device memory ({budget})"
+    ranks = estimate.tp_size if budget.shared else 1
+    need = estimate.per_rank * ranks
+    if budget.shared:
+        against = (f"{human_size(budget.memory)} of host memory available (vLLM's CPU backend holds every rank "
+                   f"there)")
+        needed = f", {human_size(need)} for {ranks} ranks" if ranks > 1 else ""
+    else:
+        against = (f"{human_size(budget.budget)} per GPU ({human_size(budget.memory)} x --gpu-memory-utilization "
+                   f"{budget.utilization:g})")
+        needed = ""
+    if need <= budget.budget:
+        return f"memory: {estimate.line()}{needed}, within {against}"
+    share = need / budget.memory
+    if budget.shared:
+        remedy = "Free host memory, or run on GPUs"
+    elif share <= 1:
+        remedy = (f"Use more GPUs (a larger --tp-size), or --gpu-memory-utilization {math.ceil(share * 100) / 100:.2f} "
+                  f"or more")
+    else:
+        remedy = f"Even all of each GPU's memory is too little at --tp-size {estimate.tp_size}: use more GPUs"
+    raise PreflightError(f"--model-path {model_path}: the model does not fit: {estimate.line()}{needed}, more "
+                         f"than {against}. {remedy}.")
 
 
 def human_size(size: float) -> str:

@@ -137,6 +137,9 @@ class Handle:
 class RayExtraction(Extraction):
     """An :class:`Extraction` whose batches run on ``settings.data_parallel_size`` Ray replicas."""
 
+    # the replicas load the model, each on its own node's GPUs: each checks its memory in its own plan()
+    loads_model_here = False
+
     def __init__(self, settings, **kwargs):
         super().__init__(settings, **kwargs)
         self.ray = import_ray()

@@ -3,7 +3,7 @@ import pytest
 from tests.contract.base import AdapterContract
 
 import vllm_compat
-from vllm_compat.adapters.host_memory_info import host_mem_get_info
+from vllm_compat.host import host_memory
 
 
 class TestHostMemoryInfo(AdapterContract):
@@ -14,7 +14,7 @@ class TestHostMemoryInfo(AdapterContract):
         if vllm_compat.apply()[self.adapter_id].status != "applied":
             pytest.skip("a CUDA device is present or the consumer does not need it")
         free, total = generator_module.torch.cuda.mem_get_info()
-        assert 0 < free <= total == host_mem_get_info()[1]
+        assert 0 < free <= total == host_memory()[1]
         assert generator_module.torch.tensor([1, 2]).sum().item() == 3  # everything else passes through
         import torch
 

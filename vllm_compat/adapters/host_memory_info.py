@@ -10,35 +10,17 @@ Scope: consumer (names inside the speculators generator module only: its ``torch
 a proxy whose ``cuda.mem_get_info`` answers for the host, and 0.4's ``mem_get_info``); applied
 only when no CUDA device is available. Disable: ``VLLM_COMPAT_DISABLE=host_memory_info``.
 """
-import os
-
 import wrapt
 from packaging.specifiers import SpecifierSet
 
 from ..adapter import Adapter, Patch, Scope
 from ..consumer import IN_PROCESS_SPECULATORS, generator_name
-from ..host import vllm_device_type
-
-
-def host_mem_get_info(device=None) -> tuple[int, int]:
-    """(available, total) bytes of host memory, the CPU backend's stand-in for device memory."""
-    fields = {}
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                key, _, rest = line.partition(":")
-                fields[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = fields.get("MemTotal") or page * os.sysconf("SC_PHYS_PAGES")
-    available = fields.get("MemAvailable") or page * os.sysconf("SC_AVPHYS_PAGES")
-    return available, total
+from ..host import host_memory, vllm_device_type
 
 
 class _CudaOnHost(wrapt.ObjectProxy):
     def mem_get_info(self, device=None):
-        return host_mem_get_info(device)
+        return host_memory()
 
 
 class _TorchOnHost(wrapt.ObjectProxy):
@@ -68,7 +50,7 @@ ADAPTER = Adapter(
     patches=(
         Patch(generator_name("torch"), _TorchOnHost),
         Patch(generator_name("mem_get_info"), lambda original: wrapt.FunctionWrapper(
-            original, lambda wrapped, instance, args, kwargs: host_mem_get_info()), optional=True),
+            original, lambda wrapped, instance, args, kwargs: host_memory()), optional=True),
     ),
     verified_through="0.32.0",
     evidence="shared/CPU-VLLM.md; speculators 0.4.0 speculators/utils/util.py:34-43",
