@@ -5,6 +5,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
 
     python bench/gpu.py env
     python bench/gpu.py build --family llama3-8b --path /tmp/models/llama3-8b
+    python bench/gpu.py build --family kimi-k2-small-int4 --path /tmp/models/kimi-k2-small-int4  # + its -dequantized twin
     python bench/gpu.py matmul
     python bench/gpu.py prefill   --model M --samples 64 --length 2048          # vLLM alone
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
@@ -62,16 +63,20 @@ def sequences(model: str, samples: int, length: int, seed: int = 0) -> list[list
 
 
 def params(model: str) -> float:
-    """Non-embedding parameters, from the checkpoint's tensors (for the 2 x params FLOP/token roofline)."""
+    """Non-embedding parameters, from the checkpoint's tensors (for the 2 x params FLOP/token roofline).
+    A packed (compressed-tensors) weight counts as its ``weight_shape``; its scales are not parameters."""
     from safetensors import safe_open
 
     total = 0
     for file in Path(model).glob("*.safetensors"):
         with safe_open(file, "pt") as handle:
             for name in handle.keys():
-                if "embed_tokens" in name or "lm_head" in name:
+                if "embed_tokens" in name or "lm_head" in name or name.endswith(("weight_packed", "weight_scale")):
                     continue
-                shape = handle.get_slice(name).get_shape()
+                if name.endswith("weight_shape"):
+                    shape = handle.get_tensor(name).tolist()
+                else:
+                    shape = handle.get_slice(name).get_shape()
                 count = 1
                 for dim in shape:
                     count *= dim
@@ -321,10 +326,12 @@ def phase_forward_check(args) -> None:
 def phase_check(args) -> None:
     """The extractor's files for a few samples against HF transformers in fp32 on the GPU. With
     ``--bf16-floor``, HF's own bf16 forward against its fp32 one too: how far bf16 rounding alone
-    carries a layer of this (random-weight) model, the yardstick for the extractor's numbers."""
+    carries a layer of this (random-weight) model, the yardstick for the extractor's numbers. An
+    INT4 checkpoint of ``tiny_model`` is compared with HF on its dequantized twin, both ways."""
     import torch
 
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.fixtures.tiny_model import reference_checkpoint
 
     work = Path(args.work)
     files = sorted((work / "out").glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[: args.samples]
@@ -332,16 +339,17 @@ def phase_check(args) -> None:
     ids = [s["input_ids"].tolist() for s in saved]
     layers = default_layers(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = load_model(args.model, dtype="float32", device=device)
+    checkpoint = reference_checkpoint(args.model)
+    hf = load_model(checkpoint, dtype="float32", device=device)
     reference = decoder_layer_outputs(hf, ids, layers)
     del hf
     candidates = {"extractor": [s["hidden_states"] for s in saved]}
     if args.bf16_floor:
-        candidates["hf_bf16"] = decoder_layer_outputs(load_model(args.model, dtype="bfloat16", device=device), ids, layers)
+        candidates["hf_bf16"] = decoder_layer_outputs(load_model(checkpoint, dtype="bfloat16", device=device), ids, layers)
     for name, states in candidates.items():
         per_layer = [torch.cat([relative_errors(got[j], ref[j]) for got, ref in zip(states, reference)])
                      for j in range(len(layers))]
-        emit("check", model=Path(args.model).name, candidate=name, samples=len(saved),
+        emit("check", model=Path(args.model).name, reference=checkpoint.name, candidate=name, samples=len(saved),
              tokens=sum(len(i) for i in ids), layers=layers,
              state_dtype=str(states[0][0].dtype) if name == "extractor" else "torch.bfloat16 (HF forward)",
              max_relative_error=[round(float(e.max()), 4) for e in per_layer],

