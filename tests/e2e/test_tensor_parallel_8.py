@@ -35,6 +35,36 @@ def data(tmp_path_factory):
     return root / "data.jsonl", write_jsonl(root / "data.jsonl", SAMPLES, seed=8)
 
 
+def layer_errors(states, reference) -> list:
+    """Per layer, every token's relative error of ``states`` against ``reference``, pooled over samples."""
+    from hidden_states.fixtures.reference import relative_errors
+
+    return [torch.cat([relative_errors(got[j], ref[j]) for got, ref in zip(states, reference)])
+            for j in range(len(harness.LAYER_IDS))]
+
+
+def judge_against_bf16_floor(states, model, sequences) -> str:
+    """'ok', or the first layer whose errors against HF fp32 exceed HF's own bf16 forward's.
+
+    The routed tiny model's random router leaves near-ties that bf16 breaks differently from fp32: HF's
+    own bf16 forward sends 8-10 % of this model's tokens past 15 % at layers 2-5, at a mean of ~5 %,
+    and at eight ranks vLLM's reduction order is one more way to break them. So each layer is held to
+    that floor, measured here on the same samples, with room for vLLM's other kernels; a capture
+    defect (another sequence's rows, a shifted slice, a post-norm state) sends most tokens past it.
+    """
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model
+
+    hf = load_model(model)
+    reference = decoder_layer_outputs(hf, sequences, harness.LAYER_IDS)
+    floor = layer_errors(decoder_layer_outputs(hf.to(torch.bfloat16), sequences, harness.LAYER_IDS), reference)
+    for layer, got, hf_bf16 in zip(harness.LAYER_IDS, layer_errors(states, reference), floor):
+        share, floor_share = float((got > harness.TOLERANCE).float().mean()), float((hf_bf16 > harness.TOLERANCE).float().mean())
+        if float(got.mean()) > 1.5 * float(hf_bf16.mean()) or share > 1.5 * floor_share + 0.01:
+            return (f"wrong: layer {layer}: mean {float(got.mean()):.3f}, {share:.1%} of tokens over "
+                    f"{harness.TOLERANCE}; HF bf16 {float(hf_bf16.mean()):.3f}, {floor_share:.1%}")
+    return "ok"
+
+
 @pytest.mark.parametrize("family, backend", [("llama_tp8", "speculators"), ("qwen3_moe_tp8", "speculators"),
                                              ("llama_tp8", "vllm-native")])
 def test_blackwell_tp8_preset_at_eight_ranks_matches_hf(family, backend, data, tmp_path):
@@ -51,8 +81,12 @@ def test_blackwell_tp8_preset_at_eight_ranks_matches_hf(family, backend, data, t
     assert f"world_size={RANKS} rank={RANKS - 1}" in proc.stdout + proc.stderr  # vLLM's log: eight workers ran
     assert sorted(data_files(tmp_path / "out")) == list(range(SAMPLES))
     samples = [torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True) for i in range(SAMPLES)]
-    run = harness.Run([[{"input_ids": s["input_ids"].tolist(), "hidden_states": s["hidden_states"]} for s in samples]],
-                      None, None, proc.stderr)
-    calls = [[row["input_ids"] for row in rows]]
-    verdict = harness.judge(run, calls, harness.reference(model, calls), harness.ROUTED_LAYERS.get(family, frozenset()))
+    sequences = [row["input_ids"] for row in rows]
+    assert [s["input_ids"].tolist() for s in samples] == sequences
+    if family in harness.ROUTED_LAYERS:
+        verdict = judge_against_bf16_floor([s["hidden_states"] for s in samples], model, sequences)
+    else:
+        run = harness.Run([[{"input_ids": ids, "hidden_states": s["hidden_states"]} for ids, s in zip(sequences, samples)]],
+                          None, None, proc.stderr)
+        verdict = harness.judge(run, [sequences], harness.reference(model, [sequences]))
     assert verdict == "ok", verdict
