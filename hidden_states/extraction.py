@@ -216,7 +216,7 @@ class Extraction:
     def prepare(self) -> None:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""
         settings, layer_ids = self.settings, self.format_layer_ids
-        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers)
+        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log)
         self.output = OutputDir(self.format, tag=self.source.tag)
         self.config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

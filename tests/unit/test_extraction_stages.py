@@ -215,7 +215,7 @@ def test_every_default_is_the_settings_one():
 
 
 def test_a_sample_records_file_and_length_follow_the_format(tmp_path):
-    format = formats.create("speculators-0.3", tmp_path, formats.Layers([1], 2, 8))
+    format = formats.create("speculators-0.3", tmp_path, formats.Layers([1], 2, 8), log=quiet)
     record = format.record(Sample(4, 5, [1, 2, 3], None), [])
     assert (format.sample_file(4), format.sample_index("data_4.pt"), format.sample_index("data_4.pt.tmp")) == (
         "data_4.pt", 4, None)
