@@ -45,15 +45,12 @@ class SlowShutdownBackend:
 
 
 @pytest.fixture
-def job(tmp_path, monkeypatch):
-    """A model directory, three samples (3, 4 and 5 tokens) and settings that run the fake backend."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 64}))
+def job(fake_model, tmp_path, monkeypatch):
+    """Three samples (3, 4 and 5 tokens) of the fake model and settings that run the fake backend."""
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in (3, 4, 5)))
     monkeypatch.setattr(backends, "create", lambda name, settings: SlowShutdownBackend(settings))
-    return Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+    return Settings(model_path=str(fake_model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
                     batch_size=2, layer_ids=[1, 3], backend="fake", format="speculators-0.3")
 
 
