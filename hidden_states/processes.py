@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,16 +227,27 @@ class Children:
                     os.close(fd)
 
     def first_exits(self, wait: float = 0.0) -> list[Exit]:
-        """The child(ren) that ended first, with how each ended; [] when none has ended.
+        """The child(ren) that first ended in error (killed by a signal, or a non-zero exit code),
+        with how each ended; [] when none has. A child that exited with code 0 did its job and ended.
 
         Args:
-            wait: seconds to wait for one to end when none has yet and some are running (a process
-                whose failure the extractor learned of before it exited).
+            wait: seconds to wait for one to end in error when none has yet and some are running (a
+                process whose failure the extractor learned of before it exited).
         """
-        with self._changed:
-            self._changed.wait_for(lambda: self._ended or not self._watched, timeout=wait)
-            first = list(self._ended[0]) if self._ended else []
-        return [Exit(process.name, process.pid, _exitcode(process)) for process in first]
+        deadline = time.monotonic() + wait
+        checked = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self._ended) > checked or not self._watched,
+                                       timeout=max(0.0, deadline - time.monotonic()))
+                groups, running = self._ended[checked:], bool(self._watched)
+            for group in groups:
+                failed = [e for e in (Exit(p.name, p.pid, _exitcode(p)) for p in group) if e.exitcode != 0]
+                if failed:
+                    return failed
+            checked += len(groups)
+            if not running or time.monotonic() >= deadline:
+                return []
 
     def oom_kills(self) -> int | None:
         """Processes the kernel's OOM killer killed on this host since these children were first
