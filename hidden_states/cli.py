@@ -9,9 +9,10 @@
     python -m hidden_states status OUT
     python -m hidden_states demo [--output-dir demo-output]
 
-Exit codes: 0 done; 1 an unexpected failure (full traceback printed); 2 bad input or arguments
-(one line naming the file, line or flag); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (rerun
-the same command to resume).
+Exit codes: 0 done; 1 an unexpected failure (full traceback printed), or one of vLLM's processes died
+(the last line names it, how it ended and the likely cause); 2 bad input or arguments (one line
+naming the file, line or flag); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (rerun the same
+command to resume).
 """
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def convert(src: str | Path, dst: str | Path, to: str, log=print) -> int:
     order = [src_ids.index(layer) for layer in dst_ids]
     first = read_sample(name, files[0])
     layers = formats.Layers(dst_ids, num_layers=0, hidden_size=int(first[2][0].shape[-1]))  # num_layers: unused here
-    layout = formats.create(to, dst, layers)
+    layout = formats.create(to, dst, layers, log=lambda message: log(f"[hidden-states] {message}"))
     output = OutputDir(layout)
     dst_layer_ids = layer_conventions.from_extractor(to, dst_ids)
     output.prepare({"model": config.get("model"), "layer_ids": dst_layer_ids}, {

@@ -11,6 +11,10 @@
 * :meth:`Extraction.finish`: the writer drained, the backend shut down, the format's end-of-run
   files written (always, after a failure too).
 
+A failure that comes with the death of one of vLLM's processes (a worker the kernel's OOM killer
+ended, say) is reported as :class:`ProcessDied`, naming the process and how it ended
+(``processes.Children``), where vLLM's own error names neither.
+
 The input is opened once and read once, streaming (``inputs.InputStream``): the preflight peeks at
 its first samples, and the loop reads on from there. The plug-ins: the output format
 (``formats/``, a writer) and the replica mode (``batches.py``, a way to hand out batches).
@@ -28,7 +32,7 @@ from pathlib import Path
 
 from . import backends, formats, layer_conventions, processes
 from .batches import BatchSource, Pending, batch_source
-from .errors import OutputError, PreflightError, UsageError
+from .errors import ExtractError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
@@ -82,6 +86,23 @@ class ExtractionFailed(RuntimeError):
     """The backend raised on a batch; names the samples (index and line) it held."""
 
 
+class ProcessDied(RuntimeError):
+    """vLLM failed because one of its processes died; names it, how it ended and the likely cause.
+
+    Attributes:
+        exits: the process(es) that ended first (``processes.Exit``).
+    """
+
+    def __init__(self, message: str, exits: list[processes.Exit]):
+        super().__init__(message)
+        self.exits = exits
+
+
+# How long a failed run waits for one of vLLM's processes to exit before it shuts vLLM down: the
+# engine core of ``vllm.LLM`` reports its death to this process before it exits.
+EXIT_WAIT = 5.0
+
+
 class Extraction:
     """One extraction: :meth:`run` calls the stages in order; each keeps what it learns on the object.
 
@@ -117,6 +138,7 @@ class Extraction:
         self.backend = None
         self._layer_order: list[int] = []  # where each listed layer is among those the backend captures
         self.interrupt: Interrupt | None = None
+        self.children: processes.Children | None = None  # vLLM's processes, while the model is loaded
         self.writer: BackgroundWriter | None = None
         self.progress: Progress | None = None
         self._started = 0.0
@@ -130,13 +152,31 @@ class Extraction:
             self.summary.skipped = self.pending.skipped
             self.output.finish(self.finished)
             return self.summary
-        with processes.contained(), Interrupt(self.log) as self.interrupt:
+        with processes.contained() as self.children, Interrupt(self.log) as self.interrupt:
             try:
                 self.load()
                 self.loop(itertools.chain([first], batches))
+            except Exception as exc:
+                died = self.process_died(exc)
+                if died is None:
+                    raise
+                raise died from exc
             finally:
                 self.finish()
         return self.summary
+
+    def process_died(self, failure: Exception) -> ProcessDied | None:
+        """When ``failure`` came with the death of one of vLLM's processes (vLLM's own error then
+        says little: "cancelled", "EngineCore encountered an issue"), the error that names it."""
+        if isinstance(failure, ExtractError):  # the extractor's own clear errors: a full disk, bad input
+            return None
+        exits = self.children.first_exits(wait=EXIT_WAIT)
+        if not exits:
+            return None
+        oom_kills = self.children.oom_kills()
+        stopped = f"{type(failure).__name__}: {str(failure).rstrip('.') or '(no message)'}"
+        return ProcessDied("; ".join(e.explain(oom_kills) for e in exits) + f". The run stopped on it: {stopped}. "
+                           f"Finished samples are kept: rerun the same command to resume", exits)
 
     def plan(self) -> None:
         """Settings, model config, layer ids, tensor parallelism, the input's first samples and the
@@ -176,7 +216,7 @@ class Extraction:
     def prepare(self) -> None:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""
         settings, layer_ids = self.settings, self.format_layer_ids
-        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers)
+        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log)
         self.output = OutputDir(self.format, tag=self.source.tag)
         self.config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

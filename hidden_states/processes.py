@@ -15,14 +15,25 @@ and asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)`
 vLLM's code. The extractor alone then receives the signal and shuts vLLM down in order; and when it
 dies, its workers die with it, and multiprocessing's resource tracker (which ignores SIGINT/SIGTERM
 and is left as it is) removes their shared-memory segments. Linux only; elsewhere nothing changes.
+
+The block also records the processes started in it (:class:`Children`) and the order in which they
+end: when vLLM fails because one of them died (the kernel's OOM killer SIGKILLs a worker, a kernel
+crashes one), vLLM's own error says little ("cancelled", "EngineCore encountered an issue"), and
+:meth:`Children.first_exits` says which process it was and how it ended.
 """
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.connection
+import multiprocessing.process
 import multiprocessing.util
 import os
+import signal
 import sys
 import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 SPAWNED_CHILD = "--multiprocessing-fork"  # the last argument of every spawn-started child
 PR_SET_PDEATHSIG = 1
@@ -51,13 +62,216 @@ def _contain(spawnv_passfds):
 
 @contextlib.contextmanager
 def contained():
-    """Children spawned inside this block get their own process group and die with this process."""
+    """Children spawned inside this block get their own process group and die with this process.
+
+    Yields the :class:`Children` started in the block (recorded on Linux; elsewhere none)."""
+    children = Children()
     if not sys.platform.startswith("linux"):
-        yield
+        try:
+            yield children
+        finally:
+            children.close()
         return
-    original = multiprocessing.util.spawnv_passfds
-    multiprocessing.util.spawnv_passfds = _contain(original)
+    spawn, start = multiprocessing.util.spawnv_passfds, multiprocessing.process.BaseProcess.start
+    multiprocessing.util.spawnv_passfds = _contain(spawn)
+    multiprocessing.process.BaseProcess.start = _recorded(start, children)
     try:
-        yield
+        yield children
     finally:
-        multiprocessing.util.spawnv_passfds = original
+        multiprocessing.util.spawnv_passfds = spawn
+        multiprocessing.process.BaseProcess.start = start
+        children.close()
+
+
+def _recorded(start, children: Children):
+    def recorded_start(process):
+        start(process)
+        children.watch(process)
+
+    recorded_start.__wrapped__ = start
+    return recorded_start
+
+
+LESS_MEMORY = ("lower --batch-size or --gpu-memory-utilization, or spread the model over more ranks with a larger "
+               "--tp-size")
+# What a signal that the extractor did not send most likely means, and what to do about it.
+SIGNAL_CAUSES = {
+    signal.SIGKILL: "a SIGKILL nobody asked for is most often the kernel's OOM killer, which ends the largest "
+                    "process when the host runs out of memory (`dmesg` then shows 'Killed process {pid}'): "
+                    + LESS_MEMORY,
+    signal.SIGSEGV: "a crash in native code (a kernel or library vLLM runs; its output above may show where)",
+    signal.SIGBUS: "often shared memory (/dev/shm) running out: vLLM passes batches through it, and a "
+                   "container's is small unless enlarged (docker --shm-size)",
+    signal.SIGABRT: "an abort in native code (a failed check in a kernel or library; its output above shows "
+                    "the message)",
+    signal.SIGTERM: "another program asked it to stop (the extractor's own Ctrl-C and SIGTERM do not reach "
+                    "vLLM's processes; a scheduler that signals every process of a job, such as SLURM, does)",
+}
+# vLLM's engine core (``vllm.LLM``) exits with an error when one of its own workers dies; only it
+# learns how that worker ended, and says so in its log.
+ENGINE_CORE = "EngineCore"
+
+
+def oom_kills() -> int | None:
+    """The kernel's count of processes its OOM killer has killed since boot (``oom_kill`` in
+    /proc/vmstat, Linux 4.13+; host-wide, cgroup limits included), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How one child process ended.
+
+    Attributes:
+        name: its multiprocessing name (vLLM's ``VllmWorker-<rank>``, ``EngineCore_DP<n>``).
+        pid: its process id.
+        exitcode: multiprocessing's: the exit code, or ``-N`` when signal N killed it; None when
+            its status could not be learned.
+    """
+
+    name: str
+    pid: int
+    exitcode: int | None
+
+    def how(self) -> str:
+        if self.exitcode is None:
+            return "ended (how is not known)"
+        if self.exitcode < 0:
+            return f"was killed by {_signal_name(-self.exitcode)}"
+        return f"exited with code {self.exitcode}"
+
+    def explain(self, oom_kills: int | None = None) -> str:
+        """One sentence: which process, how it ended and what that most likely means.
+
+        Args:
+            oom_kills: processes the kernel's OOM killer killed during the run
+                (:meth:`Children.oom_kills`); None when not known.
+        """
+        text = f"vLLM's process {self.name} (pid {self.pid}) {self.how()}"
+        killed_by = -self.exitcode if self.exitcode is not None and self.exitcode < 0 else None
+        if self.exitcode is not None and self.exitcode >= 0:
+            text += " (its output above says why" + (
+                "; when one of its own workers died, vLLM's line 'Worker proc ... died unexpectedly' names it)"
+                if self.name.startswith(ENGINE_CORE) else ")")
+        elif killed_by in SIGNAL_CAUSES:
+            text += ": " + SIGNAL_CAUSES[killed_by].format(pid=self.pid)
+        if oom_kills:
+            text += f". The kernel's OOM killer killed {oom_kills} process(es) on this host during the run"
+            if killed_by != signal.SIGKILL:
+                text += f" (`dmesg` names them; if one was vLLM's: {LESS_MEMORY})"
+        elif oom_kills == 0 and killed_by == signal.SIGKILL:
+            text += (". The kernel's own count of OOM kills (oom_kill in /proc/vmstat) did not move during the run: "
+                     "another program may have sent it (a userspace OOM killer such as systemd-oomd or earlyoom, "
+                     "a scheduler, a person)")
+        return text
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class Children:
+    """The processes started while :func:`contained` is active, and the order in which they end.
+
+    A thread waits on each child's sentinel (a pipe multiprocessing gives every child, which closes
+    when it exits; this watches a duplicate of it, so the owner may close its own), so the first
+    to end is known even after vLLM has stopped the others in turn. The exit status comes from
+    multiprocessing itself (``Process.exitcode``); nothing here reaps a child of its own accord.
+    """
+
+    def __init__(self):
+        self._oom_kills_before = oom_kills()
+        self._changed = threading.Condition()
+        self._watched: dict[int, multiprocessing.process.BaseProcess] = {}  # our sentinel duplicate -> process
+        self._ended: list[list[multiprocessing.process.BaseProcess]] = []  # in order; each: seen ending together
+        self._wake_read, self._wake_write = os.pipe()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, process) -> None:
+        """Record ``process`` (started) and watch for its end."""
+        with self._changed:
+            if self._closed:
+                return
+            self._watched[os.dup(process.sentinel)] = process
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="hidden-states-children", daemon=True)
+                self._thread.start()
+        os.write(self._wake_write, b".")
+
+    def _watch(self) -> None:
+        while True:
+            with self._changed:
+                if self._closed:
+                    return
+                sentinels = list(self._watched)
+            ready = multiprocessing.connection.wait([*sentinels, self._wake_read])
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
+            ended = [fd for fd in ready if fd != self._wake_read]
+            if ended:
+                with self._changed:
+                    self._ended.append([self._watched.pop(fd) for fd in ended])
+                    self._changed.notify_all()
+                for fd in ended:
+                    os.close(fd)
+
+    def first_exits(self, wait: float = 0.0) -> list[Exit]:
+        """The child(ren) that first ended in error (killed by a signal, or a non-zero exit code),
+        with how each ended; [] when none has. A child that exited with code 0 did its job and ended.
+
+        Args:
+            wait: seconds to wait for one to end in error when none has yet and some are running (a
+                process whose failure the extractor learned of before it exited).
+        """
+        deadline = time.monotonic() + wait
+        checked = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self._ended) > checked or not self._watched,
+                                       timeout=max(0.0, deadline - time.monotonic()))
+                groups, running = self._ended[checked:], bool(self._watched)
+            for group in groups:
+                failed = [e for e in (Exit(p.name, p.pid, _exitcode(p)) for p in group) if e.exitcode != 0]
+                if failed:
+                    return failed
+            checked += len(groups)
+            if not running or time.monotonic() >= deadline:
+                return []
+
+    def oom_kills(self) -> int | None:
+        """Processes the kernel's OOM killer killed on this host since these children were first
+        recorded; None where its count cannot be read."""
+        now = oom_kills()
+        return None if now is None or self._oom_kills_before is None else now - self._oom_kills_before
+
+    def close(self) -> None:
+        """Stop watching (the processes themselves are left as they are)."""
+        with self._changed:
+            self._closed = True
+        os.write(self._wake_write, b".")
+        if self._thread is not None:
+            self._thread.join()
+        for fd in (*self._watched, self._wake_read, self._wake_write):
+            os.close(fd)
+        self._watched.clear()
+
+
+def _exitcode(process, timeout: float = 5.0) -> int | None:
+    """How ``process`` ended, from multiprocessing: its sentinel closes a moment before the kernel
+    can report the exit, so this waits (``join``) for multiprocessing to learn it."""
+    try:
+        process.join(timeout)
+        return process.exitcode
+    except (ValueError, AssertionError):  # closed by its owner, or not this process's child
+        return None

@@ -80,7 +80,7 @@ class Replica:
 
         ext = self.extraction
         ext.plan()
-        ext.format = formats.create(ext.format_name, Path(ext.settings.output_dir), ext.layers)
+        ext.format = formats.create(ext.format_name, Path(ext.settings.output_dir), ext.layers, log=ext.log)
         ext.output = OutputDir(ext.format, tag=self.tag)
         ext.config = self.config
         started = time.monotonic()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Callable, Protocol
 
 from ..inputs import Sample
 
@@ -46,6 +46,7 @@ class Format(Protocol):
     name: str
     directory: Path
     layers: Layers | None  # None only for a bare writer (bench/writer.py): no describe or finish
+    log: Callable[[str], None] | None  # the run's logger, one line per message (None: layers is None too)
 
     def describe(self) -> dict: ...  # data_config.json's "format" entry
 
@@ -70,9 +71,20 @@ class Format(Protocol):
 FORMATS = {"speculators-0.3": "speculators_03", "speculators-0.5": "speculators_05"}
 
 
-def create(name: str, directory: Path, layers: Layers | None = None) -> Format:
-    """The format ``name`` writing into ``directory``."""
+def create(name: str, directory: Path, layers: Layers | None = None, *, log: Callable[[str], None] | None = None
+           ) -> Format:
+    """The format ``name`` writing into ``directory``.
+
+    Args:
+        name: a ``--format`` name.
+        directory: the output directory.
+        layers: the captured layers; None for a format that only names and reads files, or a bare writer.
+        log: the run's logger, through which the format says what it does at the end of a run
+            (``finish``); needed with ``layers``.
+    """
     if name not in FORMATS:
         raise ValueError(f"unknown format {name!r} (known: {', '.join(FORMATS)})")
+    if layers is not None and log is None:
+        raise ValueError(f"format {name!r} writing a run needs the run's logger (log=)")
     module = importlib.import_module(f"{__name__}.{FORMATS[name]}")
-    return module.FORMAT(Path(directory), layers)
+    return module.FORMAT(Path(directory), layers, log)

@@ -25,9 +25,10 @@ ZIP_END = b"PK\x05\x06"  # torch.save writes a zip: its end-of-central-directory
 class Speculators03:
     name = "speculators-0.3"
 
-    def __init__(self, directory: Path, layers: Layers | None):
+    def __init__(self, directory: Path, layers: Layers | None, log=None):
         self.directory = directory
         self.layers = layers
+        self.log = log
 
     def describe(self) -> dict:
         return {

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import struct
-import sys
 from pathlib import Path
 from typing import BinaryIO
 
@@ -80,9 +79,10 @@ def read_sample(path: Path) -> dict:
 class Speculators05:
     name = SPECULATORS_05
 
-    def __init__(self, directory: Path, layers: Layers | None):
+    def __init__(self, directory: Path, layers: Layers | None, log=None):
         self.directory = directory
         self.layers = layers
+        self.log = log
         if layers is not None and list(layers.ids) != sorted(set(layers.ids)):
             raise ValueError(f"{self.name} stores layers once each, in ascending order; got {layers.ids}")
 
@@ -138,10 +138,9 @@ class Speculators05:
         missing = sorted(set(range(max(lengths, default=-1) + 1)) - set(lengths))
         if not lengths or missing:
             shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-            print(f"[hidden-states] {self.name}: the dataset index is not written: "
-                  + (f"samples {shown} have no file yet" if missing else "no sample is finished")
-                  + " (the trainer maps row i to hs_i.safetensors); extract them and it is",
-                  file=sys.stderr, flush=True)
+            self.log(f"{self.name}: the dataset index is not written: "
+                     + (f"samples {shown} have no file yet" if missing else "no sample is finished")
+                     + " (the trainer maps row i to hs_i.safetensors); extract them and it is")
             return
         write_dataset(self.directory, len(lengths))
 

@@ -283,6 +283,50 @@ def test_a_signal_to_the_process_group_finishes_the_batch_and_resumes(model, tmp
     _assert_same_as_clean(tmp_path / "out", clean_run, range(INTERRUPTED_ROWS))
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.faults
+def test_a_killed_vllm_worker_is_named_and_the_rerun_resumes(model, tmp_path):
+    """What the kernel's OOM killer does to a vLLM worker mid-run (seen at TP=8 on CPU): the error
+    names the worker, its pid and SIGKILL, and the likely cause, where vLLM's own error is only
+    'cancelled'; the finished files are kept and a rerun extracts the rest."""
+    rows = write_jsonl(tmp_path / "data.jsonl", INTERRUPTED_ROWS, seed=INTERRUPTED_SEED)
+    out = tmp_path / "out"
+    proc, _, _ = _run_until(model, tmp_path / "data.jsonl", out, 4)
+    # vLLM titles its workers' processes "VLLM::Worker..." (setproctitle) once they run
+    workers = sorted(pid for pid in _descendants(proc.pid) if _cmdline(pid).startswith(b"VLLM::Worker"))
+    assert workers, {pid: _cmdline(pid)[:80] for pid in _descendants(proc.pid)}
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]
+    assert len(failed) == 1, err[-3000:]
+    assert re.search(rf"vLLM's process VllmWorker-\d+ \(pid {workers[0]}\) was killed by SIGKILL", failed[0]), failed[0]
+    assert "the kernel's OOM killer" in failed[0] and "dmesg" in failed[0] and "--batch-size" in failed[0], failed[0]
+    assert "rerun the same command to resume" in failed[0], failed[0]
+
+    import torch
+
+    survived = data_files(out)
+    assert len(survived) >= 4
+    for index in survived:  # every file the run kept is whole and holds its sample
+        saved = torch.load(out / f"data_{index}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == rows[index]["input_ids"]
+        assert [tuple(layer.shape) for layer in saved["hidden_states"]] == [(len(rows[index]["input_ids"]), 128)] * 4
+    assert not list(out.glob(".tmp-*"))
+    resumed = run_cli(*extract_args(model, tmp_path / "data.jsonl", out, "--batch-size", "4"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{INTERRUPTED_ROWS - len(survived)} samples extracted, {len(survived)} already finished" in resumed.stderr
+    after = data_files(out)
+    assert sorted(after) == list(range(INTERRUPTED_ROWS))
+    assert all(after[i].st_mtime_ns == survived[i].st_mtime_ns for i in survived), "a finished sample was redone"
+
+
 @pytest.mark.faults
 def test_full_disk_stops_cleanly_and_keeps_finished_work(model, tmp_path):
     write_jsonl(tmp_path / "data.jsonl", 20, seed=7)

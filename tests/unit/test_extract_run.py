@@ -1,7 +1,9 @@
 """The extraction run around a backend: what its summary counts, and what a rerun trusts. A small
 fake backend stands in for vLLM here; the real one runs in tests/e2e/test_extractor.py."""
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -43,15 +45,12 @@ class SlowShutdownBackend:
 
 
 @pytest.fixture
-def job(tmp_path, monkeypatch):
-    """A model directory, three samples (3, 4 and 5 tokens) and settings that run the fake backend."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 64}))
+def job(fake_model, tmp_path, monkeypatch):
+    """Three samples (3, 4 and 5 tokens) of the fake model and settings that run the fake backend."""
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in (3, 4, 5)))
     monkeypatch.setattr(backends, "create", lambda name, settings: SlowShutdownBackend(settings))
-    return Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+    return Settings(model_path=str(fake_model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
                     batch_size=2, layer_ids=[1, 3], backend="fake", format="speculators-0.3")
 
 
@@ -152,6 +151,72 @@ def test_a_full_disk_is_one_message_naming_the_file_and_keeps_finished_samples(j
     for path in finished:  # every file under a final name is whole
         assert torch.load(path, weights_only=True)["hidden_states"][0].shape == (2, 4096)
     assert not list(out.glob(".tmp-*"))
+
+
+class DyingWorkerBackend(SlowShutdownBackend):
+    """Runs a worker process, as vLLM's executor does; on the second batch the worker is SIGKILLed
+    (as the kernel's OOM killer does) and the backend fails with what vLLM then raises."""
+
+    worker = None
+
+    def start(self):
+        import multiprocessing
+
+        type(self).worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,),
+                                                                          name="VllmWorker-0", daemon=True)
+        self.worker.start()
+        self.batches = 0
+        return super().start()
+
+    def extract(self, batch):
+        self.batches += 1
+        if self.batches == 2:
+            os.kill(self.worker.pid, signal.SIGKILL)
+            raise RuntimeError("cancelled")
+        return super().extract(batch)
+
+    def close(self):
+        self.worker.terminate()
+        self.worker.join()
+
+
+def test_a_worker_process_that_dies_is_named_and_the_finished_samples_are_kept(job, monkeypatch):
+    from hidden_states.extraction import ExtractionFailed, ProcessDied
+
+    monkeypatch.setattr(backends, "create", lambda name, settings: DyingWorkerBackend(settings))
+    with pytest.raises(ProcessDied) as died:
+        run(job, log=lambda message: None)
+    pid = DyingWorkerBackend.worker.pid
+    message = str(died.value)
+    assert message.startswith(f"vLLM's process VllmWorker-0 (pid {pid}) was killed by SIGKILL: a SIGKILL nobody "
+                              f"asked for is most often the kernel's OOM killer"), message
+    assert message.endswith("The run stopped on it: ExtractionFailed: extracting samples 2 (line 3) failed: "
+                            "RuntimeError: cancelled. Finished samples are kept: rerun the same command to resume")
+    assert [(e.name, e.pid, e.exitcode) for e in died.value.exits] == [("VllmWorker-0", pid, -signal.SIGKILL)]
+    assert isinstance(died.value.__cause__, ExtractionFailed)
+    assert data_files(job) == ["data_0.pt", "data_1.pt"]
+
+
+class FailingBackend(DyingWorkerBackend):
+    """Fails on the second batch with its worker alive (an error vLLM reports, not a death)."""
+
+    def extract(self, batch):
+        self.batches += 1
+        if self.batches == 2:
+            raise RuntimeError("Worker failed with error 'shape mismatch'")
+        return SlowShutdownBackend.extract(self, batch)
+
+
+def test_a_failure_without_a_death_is_reported_as_it_is_after_a_bounded_wait(job, monkeypatch):
+    from hidden_states import extraction
+
+    monkeypatch.setattr(backends, "create", lambda name, settings: FailingBackend(settings))
+    monkeypatch.setattr(extraction, "EXIT_WAIT", 0.5)
+    started = time.monotonic()
+    with pytest.raises(extraction.ExtractionFailed, match="RuntimeError: Worker failed with error 'shape mismatch'"):
+        run(job, log=lambda message: None)
+    assert time.monotonic() - started < 0.5 + SHUTDOWN + 5
+    assert data_files(job) == ["data_0.pt", "data_1.pt"]
 
 
 @pytest.mark.parametrize("depth, expected", [

@@ -45,16 +45,13 @@ class FakeBackend:
 
 
 @pytest.fixture
-def job(tmp_path, monkeypatch):
-    """A 4-layer model and six samples of 3..8 tokens."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 64}))
+def job(fake_model, tmp_path, monkeypatch):
+    """Six samples of 3..8 tokens of the fake 4-layer model."""
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in range(3, 9)))
     FakeBackend.created = 0
     monkeypatch.setattr(backends, "create", lambda name, settings: FakeBackend(settings))
-    return Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+    return Settings(model_path=str(fake_model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
                     batch_size=2, layer_ids=[3, 1], backend="fake", format="speculators-0.3")
 
 
@@ -215,7 +212,7 @@ def test_every_default_is_the_settings_one():
 
 
 def test_a_sample_records_file_and_length_follow_the_format(tmp_path):
-    format = formats.create("speculators-0.3", tmp_path, formats.Layers([1], 2, 8))
+    format = formats.create("speculators-0.3", tmp_path, formats.Layers([1], 2, 8), log=quiet)
     record = format.record(Sample(4, 5, [1, 2, 3], None), [])
     assert (format.sample_file(4), format.sample_index("data_4.pt"), format.sample_index("data_4.pt.tmp")) == (
         "data_4.pt", 4, None)

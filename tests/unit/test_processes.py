@@ -82,3 +82,98 @@ def test_outside_the_block_children_are_left_as_they_are():
     with contained():
         assert multiprocessing.util.spawnv_passfds is not original
     assert multiprocessing.util.spawnv_passfds is original
+
+
+def test_outside_the_block_process_starts_are_no_longer_recorded():
+    import multiprocessing.process
+
+    from hidden_states.processes import contained
+
+    original = multiprocessing.process.BaseProcess.start
+    with contained():
+        assert multiprocessing.process.BaseProcess.start is not original
+    assert multiprocessing.process.BaseProcess.start is original
+
+
+def test_the_first_child_to_die_is_named_with_its_signal_though_others_end_after_it():
+    """What vLLM does after one worker dies: it stops the others (here SIGTERM); the one that died
+    first is the one named."""
+    import multiprocessing
+
+    from hidden_states.processes import contained
+
+    spawn = multiprocessing.get_context("spawn")
+    with contained() as children:
+        helper = spawn.Process(target=time.sleep, args=(0,), name="Helper")  # ends well: not a death
+        helper.start()
+        helper.join()
+        workers = [spawn.Process(target=time.sleep, args=(60,), name=f"Worker-{rank}") for rank in range(3)]
+        for worker in workers:
+            worker.start()
+        assert children.first_exits(wait=0.2) == []  # running, or ended with code 0: nothing to name
+        os.kill(workers[1].pid, signal.SIGKILL)
+        killed = [("Worker-1", workers[1].pid, -signal.SIGKILL)]
+        assert [(e.name, e.pid, e.exitcode) for e in children.first_exits(wait=10)] == killed
+        for worker in (workers[0], workers[2]):
+            worker.terminate()
+            worker.join()
+        assert [(e.name, e.pid, e.exitcode) for e in children.first_exits()] == killed
+
+
+def test_a_run_without_children_is_not_kept_waiting():
+    from hidden_states.processes import contained
+
+    with contained() as children:
+        started = time.monotonic()
+        assert children.first_exits(wait=30) == []
+    assert time.monotonic() - started < 1
+
+
+@pytest.mark.parametrize("exitcode, says", [
+    (-signal.SIGKILL, "vLLM's process VllmWorker-5 (pid 4242) was killed by SIGKILL: a SIGKILL nobody asked for is "
+                      "most often the kernel's OOM killer, which ends the largest process when the host runs out of "
+                      "memory (`dmesg` then shows 'Killed process 4242'): lower --batch-size or "
+                      "--gpu-memory-utilization, or spread the model over more ranks with a larger --tp-size"),
+    (-signal.SIGSEGV, "vLLM's process VllmWorker-5 (pid 4242) was killed by SIGSEGV: a crash in native code"),
+    (-signal.SIGBUS, "was killed by SIGBUS: often shared memory (/dev/shm) running out"),
+    (-signal.SIGABRT, "was killed by SIGABRT: an abort in native code"),
+    (-signal.SIGTERM, "was killed by SIGTERM: another program asked it to stop"),
+    (-signal.SIGUSR1, "vLLM's process VllmWorker-5 (pid 4242) was killed by SIGUSR1"),
+    (-99, "vLLM's process VllmWorker-5 (pid 4242) was killed by signal 99"),
+    (1, "vLLM's process VllmWorker-5 (pid 4242) exited with code 1 (its output above says why)"),
+    (0, "vLLM's process VllmWorker-5 (pid 4242) exited with code 0 (its output above says why)"),
+    (None, "vLLM's process VllmWorker-5 (pid 4242) ended (how is not known)"),
+], ids=["SIGKILL", "SIGSEGV", "SIGBUS", "SIGABRT", "SIGTERM", "SIGUSR1", "signal-99", "code-1", "code-0", "unknown"])
+def test_an_exit_says_how_the_process_ended_and_what_that_likely_means(exitcode, says):
+    from hidden_states.processes import Exit
+
+    explained = Exit("VllmWorker-5", 4242, exitcode).explain()
+    assert explained.startswith(says) if says.startswith("vLLM") else says in explained, explained
+
+
+def test_the_kernels_oom_kills_during_the_run_are_said():
+    from hidden_states.processes import Exit
+
+    killed = Exit("VllmWorker-1", 7, -signal.SIGKILL)
+    assert "OOM kills" not in killed.explain(None) and "process(es)" not in killed.explain(None)
+    assert killed.explain(2).endswith(". The kernel's OOM killer killed 2 process(es) on this host during the run")
+    assert killed.explain(0).endswith(". The kernel's own count of OOM kills (oom_kill in /proc/vmstat) did not move "
+                                      "during the run: another program may have sent it (a userspace OOM killer such "
+                                      "as systemd-oomd or earlyoom, a scheduler, a person)")
+    # the engine core of vllm.LLM exits with an error when a worker of its own was killed
+    engine = Exit("EngineCore_DP0", 8, 1)
+    assert engine.explain(0) == ("vLLM's process EngineCore_DP0 (pid 8) exited with code 1 (its output above says "
+                                 "why; when one of its own workers died, vLLM's line 'Worker proc ... died "
+                                 "unexpectedly' names it)")
+    assert engine.explain(1).endswith(". The kernel's OOM killer killed 1 process(es) on this host during the run "
+                                      "(`dmesg` names them; if one was vLLM's: lower --batch-size or "
+                                      "--gpu-memory-utilization, or spread the model over more ranks with a larger "
+                                      "--tp-size)")
+
+
+def test_the_kernels_oom_kill_count_is_read():
+    from hidden_states.processes import oom_kills
+
+    if "oom_kill " not in Path("/proc/vmstat").read_text():
+        pytest.skip("this kernel does not count OOM kills in /proc/vmstat (before Linux 4.13)")
+    assert isinstance(oom_kills(), int)
