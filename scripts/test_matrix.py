@@ -69,6 +69,10 @@ DEFAULT_PLAN = {"minutes": 10, "negative": None, "extractor": True, "backends": 
 _print_lock = threading.Lock()
 
 
+def plan_of(version: str) -> dict:
+    return MATRIX.get(version, DEFAULT_PLAN)
+
+
 def pytest(python: Path, args: list[str], env: dict[str, str], label: str, results: list, live: bool) -> None:
     """Run one suite; with ``live`` its output streams, else it is printed whole when the suite ends."""
     started = time.monotonic()
@@ -88,7 +92,7 @@ def pytest(python: Path, args: list[str], env: dict[str, str], label: str, resul
 
 
 def e2e_arguments(version: str) -> list[str]:
-    plan = MATRIX.get(version, DEFAULT_PLAN)
+    plan = plan_of(version)
     e2e = ["-q", "--durations=10", "tests/e2e"]
     if plan["negative"] is not None:
         e2e += ["--negative-only", plan["negative"]]
@@ -107,7 +111,7 @@ def run_release(version: str, python: Path, base_env: dict[str, str], extra: lis
         env = {**base_env, "PYTHONPATH": str(vllm_venv.CACHE / "speculators" / spec)}
         pytest(python, ["-q", "tests/contract", *extra], env, f"contract vllm {version} speculators {spec}", results, live)
     env = base_env
-    if MATRIX.get(version, DEFAULT_PLAN)["data_parallel"]:
+    if plan_of(version)["data_parallel"]:
         env = {**base_env, "PYTHONPATH": str(vllm_venv.build_ray(python))}
     pytest(python, [*e2e_arguments(version), *extra], env, f"e2e vllm {version}", results, live)
 
@@ -116,9 +120,9 @@ def lanes(versions: list[str], count: int) -> list[list[str]]:
     """Releases spread over ``count`` lanes, longest first onto the least loaded lane; each lane keeps
     the matrix's order."""
     loads = [[0, []] for _ in range(min(count, len(versions)) or 1)]
-    for version in sorted(versions, key=lambda v: -MATRIX.get(v, DEFAULT_PLAN)["minutes"]):
+    for version in sorted(versions, key=lambda v: -plan_of(v)["minutes"]):
         lane = min(loads, key=lambda load: load[0])
-        lane[0] += MATRIX.get(version, DEFAULT_PLAN)["minutes"]
+        lane[0] += plan_of(version)["minutes"]
         lane[1].append(version)
     return [sorted(members, key=versions.index) for _, members in loads]
 
