@@ -11,7 +11,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
-    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--skip-forward-check]
+    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--skip-forward-check] [--no-overlap]
     python bench/gpu.py forward-check --model M                                  # the extractor's preflight alone
     python bench/gpu.py check     --model M --samples 4 [--bf16-floor]           # extractor (and HF bf16) vs HF fp32
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
@@ -277,7 +277,8 @@ def phase_extract(args) -> None:
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
                "--format", "speculators-0.3", "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
-               "--backend", args.backend] + (["--skip-forward-check"] if args.skip_forward_check else [])
+               "--backend", args.backend] + (["--skip-forward-check"] if args.skip_forward_check else []) \
+        + (["--no-overlap"] if args.no_overlap else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
     # "forward check ok: N kernel self-tests on the model's own layouts in X s", between the load and the run
@@ -290,7 +291,7 @@ def phase_extract(args) -> None:
                    load=r"model load ([\d.]+) s", shutdown=r"shutdown ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
     found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
     emit("extract", model=Path(args.model).name, backend=args.backend, batch=args.batch, tp=args.tp,
-         tokens=int(found["tokens"]),
+         overlap=not args.no_overlap, tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
          shutdown_seconds=found["shutdown"],
          gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"],
@@ -385,6 +386,7 @@ def main(argv=None) -> int:
                         help="generator: speculators' MIN_MAX_BATCHED_TOKENS (scheduler tokens per step)")
     parser.add_argument("--bf16-floor", action="store_true", help="check: also HF bf16 against HF fp32")
     parser.add_argument("--skip-forward-check", action="store_true", help="extract: pass --skip-forward-check")
+    parser.add_argument("--no-overlap", action="store_true", help="extract: pass --no-overlap (one batch at a time)")
     parser.add_argument("--compiled", action="store_true", help="prefill: vLLM's compiled mode (default: eager)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)

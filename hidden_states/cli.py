@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
     extract.add_argument("--writer-threads", type=at_least(1), default=default("writer_threads"),
                          help=f"threads writing files (default {default('writer_threads')})")
+    extract.add_argument("--no-overlap", action="store_true",
+                         help="one batch at a time: the next batch's forward does not run while this batch's "
+                              "states are copied out (the speculators backend overlaps them by default)")
     convert = sub.add_parser("convert", help="convert an extraction to the other layout (no model, no GPU; a "
                                              "rerun resumes)")
     convert.add_argument("src", help="a finished extraction's output directory")
@@ -124,6 +127,7 @@ def settings_from(args) -> Settings:
                     max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
                     backend=args.backend, format=args.format, progress_interval=args.progress_interval,
                     writer_threads=args.writer_threads, forward_check=not args.skip_forward_check,
+                    overlap=not args.no_overlap,
                     shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
                     ray_address=args.ray_address, **tuned)
 

@@ -140,6 +140,7 @@ class Extraction:
         self.interrupt: Interrupt | None = None
         self.children: processes.Children | None = None  # vLLM's processes, while the model is loaded
         self.writer: BackgroundWriter | None = None
+        self._in_flight: tuple | None = None  # (batch, future): submitted to the backend, not yet written
         self.progress: Progress | None = None
         self._started = 0.0
 
@@ -257,7 +258,7 @@ class Extraction:
         self.backend = backends.create(settings.backend, backends.BackendSettings(
             model_path=settings.model_path, layer_ids=captured, max_seq_len=settings.max_seq_len,
             tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
-            trust_remote_code=settings.trust_remote_code))
+            trust_remote_code=settings.trust_remote_code, overlap=settings.overlap))
         self._layer_order = [captured.index(layer) for layer in self.layers.ids]
         started = time.monotonic()
         self.log(f"starting the {settings.backend} backend: vLLM loads the model (tens of seconds; Ctrl-C stops "
@@ -280,12 +281,21 @@ class Extraction:
         self.progress = Progress(self.source.expected(todo), log=self.log, exact=exact,
                                  interval=self.settings.progress_interval)
         self.interrupt.extracting = True
+        batches = iter(batches)
         try:
-            for batch in batches:
+            while True:
+                try:
+                    batch = next(batches, None)
+                except BaseException:  # bad input met while reading the next batch: keep what ran
+                    self._write_in_flight()
+                    raise
+                if batch is None:
+                    break
                 self._extract(batch)
                 if self.interrupt.requested is not None:
                     self.summary.interrupted = self.interrupt.requested
                     break
+            self._write_in_flight()
         finally:
             self.summary.skipped = self.pending.skipped
             self.summary.truncated = self.pending.truncated
@@ -299,7 +309,19 @@ class Extraction:
                                        format=self.format, tag=self.source.tag)
 
     def _extract(self, batch: list[Sample]) -> None:
-        tokens = self.extract_batch(batch)
+        """Submit ``batch``, then hand the batch submitted before it to the writer: a backend that
+        can overlaps the two (the previous batch's states are copied out while this one runs)."""
+        previous, self._in_flight = self._in_flight, (batch, self.backend.submit([s.input_ids for s in batch]))
+        if previous is not None:
+            self._write(*previous)
+
+    def _write_in_flight(self) -> None:
+        if self._in_flight is not None:
+            (batch, submitted), self._in_flight = self._in_flight, None
+            self._write(batch, submitted)
+
+    def _write(self, batch: list[Sample], submitted) -> None:
+        tokens = self.write_batch(batch, submitted)
         self.summary.extracted += len(batch)
         self.summary.tokens += tokens
         todo, exact = self.pending.todo()
@@ -307,11 +329,16 @@ class Extraction:
         self.progress.update(len(batch), tokens)
 
     def extract_batch(self, batch: list[Sample], skip: frozenset[int] = frozenset()) -> int:
-        """One batch: backend -> the format's records -> the writer, except the samples in ``skip``
-        (extracted with the batch, not written: a data-parallel retry of a batch some of whose files
-        are already whole). Returns the batch's tokens. A data-parallel replica runs this alone."""
+        """One batch, start to end: backend -> the format's records -> the writer, except the samples
+        in ``skip`` (extracted with the batch, not written: a data-parallel retry of a batch some of
+        whose files are already whole). Returns the batch's tokens. A data-parallel replica runs this
+        alone."""
+        return self.write_batch(batch, self.backend.submit([s.input_ids for s in batch]), skip)
+
+    def write_batch(self, batch: list[Sample], submitted, skip: frozenset[int] = frozenset()) -> int:
+        """Wait for a submitted batch's states and hand them to the writer (see :meth:`extract_batch`)."""
         try:
-            states = self.backend.extract([s.input_ids for s in batch])
+            states = submitted.result()
         except Exception as exc:
             where = ", ".join(f"{s.index} ({s.where})" for s in batch)
             raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "

@@ -27,6 +27,8 @@ class Settings:
         writer_threads: threads writing files.
         progress_interval: seconds between progress lines when stderr is not a terminal.
         forward_check: self-test the model's kernels after the load.
+        overlap: run the next batch's forward while this batch's states are copied out of vLLM
+            (the ``speculators`` backend; ``backends/overlap.py``); False: one batch at a time.
         shard: this process's static shard (``shards.Shard``); None: every sample.
         data_parallel_size: replicas of the model, each a Ray actor (``replicas.py``); 1: this process.
         ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
@@ -50,6 +52,7 @@ class Settings:
     writer_threads: int = 2
     progress_interval: float = 10.0
     forward_check: bool = True
+    overlap: bool = True
     shard: Shard | None = None
     data_parallel_size: int = 1
     ray_address: str | None = None

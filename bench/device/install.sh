@@ -6,6 +6,7 @@ set -euo pipefail
 W=${1:-/tmp/vw}
 SITE=${SITE:-/tmp/site}
 SPEC=${SPEC:-/tmp/vcache/speculators}
+BUILD_SITE=${BUILD_SITE:-/tmp/build-site}
 cd "$W"
 for i in 0 1 2; do [ -f "vllm.tar.xz.$i" ] || [ "$i" = 2 ] || { echo "MISSING $W/vllm.tar.xz.$i"; exit 2; }; done
 cat vllm.tar.xz.[0-9] > vllm.tar.xz  # the parts, not the .sha256 beside them
@@ -13,6 +14,8 @@ echo "$(cat vllm.tar.xz.sha256)  vllm.tar.xz" | sha256sum -c -
 rm -rf "$SITE" && mkdir -p "$SITE"
 tar xJf vllm.tar.xz -C "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" wheels/*.whl
+# compressed-tensors 0.17 builds the INT4 checkpoint (stages.sh kimi-int4); vLLM keeps its pinned 0.15
+rm -rf "$BUILD_SITE" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$BUILD_SITE" build-only/*.whl
 for wheel in speculators/*.whl; do
   version=$(basename "$wheel" | cut -d- -f2)
   rm -rf "$SPEC/$version" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SPEC/$version" "$wheel"

@@ -6,8 +6,8 @@
 The device has Python 3.12, torch 2.11.0+cu130, transformers 5.17 and no network. vLLM 0.20.x pins
 torch 2.11.0 and its PyPI wheel links CUDA 13, like the image. The wheel (244 MB) is unpacked
 without FlashAttention-2's kernels (Hopper runs FA3) and recompressed with xz (119 MiB), then split;
-``p3`` adds the small wheels vLLM and speculators import that the image lacks, and speculators
-0.3.0 / 0.4.0. Three device calls carry one part each (``carry: [".gpu/pN"]``); the third runs
+``p3`` adds the small wheels vLLM and speculators import that the image lacks, speculators
+0.3.0 / 0.4.0, and compressed-tensors 0.17 for building the INT4 checkpoint only. Three device calls carry one part each (``carry: [".gpu/pN"]``); the third runs
 ``bench/device/install.sh`` (bench/device/README.md gives the exact calls).
 """
 import hashlib
@@ -31,7 +31,10 @@ SMALL = ["pydantic==2.12.5", "pydantic-core==2.41.5", "annotated-types==0.7.0", 
          "starlette==1.3.1", "xgrammar==0.2.9", "apache-tvm-ffi==0.1.15.post2", "llguidance==1.3.0",
          "msgspec==0.20.0", "pyzmq==27.1.0", "cbor2==5.7.1", "pybase64==1.4.3", "cachetools==6.2.2",
          "gguf==0.17.1", "partial-json-parser==0.2.1.1.post7", "lm-format-enforcer==0.11.3", "interegular==0.3.3",
-         "loguru==0.7.3"]
+         "loguru==0.7.3", "compressed-tensors==0.15.0.1"]  # the compressed-tensors vLLM 0.20 pins
+# Only for building the INT4 checkpoint (tiny_model.QUANTIZED: 0.17's checkpoint converters), installed
+# apart from vLLM (bench/device/install.sh) so that vLLM loads it with the version it pins.
+BUILD_ONLY = ["compressed-tensors==0.17.0"]
 SPECULATORS = ["speculators==0.3.0", "speculators==0.4.0"]
 PLATFORMS = ["any", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64",
@@ -84,6 +87,7 @@ def main() -> int:
     for index, chunk in enumerate(chunks):
         (parts[index] / f"vllm.tar.xz.{index}").write_bytes(chunk)
     download(parts[2] / "wheels", *SMALL)
+    download(parts[2] / "build-only", *BUILD_ONLY)
     for requirement in SPECULATORS:  # pip resolves one version of a name per call
         download(parts[2] / "speculators", requirement)
     for part in parts:

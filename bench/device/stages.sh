@@ -5,6 +5,7 @@
 #   bash bench/device/stages.sh speed       # issue 13 after: host copy, timeline, extractor b8/b32 (+ before), check, prefill
 #   bash bench/device/stages.sh speed2      # ... the rest: vllm-native b8/b32, compiled prefill, extractor b32 before, timeline before
 #   bash bench/device/stages.sh threads     # issue 13 step 3: the extractor with parent_copy_threads (cap 8) b8/b32, off, cap 16
+#   bash bench/device/stages.sh overlap     # issue 13: the extractor with overlapped batches b8/b32, and --no-overlap; prefill
 #   bash bench/device/stages.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
 #   bash bench/device/stages.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
 #   bash bench/device/stages.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
@@ -67,7 +68,7 @@ case "${1:?stage}" in
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 100 "extract --batch 8 --backend vllm-native --work /tmp/n8"
     step 100 "extract --batch 32 --backend vllm-native --work /tmp/n32"
-    step 150 "$B prefill --model $M8 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
+    step 150 "$B prefill --model $M8 --samples 128 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
     step 100 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 extract --batch 32 --work /tmp/x32-before"
     step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT"
     step 150 "VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0 PYTHONPATH=$SPEC:$PYTHONPATH python3 bench/timeline.py --model $M8 --configs 8x$LENGTH,32x$LENGTH \
@@ -82,6 +83,17 @@ case "${1:?stage}" in
     step 100 "rm -rf /tmp/t32 && extract --batch 32 --work /tmp/t32; rm -rf /tmp/t32"
     step 100 "rm -rf /tmp/t8-16 && VLLM_COMPAT_PARENT_THREADS=16 extract --batch 8 --work /tmp/t8-16; rm -rf /tmp/t8-16"
     step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/t8 2>&1 | grep RESULT"  # states unchanged
+    ;;
+  overlap)  # issue 13: batch N+1's forward runs while batch N's states are copied out (hidden_states/backends/overlap.py)
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    # 128 x 2048 per run (one model load each), after and before (--no-overlap), most important first
+    step 100 "rm -rf /tmp/o8 && extract --batch 8 --samples 128 --work /tmp/o8"
+    step 100 "rm -rf /tmp/o8n && extract --batch 8 --samples 128 --no-overlap --work /tmp/o8n; rm -rf /tmp/o8n"
+    step 100 "rm -rf /tmp/o32 && extract --batch 32 --samples 128 --work /tmp/o32; rm -rf /tmp/o32"
+    step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/o8 2>&1 | grep RESULT"  # states vs HF fp32
+    step 70 "$B prefill --model $M8 --samples 128 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same machine
+    step 100 "rm -rf /tmp/o32n && extract --batch 32 --samples 128 --no-overlap --work /tmp/o32n; rm -rf /tmp/o32n"
+    step 120 "$B prefill --model $M8 --samples 128 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
     ;;
   smoke)
     $B env
@@ -102,13 +114,14 @@ case "${1:?stage}" in
     PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe1 --bf16-floor 2>&1 | grep RESULT
     ;;
   kimi-int4)  # issue 16: Kimi-K2 routing and RoPE, INT4 routed experts (compressed-tensors pack-quantized, group 32).
-    # The build needs compressed-tensors >= 0.17 on the device (its checkpoint converters) and vLLM the
-    # version it pins; bench/device/prepare.py does not carry either yet. KIMI: another family of
-    # tiny_model.QUANTIZED, e.g. kimi_k2_int4_dense for the CPU dry run.
+    # The build runs with compressed-tensors 0.17 (its checkpoint converters, BUILD_SITE from install.sh),
+    # vLLM with the 0.15.0.1 it pins. KIMI: another family of tiny_model.QUANTIZED, e.g.
+    # kimi_k2_int4_dense for the CPU dry run; TP: 2 on nvidia-h200-x2.
     KIMI=${KIMI:-kimi-k2-small-int4}
     MK=/tmp/models/$KIMI
-    step 240 "$B build --family $KIMI --path $MK 2>&1 | grep -E 'RESULT|Error'"  # and $MK-dequantized, HF's reference
-    step 150 "PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $MK --samples 32 --length $LENGTH --batch 16 --work /tmp/kimi1 2>&1 | grep -E 'RESULT|Error' | tail -1"
+    TP=${TP:-1}
+    step 240 "PYTHONPATH=${BUILD_SITE:-/tmp/build-site}:$PYTHONPATH $B build --family $KIMI --path $MK 2>&1 | grep -E 'RESULT|Error'"  # and $MK-dequantized, HF's reference
+    step 150 "PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $MK --samples 32 --length $LENGTH --batch 16 --tp $TP --work /tmp/kimi1 2>&1 | grep -E 'RESULT|Error' | tail -1"
     # against HF fp32 on the dequantized twin, beside HF's own bf16 forward of it: that model's bf16 floor
     step 90 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $MK --samples 4 --work /tmp/kimi1 --bf16-floor 2>&1 | grep RESULT"
     ;;

@@ -1,6 +1,7 @@
 """Extraction backends behind one interface (:class:`Backend`), selected with ``--backend``."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +16,7 @@ class BackendSettings:
     tp_size: int
     gpu_memory_utilization: float
     trust_remote_code: bool = False
+    overlap: bool = True  # a backend that can may run the next batch's forward while this one's states are copied
 
 
 class Backend(Protocol):
@@ -31,9 +33,28 @@ class Backend(Protocol):
 
     def extract(self, batch: list[list[int]]) -> list[list]: ...
 
+    def submit(self, batch: list[list[int]]) -> Future: ...  # extract(batch), maybe running on while the caller goes on
+
     def check_forward(self, probe: list[int]) -> list: ...  # vllm_compat.forward_check on one sequence
 
     def close(self) -> None: ...
+
+
+def completed(function, *args) -> Future:
+    """A future already holding ``function(*args)``'s result or exception (a backend without overlap)."""
+    future: Future = Future()
+    try:
+        future.set_result(function(*args))
+    except Exception as exc:  # noqa: BLE001 - the future carries it to whoever asks for the result
+        future.set_exception(exc)
+    return future
+
+
+class OneBatchAtATime:
+    """``submit`` for a backend whose ``extract`` runs a batch start to end before it returns."""
+
+    def submit(self, batch: list[list[int]]) -> Future:
+        return completed(self.extract, batch)
 
 
 def create(name: str, settings: BackendSettings) -> Backend:

@@ -2,7 +2,10 @@
 ``vllm_compat.apply()``."""
 from __future__ import annotations
 
-from . import BackendSettings
+from concurrent.futures import Future
+
+from . import BackendSettings, completed
+from .overlap import OverlappedCalls
 
 
 class SpeculatorsBackend:
@@ -11,6 +14,7 @@ class SpeculatorsBackend:
     def __init__(self, settings: BackendSettings):
         self.settings = settings
         self._generator = None
+        self._calls: OverlappedCalls | None = None
 
     def start(self) -> dict:
         import vllm_compat
@@ -26,9 +30,17 @@ class SpeculatorsBackend:
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
             tensor_parallel_size=self.settings.tp_size,
         )
+        if self.settings.overlap:
+            self._calls = OverlappedCalls(self._generator.executor, self._generate)
         return {"backend": self.name, "vllm_compat": report.to_dict()}
 
+    def submit(self, batch: list[list[int]]) -> Future:
+        return self._calls.submit(batch) if self._calls is not None else completed(self._generate, batch)
+
     def extract(self, batch: list[list[int]]) -> list[list]:
+        return self.submit(batch).result()
+
+    def _generate(self, batch: list[list[int]]) -> list[list]:
         results = self._generator.generate(batch)
         states = []
         for position, (ids, result) in enumerate(zip(batch, results, strict=True)):
@@ -46,3 +58,4 @@ class SpeculatorsBackend:
         generator, self._generator = self._generator, None
         if generator is not None:
             generator.executor.shutdown()
+

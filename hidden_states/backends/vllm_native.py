@@ -17,7 +17,7 @@ from packaging.version import Version
 
 from ..errors import ExtractError
 from ..preflight import model_facts
-from . import BackendSettings
+from . import BackendSettings, OneBatchAtATime
 
 FIRST = Version("0.17.0")
 LAST_LAYER_FROM = Version("0.18.0")
@@ -25,7 +25,7 @@ SHM = "/dev/shm"
 STORE_REQUESTS = 128  # requests of the longest length /dev/shm must hold to be the connector's store
 
 
-class VllmNativeBackend:
+class VllmNativeBackend(OneBatchAtATime):
     name = "vllm-native"
 
     def __init__(self, settings: BackendSettings):

@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 SHUTDOWN = 1.0
 
 
-class SlowShutdownBackend:
+class SlowShutdownBackend(backends.OneBatchAtATime):
     name = "fake"
 
     kernel_errors = [0.0, 1e-6]  # what the forward check reports: one relative error per self-test

@@ -3,6 +3,7 @@ vLLM runs in tests/e2e/test_extractor.py."""
 import json
 import pathlib
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -14,12 +15,13 @@ from hidden_states.errors import InputError
 from hidden_states.extraction import Extraction
 from hidden_states.formats.speculators_03 import Speculators03
 from hidden_states.inputs import InputStream, Sample
+from hidden_states.preflight import FIRST_LINES
 from hidden_states.settings import Settings
 
 pytest.importorskip("torch")
 
 
-class FakeBackend:
+class FakeBackend(backends.OneBatchAtATime):
     """Fills each captured layer's state with the layer's id."""
 
     name = "fake"
@@ -217,3 +219,37 @@ def test_a_sample_records_file_and_length_follow_the_format(tmp_path):
     assert (format.sample_file(4), format.sample_index("data_4.pt"), format.sample_index("data_4.pt.tmp")) == (
         "data_4.pt", 4, None)
     assert format.length(record) == 3 and record["loss_mask"].tolist() == [1, 1, 1]
+
+
+class OverlappingBackend(FakeBackend):
+    """Like the speculators backend with overlap: ``submit`` returns before the batch's states exist."""
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.unfinished_at_submit = []  # per submit: batches submitted earlier and not yet finished
+
+    def submit(self, batch):
+        from concurrent.futures import Future
+
+        future = Future()
+        self.unfinished_at_submit.append(sum(not f.done() for f in getattr(self, "futures", [])))
+        self.futures = [*getattr(self, "futures", []), future]
+        threading.Timer(0.05, lambda: future.set_result(self.extract(batch))).start()
+        return future
+
+
+def test_a_batch_in_flight_is_written_when_bad_input_stops_the_run(job, monkeypatch):
+    """The loop submits batch N+1 before it writes batch N; bad input met while reading the next
+    batch still leaves every batch that ran on disk."""
+    data = Path(job.prepared_data)  # the bad line past the preflight's peek: met in the loop
+    good = FIRST_LINES + 6
+    data.write_text("".join(json.dumps({"input_ids": [5] * 3}) + "\n" for _ in range(good)) + '{"input_ids": [5, 6\n')
+    backends_made = []
+    monkeypatch.setattr(backends, "create", lambda name, settings: backends_made.append(
+        OverlappingBackend(settings)) or backends_made[-1])
+
+    with pytest.raises(InputError, match=f"data.jsonl:{good + 1}: not valid JSON"):
+        Extraction(job, log=quiet).run()
+
+    assert sorted(p.name for p in Path(job.output_dir).glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(good))
+    assert set(backends_made[0].unfinished_at_submit[1:]) == {1}  # each batch submitted while one ran
