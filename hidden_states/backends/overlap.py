@@ -23,9 +23,11 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from vllm_compat.wrapping import wrap_instance_method
+from vllm_compat.wrapping import pass_through_module, wrap_instance_method
 
 FETCH = "_get_captured_states"
+# rpc_single_reply tells the generator's collective_rpc calls by their caller: ours pass them on
+pass_through_module(__name__)
 
 
 class OverlappedCalls:

@@ -121,3 +121,25 @@ def test_calls_outside_submit_pass_the_gate_untouched():
 
     assert generator.executor.collective_rpc("_get_captured_states", batch=[[7]])[0] == [7]
     assert generator.executor.collective_rpc("_reset_capture") is None
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_adapters_that_tell_callers_apart_still_see_the_generator_calling(monkeypatch, declared):
+    """rpc_single_reply reshapes only the replies of calls the generator makes (``caller_module``);
+    the gate's wrapper sits between them and must not count as the caller (negative: undeclared)."""
+    from vllm_compat import wrapping
+
+    if not declared:
+        monkeypatch.setattr(wrapping, "_pass_through", set())
+    generator = FakeGenerator()
+    callers = []
+
+    def recording(wrapped, instance, args, kwargs):
+        callers.append(wrapping.caller_module())
+        return wrapped(*args, **kwargs)
+
+    wrapping.wrap_instance_method(generator.executor, "collective_rpc", recording)  # as the adapter, at construction
+    calls = OverlappedCalls(generator.executor, generator.generate)
+    calls.submit(batches(1)[0]).result(timeout=10)
+
+    assert callers == [__name__ if declared else "hidden_states.backends.overlap"]
