@@ -2,6 +2,8 @@
 extract_hidden_states, layer ids translated) must find the same hidden states as the speculators
 generator through the shim, and both must match HF. Where the installed vLLM cannot run vllm-native,
 the extractor must say so clearly (exit 2), never hang or crash."""
+import re
+
 import torch
 from packaging.version import Version
 
@@ -71,3 +73,56 @@ def test_native_on_this_host_needs_its_adapter(both, tmp_path):
                    env_extra={"VLLM_COMPAT_DISABLE": "native_connector_host_memory"}, timeout=900)
     assert proc.returncode == 1
     assert "pin_memory" in proc.stderr or "EngineDeadError" in proc.stderr
+
+
+@pytest.mark.faults
+def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path):
+    """vLLM's engine core killed mid-run (the OOM killer's way): without the adapter
+    sync_client_engine_dead, ``vllm.LLM`` waits for its outputs forever; with it the run ends, the
+    error names the engine core and its signal, and the finished files stay whole."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import ROOT
+    from tests.e2e.test_extractor import _cmdline, _descendants, cli
+
+    if VERSION < Version("0.18.0"):
+        pytest.skip(f"vLLM {VERSION} refuses --backend vllm-native (test_native_refuses_clearly_where_it_cannot_run)")
+    model = harness.tiny_model("llama")
+    rows = write_jsonl(tmp_path / "data.jsonl", 64, seed=5)
+    out = tmp_path / "out"
+    command, env = cli(*extract_args(model, tmp_path / "data.jsonl", out, "--backend", "vllm-native",
+                                     "--batch-size", "4"))
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while len(data_files(out)) < 4 if out.exists() else True:
+            if proc.poll() is not None:
+                err = proc.communicate()[1]
+                if "CPU backend does not run speculative methods" in err:
+                    pytest.skip(f"vllm-native cannot run on vLLM {VERSION} here")
+                pytest.fail(err[-3000:])
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.2)
+        # vLLM titles the engine core's process "VLLM::EngineCore" (setproctitle)
+        cores = [pid for pid in _descendants(proc.pid) if _cmdline(pid).startswith(b"VLLM::EngineCore")]
+        assert len(cores) == 1, {pid: _cmdline(pid)[:80] for pid in _descendants(proc.pid)}
+        os.kill(cores[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)  # without the adapter: TimeoutExpired, the run waits on
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]
+    assert len(failed) == 1, err[-3000:]
+    assert re.search(rf"vLLM's process EngineCore\S* \(pid {cores[0]}\) was killed by SIGKILL", failed[0]), failed[0]
+    survived = data_files(out)
+    assert len(survived) >= 4
+    for index in survived:  # every file kept is whole and holds its sample
+        saved = torch.load(out / f"data_{index}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == rows[index]["input_ids"]
+    assert not list(out.glob(".tmp-*"))
