@@ -286,7 +286,7 @@ class Extraction:
             while True:
                 try:
                     batch = next(batches, None)
-                except BaseException:  # bad input met while reading the next batch: keep what ran
+                except Exception:  # bad input met while reading the next batch: keep what ran
                     self._write_in_flight()
                     raise
                 if batch is None:

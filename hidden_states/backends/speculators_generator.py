@@ -58,4 +58,3 @@ class SpeculatorsBackend:
         generator, self._generator = self._generator, None
         if generator is not None:
             generator.executor.shutdown()
-
