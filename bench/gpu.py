@@ -278,7 +278,8 @@ def phase_extract(args) -> None:
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
                "--format", "speculators-0.3", "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
                "--backend", args.backend] + (["--skip-forward-check"] if args.skip_forward_check else []) \
-        + (["--no-overlap"] if args.no_overlap else [])
+        + (["--no-overlap"] if args.no_overlap else []) \
+        + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
     # "forward check ok: N kernel self-tests on the model's own layouts in X s", between the load and the run
@@ -291,7 +292,7 @@ def phase_extract(args) -> None:
                    load=r"model load ([\d.]+) s", shutdown=r"shutdown ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
     found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
     emit("extract", model=Path(args.model).name, backend=args.backend, batch=args.batch, tp=args.tp,
-         overlap=not args.no_overlap, tokens=int(found["tokens"]),
+         overlap=not args.no_overlap, data_parallel_size=args.data_parallel_size, tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
          shutdown_seconds=found["shutdown"],
          gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"],
@@ -387,6 +388,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16-floor", action="store_true", help="check: also HF bf16 against HF fp32")
     parser.add_argument("--skip-forward-check", action="store_true", help="extract: pass --skip-forward-check")
     parser.add_argument("--no-overlap", action="store_true", help="extract: pass --no-overlap (one batch at a time)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="extract: replicas (Ray), each --tp GPUs")
     parser.add_argument("--compiled", action="store_true", help="prefill: vLLM's compiled mode (default: eager)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)

@@ -21,4 +21,12 @@ for wheel in speculators/*.whl; do
   rm -rf "$SPEC/$version" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SPEC/$version" "$wheel"
   echo "$version" > "$SPEC/$version/.complete"
 done
+# Ray (prepare.py --ray; the data-parallel stage): its two parts, when carried, into $RAY_SITE
+RAY_SITE=${RAY_SITE:-/tmp/ray-site}
+if [ -f ray.whl.0 ] && [ -f ray.whl.1 ]; then
+  wheel=$(cat ray.whl.name)
+  cat ray.whl.0 ray.whl.1 > "$wheel"
+  echo "$(cat ray.whl.sha256)  $wheel" | sha256sum -c -
+  rm -rf "$RAY_SITE" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$RAY_SITE" "$wheel" msgpack-*.whl
+fi
 echo "installed into $SITE: $(du -sh "$SITE" | cut -f1)"

@@ -2,6 +2,7 @@
 """Prepare, on this machine, everything the lent H200 needs to run vLLM and the extractor.
 
     python3 bench/device/prepare.py          # -> .gpu/p1 .gpu/p2 .gpu/p3 (each under 60 MiB, git-ignored)
+    python3 bench/device/prepare.py --ray    # ... and .gpu/p4 .gpu/p5: Ray, for the data-parallel stage
 
 The device has Python 3.12, torch 2.11.0+cu130, transformers 5.17 and no network. vLLM 0.20.x pins
 torch 2.11.0 and its PyPI wheel links CUDA 13, like the image. The wheel (244 MB) is unpacked
@@ -36,6 +37,9 @@ SMALL = ["pydantic==2.12.5", "pydantic-core==2.41.5", "annotated-types==0.7.0", 
 # apart from vLLM (bench/device/install.sh) so that vLLM loads it with the version it pins.
 BUILD_ONLY = ["compressed-tensors==0.17.0"]
 SPECULATORS = ["speculators==0.3.0", "speculators==0.4.0"]
+# Data-parallel replicas (issue 15, `stages.sh dp`, two GPUs): Ray as the extractor's `[ray]` extra
+# pins it, and msgpack; the Ray wheel (79 MB) travels in two more parts, `.gpu/p4` and `.gpu/p5`.
+RAY = ["ray==2.60.0", "msgpack==1.2.4"]
 PLATFORMS = ["any", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64",
              "manylinux_2_35_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64"]
@@ -73,6 +77,23 @@ def vllm_archive() -> Path:
     return archive
 
 
+def ray_parts() -> list[Path]:
+    """Ray's wheel split in two parts (``ray.whl.0``, ``ray.whl.1``, its sha256 and msgpack beside)."""
+    wheels = BUILD / "ray"
+    download(wheels, *RAY)
+    wheel = next(wheels.glob("ray-*.whl"))
+    data = wheel.read_bytes()
+    parts = [OUT / "p4", OUT / "p5"]
+    half = (len(data) + 1) // 2
+    for index, part in enumerate(parts):
+        part.mkdir(parents=True)
+        (part / f"ray.whl.{index}").write_bytes(data[index * half:(index + 1) * half])
+    (parts[1] / "ray.whl.name").write_text(wheel.name + "\n")
+    (parts[1] / "ray.whl.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    shutil.copy(next(wheels.glob("msgpack-*.whl")), parts[1])
+    return parts
+
+
 def main() -> int:
     shutil.rmtree(OUT, ignore_errors=True)
     parts = [OUT / "p1", OUT / "p2", OUT / "p3"]
@@ -90,6 +111,8 @@ def main() -> int:
     download(parts[2] / "build-only", *BUILD_ONLY)
     for requirement in SPECULATORS:  # pip resolves one version of a name per call
         download(parts[2] / "speculators", requirement)
+    if "--ray" in sys.argv[1:]:
+        parts += ray_parts()
     for part in parts:
         size = sum(f.stat().st_size for f in part.rglob("*") if f.is_file())
         print(f"{part.relative_to(ROOT)}: {size / 2**20:.1f} MiB")

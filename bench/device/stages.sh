@@ -6,6 +6,7 @@
 #   bash bench/device/stages.sh speed2      # ... the rest: vllm-native b8/b32, compiled prefill, extractor b32 before, timeline before
 #   bash bench/device/stages.sh threads     # issue 13 step 3: the extractor with parent_copy_threads (cap 8) b8/b32, off, cap 16
 #   bash bench/device/stages.sh overlap     # issue 13: the extractor with overlapped batches b8/b32, and --no-overlap; prefill
+#   bash bench/device/stages.sh dp          # issue 15: 2 replicas x TP=1 (Ray) against 1 replica, 8B shape (two GPUs, Ray carried)
 #   bash bench/device/stages.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
 #   bash bench/device/stages.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
 #   bash bench/device/stages.sh moe-logits  # ... its capture against vLLM's own log-probs; TP=2 on 2 GPUs
@@ -94,6 +95,14 @@ case "${1:?stage}" in
     step 70 "$B prefill --model $M8 --samples 128 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same machine
     step 100 "rm -rf /tmp/o32n && extract --batch 32 --samples 128 --no-overlap --work /tmp/o32n; rm -rf /tmp/o32n"
     step 120 "$B prefill --model $M8 --samples 128 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
+    ;;
+  dp)  # issue 15, on nvidia-h200-x2 after install.sh with Ray carried (prepare.py --ray): 2 replicas x TP=1 against 1
+    [ "$GPUS" -ge 2 ] || { echo "SKIPPED: dp needs two GPUs, this machine has $GPUS" | tee -a "$OUT/skipped.txt"; exit 0; }
+    [ -d /tmp/ray-site/ray ] || { echo "SKIPPED: Ray not installed (prepare.py --ray, carry p4 and p5)" | tee -a "$OUT/skipped.txt"; exit 0; }
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    # 256 x 2048 each: one replica (no Ray), then two (a local Ray, one GPU each); the same model, batch, writer
+    step 140 "rm -rf /tmp/d1 && extract --batch 8 --samples 256 --work /tmp/d1; rm -rf /tmp/d1"
+    step 200 "rm -rf /tmp/d2 && PYTHONPATH=/tmp/ray-site:\$PYTHONPATH extract --batch 8 --samples 256 --data-parallel-size 2 --work /tmp/d2; rm -rf /tmp/d2"
     ;;
   smoke)
     $B env
