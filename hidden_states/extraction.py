@@ -311,7 +311,7 @@ class Extraction:
     def _extract(self, batch: list[Sample]) -> None:
         """Submit ``batch``, then hand the batch submitted before it to the writer: a backend that
         can overlaps the two (the previous batch's states are copied out while this one runs)."""
-        previous, self._in_flight = self._in_flight, (batch, self.backend.submit([s.input_ids for s in batch]))
+        previous, self._in_flight = self._in_flight, (batch, self._submit(batch))
         if previous is not None:
             self._write(*previous)
 
@@ -333,7 +333,10 @@ class Extraction:
         in ``skip`` (extracted with the batch, not written: a data-parallel retry of a batch some of
         whose files are already whole). Returns the batch's tokens. A data-parallel replica runs this
         alone."""
-        return self.write_batch(batch, self.backend.submit([s.input_ids for s in batch]), skip)
+        return self.write_batch(batch, self._submit(batch), skip)
+
+    def _submit(self, batch: list[Sample]):
+        return self.backend.submit([s.input_ids for s in batch])
 
     def write_batch(self, batch: list[Sample], submitted, skip: frozenset[int] = frozenset()) -> int:
         """Wait for a submitted batch's states and hand them to the writer (see :meth:`extract_batch`)."""

@@ -8,7 +8,8 @@ The device has Python 3.12, torch 2.11.0+cu130, transformers 5.17 and no network
 torch 2.11.0 and its PyPI wheel links CUDA 13, like the image. The wheel (244 MB) is unpacked
 without FlashAttention-2's kernels (Hopper runs FA3) and recompressed with xz (119 MiB), then split;
 ``p3`` adds the small wheels vLLM and speculators import that the image lacks, speculators
-0.3.0 / 0.4.0, and compressed-tensors 0.17 for building the INT4 checkpoint only. Three device calls carry one part each (``carry: [".gpu/pN"]``); the third runs
+0.3.0 / 0.4.0, and compressed-tensors 0.17 for building the INT4 checkpoint only. Three device
+calls carry one part each (``carry: [".gpu/pN"]``); the third runs
 ``bench/device/install.sh`` (bench/device/README.md gives the exact calls).
 """
 import hashlib

@@ -1,7 +1,7 @@
 """vLLM's own ``SyncMPClient.get_output`` and ``shutdown`` on a client whose engine core died: the
 waiting caller raises ``EngineDeadError`` with the adapter, and waits forever without it. The client
 is made without starting an engine (no model); everything it runs is vLLM's code. The whole run
-(a killed engine core under ``--backend vllm-native``) is tests/e2e/test_extractor.py's."""
+(a killed engine core under ``--backend vllm-native``) is tests/e2e/test_backends.py's."""
 import queue
 import threading
 import weakref
@@ -28,8 +28,8 @@ def client_of_dead_engine(engine_dead: bool = True):
     return client
 
 
-def wait_for_output(client) -> list:
-    """get_output() on a thread, as LLM.generate calls it; what it raised, or [] while it waits."""
+def wait_for_output(client) -> tuple[list, threading.Thread]:
+    """get_output() on a thread, as LLM.generate calls it: what it raised ([] while it waits), and the thread."""
     raised = []
 
     def waiting():
@@ -46,7 +46,7 @@ def wait_for_output(client) -> list:
 class TestSyncClientEngineDead(AdapterContract):
     adapter_id = "sync_client_engine_dead"
     first_new = "0.11.0"
-    not_observable_on_cpu = "vLLM's engine client, not the generator: tests/e2e/test_extractor.py (vllm-native, a killed engine core)"
+    not_observable_on_cpu = "vLLM's engine client, not the generator: tests/e2e/test_backends.py (vllm-native, a killed engine core)"
 
     def test_patched_call(self):
         from vllm.v1.engine.exceptions import EngineDeadError
