@@ -258,7 +258,9 @@ class Extraction:
         self.backend = backends.create(settings.backend, backends.BackendSettings(
             model_path=settings.model_path, layer_ids=captured, max_seq_len=settings.max_seq_len,
             tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
-            trust_remote_code=settings.trust_remote_code, overlap=settings.overlap))
+            trust_remote_code=settings.trust_remote_code, overlap=settings.overlap,
+            # a batch in the engine, the one submitted next, the writer's one file per thread, slack
+            sequences_in_flight=3 * settings.batch_size + settings.writer_threads))
         self._layer_order = [captured.index(layer) for layer in self.layers.ids]
         started = time.monotonic()
         self.log(f"starting the {settings.backend} backend: vLLM loads the model (tens of seconds; Ctrl-C stops "

@@ -26,3 +26,13 @@ def batch_order(model_runner) -> list[str]:
         return list(_v2["req_ids"])
     raise RuntimeError(f"vllm-compat: cannot read the batch order of {type(model_runner).__name__} "
                        f"(is the v2_batch_order adapter disabled?)")
+
+
+def scheduled_in_row_order(model_runner, tokens: dict[str, int]) -> list[str]:
+    """The requests of this forward (``tokens``: request id -> tokens scheduled this step) in the
+    order their rows appear."""
+    order = [rid for rid in batch_order(model_runner) if rid in tokens]
+    if len(order) != len(tokens):
+        raise RuntimeError(f"vllm-compat: the runner's batch {order} does not hold the scheduled "
+                           f"requests {sorted(tokens)}")
+    return order

@@ -190,8 +190,7 @@ class _Segment:
             os.close(fd)
         self.host = torch.frombuffer(self.mapping, dtype=torch.uint8)
         if want_pinned:
-            result = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), size, 0)
-            self.pinned = int(result) == 0
+            self.pinned = pin_host_memory(self.host)
 
     def release(self):
         if self.mapping is None:
@@ -212,6 +211,15 @@ class _Segment:
 
 
 _segment = _Segment()
+
+
+def pin_host_memory(host) -> bool:
+    """Page-lock the memory under the CPU tensor ``host`` for the GPU's DMA (device-to-host copies
+    into it run at full speed and may be non-blocking). Whether it worked; the memory stays usable
+    either way, as pageable memory."""
+    import torch
+
+    return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
 
 
 def _flatten(obj, leaves):

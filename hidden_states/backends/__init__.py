@@ -17,6 +17,7 @@ class BackendSettings:
     gpu_memory_utilization: float
     trust_remote_code: bool = False
     overlap: bool = True  # a backend that can may run the next batch's forward while this one's states are copied
+    sequences_in_flight: int = 16  # most sequences whose states are submitted and not yet written (vllm-engine's pool)
 
 
 class Backend(Protocol):
@@ -66,7 +67,11 @@ def create(name: str, settings: BackendSettings) -> Backend:
         from .vllm_native import VllmNativeBackend
 
         return VllmNativeBackend(settings)
+    if name == "vllm-engine":
+        from .vllm_engine import VllmEngineBackend
+
+        return VllmEngineBackend(settings)
     raise ValueError(f"unknown backend {name!r}")
 
 
-BACKENDS = ("speculators", "vllm-native")
+BACKENDS = ("speculators", "vllm-native", "vllm-engine")

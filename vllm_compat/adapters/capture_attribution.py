@@ -20,7 +20,7 @@ Scope: worker, speculators 0.3.x only. Disable: ``VLLM_COMPAT_DISABLE=capture_at
 from packaging.specifiers import SpecifierSet
 
 from ..adapter import Adapter, Patch, Scope
-from ..batch_order import batch_order
+from ..batch_order import scheduled_in_row_order
 from ..consumer import SPECULATORS_03, WORKER_EXTENSION
 from ..wrapping import function_wrapper
 
@@ -35,15 +35,6 @@ def remember_step(wrapped, worker, args, kwargs):
         return wrapped(*args, **kwargs)
     finally:
         _step["tokens"] = None
-
-
-def scheduled_in_row_order(model_runner, tokens: dict[str, int]) -> list[str]:
-    """The requests of this forward in the order their rows appear (either model runner)."""
-    order = [rid for rid in batch_order(model_runner) if rid in tokens]
-    if len(order) != len(tokens):
-        raise RuntimeError(f"vllm-compat capture_attribution: the runner's batch {order} does not hold "
-                           f"the scheduled requests {sorted(tokens)}")
-    return order
 
 
 def record_rows(wrapped, worker, args, kwargs):

@@ -1,0 +1,126 @@
+"""Worker side of ``--backend vllm-engine``: speculators' capture, streamed per step into regions of
+a shared segment that the parent reserved for each request.
+
+The capture itself is speculators' (``HiddenStatesWorkerExtension``: its patched ``forward``, kept
+working across vLLM releases by the shim's adapters, hands every step's target-layer outputs to
+``_store_captured_states``). What changes is where they go: instead of accumulating on the GPU until
+the generator asks for them, each request's rows are copied, as soon as the step that computed them
+has run, into that request's region of a page-locked ``/dev/shm`` segment shared with the parent.
+
+* A region belongs to one request: the parent names it in the request's sampling parameters
+  (``extra_args[REGION]``: offset and prompt length), so it reaches this worker with the request,
+  whatever id vLLM gives it internally.
+* Layout (:func:`region_bytes`): a 64-byte header, whose first int64 is the number of prompt rows
+  stored so far, then the layers one after the other, each ``[prompt_len, hidden]`` contiguous: a
+  request's layer is one run of bytes, which the parent hands to the writer without a copy.
+* Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
+  prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
+  of requests without a region (warm-up, profiling) are not stored.
+* The copies are issued on the compute stream, non-blocking into pinned memory: they overlap the
+  host's scheduling of the next step, and they complete before the step's sampled tokens reach the
+  host, i.e. before the parent can learn that the request has finished.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+from speculators.data_generation.custom_worker import HiddenStatesWorkerExtension
+
+from vllm_compat.batch_order import scheduled_in_row_order
+from vllm_compat.transport import pin_host_memory
+from vllm_compat.wrapping import wrap_instance_method
+
+REGION = "vllm_compat_region"  # the sampling parameters' extra_args key: (offset, prompt length)
+HEADER = 64  # bytes before a region's layers: int64 rows stored, padding to keep the layers aligned
+EXTENSION = f"{__name__}.StreamingCapture"
+
+
+def region_bytes(length: int, layers: int, row_bytes: int) -> int:
+    return HEADER + length * layers * row_bytes
+
+
+def step_starts(scheduler_output) -> dict[str, int]:
+    """Request id -> the prompt position of its first row in this step."""
+    starts = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return starts
+
+
+def note_step(wrapped, worker, args, kwargs):
+    """Around ``execute_model``: learn the new requests' regions and where this step's rows go."""
+    scheduler_output = kwargs["scheduler_output"] if "scheduler_output" in kwargs else args[0]
+    for request_id in scheduler_output.finished_req_ids:
+        worker._vllm_compat_regions.pop(request_id, None)
+    for new in scheduler_output.scheduled_new_reqs:
+        extra = getattr(new.sampling_params, "extra_args", None) or {}
+        if REGION in extra:
+            worker._vllm_compat_regions[new.req_id] = tuple(extra[REGION])
+    worker._vllm_compat_step = (dict(scheduler_output.num_scheduled_tokens), step_starts(scheduler_output))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        worker._vllm_compat_step = None
+
+
+class StreamingCapture(HiddenStatesWorkerExtension):
+    """``worker_extension_cls`` of the ``vllm-engine`` backend (its methods run in every worker;
+    only tensor-parallel rank 0 captures, as in speculators)."""
+
+    def _vllm_compat_stream_setup(self, layer_ids: list[int]) -> dict | None:
+        """Install speculators' capture; the capturing rank says how its rows look."""
+        from vllm.distributed import get_tp_group
+
+        self._setup_hidden_states_capture(layer_ids)
+        if get_tp_group().rank_in_group != 0:  # speculators' forward captures on TP rank 0 alone
+            return None
+        config = self.model_config
+        return {"dtype": str(config.dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size()}
+
+    def _vllm_compat_stream_to(self, path: str) -> bool | None:
+        """Map the parent's region file (page-locked where the model runs on a GPU) and start noting
+        each step's requests. Returns whether the file is page-locked (None: not the capturing rank)."""
+        import torch
+        from vllm.distributed import get_tp_group
+
+        if get_tp_group().rank_in_group != 0:
+            return None
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._vllm_compat_mapping = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self._vllm_compat_host = torch.frombuffer(self._vllm_compat_mapping, dtype=torch.uint8)
+        self._vllm_compat_regions: dict[str, tuple[int, int]] = {}
+        self._vllm_compat_step = None
+        wrap_instance_method(self, "execute_model", note_step)
+        on_gpu = getattr(self.model_runner, "device", torch.device("cpu")).type == "cuda"
+        return pin_host_memory(self._vllm_compat_host) if on_gpu else False
+
+    def _store_captured_states(self, aux_hidden_states):
+        import torch
+
+        if self._vllm_compat_step is None:  # a warm-up or profiling forward: no request owns its rows
+            return
+        tokens, starts = self._vllm_compat_step
+        host, row = self._vllm_compat_host, 0
+        for request_id in scheduled_in_row_order(self.model_runner, tokens):
+            count = tokens[request_id]
+            region = self._vllm_compat_regions.get(request_id)
+            start = starts.get(request_id)
+            if region is not None and start is not None:
+                offset, length = region
+                take = min(count, length - start)
+                if take > 0:
+                    hidden = aux_hidden_states[0].shape[1]
+                    row_bytes = hidden * aux_hidden_states[0].element_size()
+                    for index, layer in enumerate(aux_hidden_states):
+                        first = offset + HEADER + (index * length + start) * row_bytes
+                        target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
+                        target.copy_(layer[row:row + take], non_blocking=True)
+                    host[offset:offset + 8].view(torch.int64)[0] = start + take
+            row += count
+        if row > aux_hidden_states[0].shape[0]:
+            raise RuntimeError(f"vllm-compat vllm-engine capture: the forward has {aux_hidden_states[0].shape[0]} "
+                               f"rows, the step scheduled {row} tokens")

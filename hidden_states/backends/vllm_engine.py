@@ -1,0 +1,289 @@
+"""A loop of our own on vLLM's engine, with speculators' capture: no generator, nothing per batch.
+
+The ``speculators`` backend runs the generator's loop, which drives vLLM one call at a time: every
+call ends with all of its states copied out before the next begins (overlapped two at a time, still
+a pause at each end, and at batch 32 a whole call's files to write after the last forward). Here
+vLLM's own engine (``vllm.LLM``'s ``LLMEngine``: its scheduler, its async scheduling, its engine-core
+process) runs continuously, and the states stream:
+
+* each request gets a region of a shared segment (``RegionPool``) when it is submitted; the worker
+  (``engine_capture.StreamingCapture``) copies the request's rows there as each step computes them;
+* a request that the engine reports finished has all its states in its region already: the batch
+  it belongs to resolves with tensors that *are* those regions (one per layer, no copy), which the
+  extraction hands to the writer, and the region returns to the pool when the last of them is gone;
+* the driver thread keeps the engine fed: the next batch's requests are in the engine while the
+  previous batch's last ones still run, so the GPU does not wait between batches.
+
+Correctness guards: every region's header says how many prompt rows the worker stored, and a request
+whose count is not its length fails its batch (never stale rows); the engine's prompt ids must be
+the submitted ones.
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import queue
+import struct
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future
+
+from packaging.version import Version
+
+from ..errors import ExtractError
+from . import BackendSettings
+from .vllm_native import state_store_root
+
+FIRST = Version("0.11.0")
+ALIGN = 64
+STOP = object()
+
+
+class RegionPool:
+    """A shared-memory file cut into regions: first fit, freed regions merged, ``reserve`` waits for
+    room (the writer frees regions as it writes)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        fd, self.path = tempfile.mkstemp(prefix="vllm-compat-regions-", dir=state_store_root(capacity))
+        try:
+            os.ftruncate(fd, capacity)
+            self.mapping = mmap.mmap(fd, capacity)
+        finally:
+            os.close(fd)
+        self._free = [(0, capacity)]  # (offset, size), sorted by offset
+        self._room = threading.Condition()
+
+    def reserve(self, nbytes: int, timeout: float) -> int:
+        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        if nbytes > self.capacity:
+            raise ExtractError(f"a sequence needs {nbytes} bytes of states, the region pool holds {self.capacity}")
+        with self._room:
+            if not self._room.wait_for(lambda: self._fit(nbytes) is not None, timeout):
+                raise RuntimeError(f"no region of {nbytes} bytes freed within {timeout:.0f} s: the states "
+                                   f"handed out are not being released (is the writer stuck?)")
+            index = self._fit(nbytes)
+            offset, size = self._free[index]
+            if size == nbytes:
+                del self._free[index]
+            else:
+                self._free[index] = (offset + nbytes, size - nbytes)
+            struct.pack_into("<q", self.mapping, offset, 0)  # no rows stored yet
+            return offset
+
+    def release(self, offset: int, nbytes: int) -> None:
+        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        with self._room:
+            self._free.append((offset, nbytes))
+            self._free.sort()
+            merged = [self._free[0]]
+            for start, size in self._free[1:]:
+                last_start, last_size = merged[-1]
+                if last_start + last_size == start:
+                    merged[-1] = (last_start, last_size + size)
+                else:
+                    merged.append((start, size))
+            self._free = merged
+            self._room.notify_all()
+
+    def _fit(self, nbytes: int) -> int | None:
+        return next((i for i, (_, size) in enumerate(self._free) if size >= nbytes), None)
+
+    def rows_stored(self, offset: int) -> int:
+        return struct.unpack_from("<q", self.mapping, offset)[0]
+
+    def unlink(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        try:
+            self.mapping.close()
+        except BufferError:  # states still held by someone: the mapping goes with the process
+            pass
+        self.unlink()
+
+
+class _Batch:
+    def __init__(self, ids: list[list[int]], offsets: list[int]):
+        self.ids, self.offsets = ids, offsets
+        self.future: Future = Future()
+        self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
+
+
+class VllmEngineBackend:
+    name = "vllm-engine"
+
+    def __init__(self, settings: BackendSettings):
+        self.settings = settings
+        self._llm = None
+        self._pool: RegionPool | None = None
+        self._layout: dict | None = None
+        self._incoming: queue.Queue = queue.Queue()
+        self._driver: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._batches = itertools.count()
+
+    def start(self) -> dict:
+        import vllm_compat
+        from vllm_compat.versions import base, vllm_version
+
+        version = vllm_version()
+        if version is None or base(version) < FIRST:
+            raise ExtractError(f"--backend vllm-engine needs vLLM >= {FIRST}; the installed vLLM is {version}")
+        report = vllm_compat.apply()  # the worker adapters keep speculators' capture forward right
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # see the vllm-native backend
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the forward check's callables
+        import torch
+        from vllm import LLM
+
+        from .engine_capture import EXTENSION
+
+        settings = self.settings
+        self._llm = LLM(
+            model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
+            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
+            trust_remote_code=settings.trust_remote_code, worker_extension_cls=EXTENSION)
+        replies = self._llm.collective_rpc("_vllm_compat_stream_setup", args=(settings.layer_ids,))
+        self._layout = next(reply for reply in replies if reply is not None)
+        self._row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
+        self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len))
+        pinned = next(r for r in self._llm.collective_rpc("_vllm_compat_stream_to", args=(self._pool.path,))
+                      if r is not None)
+        self._pool.unlink()  # the worker and this process hold it mapped: no name left to leak
+        self._driver = threading.Thread(target=self._drive, name="hidden-states-engine", daemon=True)
+        self._driver.start()
+        return {"backend": self.name, "vllm_compat": report.to_dict(), "states_page_locked": pinned}
+
+    def _region_bytes(self, length: int) -> int:
+        from .engine_capture import region_bytes
+
+        return region_bytes(length, len(self.settings.layer_ids), self._row_bytes)
+
+    def submit(self, batch: list[list[int]]) -> Future:
+        """Reserve each sequence's region (waits while the writer still holds too many states), then
+        hand the batch to the engine's driver."""
+        if self._failure is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self._failure}") from self._failure
+        offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in batch]
+        work = _Batch(batch, offsets)
+        self._incoming.put(work)
+        return work.future
+
+    def extract(self, batch: list[list[int]]) -> list[list]:
+        """``submit`` for callers that keep what they get: copies, and the regions back at once."""
+        return [[layer.clone() for layer in layers] for layers in self.submit(batch).result()]
+
+    def _drive(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from .engine_capture import REGION
+
+        engine = self._llm.llm_engine
+        running: dict[str, tuple[_Batch, int]] = {}
+        try:
+            while True:
+                work = self._incoming.get() if not running else self._next_nowait()
+                while work is not None:
+                    if work is STOP:
+                        return
+                    number = next(self._batches)
+                    for position, (ids, offset) in enumerate(zip(work.ids, work.offsets)):
+                        request_id = f"hs-{number}-{position}"
+                        params = SamplingParams(max_tokens=1, extra_args={REGION: (offset, len(ids))})
+                        engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+                        running[request_id] = (work, position)
+                    work = self._next_nowait()
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM's engine holds none of the {len(running)} requests still expected")
+                for output in engine.step():
+                    if output.finished and output.request_id in running:
+                        work, position = running.pop(output.request_id)
+                        work.finished[position] = output
+                        if len(work.finished) == len(work.ids):
+                            self._resolve(work)
+        except BaseException as exc:  # noqa: BLE001 - every waiting batch hears of it
+            self._failure = exc
+            for work in {id(w): w for w, _ in running.values()}.values():
+                if not work.future.done():
+                    work.future.set_exception(exc)
+            while (work := self._next_nowait()) not in (None, STOP):
+                work.future.set_exception(exc)
+
+    def _next_nowait(self):
+        try:
+            return self._incoming.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _resolve(self, work: _Batch) -> None:
+        try:
+            states = [self._states(work, position) for position in range(len(work.ids))]
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+            work.future.set_exception(exc)
+        else:
+            work.future.set_result(states)
+
+    def _states(self, work: _Batch, position: int) -> list:
+        """The request's layers as tensors over its region; the region is released when every one of
+        them has been garbage collected."""
+        import torch
+
+        from .engine_capture import HEADER
+
+        ids, offset = work.ids[position], work.offsets[position]
+        output = work.finished[position]
+        if list(output.prompt_token_ids) != ids:
+            raise RuntimeError(f"vLLM's request at batch position {position} holds other token ids")
+        stored = self._pool.rows_stored(offset)
+        if stored != len(ids):
+            raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
+        dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
+        rows = len(ids) * hidden
+        layers = [torch.frombuffer(self._pool.mapping, dtype=dtype, count=rows,
+                                   offset=offset + HEADER + index * rows * dtype.itemsize).view(len(ids), hidden)
+                  for index in range(len(self.settings.layer_ids))]
+        release = _Countdown(len(layers), self._pool.release, offset, self._region_bytes(len(ids)))
+        for layer in layers:
+            weakref.finalize(layer, release)
+        return layers
+
+    def check_forward(self, probe: list[int]) -> list:
+        from vllm_compat.forward_check import verify_forward
+
+        return verify_forward(self._llm.collective_rpc, lambda: self.extract([probe]))
+
+    def close(self) -> None:
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            self._incoming.put(STOP)  # an idle driver ends here; a busy one when the engine stops
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+        if driver is not None:
+            driver.join(timeout=30)
+        if self._pool is not None:
+            self._pool.close()
+
+
+class _Countdown:
+    """Calls ``action(*args)`` on its ``count``-th call (a region's last layer tensor gone)."""
+
+    def __init__(self, count: int, action, *args):
+        self._left, self._action, self._args = count, action, args
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._action(*self._args)
+
+
