@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     parser.add_argument("--speculators-version", default=os.environ.get("SPECULATORS_VERSION", ""))
     parser.add_argument("--work", default="/tmp/bench-extract")
     parser.add_argument("--writer-threads", type=int, default=2)
-    parser.add_argument("--backend", default="speculators", choices=["speculators", "vllm-native"])
+    parser.add_argument("--backend", default="speculators", choices=["speculators", "vllm-native", "vllm-engine"])
     parser.add_argument("--configs", default="", help="generator: batch x length list, e.g. 8x2048,32x512")
     parser.add_argument("--token-budget", type=int, default=0,
                         help="generator: speculators' MIN_MAX_BATCHED_TOKENS (scheduler tokens per step)")

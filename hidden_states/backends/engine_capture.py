@@ -104,23 +104,24 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         if self._vllm_compat_step is None:  # a warm-up or profiling forward: no request owns its rows
             return
         tokens, starts = self._vllm_compat_step
+        order = scheduled_in_row_order(self.model_runner, tokens)
+        captured = aux_hidden_states[0].shape[0]
+        if sum(tokens.values()) > captured:
+            raise RuntimeError(f"vllm-compat vllm-engine capture: the forward has {captured} rows, the step "
+                               f"scheduled {sum(tokens.values())} tokens")
         host, row = self._vllm_compat_host, 0
-        for request_id in scheduled_in_row_order(self.model_runner, tokens):
+        hidden = aux_hidden_states[0].shape[1]
+        row_bytes = hidden * aux_hidden_states[0].element_size()
+        for request_id in order:
             count = tokens[request_id]
-            region = self._vllm_compat_regions.get(request_id)
-            start = starts.get(request_id)
+            region, start = self._vllm_compat_regions.get(request_id), starts.get(request_id)
             if region is not None and start is not None:
                 offset, length = region
                 take = min(count, length - start)
                 if take > 0:
-                    hidden = aux_hidden_states[0].shape[1]
-                    row_bytes = hidden * aux_hidden_states[0].element_size()
                     for index, layer in enumerate(aux_hidden_states):
                         first = offset + HEADER + (index * length + start) * row_bytes
                         target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
                         target.copy_(layer[row:row + take], non_blocking=True)
                     host[offset:offset + 8].view(torch.int64)[0] = start + take
             row += count
-        if row > aux_hidden_states[0].shape[0]:
-            raise RuntimeError(f"vllm-compat vllm-engine capture: the forward has {aux_hidden_states[0].shape[0]} "
-                               f"rows, the step scheduled {row} tokens")

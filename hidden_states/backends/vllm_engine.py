@@ -153,7 +153,8 @@ class VllmEngineBackend:
         pinned = next(r for r in self._llm.collective_rpc("_vllm_compat_stream_to", args=(self._pool.path,))
                       if r is not None)
         self._pool.unlink()  # the worker and this process hold it mapped: no name left to leak
-        self._driver = threading.Thread(target=self._drive, name="hidden-states-engine", daemon=True)
+        self._driver = threading.Thread(target=self._drive, args=(self._llm.llm_engine,), name="hidden-states-engine",
+                                        daemon=True)
         self._driver.start()
         return {"backend": self.name, "vllm_compat": report.to_dict(), "states_page_locked": pinned}
 
@@ -176,13 +177,12 @@ class VllmEngineBackend:
         """``submit`` for callers that keep what they get: copies, and the regions back at once."""
         return [[layer.clone() for layer in layers] for layers in self.submit(batch).result()]
 
-    def _drive(self) -> None:
+    def _drive(self, engine) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from .engine_capture import REGION
 
-        engine = self._llm.llm_engine
         running: dict[str, tuple[_Batch, int]] = {}
         try:
             while True:

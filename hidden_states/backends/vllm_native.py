@@ -9,15 +9,20 @@ output of ``L-1``). So speculators' ``L`` is vLLM's ``L + 1``, and the last laye
 """
 from __future__ import annotations
 
+import json
+import mmap
 import os
 import shutil
+import struct
 import tempfile
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from packaging.version import Version
 
 from ..errors import ExtractError
 from ..preflight import model_facts
-from . import BackendSettings, OneBatchAtATime
+from . import BackendSettings
 
 FIRST = Version("0.17.0")
 LAST_LAYER_FROM = Version("0.18.0")
@@ -25,13 +30,15 @@ SHM = "/dev/shm"
 STORE_REQUESTS = 128  # requests of the longest length /dev/shm must hold to be the connector's store
 
 
-class VllmNativeBackend(OneBatchAtATime):
+class VllmNativeBackend:
     name = "vllm-native"
 
     def __init__(self, settings: BackendSettings):
         self.settings = settings
         self._llm = None
         self._store = None
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-states-vllm")
+        self._reader_thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-states-read")
 
     def vllm_layer_ids(self, version: Version) -> list[int]:
         num_layers = model_facts(self.settings.model_path).num_layers
@@ -75,26 +82,36 @@ class VllmNativeBackend(OneBatchAtATime):
         )
         return {"backend": self.name, "vllm_layer_ids": vllm_ids, "vllm_compat": report.to_dict()}
 
+    def submit(self, batch: list[list[int]]) -> Future:
+        """Run ``batch`` through vLLM on the engine thread, read its files on the reader thread: the
+        next batch's forward runs while this one's files are read back."""
+        generated = self._engine_thread.submit(self._generate, batch)
+        return self._reader_thread.submit(self._read, batch, generated)
+
     def extract(self, batch: list[list[int]]) -> list[list]:
-        from safetensors.torch import load_file
+        return self.submit(batch).result()
+
+    def _generate(self, batch: list[list[int]]) -> list:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch],
-                                     SamplingParams(max_tokens=1), use_tqdm=False)
+        return self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch],
+                                  SamplingParams(max_tokens=1), use_tqdm=False)
+
+    def _read(self, batch: list[list[int]], generated: Future) -> list[list]:
         states = []
-        for position, (ids, output) in enumerate(zip(batch, outputs, strict=True)):
+        for position, (ids, output) in enumerate(zip(batch, generated.result(), strict=True)):
             path = (output.kv_transfer_params or {}).get("hidden_states_path")
             if not path:
                 raise RuntimeError(f"vLLM returned no hidden_states_path for batch position {position}")
-            saved = load_file(_wait_until_written(path))
+            token_ids, hidden = read_connector_file(_wait_until_written(path))
             for leftover in (path, path + ".lock"):
                 if os.path.exists(leftover):
                     os.unlink(leftover)
-            if saved["token_ids"].tolist() != ids:
+            if token_ids != ids:
                 raise RuntimeError(f"vLLM's states at batch position {position} belong to other token ids")
-            hidden = saved["hidden_states"]  # [tokens, layers, hidden]
-            states.append([hidden[:, j].clone() for j in range(hidden.shape[1])])
+            # [tokens, layers, hidden] -> one contiguous [tokens, hidden] per layer: the only copy made
+            states.append([hidden[:, j].contiguous() for j in range(hidden.shape[1])])
         return states
 
     def check_forward(self, probe: list[int]) -> list:
@@ -103,6 +120,8 @@ class VllmNativeBackend(OneBatchAtATime):
         return verify_forward(self._llm.collective_rpc, lambda: self.extract([probe]))
 
     def close(self) -> None:
+        for thread in (self._engine_thread, self._reader_thread):
+            thread.shutdown(wait=False, cancel_futures=True)
         llm, self._llm = self._llm, None
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
@@ -127,6 +146,29 @@ def state_store_root(needed_bytes: int) -> str | None:
     if stat.f_bavail * stat.f_frsize < needed_bytes or not os.access(SHM, os.W_OK):
         return None
     return SHM
+
+
+def read_connector_file(path: str):
+    """``token_ids`` (a list) and ``hidden_states`` (``[tokens, layers, hidden]``, viewing the file's
+    mapping: no copy) of one file of vLLM's connector, a safetensors file."""
+    import torch
+
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    (header_bytes,) = struct.unpack_from("<Q", mapping, 0)
+    header = json.loads(mapping[8:8 + header_bytes])
+    tensors = {}
+    for name in ("token_ids", "hidden_states"):
+        entry = header[name]
+        start, end = entry["data_offsets"]
+        dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+                 "I32": torch.int32}[entry["dtype"]]
+        with warnings.catch_warnings():  # a read-only mapping: nothing here writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mapping, dtype=dtype, count=(end - start) // dtype.itemsize,
+                                    offset=8 + header_bytes + start) if end > start else torch.empty(0, dtype=dtype)
+        tensors[name] = flat.view(entry["shape"])
+    return tensors["token_ids"].tolist(), tensors["hidden_states"]
 
 
 def _refuse_cpu_without_spec_decode(version) -> None:

@@ -1,7 +1,9 @@
-"""Both extractor backends on the same tiny model and samples: vllm-native (vLLM's own
-extract_hidden_states, layer ids translated) must find the same hidden states as the speculators
-generator through the shim, and both must match HF. Where the installed vLLM cannot run vllm-native,
-the extractor must say so clearly (exit 2), never hang or crash."""
+"""The extractor's backends on the same tiny model and samples: vllm-native (vLLM's own
+extract_hidden_states, layer ids translated) and vllm-engine (our loop on vLLM's engine, speculators'
+capture streamed per step) must find the same hidden states as the speculators generator through the
+shim, and all must match HF. Where the installed vLLM cannot run vllm-native, the extractor must say
+so clearly (exit 2), never hang or crash."""
+import json
 import re
 
 import torch
@@ -24,7 +26,7 @@ def both(tmp_path_factory):
     root = tmp_path_factory.mktemp("backends")
     rows = write_jsonl(root / "data.jsonl", 24, seed=11)
     runs = {backend: run_cli(*extract_args(model, root / "data.jsonl", root / backend, "--backend", backend))
-            for backend in ("speculators", "vllm-native")}
+            for backend in ("speculators", "vllm-native", "vllm-engine")}
     return model, root, rows, runs
 
 
@@ -59,6 +61,44 @@ def test_same_states_from_both_backends(both):
             assert float(relative_errors(a, ref).max()) < harness.TOLERANCE
 
 
+def test_engine_backend_finds_the_generators_states(both):
+    model, root, rows, runs = both
+    assert runs["vllm-engine"].returncode == 0, runs["vllm-engine"].stderr[-3000:]
+    assert runs["speculators"].returncode == 0, runs["speculators"].stderr[-3000:]
+    assert sorted(data_files(root / "vllm-engine")) == list(range(24))
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+
+    reference = decoder_layer_outputs(load_model(model), [r["input_ids"] for r in rows], [0, 2, 3, 5])
+    for i in range(24):
+        engine = torch.load(root / "vllm-engine" / f"data_{i}.pt", weights_only=True)
+        generator = torch.load(root / "speculators" / f"data_{i}.pt", weights_only=True)
+        assert engine["input_ids"].tolist() == rows[i]["input_ids"]
+        for a, b, ref in zip(engine["hidden_states"], generator["hidden_states"], reference[i], strict=True):
+            assert a.shape == ref.shape
+            assert float(relative_errors(a, b).max()) < 0.02
+            assert float(relative_errors(a, ref).max()) < harness.TOLERANCE
+
+
+def test_engine_backend_places_prompts_split_over_steps(tmp_path):
+    """Batches of long prompts, more tokens than one engine step takes: each prompt's chunks land
+    in its own region at their positions (the states of a prompt run in pieces are still HF's)."""
+    model = harness.tiny_model("llama")
+    rng = __import__("random").Random(19)
+    rows = [[rng.randrange(4, 512) for _ in range(rng.randrange(900, 1024))] for _ in range(16)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in rows))
+    proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--backend", "vllm-engine",
+                                 "--batch-size", "16"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+
+    reference = decoder_layer_outputs(load_model(model), rows, [0, 2, 3, 5])
+    for i, ids in enumerate(rows):
+        saved = torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == ids
+        for layer, ref in zip(saved["hidden_states"], reference[i], strict=True):
+            assert float(relative_errors(layer, ref).max()) < harness.TOLERANCE
+
+
 def test_native_on_this_host_needs_its_adapter(both, tmp_path):
     """Negative proof for native_connector_host_memory: without it, vLLM's connector asks for
     pinned memory on a host that has none, and the run fails (it must fail, not hang)."""
@@ -76,7 +116,8 @@ def test_native_on_this_host_needs_its_adapter(both, tmp_path):
 
 
 @pytest.mark.faults
-def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path):
+@pytest.mark.parametrize("backend", ["vllm-native", "vllm-engine"])
+def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path, backend):
     """vLLM's engine core killed mid-run (the OOM killer's way): without the adapter
     sync_client_engine_dead, ``vllm.LLM`` waits for its outputs forever; with it the run ends, the
     error names the engine core and its signal, and the finished files stay whole."""
@@ -88,12 +129,12 @@ def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path):
     from tests.conftest import ROOT
     from tests.e2e.test_extractor import _cmdline, _descendants, cli
 
-    if VERSION < Version("0.18.0"):
+    if backend == "vllm-native" and VERSION < Version("0.18.0"):
         pytest.skip(f"vLLM {VERSION} refuses --backend vllm-native (test_native_refuses_clearly_where_it_cannot_run)")
     model = harness.tiny_model("llama")
     rows = write_jsonl(tmp_path / "data.jsonl", 64, seed=5)
     out = tmp_path / "out"
-    command, env = cli(*extract_args(model, tmp_path / "data.jsonl", out, "--backend", "vllm-native",
+    command, env = cli(*extract_args(model, tmp_path / "data.jsonl", out, "--backend", backend,
                                      "--batch-size", "4"))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True)

@@ -1,0 +1,243 @@
+"""The vllm-engine backend's parts, with small fakes: where the worker puts each step's rows
+(engine_capture), the region pool, and the driver that feeds vLLM's engine and resolves batches.
+Real vLLM and speculators run it in tests/e2e/test_backends.py, compared with HF."""
+import gc
+import importlib
+import sys
+import threading
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hidden_states.backends import BackendSettings
+from hidden_states.backends.vllm_engine import RegionPool, VllmEngineBackend
+
+HIDDEN = 4
+LAYERS = 2
+WAIT = 120  # seconds for a batch: the driver's first import of vllm takes a while on a loaded machine
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """engine_capture with a stand-in for speculators' worker extension (its base class)."""
+    fake = types.ModuleType("speculators.data_generation.custom_worker")
+    fake.HiddenStatesWorkerExtension = type("HiddenStatesWorkerExtension", (), {})
+    monkeypatch.setitem(sys.modules, "speculators.data_generation.custom_worker", fake)
+    monkeypatch.delitem(sys.modules, "hidden_states.backends.engine_capture", raising=False)
+    module = importlib.import_module("hidden_states.backends.engine_capture")
+    yield module
+    sys.modules.pop("hidden_states.backends.engine_capture", None)
+
+
+def worker(capture, regions, order, size=1 << 16):
+    """A capturing worker after ``_vllm_compat_stream_to``: its segment, regions, batch order."""
+    extension = object.__new__(capture.StreamingCapture)
+    extension._vllm_compat_host = torch.zeros(size, dtype=torch.uint8)
+    extension._vllm_compat_regions = dict(regions)
+    extension._vllm_compat_step = None
+    extension.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))
+    return extension
+
+
+def rows_of(extension, capture, offset, length):
+    row_bytes = HIDDEN * 4
+    stored = int(extension._vllm_compat_host[offset:offset + 8].view(torch.int64)[0])
+    data = extension._vllm_compat_host[offset + capture.HEADER:offset + capture.region_bytes(length, LAYERS, row_bytes)]
+    return stored, data.view(torch.float32).view(LAYERS, length, HIDDEN)
+
+
+def step_rows(order, tokens, starts, extra_rows=0):
+    """Each layer's captured rows for one step, in the runner's ``order``: row value = 1000 * layer +
+    100 * request number + prompt position."""
+    layers = []
+    for layer in range(LAYERS):
+        rows = [[1000 * layer + 100 * int(rid[1:]) + starts[rid] + i] * HIDDEN
+                for rid in order if rid in tokens for i in range(tokens[rid])]
+        rows += [[-1.0] * HIDDEN] * extra_rows  # padding the forward may carry
+        layers.append(torch.tensor(rows, dtype=torch.float32))
+    return layers
+
+
+def expected(request: int, length: int):
+    return torch.tensor([[[1000 * layer + 100 * request + p] * HIDDEN for p in range(length)]
+                         for layer in range(LAYERS)], dtype=torch.float32)
+
+
+def test_rows_land_in_each_requests_region_at_their_positions(capture):
+    # r1: 5 tokens in two chunks; r2: 3 tokens in one step; r3 has no region (warm-up) but rows
+    regions = {"r1": (0, 5), "r2": (1024, 3)}
+    extension = worker(capture, regions, order=["r2", "r3", "r1"])
+    steps = [({"r1": 2, "r2": 3, "r3": 4}, {"r1": 0, "r2": 0, "r3": 0}, 2),  # the runner's order is not the dict's
+             ({"r1": 3, "r2": 1}, {"r1": 2, "r2": 3}, 0)]  # r2's decode row goes nowhere
+    for tokens, starts, padding in steps:
+        extension._vllm_compat_step = (tokens, starts)
+        extension._store_captured_states(step_rows(["r2", "r3", "r1"], tokens, starts, padding))
+    for request, (offset, length) in (("r1", regions["r1"]), ("r2", regions["r2"])):
+        stored, data = rows_of(extension, capture, offset, length)
+        assert stored == length
+        assert torch.equal(data, expected(int(request[1:]), length))
+
+
+def test_rows_of_a_prompt_recomputed_after_preemption_overwrite_in_place(capture):
+    extension = worker(capture, {"r1": (0, 4)}, order=["r1"])
+    for tokens, starts in (({"r1": 3}, {"r1": 0}), ({"r1": 2}, {"r1": 0}), ({"r1": 2}, {"r1": 2})):
+        extension._vllm_compat_step = (tokens, starts)
+        extension._store_captured_states(step_rows(["r1"], tokens, starts))
+    stored, data = rows_of(extension, capture, 0, 4)
+    assert stored == 4 and torch.equal(data, expected(1, 4))
+
+
+def test_a_forward_outside_any_step_stores_nothing(capture):
+    extension = worker(capture, {"r1": (0, 2)}, order=["r1"])
+    extension._store_captured_states(step_rows(["r1"], {"r1": 2}, {"r1": 0}))
+    assert not extension._vllm_compat_host.any()
+
+
+def test_a_step_scheduling_more_rows_than_the_forward_has_raises(capture):
+    extension = worker(capture, {"r1": (0, 8)}, order=["r1"])
+    extension._vllm_compat_step = ({"r1": 5}, {"r1": 0})
+    with pytest.raises(RuntimeError, match="the forward has 3 rows, the step scheduled 5"):
+        extension._store_captured_states(step_rows(["r1"], {"r1": 3}, {"r1": 0}))
+
+
+def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(capture):
+    extension = worker(capture, {"old": (0, 1)}, order=[])
+    seen = {}
+
+    def execute_model(scheduler_output):
+        seen["step"] = extension._vllm_compat_step
+        return "output"
+
+    params = SimpleNamespace(extra_args={capture.REGION: [4096, 7]})
+    output = SimpleNamespace(
+        finished_req_ids={"old"}, num_scheduled_tokens={"new-abc": 7, "cached-def": 2},
+        scheduled_new_reqs=[SimpleNamespace(req_id="new-abc", num_computed_tokens=0, sampling_params=params),
+                            SimpleNamespace(req_id="other", num_computed_tokens=0, sampling_params=SimpleNamespace())],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["cached-def"], num_computed_tokens=[6]))
+    assert capture.note_step(execute_model, extension, (output,), {}) == "output"
+    assert extension._vllm_compat_regions == {"new-abc": (4096, 7)}
+    assert seen["step"] == ({"new-abc": 7, "cached-def": 2}, {"new-abc": 0, "other": 0, "cached-def": 6})
+    assert extension._vllm_compat_step is None
+
+
+def test_region_pool_reuses_freed_room_and_merges_neighbours(tmp_path):
+    pool = RegionPool(4096)
+    try:
+        a, b, c = (pool.reserve(1000, timeout=1) for _ in range(3))
+        assert (a, b, c) == (0, 1024, 2048)
+        pool.release(b, 1000)
+        pool.release(a, 1000)
+        assert pool.reserve(2048, timeout=1) == 0  # a and b merged
+        with pytest.raises(RuntimeError, match="no region of 2048 bytes freed within 0 s"):
+            pool.reserve(2048, timeout=0.05)
+        waiter = threading.Thread(target=lambda: pool.release(c, 1000))
+        threading.Timer(0.05, waiter.start).start()
+        assert pool.reserve(2048, timeout=WAIT) == 2048  # waited for c
+        with pytest.raises(Exception, match="needs 8192 bytes of states, the region pool holds 4096"):
+            pool.reserve(8192, timeout=1)
+    finally:
+        pool.close()
+
+
+class FakeEngine:
+    """vLLM's LLMEngine in miniature: each step finishes one request; the 'worker' writes that
+    request's rows into its region (value = first token id + layer) and its stored-row count."""
+
+    def __init__(self, pool, row_bytes, fail_after=None, store_short=()):
+        self.pool, self.row_bytes = pool, row_bytes
+        self.queue, self.steps = [], 0
+        self.fail_after, self.store_short = fail_after, set(store_short)
+        self.running = threading.Event()  # cleared: steps wait (lets a test submit several batches first)
+        self.running.set()
+
+    def add_request(self, request_id, prompt, params):
+        self.queue.append((request_id, prompt["prompt_token_ids"], params.extra_args["vllm_compat_region"]))
+
+    def has_unfinished_requests(self):
+        return bool(self.queue)
+
+    def step(self):
+        self.running.wait()
+        self.steps += 1
+        if self.fail_after is not None and self.steps > self.fail_after:
+            raise RuntimeError("EngineCore died")
+        request_id, ids, (offset, length) = self.queue.pop(0)
+        from hidden_states.backends.engine_capture import HEADER
+
+        rows = torch.frombuffer(self.pool.mapping, dtype=torch.float32, count=LAYERS * length * HIDDEN,
+                                offset=offset + HEADER).view(LAYERS, length, HIDDEN)
+        for layer in range(LAYERS):
+            rows[layer] = ids[0] + layer
+        stored = length - 1 if ids[0] in self.store_short else length
+        torch.frombuffer(self.pool.mapping, dtype=torch.int64, count=1, offset=offset)[0] = stored
+        return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=list(ids))]
+
+
+def started_backend(capture, sequences_in_flight=4, **engine_options):
+    backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=16, tp_size=1,
+                                                gpu_memory_utilization=0.1, sequences_in_flight=sequences_in_flight))
+    backend._layout = {"dtype": "float32", "hidden_size": HIDDEN}
+    backend._row_bytes = HIDDEN * 4
+    backend._pool = RegionPool(sequences_in_flight * backend._region_bytes(16))
+    backend._llm = SimpleNamespace(llm_engine=FakeEngine(backend._pool, HIDDEN * 4, **engine_options))
+    backend._driver = threading.Thread(target=backend._drive, args=(backend._llm.llm_engine,), daemon=True)
+    backend._driver.start()
+    return backend
+
+
+def test_batches_resolve_to_views_of_their_regions(capture):
+    backend = started_backend(capture)
+    try:
+        first, second = backend.submit([[10, 1, 2], [20, 3]]), backend.submit([[30]])
+        assert [[layer[:, 0].tolist() for layer in layers] for layers in first.result(timeout=WAIT)] == \
+               [[[10.0] * 3, [11.0] * 3], [[20.0] * 2, [21.0] * 2]]
+        assert [[layer.shape for layer in layers] for layers in second.result(timeout=WAIT)] == [[(1, HIDDEN)] * 2]
+    finally:
+        backend.close()
+
+
+def test_a_region_returns_to_the_pool_when_its_tensors_are_gone(capture):
+    backend = started_backend(capture, sequences_in_flight=2)  # room for two sequences of 16 tokens
+    try:
+        first = backend.submit([[10] * 16]).result(timeout=WAIT)
+        second = backend.submit([[20] * 16]).result(timeout=WAIT)
+        third: list = []
+        waiting = threading.Thread(target=lambda: third.append(backend.submit([[30] * 16]).result(timeout=WAIT)))
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive()  # no room while both batches' states are held
+        del first
+        gc.collect()
+        waiting.join(WAIT)
+        assert third[0][0][0][:, 0].tolist() == [30.0] * 16
+        assert second[0][1][:, 0].tolist() == [21.0] * 16  # the states still held were not overwritten
+    finally:
+        backend.close()
+
+
+def test_a_region_with_missing_rows_fails_its_batch_and_the_loop_goes_on(capture):
+    backend = started_backend(capture, store_short={20})
+    try:
+        with pytest.raises(RuntimeError, match="stored 1 of 2 rows for batch position 1"):
+            backend.submit([[10], [20, 21]]).result(timeout=WAIT)
+        assert backend.extract([[30, 31]])[0][0][:, 0].tolist() == [30.0, 30.0]
+    finally:
+        backend.close()
+
+
+def test_an_engine_failure_fails_every_waiting_batch(capture):
+    backend = started_backend(capture, fail_after=1)
+    engine = backend._llm.llm_engine
+    engine.running.clear()
+    try:
+        first, second = backend.submit([[10], [20]]), backend.submit([[30]])
+        engine.running.set()
+        for future in (first, second):
+            with pytest.raises(RuntimeError, match="EngineCore died"):
+                future.result(timeout=WAIT)
+        with pytest.raises(RuntimeError, match="the engine loop has stopped: EngineCore died"):
+            backend.submit([[40]])
+    finally:
+        backend.close()
