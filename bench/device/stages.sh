@@ -6,6 +6,8 @@
 #   bash bench/device/stages.sh speed2      # ... the rest: vllm-native b8/b32, compiled prefill, extractor b32 before, timeline before
 #   bash bench/device/stages.sh threads     # issue 13 step 3: the extractor with parent_copy_threads (cap 8) b8/b32, off, cap 16
 #   bash bench/device/stages.sh overlap     # issue 13: the extractor with overlapped batches b8/b32, and --no-overlap; prefill
+#   bash bench/device/stages.sh engine      # issue 13 step 3: --backend vllm-engine b8/b32 (256 x 2048), check, eager prefill, speculators b8
+#   bash bench/device/stages.sh engine2     # ... compiled prefill, vllm-native b8/b32 and check, speculators b32, vLLM's native path alone
 #   bash bench/device/stages.sh dp          # issue 15: 2 replicas x TP=1 (Ray) against 1 replica, 8B shape (two GPUs, Ray carried)
 #   bash bench/device/stages.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
 #   bash bench/device/stages.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
@@ -95,6 +97,24 @@ case "${1:?stage}" in
     step 70 "$B prefill --model $M8 --samples 128 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same machine
     step 100 "rm -rf /tmp/o32n && extract --batch 32 --samples 128 --no-overlap --work /tmp/o32n; rm -rf /tmp/o32n"
     step 120 "$B prefill --model $M8 --samples 128 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
+    ;;
+  engine)  # issue 13 step 3: --backend vllm-engine (our loop on vLLM's engine, states streamed per step), 256 x 2048 each
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 100 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 256 --work /tmp/e8"
+    step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/e8 2>&1 | grep RESULT; rm -rf /tmp/e8"
+    step 90 "$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same machine
+    step 100 "rm -rf /tmp/e32 && extract --backend vllm-engine --batch 32 --samples 256 --work /tmp/e32; rm -rf /tmp/e32"
+    step 100 "rm -rf /tmp/e8w && extract --backend vllm-engine --batch 8 --samples 256 --writer-threads 4 --work /tmp/e8w; rm -rf /tmp/e8w"
+    step 100 "rm -rf /tmp/s8 && extract --batch 8 --samples 256 --work /tmp/s8; rm -rf /tmp/s8"  # the speculators backend, same run
+    ;;
+  engine2)  # issue 13: the rest of the same comparison
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 130 "$B prefill --model $M8 --samples 256 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
+    step 100 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/n8"
+    step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT; rm -rf /tmp/n8"
+    step 100 "rm -rf /tmp/n32 && extract --backend vllm-native --batch 32 --samples 256 --work /tmp/n32; rm -rf /tmp/n32"
+    step 100 "rm -rf /tmp/s32 && extract --batch 32 --samples 256 --work /tmp/s32; rm -rf /tmp/s32"
+    step 90 "$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/native-alone 2>&1 | grep RESULT | tail -1; rm -rf /tmp/native-alone"
     ;;
   dp)  # issue 15, on nvidia-h200-x2 after install.sh with Ray carried (prepare.py --ray): 2 replicas x TP=1 against 1
     [ "$GPUS" -ge 2 ] || { echo "SKIPPED: dp needs two GPUs, this machine has $GPUS" | tee -a "$OUT/skipped.txt"; exit 0; }

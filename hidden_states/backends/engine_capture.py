@@ -10,9 +10,11 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
 * A region belongs to one request: the parent names it in the request's sampling parameters
   (``extra_args[REGION]``: offset and prompt length), so it reaches this worker with the request,
   whatever id vLLM gives it internally.
-* Layout (:func:`region_bytes`): a 64-byte header, whose first int64 is the number of prompt rows
-  stored so far, then the layers one after the other, each ``[prompt_len, hidden]`` contiguous: a
-  request's layer is one run of bytes, which the parent hands to the writer without a copy.
+* Layout (:func:`layer_start`): a 64-byte header, whose first int64 is the number of prompt rows
+  stored so far; the token id of every stored row (int32), taken from the same forward rows as its
+  states, which the parent compares with the prompt (a row attributed to the wrong request cannot
+  pass); then the layers one after the other, each ``[prompt_len, hidden]`` contiguous: a request's
+  layer is one run of bytes, which the parent hands to the writer without a copy.
 * Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
   prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
   of requests without a region (warm-up, profiling) are not stored.
@@ -32,12 +34,25 @@ from vllm_compat.transport import pin_host_memory
 from vllm_compat.wrapping import wrap_instance_method
 
 REGION = "vllm_compat_region"  # the sampling parameters' extra_args key: (offset, prompt length)
-HEADER = 64  # bytes before a region's layers: int64 rows stored, padding to keep the layers aligned
+HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
 EXTENSION = f"{__name__}.StreamingCapture"
 
 
+def layer_start(length: int, index: int, row_bytes: int) -> int:
+    """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
+    header and the token ids, padded to 64 bytes)."""
+    return HEADER + (4 * length + 63) // 64 * 64 + index * length * row_bytes
+
+
 def region_bytes(length: int, layers: int, row_bytes: int) -> int:
-    return HEADER + length * layers * row_bytes
+    return layer_start(length, layers, row_bytes)
+
+
+def note_input_ids(wrapped, model, args, kwargs):
+    """Around the capturing forward: keep its input ids, which ``_store_captured_states`` stores
+    beside the states of the same rows."""
+    model._vllm_compat_extension._vllm_compat_input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    return wrapped(*args, **kwargs)
 
 
 def step_starts(scheduler_output) -> dict[str, int]:
@@ -94,7 +109,11 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         self._vllm_compat_host = torch.frombuffer(self._vllm_compat_mapping, dtype=torch.uint8)
         self._vllm_compat_regions: dict[str, tuple[int, int]] = {}
         self._vllm_compat_step = None
+        self._vllm_compat_input_ids = None
         wrap_instance_method(self, "execute_model", note_step)
+        base_model = self.model_runner.model.model  # the model whose forward speculators replaced
+        base_model._vllm_compat_extension = self
+        wrap_instance_method(base_model, "forward", note_input_ids)
         on_gpu = getattr(self.model_runner, "device", torch.device("cpu")).type == "cuda"
         return pin_host_memory(self._vllm_compat_host) if on_gpu else False
 
@@ -109,6 +128,10 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         if sum(tokens.values()) > captured:
             raise RuntimeError(f"vllm-compat vllm-engine capture: the forward has {captured} rows, the step "
                                f"scheduled {sum(tokens.values())} tokens")
+        input_ids = self._vllm_compat_input_ids
+        if input_ids is None:
+            raise RuntimeError("vllm-compat vllm-engine capture: the forward got no input ids (embeddings "
+                               "instead?); the rows' owners cannot be checked")
         host, row = self._vllm_compat_host, 0
         hidden = aux_hidden_states[0].shape[1]
         row_bytes = hidden * aux_hidden_states[0].element_size()
@@ -119,8 +142,10 @@ class StreamingCapture(HiddenStatesWorkerExtension):
                 offset, length = region
                 take = min(count, length - start)
                 if take > 0:
+                    first = offset + HEADER + 4 * start
+                    host[first:first + 4 * take].view(torch.int32).copy_(input_ids[row:row + take], non_blocking=True)
                     for index, layer in enumerate(aux_hidden_states):
-                        first = offset + HEADER + (index * length + start) * row_bytes
+                        first = offset + layer_start(length, index, row_bytes) + start * row_bytes
                         target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
                         target.copy_(layer[row:row + take], non_blocking=True)
                     host[offset:offset + 8].view(torch.int64)[0] = start + take

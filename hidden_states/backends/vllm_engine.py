@@ -220,19 +220,24 @@ class VllmEngineBackend:
             return None
 
     def _resolve(self, work: _Batch) -> None:
+        states: list = []
         try:
-            states = [self._states(work, position) for position in range(len(work.ids))]
+            for position in range(len(work.ids)):
+                states.append(self._states(work, position))
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+            for position in range(len(states), len(work.ids)):  # regions no tensor will release
+                self._pool.release(work.offsets[position], self._region_bytes(len(work.ids[position])))
+            states.clear()  # the exception's traceback keeps this frame: its tensors must not keep their regions
             work.future.set_exception(exc)
         else:
             work.future.set_result(states)
 
     def _states(self, work: _Batch, position: int) -> list:
-        """The request's layers as tensors over its region; the region is released when every one of
-        them has been garbage collected."""
+        """The request's layers as tensors over its region, once its rows are checked; the region is
+        released when every one of them has been garbage collected."""
         import torch
 
-        from .engine_capture import HEADER
+        from .engine_capture import HEADER, layer_start
 
         ids, offset = work.ids[position], work.offsets[position]
         output = work.finished[position]
@@ -241,10 +246,14 @@ class VllmEngineBackend:
         stored = self._pool.rows_stored(offset)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
+        row_ids = torch.frombuffer(self._pool.mapping, dtype=torch.int32, count=len(ids), offset=offset + HEADER)
+        if row_ids.tolist() != ids:
+            wrong = next(i for i, (a, b) in enumerate(zip(row_ids.tolist(), ids)) if a != b)
+            raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
+                               f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
-        rows = len(ids) * hidden
-        layers = [torch.frombuffer(self._pool.mapping, dtype=dtype, count=rows,
-                                   offset=offset + HEADER + index * rows * dtype.itemsize).view(len(ids), hidden)
+        layers = [torch.frombuffer(self._pool.mapping, dtype=dtype, count=len(ids) * hidden,
+                                   offset=offset + layer_start(len(ids), index, self._row_bytes)).view(len(ids), hidden)
                   for index in range(len(self.settings.layer_ids))]
         release = _Countdown(len(layers), self._pool.release, offset, self._region_bytes(len(ids)))
         for layer in layers:

@@ -42,26 +42,30 @@ def worker(capture, regions, order, size=1 << 16):
 
 
 def rows_of(extension, capture, offset, length):
-    row_bytes = HIDDEN * 4
-    stored = int(extension._vllm_compat_host[offset:offset + 8].view(torch.int64)[0])
-    data = extension._vllm_compat_host[offset + capture.HEADER:offset + capture.region_bytes(length, LAYERS, row_bytes)]
-    return stored, data.view(torch.float32).view(LAYERS, length, HIDDEN)
+    """(rows stored, token ids stored, [layers, length, hidden]) of one region."""
+    host, row_bytes = extension._vllm_compat_host, HIDDEN * 4
+    stored = int(host[offset:offset + 8].view(torch.int64)[0])
+    ids = host[offset + capture.HEADER:offset + capture.HEADER + 4 * length].view(torch.int32).tolist()
+    data = host[offset + capture.layer_start(length, 0, row_bytes):offset + capture.region_bytes(length, LAYERS, row_bytes)]
+    return stored, ids, data.view(torch.float32).view(LAYERS, length, HIDDEN)
 
 
-def step_rows(order, tokens, starts, extra_rows=0):
-    """Each layer's captured rows for one step, in the runner's ``order``: row value = 1000 * layer +
-    100 * request number + prompt position."""
-    layers = []
-    for layer in range(LAYERS):
-        rows = [[1000 * layer + 100 * int(rid[1:]) + starts[rid] + i] * HIDDEN
-                for rid in order if rid in tokens for i in range(tokens[rid])]
-        rows += [[-1.0] * HIDDEN] * extra_rows  # padding the forward may carry
-        layers.append(torch.tensor(rows, dtype=torch.float32))
-    return layers
+def token(request: int, position: int) -> int:
+    return 100 * request + position
+
+
+def run_step(extension, order, tokens, starts, extra_rows=0):
+    """One forward as the capture sees it, rows in the runner's ``order``: its input ids (request r's
+    token at position p is ``token(r, p)``) and each layer's rows (value 1000 * layer + that id)."""
+    ids = [token(int(rid[1:]), starts[rid] + i) for rid in order if rid in tokens for i in range(tokens[rid])]
+    ids += [-1] * extra_rows  # padding the forward may carry
+    extension._vllm_compat_step = (tokens, starts)
+    extension._vllm_compat_input_ids = torch.tensor(ids)
+    extension._store_captured_states([torch.tensor([[1000.0 * layer + i] * HIDDEN for i in ids]) for layer in range(LAYERS)])
 
 
 def expected(request: int, length: int):
-    return torch.tensor([[[1000 * layer + 100 * request + p] * HIDDEN for p in range(length)]
+    return torch.tensor([[[1000 * layer + token(request, p)] * HIDDEN for p in range(length)]
                          for layer in range(LAYERS)], dtype=torch.float32)
 
 
@@ -69,37 +73,35 @@ def test_rows_land_in_each_requests_region_at_their_positions(capture):
     # r1: 5 tokens in two chunks; r2: 3 tokens in one step; r3 has no region (warm-up) but rows
     regions = {"r1": (0, 5), "r2": (1024, 3)}
     extension = worker(capture, regions, order=["r2", "r3", "r1"])
-    steps = [({"r1": 2, "r2": 3, "r3": 4}, {"r1": 0, "r2": 0, "r3": 0}, 2),  # the runner's order is not the dict's
-             ({"r1": 3, "r2": 1}, {"r1": 2, "r2": 3}, 0)]  # r2's decode row goes nowhere
-    for tokens, starts, padding in steps:
-        extension._vllm_compat_step = (tokens, starts)
-        extension._store_captured_states(step_rows(["r2", "r3", "r1"], tokens, starts, padding))
+    run_step(extension, ["r2", "r3", "r1"], {"r1": 2, "r2": 3, "r3": 4}, {"r1": 0, "r2": 0, "r3": 0}, extra_rows=2)
+    run_step(extension, ["r2", "r3", "r1"], {"r1": 3, "r2": 1}, {"r1": 2, "r2": 3})  # r2's decode row goes nowhere
     for request, (offset, length) in (("r1", regions["r1"]), ("r2", regions["r2"])):
-        stored, data = rows_of(extension, capture, offset, length)
+        stored, ids, data = rows_of(extension, capture, offset, length)
         assert stored == length
+        assert ids == [token(int(request[1:]), p) for p in range(length)]
         assert torch.equal(data, expected(int(request[1:]), length))
 
 
 def test_rows_of_a_prompt_recomputed_after_preemption_overwrite_in_place(capture):
     extension = worker(capture, {"r1": (0, 4)}, order=["r1"])
     for tokens, starts in (({"r1": 3}, {"r1": 0}), ({"r1": 2}, {"r1": 0}), ({"r1": 2}, {"r1": 2})):
-        extension._vllm_compat_step = (tokens, starts)
-        extension._store_captured_states(step_rows(["r1"], tokens, starts))
-    stored, data = rows_of(extension, capture, 0, 4)
+        run_step(extension, ["r1"], tokens, starts)
+    stored, _, data = rows_of(extension, capture, 0, 4)
     assert stored == 4 and torch.equal(data, expected(1, 4))
 
 
 def test_a_forward_outside_any_step_stores_nothing(capture):
     extension = worker(capture, {"r1": (0, 2)}, order=["r1"])
-    extension._store_captured_states(step_rows(["r1"], {"r1": 2}, {"r1": 0}))
+    extension._store_captured_states([torch.ones(2, HIDDEN)] * LAYERS)
     assert not extension._vllm_compat_host.any()
 
 
 def test_a_step_scheduling_more_rows_than_the_forward_has_raises(capture):
     extension = worker(capture, {"r1": (0, 8)}, order=["r1"])
     extension._vllm_compat_step = ({"r1": 5}, {"r1": 0})
+    extension._vllm_compat_input_ids = torch.arange(3)
     with pytest.raises(RuntimeError, match="the forward has 3 rows, the step scheduled 5"):
-        extension._store_captured_states(step_rows(["r1"], {"r1": 3}, {"r1": 0}))
+        extension._store_captured_states([torch.ones(3, HIDDEN)] * LAYERS)
 
 
 def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(capture):
@@ -145,10 +147,10 @@ class FakeEngine:
     """vLLM's LLMEngine in miniature: each step finishes one request; the 'worker' writes that
     request's rows into its region (value = first token id + layer) and its stored-row count."""
 
-    def __init__(self, pool, row_bytes, fail_after=None, store_short=()):
+    def __init__(self, pool, row_bytes, fail_after=None, store_short=(), misattribute=()):
         self.pool, self.row_bytes = pool, row_bytes
         self.queue, self.steps = [], 0
-        self.fail_after, self.store_short = fail_after, set(store_short)
+        self.fail_after, self.store_short, self.misattribute = fail_after, set(store_short), set(misattribute)
         self.running = threading.Event()  # cleared: steps wait (lets a test submit several batches first)
         self.running.set()
 
@@ -164,10 +166,14 @@ class FakeEngine:
         if self.fail_after is not None and self.steps > self.fail_after:
             raise RuntimeError("EngineCore died")
         request_id, ids, (offset, length) = self.queue.pop(0)
-        from hidden_states.backends.engine_capture import HEADER
+        from hidden_states.backends.engine_capture import HEADER, layer_start
 
+        stored_ids = torch.frombuffer(self.pool.mapping, dtype=torch.int32, count=length, offset=offset + HEADER)
+        stored_ids.copy_(torch.tensor(ids))
+        if ids[0] in self.misattribute:
+            stored_ids[-1] += 1
         rows = torch.frombuffer(self.pool.mapping, dtype=torch.float32, count=LAYERS * length * HIDDEN,
-                                offset=offset + HEADER).view(LAYERS, length, HIDDEN)
+                                offset=offset + layer_start(length, 0, self.row_bytes)).view(LAYERS, length, HIDDEN)
         for layer in range(LAYERS):
             rows[layer] = ids[0] + layer
         stored = length - 1 if ids[0] in self.store_short else length
@@ -223,6 +229,17 @@ def test_a_region_with_missing_rows_fails_its_batch_and_the_loop_goes_on(capture
         with pytest.raises(RuntimeError, match="stored 1 of 2 rows for batch position 1"):
             backend.submit([[10], [20, 21]]).result(timeout=WAIT)
         assert backend.extract([[30, 31]])[0][0][:, 0].tolist() == [30.0, 30.0]
+    finally:
+        backend.close()
+
+
+def test_rows_stored_from_other_tokens_fail_their_batch_and_free_its_regions(capture):
+    backend = started_backend(capture, sequences_in_flight=2, misattribute={20})
+    try:
+        with pytest.raises(RuntimeError, match="batch position 1 come from other tokens' rows .from token 15 of 16"):
+            backend.submit([[10] * 16, [20] * 16]).result(timeout=WAIT)
+        gc.collect()
+        assert backend.extract([[30] * 16, [40] * 16])[1][0][:, 0].tolist() == [40.0] * 16  # both regions are back
     finally:
         backend.close()
 
