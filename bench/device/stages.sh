@@ -8,6 +8,7 @@
 #   bash bench/device/stages.sh overlap     # issue 13: the extractor with overlapped batches b8/b32, and --no-overlap; prefill
 #   bash bench/device/stages.sh engine      # issue 13 step 3: --backend vllm-engine b8/b32 (256 x 2048), check, eager prefill, speculators b8
 #   bash bench/device/stages.sh engine2     # ... compiled prefill, vllm-native b8/b32 and check, speculators b32, vLLM's native path alone
+#   bash bench/device/stages.sh engine3     # ... vllm-engine with its copies on their own stream: b8/b32 (4 writer threads), check, eager prefill
 #   bash bench/device/stages.sh dp          # issue 15: 2 replicas x TP=1 (Ray) against 1 replica, 8B shape (two GPUs, Ray carried)
 #   bash bench/device/stages.sh smoke       # tiny models: the e2e suite on CUDA (V1 and V2 runners), TP=2
 #   bash bench/device/stages.sh moe         # DeepSeek-V3-shaped MoE: rotary kernel, extractor, check vs HF
@@ -106,6 +107,14 @@ case "${1:?stage}" in
     step 100 "rm -rf /tmp/e32 && extract --backend vllm-engine --batch 32 --samples 256 --work /tmp/e32; rm -rf /tmp/e32"
     step 100 "rm -rf /tmp/e8w && extract --backend vllm-engine --batch 8 --samples 256 --writer-threads 4 --work /tmp/e8w; rm -rf /tmp/e8w"
     step 100 "rm -rf /tmp/s8 && extract --batch 8 --samples 256 --work /tmp/s8; rm -rf /tmp/s8"  # the speculators backend, same run
+    ;;
+  engine3)  # issue 13: vllm-engine with its copies on a stream of their own (after engine/engine2)
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 100 "rm -rf /tmp/f8 && extract --backend vllm-engine --batch 8 --samples 256 --writer-threads 4 --work /tmp/f8"
+    step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/f8 2>&1 | grep RESULT; rm -rf /tmp/f8"
+    step 90 "$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same machine
+    step 100 "rm -rf /tmp/f32 && extract --backend vllm-engine --batch 32 --samples 256 --writer-threads 4 --work /tmp/f32; rm -rf /tmp/f32"
+    step 100 "rm -rf /tmp/f8d && extract --backend vllm-engine --batch 8 --samples 256 --work /tmp/f8d; rm -rf /tmp/f8d"
     ;;
   engine2)  # issue 13: the rest of the same comparison
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"

@@ -18,14 +18,20 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
 * Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
   prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
   of requests without a region (warm-up, profiling) are not stored.
-* The copies are issued on the compute stream, non-blocking into pinned memory: they overlap the
-  host's scheduling of the next step, and they complete before the step's sampled tokens reach the
-  host, i.e. before the parent can learn that the request has finished.
+* On a GPU the states' copies run on a stream of their own, into pinned memory, after the step's
+  forward: they overlap the next step's forward instead of adding to it (about 3 % of an H200's
+  prefill for four 4096-wide layers). A region's row count is written only once its copies are
+  done (:class:`CopiesDone`, a thread waiting on each step's event), and the parent waits for the
+  count, so a finished request is never read before its states have landed. The token ids (a few
+  bytes per row) are copied on the compute stream, from the runner's input buffer before the next
+  step rewrites it. On a CPU every copy is done when it returns, and the count is written at once.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import queue
+import threading
 
 from speculators.data_generation.custom_worker import HiddenStatesWorkerExtension
 
@@ -79,6 +85,27 @@ def note_step(wrapped, worker, args, kwargs):
         worker._vllm_compat_step = None
 
 
+class CopiesDone:
+    """Writes regions' row counts once the copies of their rows have finished on the copy stream."""
+
+    def __init__(self, host):
+        self._host = host
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="vllm-compat-copies-done", daemon=True).start()
+
+    def after(self, event, counts: list[tuple[int, int]]) -> None:
+        self._queue.put((event, counts))
+
+    def _run(self) -> None:
+        import torch
+
+        while True:
+            event, counts = self._queue.get()
+            event.synchronize()
+            for offset, count in counts:
+                self._host[offset:offset + 8].view(torch.int64)[0] = count
+
+
 class StreamingCapture(HiddenStatesWorkerExtension):
     """``worker_extension_cls`` of the ``vllm-engine`` backend (its methods run in every worker;
     only tensor-parallel rank 0 captures, as in speculators)."""
@@ -115,6 +142,8 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         base_model._vllm_compat_extension = self
         wrap_instance_method(base_model, "forward", note_input_ids)
         on_gpu = getattr(self.model_runner, "device", torch.device("cpu")).type == "cuda"
+        self._vllm_compat_copies = torch.cuda.Stream() if on_gpu else None
+        self._vllm_compat_done = CopiesDone(self._vllm_compat_host) if on_gpu else None
         return pin_host_memory(self._vllm_compat_host) if on_gpu else False
 
     def _store_captured_states(self, aux_hidden_states):
@@ -132,9 +161,14 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         if input_ids is None:
             raise RuntimeError("vllm-compat vllm-engine capture: the forward got no input ids (embeddings "
                                "instead?); the rows' owners cannot be checked")
-        host, row = self._vllm_compat_host, 0
+        host, row, counts = self._vllm_compat_host, 0, []
         hidden = aux_hidden_states[0].shape[1]
         row_bytes = hidden * aux_hidden_states[0].element_size()
+        stream = self._vllm_compat_copies
+        if stream is not None:  # the copies wait for the forward, on their own stream
+            stream.wait_stream(torch.cuda.current_stream())
+            for layer in aux_hidden_states:  # not reused by the allocator before the copy has read it
+                layer.record_stream(stream)
         for request_id in order:
             count = tokens[request_id]
             region, start = self._vllm_compat_regions.get(request_id), starts.get(request_id)
@@ -144,9 +178,23 @@ class StreamingCapture(HiddenStatesWorkerExtension):
                 if take > 0:
                     first = offset + HEADER + 4 * start
                     host[first:first + 4 * take].view(torch.int32).copy_(input_ids[row:row + take], non_blocking=True)
-                    for index, layer in enumerate(aux_hidden_states):
-                        first = offset + layer_start(length, index, row_bytes) + start * row_bytes
-                        target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
-                        target.copy_(layer[row:row + take], non_blocking=True)
-                    host[offset:offset + 8].view(torch.int64)[0] = start + take
+                    with torch.cuda.stream(stream) if stream is not None else _no_stream():
+                        for index, layer in enumerate(aux_hidden_states):
+                            first = offset + layer_start(length, index, row_bytes) + start * row_bytes
+                            target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
+                            target.copy_(layer[row:row + take], non_blocking=True)
+                    counts.append((offset, start + take))
             row += count
+        if stream is None:
+            for offset, count in counts:
+                host[offset:offset + 8].view(torch.int64)[0] = count
+        elif counts:
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._vllm_compat_done.after(done, counts)
+
+
+def _no_stream():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -27,6 +27,7 @@ import queue
 import struct
 import tempfile
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 
@@ -39,6 +40,7 @@ from .vllm_native import state_store_root
 FIRST = Version("0.11.0")
 ALIGN = 64
 STOP = object()
+ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
 
 
 class RegionPool:
@@ -91,8 +93,14 @@ class RegionPool:
     def _fit(self, nbytes: int) -> int | None:
         return next((i for i, (_, size) in enumerate(self._free) if size >= nbytes), None)
 
-    def rows_stored(self, offset: int) -> int:
-        return struct.unpack_from("<q", self.mapping, offset)[0]
+    def rows_stored(self, offset: int, expected: int, timeout: float) -> int:
+        """The row count a worker wrote into the region at ``offset``, once it is ``expected`` or
+        ``timeout`` seconds have passed (a GPU worker writes it when the copies have landed, which
+        may be a moment after the engine reports the request finished)."""
+        deadline = time.monotonic() + timeout
+        while (stored := struct.unpack_from("<q", self.mapping, offset)[0]) != expected and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        return stored
 
     def unlink(self) -> None:
         if os.path.exists(self.path):
@@ -125,6 +133,7 @@ class VllmEngineBackend:
         self._driver: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._batches = itertools.count()
+        self.rows_timeout = ROWS_TIMEOUT
 
     def start(self) -> dict:
         import vllm_compat
@@ -243,7 +252,7 @@ class VllmEngineBackend:
         output = work.finished[position]
         if list(output.prompt_token_ids) != ids:
             raise RuntimeError(f"vLLM's request at batch position {position} holds other token ids")
-        stored = self._pool.rows_stored(offset)
+        stored = self._pool.rows_stored(offset, len(ids), timeout=self.rows_timeout)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
         row_ids = torch.frombuffer(self._pool.mapping, dtype=torch.int32, count=len(ids), offset=offset + HEADER)

@@ -5,6 +5,7 @@ import gc
 import importlib
 import sys
 import threading
+import time
 import types
 from types import SimpleNamespace
 
@@ -37,6 +38,7 @@ def worker(capture, regions, order, size=1 << 16):
     extension._vllm_compat_host = torch.zeros(size, dtype=torch.uint8)
     extension._vllm_compat_regions = dict(regions)
     extension._vllm_compat_step = None
+    extension._vllm_compat_copies = extension._vllm_compat_done = None  # a CPU worker: copies done on return
     extension.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))
     return extension
 
@@ -104,6 +106,19 @@ def test_a_step_scheduling_more_rows_than_the_forward_has_raises(capture):
         extension._store_captured_states([torch.ones(3, HIDDEN)] * LAYERS)
 
 
+def test_a_gpu_workers_counts_are_written_only_once_its_copies_are_done(capture):
+    host = torch.zeros(64, dtype=torch.uint8)
+    copies_done, copied = capture.CopiesDone(host), threading.Event()
+    copies_done.after(SimpleNamespace(synchronize=copied.wait), [(0, 5), (8, 7)])
+    time.sleep(0.2)
+    assert host.view(torch.int64)[:2].tolist() == [0, 0]  # the parent keeps waiting
+    copied.set()
+    deadline = time.monotonic() + WAIT
+    while host.view(torch.int64)[:2].tolist() != [5, 7]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(capture):
     extension = worker(capture, {"old": (0, 1)}, order=[])
     seen = {}
@@ -147,8 +162,8 @@ class FakeEngine:
     """vLLM's LLMEngine in miniature: each step finishes one request; the 'worker' writes that
     request's rows into its region (value = first token id + layer) and its stored-row count."""
 
-    def __init__(self, pool, row_bytes, fail_after=None, store_short=(), misattribute=()):
-        self.pool, self.row_bytes = pool, row_bytes
+    def __init__(self, pool, row_bytes, fail_after=None, store_short=(), misattribute=(), count_delay=0.0):
+        self.pool, self.row_bytes, self.count_delay = pool, row_bytes, count_delay
         self.queue, self.steps = [], 0
         self.fail_after, self.store_short, self.misattribute = fail_after, set(store_short), set(misattribute)
         self.running = threading.Event()  # cleared: steps wait (lets a test submit several batches first)
@@ -177,7 +192,8 @@ class FakeEngine:
         for layer in range(LAYERS):
             rows[layer] = ids[0] + layer
         stored = length - 1 if ids[0] in self.store_short else length
-        torch.frombuffer(self.pool.mapping, dtype=torch.int64, count=1, offset=offset)[0] = stored
+        count = torch.frombuffer(self.pool.mapping, dtype=torch.int64, count=1, offset=offset)
+        threading.Timer(self.count_delay, count.fill_, (stored,)).start()  # a GPU worker's count comes late
         return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=list(ids))]
 
 
@@ -185,6 +201,7 @@ def started_backend(capture, sequences_in_flight=4, **engine_options):
     backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=16, tp_size=1,
                                                 gpu_memory_utilization=0.1, sequences_in_flight=sequences_in_flight))
     backend._layout = {"dtype": "float32", "hidden_size": HIDDEN}
+    backend.rows_timeout = 1.0
     backend._row_bytes = HIDDEN * 4
     backend._pool = RegionPool(sequences_in_flight * backend._region_bytes(16))
     backend._llm = SimpleNamespace(llm_engine=FakeEngine(backend._pool, HIDDEN * 4, **engine_options))
@@ -200,6 +217,14 @@ def test_batches_resolve_to_views_of_their_regions(capture):
         assert [[layer[:, 0].tolist() for layer in layers] for layers in first.result(timeout=WAIT)] == \
                [[[10.0] * 3, [11.0] * 3], [[20.0] * 2, [21.0] * 2]]
         assert [[layer.shape for layer in layers] for layers in second.result(timeout=WAIT)] == [[(1, HIDDEN)] * 2]
+    finally:
+        backend.close()
+
+
+def test_a_finished_request_waits_for_its_row_count(capture):
+    backend = started_backend(capture, count_delay=0.3)
+    try:
+        assert backend.extract([[10, 11]])[0][1][:, 0].tolist() == [11.0, 11.0]
     finally:
         backend.close()
 
