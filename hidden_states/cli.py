@@ -28,7 +28,7 @@ from .formats import FORMATS
 from .presets import PRESETS
 from .settings import Settings, default
 
-TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len")
+TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads")
 
 
 def at_least(minimum: int):
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds between log lines")
     extract.add_argument("--skip-forward-check", action="store_true",
                          help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
-    extract.add_argument("--writer-threads", type=at_least(1), default=default("writer_threads"),
+    extract.add_argument("--writer-threads", type=at_least(1),
                          help=f"threads writing files (default {default('writer_threads')})")
     extract.add_argument("--no-overlap", action="store_true",
                          help="one batch at a time: the next batch's forward does not run while this batch's "
@@ -126,7 +126,7 @@ def settings_from(args) -> Settings:
                     layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
                     max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
                     backend=args.backend, format=args.format, progress_interval=args.progress_interval,
-                    writer_threads=args.writer_threads, forward_check=not args.skip_forward_check,
+                    forward_check=not args.skip_forward_check,
                     overlap=not args.no_overlap,
                     shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
                     ray_address=args.ray_address, **tuned)

@@ -210,6 +210,9 @@ def test_every_default_is_the_settings_one():
     preset = settings_from(build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d",
                                                       "--output-dir", "o", "--preset", "cpu-tiny"]))
     assert (preset.batch_size, preset.max_seq_len, preset.writer_threads) == (8, 1024, Settings.writer_threads)
+    h200 = ["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o", "--preset", "h200"]
+    assert settings_from(build_parser().parse_args(h200)).writer_threads == 4
+    assert settings_from(build_parser().parse_args([*h200, "--writer-threads", "2"])).writer_threads == 2
 
 
 def test_a_sample_records_file_and_length_follow_the_format(tmp_path):
