@@ -119,6 +119,7 @@ class _Batch:
         self.ids, self.offsets = ids, offsets
         self.future: Future = Future()
         self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
+        self.failed = False
 
 
 class VllmEngineBackend:
@@ -134,6 +135,7 @@ class VllmEngineBackend:
         self._failure: BaseException | None = None
         self._batches = itertools.count()
         self.rows_timeout = ROWS_TIMEOUT
+        self._failing = threading.Lock()
 
     def start(self) -> dict:
         import vllm_compat
@@ -180,6 +182,8 @@ class VllmEngineBackend:
         offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in batch]
         work = _Batch(batch, offsets)
         self._incoming.put(work)
+        if self._failure is not None:  # the driver may have stopped after it last looked at the queue
+            self._fail(work, self._failure)
         return work.future
 
     def extract(self, batch: list[list[int]]) -> list[list]:
@@ -216,11 +220,20 @@ class VllmEngineBackend:
                             self._resolve(work)
         except BaseException as exc:  # noqa: BLE001 - every waiting batch hears of it
             self._failure = exc
-            for work in {id(w): w for w, _ in running.values()}.values():
-                if not work.future.done():
-                    work.future.set_exception(exc)
+            for work, _ in running.values():
+                self._fail(work, exc)
             while (work := self._next_nowait()) not in (None, STOP):
-                work.future.set_exception(exc)
+                self._fail(work, exc)
+
+    def _fail(self, work: _Batch, exc: BaseException) -> None:
+        """Fail a batch the engine will not finish and give its regions back (once, whoever asks)."""
+        with self._failing:
+            if work.failed:
+                return
+            work.failed = True
+        for ids, offset in zip(work.ids, work.offsets):
+            self._pool.release(offset, self._region_bytes(len(ids)))
+        work.future.set_exception(exc)
 
     def _next_nowait(self):
         try:

@@ -305,5 +305,6 @@ def test_an_engine_failure_fails_every_waiting_batch(capture):
                 future.result(timeout=WAIT)
         with pytest.raises(RuntimeError, match="the engine loop has stopped: EngineCore died"):
             backend.submit([[40]])
+        assert backend._pool._free == [(0, backend._pool.capacity)]  # the failed batches' regions are back
     finally:
         backend.close()
