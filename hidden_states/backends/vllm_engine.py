@@ -14,9 +14,10 @@ process) runs continuously, and the states stream:
 * the driver thread keeps the engine fed: the next batch's requests are in the engine while the
   previous batch's last ones still run, so the GPU does not wait between batches.
 
-Correctness guards: every region's header says how many prompt rows the worker stored, and a request
-whose count is not its length fails its batch (never stale rows); the engine's prompt ids must be
-the submitted ones.
+Correctness guards, before any tensor leaves the backend: the engine's prompt ids must be the
+submitted ones; the region's row count must be the prompt's length (never stale rows); and the token
+id the worker stored beside every row, from the same forward row as its states, must be the prompt's
+token at that position (never another request's rows). A request failing one fails its batch.
 """
 from __future__ import annotations
 
@@ -218,6 +219,7 @@ class VllmEngineBackend:
                         work.finished[position] = output
                         if len(work.finished) == len(work.ids):
                             self._resolve(work)
+                        work = None  # an idle driver holds no batch, nor the regions of its states
         except BaseException as exc:  # noqa: BLE001 - every waiting batch hears of it
             self._failure = exc
             for work, _ in running.values():
