@@ -28,6 +28,7 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -217,7 +218,7 @@ class StreamingCapture(HiddenStatesWorkerExtension):
                 if take > 0:
                     first = offset + HEADER + 4 * start
                     host[first:first + 4 * take].view(torch.int32).copy_(input_ids[row:row + take], non_blocking=True)
-                    with torch.cuda.stream(stream) if stream is not None else _no_stream():
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                         for index, layer in enumerate(aux_hidden_states):
                             first = offset + layer_start(length, index, row_bytes) + start * row_bytes
                             target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
@@ -231,9 +232,3 @@ class StreamingCapture(HiddenStatesWorkerExtension):
             done = torch.cuda.Event()
             done.record(stream)
             self._vllm_compat_done.after(done, counts)
-
-
-def _no_stream():
-    import contextlib
-
-    return contextlib.nullcontext()
