@@ -11,7 +11,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
-    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--skip-forward-check] [--no-overlap]
+    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--backend B] [--writer-threads N] [--skip-forward-check] [--no-overlap]
     python bench/gpu.py forward-check --model M                                  # the extractor's preflight alone
     python bench/gpu.py check     --model M --samples 4 [--bf16-floor]           # extractor (and HF bf16) vs HF fp32
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
