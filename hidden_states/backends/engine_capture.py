@@ -10,7 +10,7 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
 * A region belongs to one request: the parent names it in the request's sampling parameters
   (``extra_args[REGION]``: offset and prompt length), so it reaches this worker with the request,
   whatever id vLLM gives it internally.
-* Layout (:func:`layer_start`): a 64-byte header, whose first int64 is the number of prompt rows
+* Layout (``vllm_engine.layer_start``): a 64-byte header, whose first int64 is the number of prompt rows
   stored so far; the token id of every stored row (int32), taken from the same forward rows as its
   states, which the parent compares with the prompt (a row attributed to the wrong request cannot
   pass); then the layers one after the other, each ``[prompt_len, hidden]`` contiguous: a request's
@@ -41,20 +41,9 @@ from vllm_compat.batch_order import scheduled_in_row_order
 from vllm_compat.transport import pin_host_memory
 from vllm_compat.wrapping import wrap_instance_method
 
-REGION = "vllm_compat_region"  # the sampling parameters' extra_args key: (offset, prompt length)
-HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
-EXTENSION = f"{__name__}.StreamingCapture"
+from .vllm_engine import HEADER, REGION, layer_start
+
 logger = logging.getLogger("vllm_compat")
-
-
-def layer_start(length: int, index: int, row_bytes: int) -> int:
-    """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
-    header and the token ids, padded to 64 bytes)."""
-    return HEADER + (4 * length + 63) // 64 * 64 + index * length * row_bytes
-
-
-def region_bytes(length: int, layers: int, row_bytes: int) -> int:
-    return layer_start(length, layers, row_bytes)
 
 
 def note_input_ids(wrapped, model, args, kwargs):
@@ -188,10 +177,10 @@ class StreamingCapture(HiddenStatesWorkerExtension):
             return
         tokens, starts = self._vllm_compat_step
         order = scheduled_in_row_order(self.model_runner, tokens)
-        captured = aux_hidden_states[0].shape[0]
-        if sum(tokens.values()) > captured:
+        captured, scheduled = aux_hidden_states[0].shape[0], sum(tokens.values())
+        if scheduled > captured:
             raise RuntimeError(f"vllm-compat vllm-engine capture: the forward has {captured} rows, the step "
-                               f"scheduled {sum(tokens.values())} tokens")
+                               f"scheduled {scheduled} tokens")
         input_ids = self._vllm_compat_input_ids
         if input_ids is None:
             raise RuntimeError("vllm-compat vllm-engine capture: the forward got no input ids (embeddings "

@@ -36,12 +36,28 @@ from packaging.version import Version
 
 from ..errors import ExtractError
 from . import BackendSettings
-from .vllm_native import state_store_root
+from .vllm_native import in_process_llm_environment, shut_down, state_store_root
 
 FIRST = Version("0.11.0")
 ALIGN = 64
 STOP = object()
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
+# The worker side, named to vLLM (worker_extension_cls): its workers import it, this process need not.
+EXTENSION = f"{__package__}.engine_capture.StreamingCapture"
+
+# A request's region, shared by this process and the worker (engine_capture).
+REGION = "vllm_compat_region"  # the sampling parameters' extra_args key: (offset, prompt length)
+HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
+
+
+def layer_start(length: int, index: int, row_bytes: int) -> int:
+    """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
+    header and the token ids, int32, padded to 64 bytes)."""
+    return HEADER + (4 * length + 63) // 64 * 64 + index * length * row_bytes
+
+
+def region_bytes(length: int, layers: int, row_bytes: int) -> int:
+    return layer_start(length, layers, row_bytes)
 
 
 class RegionPool:
@@ -57,6 +73,7 @@ class RegionPool:
         finally:
             os.close(fd)
         self._free = [(0, capacity)]  # (offset, size), sorted by offset
+        self._reserved: dict[int, int] = {}  # offset -> size of each region handed out
         self._room = threading.Condition()
 
     def reserve(self, nbytes: int, timeout: float) -> int:
@@ -73,13 +90,13 @@ class RegionPool:
                 del self._free[index]
             else:
                 self._free[index] = (offset + nbytes, size - nbytes)
+            self._reserved[offset] = nbytes
             struct.pack_into("<q", self.mapping, offset, 0)  # no rows stored yet
             return offset
 
-    def release(self, offset: int, nbytes: int) -> None:
-        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    def release(self, offset: int) -> None:
         with self._room:
-            self._free.append((offset, nbytes))
+            self._free.append((offset, self._reserved.pop(offset)))
             self._free.sort()
             merged = [self._free[0]]
             for start, size in self._free[1:]:
@@ -146,12 +163,9 @@ class VllmEngineBackend:
         if version is None or base(version) < FIRST:
             raise ExtractError(f"--backend vllm-engine needs vLLM >= {FIRST}; the installed vLLM is {version}")
         report = vllm_compat.apply()  # the worker adapters keep speculators' capture forward right
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # see the vllm-native backend
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the forward check's callables
+        in_process_llm_environment()
         import torch
         from vllm import LLM
-
-        from .engine_capture import EXTENSION
 
         settings = self.settings
         self._llm = LLM(
@@ -171,8 +185,6 @@ class VllmEngineBackend:
         return {"backend": self.name, "vllm_compat": report.to_dict(), "states_page_locked": pinned}
 
     def _region_bytes(self, length: int) -> int:
-        from .engine_capture import region_bytes
-
         return region_bytes(length, len(self.settings.layer_ids), self._row_bytes)
 
     def submit(self, batch: list[list[int]]) -> Future:
@@ -194,8 +206,6 @@ class VllmEngineBackend:
     def _drive(self, engine) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
-        from .engine_capture import REGION
 
         running: dict[str, tuple[_Batch, int]] = {}
         try:
@@ -233,8 +243,8 @@ class VllmEngineBackend:
             if work.failed:
                 return
             work.failed = True
-        for ids, offset in zip(work.ids, work.offsets):
-            self._pool.release(offset, self._region_bytes(len(ids)))
+        for offset in work.offsets:
+            self._pool.release(offset)
         work.future.set_exception(exc)
 
     def _next_nowait(self):
@@ -250,7 +260,7 @@ class VllmEngineBackend:
                 states.append(self._states(work, position))
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             for position in range(len(states), len(work.ids)):  # regions no tensor will release
-                self._pool.release(work.offsets[position], self._region_bytes(len(work.ids[position])))
+                self._pool.release(work.offsets[position])
             states.clear()  # the exception's traceback keeps this frame: its tensors must not keep their regions
             work.future.set_exception(exc)
         else:
@@ -260,8 +270,6 @@ class VllmEngineBackend:
         """The request's layers as tensors over its region, once its rows are checked; the region is
         released when every one of them has been garbage collected."""
         import torch
-
-        from .engine_capture import HEADER, layer_start
 
         ids, offset = work.ids[position], work.offsets[position]
         output = work.finished[position]
@@ -279,7 +287,7 @@ class VllmEngineBackend:
         layers = [torch.frombuffer(self._pool.mapping, dtype=dtype, count=len(ids) * hidden,
                                    offset=offset + layer_start(len(ids), index, self._row_bytes)).view(len(ids), hidden)
                   for index in range(len(self.settings.layer_ids))]
-        release = _Countdown(len(layers), self._pool.release, offset, self._region_bytes(len(ids)))
+        release = _Countdown(len(layers), self._pool.release, offset)
         for layer in layers:
             weakref.finalize(layer, release)
         return layers
@@ -295,9 +303,7 @@ class VllmEngineBackend:
             self._incoming.put(STOP)  # an idle driver ends here; a busy one when the engine stops
         llm, self._llm = self._llm, None
         if llm is not None:
-            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+            shut_down(llm)
             del llm
         if driver is not None:
             driver.join(timeout=30)

@@ -59,13 +59,7 @@ class VllmNativeBackend:
         vllm_ids = self.vllm_layer_ids(base(version))
         _refuse_cpu_without_spec_decode(version)
         report = vllm_compat.apply()  # the worker-side adapters (e.g. the connector on CPU hosts)
-        # vLLM forks its engine core unless told otherwise, and a fork after anything in this process
-        # asked CUDA (a library import, a probe) cannot use CUDA: spawn, as the generators' workers do.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        # The forward check hands the workers functions (vllm_compat.forward_check) through
-        # LLM.collective_rpc; vLLM's engine-core channel (a local child process) carries callables
-        # only with its pickle fallback, which its own engine child reads from this variable.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        in_process_llm_environment()
         from vllm import LLM
 
         facts = model_facts(self.settings.model_path)
@@ -124,13 +118,28 @@ class VllmNativeBackend:
             thread.shutdown(wait=False, cancel_futures=True)
         llm, self._llm = self._llm, None
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            core = getattr(engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+            shut_down(llm)
             del llm
         if self._store:
             shutil.rmtree(self._store, ignore_errors=True)
+
+
+def in_process_llm_environment() -> None:
+    """What a backend that builds a ``vllm.LLM`` in this process sets first (unless set outside)."""
+    # vLLM forks its engine core unless told otherwise, and a fork after anything in this process
+    # asked CUDA (a library import, a probe) cannot use CUDA: spawn, as the generators' workers do.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # The forward check hands the workers functions (vllm_compat.forward_check) through
+    # LLM.collective_rpc; vLLM's engine-core channel (a local child process) carries callables
+    # only with its pickle fallback, which its own engine child reads from this variable.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def shut_down(llm) -> None:
+    """Stop a ``vllm.LLM``'s engine core (and its workers) now, not whenever it is collected."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
 
 
 def state_store_root(needed_bytes: int) -> str | None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hidden_states.backends import BackendSettings
-from hidden_states.backends.vllm_engine import RegionPool, VllmEngineBackend
+from hidden_states.backends.vllm_engine import HEADER, REGION, RegionPool, VllmEngineBackend, layer_start, region_bytes
 
 HIDDEN = 4
 LAYERS = 2
@@ -48,8 +48,8 @@ def rows_of(extension, capture, offset, length):
     """(rows stored, token ids stored, [layers, length, hidden]) of one region."""
     host, row_bytes = extension._vllm_compat_host, HIDDEN * 4
     stored = int(host[offset:offset + 8].view(torch.int64)[0])
-    ids = host[offset + capture.HEADER:offset + capture.HEADER + 4 * length].view(torch.int32).tolist()
-    data = host[offset + capture.layer_start(length, 0, row_bytes):offset + capture.region_bytes(length, LAYERS, row_bytes)]
+    ids = host[offset + HEADER:offset + HEADER + 4 * length].view(torch.int32).tolist()
+    data = host[offset + layer_start(length, 0, row_bytes):offset + region_bytes(length, LAYERS, row_bytes)]
     return stored, ids, data.view(torch.float32).view(LAYERS, length, HIDDEN)
 
 
@@ -148,7 +148,7 @@ def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(ca
         return "output"
 
     extension._vllm_compat_prompts = {"old": [1]}
-    params = SimpleNamespace(extra_args={capture.REGION: [4096, 7]})
+    params = SimpleNamespace(extra_args={REGION: [4096, 7]})
     output = SimpleNamespace(
         finished_req_ids={"old"}, num_scheduled_tokens={"new-abc": 7, "cached-def": 2},
         scheduled_new_reqs=[SimpleNamespace(req_id="new-abc", num_computed_tokens=0, sampling_params=params,
@@ -168,12 +168,12 @@ def test_region_pool_reuses_freed_room_and_merges_neighbours(tmp_path):
     try:
         a, b, c = (pool.reserve(1000, timeout=1) for _ in range(3))
         assert (a, b, c) == (0, 1024, 2048)
-        pool.release(b, 1000)
-        pool.release(a, 1000)
+        pool.release(b)
+        pool.release(a)
         assert pool.reserve(2048, timeout=1) == 0  # a and b merged
         with pytest.raises(RuntimeError, match="no region of 2048 bytes freed within 0 s"):
             pool.reserve(2048, timeout=0.05)
-        waiter = threading.Thread(target=lambda: pool.release(c, 1000))
+        waiter = threading.Thread(target=lambda: pool.release(c))
         threading.Timer(0.05, waiter.start).start()
         assert pool.reserve(2048, timeout=WAIT) == 2048  # waited for c
         with pytest.raises(Exception, match="needs 8192 bytes of states, the region pool holds 4096"):
@@ -205,8 +205,6 @@ class FakeEngine:
         if self.fail_after is not None and self.steps > self.fail_after:
             raise RuntimeError("EngineCore died")
         request_id, ids, (offset, length) = self.queue.pop(0)
-        from hidden_states.backends.engine_capture import HEADER, layer_start
-
         stored_ids = torch.frombuffer(self.pool.mapping, dtype=torch.int32, count=length, offset=offset + HEADER)
         stored_ids.copy_(torch.tensor(ids))
         if ids[0] in self.misattribute:
