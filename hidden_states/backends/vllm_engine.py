@@ -120,6 +120,18 @@ class RegionPool:
             time.sleep(0.0005)
         return stored
 
+    def view(self, offset: int, dtype, count: int):
+        """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy).
+
+        Through a ``memoryview``: ``torch.frombuffer`` on the mapping itself does not hold it
+        exported, so ``close`` would unmap it under a live tensor (reads and writes through it then
+        hit unmapped or reused memory: a segfault, or another allocation's bytes). The memoryview
+        each tensor keeps makes ``close`` leave the mapping to the last tensor instead."""
+        import torch
+
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        return torch.frombuffer(memoryview(self.mapping)[offset:offset + nbytes], dtype=dtype)
+
     def unlink(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
@@ -127,7 +139,7 @@ class RegionPool:
     def close(self) -> None:
         try:
             self.mapping.close()
-        except BufferError:  # states still held by someone: the mapping goes with the process
+        except BufferError:  # states still held (views): unmapped when the last of them is gone
             pass
         self.unlink()
 
@@ -278,14 +290,14 @@ class VllmEngineBackend:
         stored = self._pool.rows_stored(offset, len(ids), timeout=self.rows_timeout)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
-        row_ids = torch.frombuffer(self._pool.mapping, dtype=torch.int32, count=len(ids), offset=offset + HEADER)
+        row_ids = self._pool.view(offset + HEADER, torch.int32, len(ids))
         if row_ids.tolist() != ids:
             wrong = next(i for i, (a, b) in enumerate(zip(row_ids.tolist(), ids)) if a != b)
             raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
                                f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
-        layers = [torch.frombuffer(self._pool.mapping, dtype=dtype, count=len(ids) * hidden,
-                                   offset=offset + layer_start(len(ids), index, self._row_bytes)).view(len(ids), hidden)
+        layers = [self._pool.view(offset + layer_start(len(ids), index, self._row_bytes), dtype,
+                                  len(ids) * hidden).view(len(ids), hidden)
                   for index in range(len(self.settings.layer_ids))]
         release = _Countdown(len(layers), self._pool.release, offset)
         for layer in layers:

@@ -205,16 +205,16 @@ class FakeEngine:
         if self.fail_after is not None and self.steps > self.fail_after:
             raise RuntimeError("EngineCore died")
         request_id, ids, (offset, length) = self.queue.pop(0)
-        stored_ids = torch.frombuffer(self.pool.mapping, dtype=torch.int32, count=length, offset=offset + HEADER)
+        stored_ids = self.pool.view(offset + HEADER, torch.int32, length)
         stored_ids.copy_(torch.tensor(ids))
         if ids[0] in self.misattribute:
             stored_ids[-1] += 1
-        rows = torch.frombuffer(self.pool.mapping, dtype=torch.float32, count=LAYERS * length * HIDDEN,
-                                offset=offset + layer_start(length, 0, self.row_bytes)).view(LAYERS, length, HIDDEN)
+        rows = self.pool.view(offset + layer_start(length, 0, self.row_bytes), torch.float32,
+                              LAYERS * length * HIDDEN).view(LAYERS, length, HIDDEN)
         for layer in range(LAYERS):
             rows[layer] = ids[0] + layer
         stored = length - 1 if ids[0] in self.store_short else length
-        count = torch.frombuffer(self.pool.mapping, dtype=torch.int64, count=1, offset=offset)
+        count = self.pool.view(offset, torch.int64, 1)
         threading.Timer(self.count_delay, count.fill_, (stored,)).start()  # a GPU worker's count comes late
         return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=list(ids))]
 
@@ -268,6 +268,20 @@ def test_a_region_returns_to_the_pool_when_its_tensors_are_gone(capture):
         assert second[0][1][:, 0].tolist() == [21.0] * 16  # the states still held were not overwritten
     finally:
         backend.close()
+
+
+def test_states_held_past_close_keep_the_mapping_open(capture):
+    backend = started_backend(capture)
+    pool = backend._pool
+    layers = backend.submit([[10, 1, 2]]).result(timeout=WAIT)[0]
+    backend.close()
+    assert pool.mapping[:1] is not None  # still mapped (a closed mmap raises ValueError here)
+    assert layers[1][:, 0].tolist() == [11.0] * 3
+    del layers
+    gc.collect()
+    pool.close()  # the last view gone: now it unmaps
+    with pytest.raises(ValueError):
+        pool.mapping[:1]
 
 
 def test_a_region_with_missing_rows_fails_its_batch_and_the_loop_goes_on(capture):
