@@ -239,8 +239,8 @@ class Extraction:
                      f"disk?) and are redone: {shown}")
         estimate = check_disk(self.output.path, settings.prepared_data, self.bytes_per_token, self.facts, layer_ids,
                               settings.max_seq_len)
-        if settings.backend == "speculators":
-            self.log(check_vllm())
+        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
+            self.log(check_vllm(settings.backend))
         end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
         self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
                                max_seq_len=settings.max_seq_len, strict=settings.strict)

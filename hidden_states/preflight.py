@@ -309,18 +309,28 @@ def check_disk(output_dir: Path, input_path: str, bytes_per_token: float, facts:
     return estimate
 
 
-def check_vllm(consumer_needed: bool = True) -> str:
-    """The vllm-compat audit of the installed vLLM (static, no import): problems stop the run."""
-    from vllm_compat.audit import AuditError, audit
+def check_vllm(backend: str) -> str:
+    """The vllm-compat audit of the installed vLLM (static, no import) for what ``backend`` relies on:
+    speculators' generator under the shim (``speculators``; ``vllm-engine``, which runs its capture)
+    and the backend's own touch points of vLLM. Problems stop the run."""
+    from vllm_compat.audit import BAD, AuditError, audit, audit_backend
+    from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+    from vllm_compat.versions import vllm_version
 
     try:
-        result = audit()
+        if backend == "vllm-native":  # vLLM's own path: no generator, no speculators
+            problems = [f for f in audit_backend(backend) if f.verdict in BAD]
+            version, consumer = vllm_version(), "no generator"
+        else:
+            result = audit()
+            if result.consumer is None:
+                raise PreflightError(f"speculators is not installed (--backend {backend} needs 0.3.x or 0.4.x)")
+            problems = result.problems + (result.backend_problems(backend) if backend in BACKEND_TOUCHPOINTS else [])
+            version, consumer = result.vllm_version, result.consumer
     except AuditError as exc:
         raise PreflightError(f"vLLM: {exc}") from None
-    if consumer_needed and result.consumer is None:
-        raise PreflightError("speculators is not installed (the speculators backend needs 0.3.x or 0.4.x)")
-    if result.problems:
-        lines = "\n".join(f"  {f.id}: {f.verdict}: {f.checked} found {f.found} {f.where}" for f in result.problems)
-        raise PreflightError(f"vllm-compat audit of vLLM {result.vllm_version} found problems:\n{lines}\n"
+    if problems:
+        lines = "\n".join(f"  {f.id}: {f.verdict}: {f.checked} found {f.found} {f.where}" for f in problems)
+        raise PreflightError(f"vllm-compat audit of vLLM {version} found problems for --backend {backend}:\n{lines}\n"
                              f"(run `vllm-compat audit` for the whole picture)")
-    return f"vLLM {result.vllm_version}, {result.consumer}: audit ok"
+    return f"vLLM {version}, {consumer}: audit ok for --backend {backend}"

@@ -19,10 +19,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import callsites, versions, wheels
-from .consumer import IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS
+from .consumer import BACKEND_TOUCHPOINTS, IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
+from .probes.shapes import Attr, Param
 from .probes.static import DirTree, StaticSource, Tree, WheelTree
 from .probes.verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 from .registry import adapters, newest_verified
@@ -30,7 +31,7 @@ from .registry import adapters, newest_verified
 OK = "ok"
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
-JSON_SCHEMA_VERSION = 2  # 2: call_sites, consumer_source
+JSON_SCHEMA_VERSION = 3  # 2: call_sites, consumer_source; 3: findings of kind "backend"
 
 
 class AuditError(VllmCompatError):
@@ -39,16 +40,18 @@ class AuditError(VllmCompatError):
 
 @dataclass(frozen=True)
 class Finding:
-    """One verdict. ``kind`` is ``adapter`` or ``touchpoint``.
+    """One verdict. ``kind`` is ``adapter``, ``touchpoint`` (the generator's) or ``backend`` (a touch
+    point of one of the bundled extractor's own backends, named by ``scope``).
 
     Attributes:
-        id: adapter id, or the touched symbol for touch points.
+        id: adapter id, or the touched symbol for touch points (the backend's name for its n/a).
         verdict: native / adapted / UNKNOWN DRIFT / missing / n/a (adapters); ok / missing / UNKNOWN DRIFT
-            (touch points).
+            (touch points; n/a for a backend that does not run on this vLLM).
         checked: what was looked at.
         old, new: observations meaning the old / new shape (adapters); ``new`` is empty for touch points.
         found: what was observed.
         where: file:line inside the vLLM tree.
+        scope: the adapter's process scope (adapters); the backend (``backend`` findings).
         summary: the adapter's one-line summary, or why it is n/a.
         verified_through: the newest vLLM release the adapter was verified on (adapters).
         unverified: "not verified on vllm X" when the audited vLLM is newer than that (a warning).
@@ -85,7 +88,13 @@ class AuditResult:
 
     @property
     def problems(self) -> list[Finding]:
-        return [f for f in self.findings if f.verdict in BAD]
+        """The generator's: adapters and its touch points (not the extractor backends')."""
+        return [f for f in self.findings if f.verdict in BAD and f.kind != "backend"]
+
+    def backend_problems(self, backend: str | None = None) -> list[Finding]:
+        """Broken touch points of the extractor's backends (of ``backend`` alone, when named)."""
+        return [f for f in self.findings if f.kind == "backend" and f.verdict in BAD
+                and backend in (None, f.scope)]
 
     @property
     def call_site_problems(self) -> list[callsites.CallSite]:
@@ -93,7 +102,7 @@ class AuditResult:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.problems or self.call_site_problems else 0
+        return 1 if self.problems or self.call_site_problems or self.backend_problems() else 0
 
     def __getitem__(self, finding_id: str) -> Finding:
         for finding in self.findings:
@@ -128,15 +137,34 @@ class AuditResult:
         lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
-        lines += ["", *self._render_call_sites()]
+        lines += ["", *self._render_call_sites(), "", *self._render_backends()]
         problems = len(self.problems) + len(self.call_site_problems)
-        verdict = "OK: every adapter native or adapted, every call site fits or is bridged" if not problems else (
-            f"PROBLEMS: {problems} (the generator would break or be wrong)")
+        verdicts = [f"PROBLEMS: {problems} (the generator would break or be wrong)"] if problems else []
+        broken = sorted({f.scope for f in self.backend_problems()})
+        if broken:
+            verdicts.append(f"PROBLEMS: {len(self.backend_problems())} in the extractor's "
+                            f"--backend {', '.join(broken)} (it would break)")
+        verdict = "; ".join(verdicts) or ("OK: every adapter native or adapted, every call site fits or is "
+                                          "bridged, every extractor backend's touch point present")
         if self.unverified:
             verdict += (f"; {len(self.unverified)} adapter(s) not verified on vllm {self.vllm_version} "
                         f"(newest verified: {self.newest_verified})")
         lines += ["", verdict]
         return "\n".join(lines)
+
+    def _render_backends(self) -> list[str]:
+        backends = {f.scope: [] for f in self.findings if f.kind == "backend"}
+        for f in self.findings:
+            if f.kind == "backend":
+                backends[f.scope].append(f)
+        parts, broken = [], []
+        for name, found in backends.items():
+            bad = [f for f in found if f.verdict in BAD]
+            parts.append(f"{name} {found[0].summary}" if found[0].verdict == NOT_APPLICABLE else
+                         f"{name} {len(found) - len(bad)} ok, {len(bad)} broken")
+            broken += [f"  {f.verdict}: {name}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip()
+                       for f in bad]
+        return [f"extractor backends' touch points (hidden_states --backend): {'; '.join(parts)}", *broken]
 
     def _render_call_sites(self) -> list[str]:
         counts = {status: sum(c.status == status for c in self.call_sites)
@@ -252,14 +280,10 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         source, version, label = LiveSource(), versions.vllm_version(), "installed (imported)"
         if version is None:
             raise AuditError("vLLM is not installed in this interpreter")
-        where = versions.package_dir("vllm")
-        static = StaticSource(DirTree(where.parent, str(where)))
+        static = _installed()
     elif vllm is None:
-        where = versions.package_dir("vllm")
-        if where is None:
-            raise AuditError("vLLM is not installed in this interpreter; pass --vllm PATH (a wheel or source tree)")
-        source = static = StaticSource(DirTree(where.parent, str(where)))
-        version, label = versions.vllm_version(), f"{where} (installed, not imported)"
+        source = static = _installed()
+        version, label = versions.vllm_version(), f"{versions.package_dir('vllm')} (installed, not imported)"
     elif isinstance(vllm, str) and wheels.requirement(vllm) is not None:
         wheel = wheels.fetch(vllm)
         tree, version = _tree_for(wheel)
@@ -276,10 +300,9 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
     for check, expected, consumers in TOUCHPOINTS:
         if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
             continue
-        seen = check.observe(bridged_source)
-        verdict = OK if seen.value in expected else MISSING_SYMBOL if seen.value == "<missing>" else UNKNOWN_DRIFT
-        findings.append(Finding(check.target, "touchpoint", verdict, check.describe(), tuple(sorted(expected)),
-                                (), seen.value, seen.where))
+        findings.append(_touchpoint_finding(check, expected, bridged_source, "touchpoint"))
+    for backend in BACKEND_TOUCHPOINTS:
+        findings += _backend_findings(backend, bridged_source, version)
     adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
     adapted = [a for a in adapters() if a.id in adapted_ids]
     root = _consumer_root(consumer_source, spec_version)
@@ -287,6 +310,46 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
     return AuditResult(label, source.mode, str(version) if version else None,
                        f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
                        str(root) if root else "", newest_verified=str(newest_verified()))
+
+
+def audit_backend(backend: str) -> list[Finding]:
+    """The touch points of one of the extractor's own backends in the installed vLLM (static), for a
+    backend that needs no speculators generator (``vllm-native``): no consumer is involved."""
+    return _backend_findings(backend, _installed(), versions.vllm_version())
+
+
+def _installed() -> StaticSource:
+    where = versions.package_dir("vllm")
+    if where is None:
+        raise AuditError("vLLM is not installed in this interpreter; pass --vllm PATH (a wheel or source tree)")
+    return StaticSource(DirTree(where.parent, str(where)))
+
+
+def _backend_findings(backend: str, source, version: Version | None) -> list[Finding]:
+    touched = BACKEND_TOUCHPOINTS[backend]
+    if version is not None and versions.base(version) < Version(touched.first):
+        return [Finding(backend, "backend", NOT_APPLICABLE, "", scope=backend,
+                        summary=f"n/a (needs vLLM >= {touched.first})")]
+    return [_touchpoint_finding(check, expected, source, "backend", backend, touched_name(check))
+            for check, expected in touched.checks]
+
+
+def touched_name(check) -> str:
+    """What a backend's check is about, as one id: ``mod:Class.attr``, ``mod:Class.method(param)``."""
+    if isinstance(check, Param):
+        return f"{check.target}({check.name})"
+    if isinstance(check, Attr):
+        return f"{check.target}.{check.name}"
+    return check.target
+
+
+def _touchpoint_finding(check, expected: frozenset[str], source, kind: str, scope: str = "",
+                        finding_id: str = "") -> Finding:
+    """The one rule for touch points: ok when the observation is one of those expected."""
+    seen = check.observe(source)
+    verdict = OK if seen.value in expected else MISSING_SYMBOL if seen.value == "<missing>" else UNKNOWN_DRIFT
+    return Finding(finding_id or check.target, kind, verdict, check.describe(), tuple(sorted(expected)), (),
+                   seen.value, seen.where, scope=scope)
 
 
 def bridged(source, version: Version | None, before: str | None = None) -> AliasedSource:

@@ -17,7 +17,9 @@ Two kinds of speculators release meet vLLM differently:
 """
 from __future__ import annotations
 
-from .probes.shapes import PRESENT, Attr, Check
+from typing import NamedTuple
+
+from .probes.shapes import OPTIONAL, PRESENT, REQUIRED, Attr, Check, Exists, Param
 
 # -- the generator releases ---------------------------------------------------------------------
 # The releases the contract and end-to-end suites run (one speculators install each, see
@@ -69,3 +71,69 @@ TOUCHPOINTS: tuple[tuple[Check, frozenset[str], str], ...] = tuple(
         (Attr("vllm.model_executor.models.llama:LlamaModel", "embed_input_ids"), {PRESENT}, SPECULATORS_04),
     ]
 )
+
+
+# -- the bundled extractor's own backends ---------------------------------------------------------
+# `hidden_states --backend vllm-engine` and `--backend vllm-native` drive vLLM without speculators'
+# generator: what they touch is theirs, not the generator's, and the call-site audit does not read
+# their source (they reach vLLM's objects through the engine, the scheduler output handed to a
+# wrapped method and dicts of configuration, none of which a static reader can type). Declared here
+# instead, per backend, and checked by the audit with the same rule as TOUCHPOINTS. Instance
+# attributes set in __init__ (Worker.model_runner, LLM.llm_engine) are in no class body: the
+# end-to-end runs prove those. tests/unit/test_backend_touchpoints.py checks every name declared
+# here is used by its backend.
+
+
+class BackendTouchpoints(NamedTuple):
+    """The vLLM releases a backend runs on (from ``first``) and (check, expected observations) for
+    each touch point."""
+
+    first: str
+    checks: tuple[tuple[Check, frozenset[str]], ...]
+
+
+_OUTPUT = "vllm.v1.core.sched.output"
+_ENGINE = "vllm.v1.engine.llm_engine:LLMEngine"
+_GIVEN = frozenset({REQUIRED, OPTIONAL})  # a parameter we pass: there, whether or not it has a default
+
+
+def _fields(target: str, *names: str) -> list[tuple[Check, frozenset[str]]]:
+    return [(Attr(target, name), frozenset({PRESENT})) for name in names]
+
+
+BACKEND_TOUCHPOINTS: dict[str, BackendTouchpoints] = {
+    "vllm-engine": BackendTouchpoints("0.11.0", tuple([
+        # the parent's driver (hidden_states/backends/vllm_engine.py): requests in by keyword, steps out
+        *[(Param(f"{_ENGINE}.add_request", name), _GIVEN) for name in ("request_id", "prompt", "params")],
+        *_fields(_ENGINE, "step", "has_unfinished_requests"),
+        (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
+        # the region of each request travels to the worker in its sampling parameters
+        *_fields("vllm.sampling_params:SamplingParams", "max_tokens", "extra_args"),
+        *[(Param("vllm.outputs:RequestOutput.__init__", name), _GIVEN)
+          for name in ("request_id", "prompt_token_ids", "finished")],
+        # LLM(worker_extension_cls=...) reaches EngineArgs; collective_rpc(method, args=...) the workers
+        *_fields("vllm.engine.arg_utils:EngineArgs", "worker_extension_cls"),
+        (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), _GIVEN),
+        # the worker (engine_capture.py): execute_model's scheduler output says whose rows go where
+        (Param("vllm.v1.worker.gpu_worker:Worker.execute_model", "scheduler_output"), _GIVEN),
+        *_fields(f"{_OUTPUT}:SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs",
+                 "num_scheduled_tokens", "finished_req_ids"),
+        *_fields(f"{_OUTPUT}:NewRequestData", "req_id", "prompt_token_ids", "sampling_params",
+                 "num_computed_tokens"),
+        *_fields(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
+        (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
+    ])),
+    "vllm-native": BackendTouchpoints("0.17.0", tuple([
+        # speculative_config={"method": "extract_hidden_states"} and kv_transfer_config's connector
+        # name vLLM's own code by strings: the proposer's module and the connector class must be there
+        # (the config keys inside those dicts are strings too: the end-to-end runs prove them)
+        (Exists("vllm.v1.spec_decode.extract_hidden_states"), frozenset({PRESENT})),
+        (Exists("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector:"
+                "ExampleHiddenStatesConnector"), frozenset({PRESENT})),
+        *[(Param("vllm.entrypoints.llm:LLM.generate", name), _GIVEN) for name in ("sampling_params", "use_tqdm")],
+        (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
+        *_fields("vllm.sampling_params:SamplingParams", "max_tokens"),
+        # where each request's file is: the output's kv_transfer_params
+        (Param("vllm.outputs:RequestOutput.__init__", "kv_transfer_params"), _GIVEN),
+    ])),
+}

@@ -34,11 +34,13 @@ from concurrent.futures import Future
 
 from packaging.version import Version
 
+from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+
 from ..errors import ExtractError
 from . import BackendSettings
 from .vllm_native import in_process_llm_environment, shut_down, state_store_root
 
-FIRST = Version("0.11.0")
+FIRST = Version(BACKEND_TOUCHPOINTS["vllm-engine"].first)  # the audit checks its touch points from there
 ALIGN = 64
 STOP = object()
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
@@ -230,7 +232,7 @@ class VllmEngineBackend:
                     for position, (ids, offset) in enumerate(zip(work.ids, work.offsets)):
                         request_id = f"hs-{number}-{position}"
                         params = SamplingParams(max_tokens=1, extra_args={REGION: (offset, len(ids))})
-                        engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+                        engine.add_request(request_id=request_id, prompt=TokensPrompt(prompt_token_ids=ids), params=params)
                         running[request_id] = (work, position)
                     work = self._next_nowait()
                 if not engine.has_unfinished_requests():

@@ -20,11 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from packaging.version import Version
 
+from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+
 from ..errors import ExtractError
 from ..preflight import model_facts
 from . import BackendSettings
 
-FIRST = Version("0.17.0")
+FIRST = Version(BACKEND_TOUCHPOINTS["vllm-native"].first)  # the audit checks its touch points from there
 LAST_LAYER_FROM = Version("0.18.0")
 SHM = "/dev/shm"
 STORE_REQUESTS = 128  # requests of the longest length /dev/shm must hold to be the connector's store
@@ -90,7 +92,7 @@ class VllmNativeBackend:
         from vllm.inputs import TokensPrompt
 
         return self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch],
-                                  SamplingParams(max_tokens=1), use_tqdm=False)
+                                  sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
 
     def _read(self, batch: list[list[int]], generated: Future) -> list[list]:
         states = []

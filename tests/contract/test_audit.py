@@ -25,7 +25,7 @@ def installed_distribution() -> str:
 
 
 def verdicts(result):
-    return {(f.kind, f.id): (f.verdict, f.found) for f in result.findings}
+    return {(f.kind, f.scope, f.id): (f.verdict, f.found) for f in result.findings}
 
 
 def test_static_wheel_and_live_agree_on_the_installed_release():
@@ -36,7 +36,7 @@ def test_static_wheel_and_live_agree_on_the_installed_release():
     assert (static.mode, from_wheel.mode, alive.mode) == ("static", "static", "live")
     assert verdicts(static) == verdicts(alive)
     # a wheel comes without the host's packages: adapters judged by them are the installed audit's
-    on_host = {("adapter", a.id) for a in registry.adapters() if a.host_probe_static}
+    on_host = {("adapter", a.scope.value, a.id) for a in registry.adapters() if a.host_probe_static}
     assert {k: v for k, v in verdicts(static).items() if k not in on_host} == {
         k: v for k, v in verdicts(from_wheel).items() if k not in on_host}
 

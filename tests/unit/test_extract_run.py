@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends
+from hidden_states import backends, extraction
 from hidden_states.errors import PreflightError
 from hidden_states.extraction import Extraction
 from hidden_states.settings import Settings
@@ -135,10 +135,11 @@ def test_a_full_disk_is_one_message_naming_the_file_and_keeps_finished_samples(j
     data = Path(job.prepared_data)
     data.write_text("".join(json.dumps({"input_ids": [5] * 2}) + "\n" for _ in range(12)))
     monkeypatch.setattr(backends, "create", lambda name, settings: BigStatesBackend(settings))
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend: "audit: not run (a fake backend)")
     out = small_disk / "out"
 
     code = main(["extract", "--model-path", job.model_path, "--prepared-data", str(data), "--output-dir", str(out),
-                 "--format", "speculators-0.3", "--layer-ids", "1", "3", "--batch-size", "2", "--backend", "vllm-native"])  # no audit: a fake backend
+                 "--format", "speculators-0.3", "--layer-ids", "1", "3", "--batch-size", "2", "--backend", "vllm-native"])
 
     err = capsys.readouterr().err
     assert code == 2, err

