@@ -81,7 +81,8 @@ def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], position
         left.remove(here[0])
         row += tokens[here[0]]
     logger.warning("vllm-compat vllm-engine capture: the runner's batch order %s is not its forward's rows' "
-                   "order %s; rows attributed by their tokens", order, found)
+                   "order %s; rows attributed by their tokens (per request: tokens this step, first position: %s)",
+                   order, found, {r: (tokens[r], starts[r]) for r in order})
     return found
 
 
