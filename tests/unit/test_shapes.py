@@ -49,6 +49,15 @@ FILES = {
         "class Other(abstract.Executor):\n"
         "    pass\n"
     ),
+    "fakevllm/output.py": (
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class NewRequestData:\n"
+        "    req_id: str\n"
+        "    num_computed_tokens: int\n"
+        "class Resumed(NewRequestData):\n"
+        "    pass\n"
+    ),
     "fakevllm/request.py": (
         "class Request:\n"
         "    def __init__(self, request_id, prompt_token_ids, eos_token_id, *, block_hasher=None, mode):\n"
@@ -72,6 +81,10 @@ CHECKS = [
     (shapes.Attr("fakevllm.executor.multiproc:MultiprocExecutor", "sample_tokens"), shapes.PRESENT),
     (shapes.Attr("fakevllm.executor.multiproc:Other", "sample_tokens"), shapes.PRESENT),
     (shapes.Attr("fakevllm.executor.multiproc:MultiprocExecutor", "execute_model"), shapes.ABSENT),
+    # a field without a default is in no class __dict__, only in the annotations (live) / the body (static)
+    (shapes.Attr("fakevllm.output:NewRequestData", "num_computed_tokens"), shapes.PRESENT),
+    (shapes.Attr("fakevllm.output:Resumed", "req_id"), shapes.PRESENT),
+    (shapes.Attr("fakevllm.output:Resumed", "num_tokens"), shapes.ABSENT),
     (shapes.WhichAttr("fakevllm.request:Model", old_name="get_input_embeddings", new_name="embed_input_ids"),
      "embed_input_ids"),
     (shapes.FieldDefault("fakevllm.config:CacheConfig", "enable_prefix_caching"), "True"),
