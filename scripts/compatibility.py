@@ -94,7 +94,7 @@ def backend_verdicts(result) -> dict[str, str]:
     verdicts = {}
     for backend in dict.fromkeys(f.scope for f in result.findings if f.kind == "backend"):
         found = [f for f in result.findings if f.kind == "backend" and f.scope == backend]
-        broken = [f"{f.id}: {f.verdict}" for f in found if f in result.backend_problems(backend)]
+        broken = [f"{f.id}: {f.verdict}" for f in result.backend_problems(backend)]
         verdicts[backend] = found[0].summary if found[0].verdict == "n/a" else (
             "; ".join(broken) if broken else f"ok ({len(found)} touch points)")
     return verdicts

@@ -131,8 +131,7 @@ class RegionPool:
         each tensor keeps makes ``close`` leave the mapping to the last tensor instead."""
         import torch
 
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        return torch.frombuffer(memoryview(self.mapping)[offset:offset + nbytes], dtype=dtype)
+        return torch.frombuffer(memoryview(self.mapping)[offset:offset + count * dtype.itemsize], dtype=dtype)
 
     def unlink(self) -> None:
         if os.path.exists(self.path):
