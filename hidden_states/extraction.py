@@ -24,8 +24,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import itertools
+import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -101,6 +103,9 @@ class ProcessDied(RuntimeError):
 # How long a failed run waits for one of vLLM's processes to exit before it shuts vLLM down: the
 # engine core of ``vllm.LLM`` reports its death to this process before it exits.
 EXIT_WAIT = 5.0
+# Writer threads, at most, for the files queued when a run ends (the last batch: its files are the run's
+# tail). One thread writes about 0.7 GB/s into the page cache (an H200 host, bench/writer.py).
+DRAIN_THREADS = 8
 
 
 class Extraction:
@@ -140,7 +145,8 @@ class Extraction:
         self.interrupt: Interrupt | None = None
         self.children: processes.Children | None = None  # vLLM's processes, while the model is loaded
         self.writer: BackgroundWriter | None = None
-        self._in_flight: tuple | None = None  # (batch, future): submitted to the backend, not yet written
+        # (batch, future, tokens): submitted to the backend, not yet written, oldest first
+        self._in_flight: deque[tuple] = deque()
         self.progress: Progress | None = None
         self._started = 0.0
 
@@ -259,7 +265,8 @@ class Extraction:
             model_path=settings.model_path, layer_ids=captured, max_seq_len=settings.max_seq_len,
             tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
             trust_remote_code=settings.trust_remote_code, overlap=settings.overlap,
-            # a batch in the engine, the one submitted next, the writer's one file per thread, slack
+            # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
+            # backend keeps ahead, known once its engine runs, it adds itself)
             sequences_in_flight=3 * settings.batch_size + settings.writer_threads))
         self._layer_order = [captured.index(layer) for layer in self.layers.ids]
         started = time.monotonic()
@@ -311,16 +318,19 @@ class Extraction:
                                        format=self.format, tag=self.source.tag)
 
     def _extract(self, batch: list[Sample]) -> None:
-        """Submit ``batch``, then hand the batch submitted before it to the writer: a backend that
-        can overlaps the two (the previous batch's states are copied out while this one runs)."""
-        previous, self._in_flight = self._in_flight, (batch, self._submit(batch))
-        if previous is not None:
-            self._write(*previous)
+        """Submit ``batch``, then hand the oldest batch in flight to the writer once the batches
+        submitted after it hold the backend's ``tokens_ahead`` (default 1: one batch): a backend that
+        can runs those while the oldest one's states are copied out and written (the ``speculators``
+        backend overlaps two calls; the engine backends want three engine steps queued, whatever the
+        batches' lengths)."""
+        self._in_flight.append((batch, self._submit(batch), sum(len(s.input_ids) for s in batch)))
+        ahead = getattr(self.backend, "tokens_ahead", 1)
+        while len(self._in_flight) > 1 and sum(tokens for *_, tokens in itertools.islice(self._in_flight, 1, None)) >= ahead:
+            self._write(*self._in_flight.popleft()[:2])
 
     def _write_in_flight(self) -> None:
-        if self._in_flight is not None:
-            (batch, submitted), self._in_flight = self._in_flight, None
-            self._write(batch, submitted)
+        while self._in_flight:
+            self._write(*self._in_flight.popleft()[:2])
 
     def _write(self, batch: list[Sample], submitted) -> None:
         tokens = self.write_batch(batch, submitted)
@@ -364,7 +374,9 @@ class Extraction:
         started = self._started or drain_started
         try:
             if self.writer is not None:
-                self.writer.close()  # waits for the files still queued: time the extraction waits on disk
+                # waits for the files still queued (time the extraction waits on disk), with up to
+                # DRAIN_THREADS writing them: the run's last batch, written after its last forward
+                self.writer.close(drain_threads=max(0, min(DRAIN_THREADS, os.cpu_count() or 1) - self.settings.writer_threads))
         finally:
             drain = time.monotonic() - drain_started
             # the rate counts until the last file is whole: vLLM's worker shutdown that follows

@@ -241,8 +241,16 @@ class BackgroundWriter:
         with self._lock:
             return dict(self.stats.lengths)
 
-    def close(self) -> None:
-        """Write everything queued, stop the threads, raise the first write error if any."""
+    def close(self, drain_threads: int = 0) -> None:
+        """Write everything queued, stop the threads, raise the first write error if any.
+
+        ``drain_threads`` more threads join in first: what is queued when a run ends is its last
+        batch, written after the model has finished (the run's tail), when nothing else needs the
+        cores."""
+        for i in range(drain_threads):
+            thread = threading.Thread(target=self._run, name=f"hidden-states-writer-drain-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:

@@ -29,6 +29,9 @@ class Backend(Protocol):
     """
 
     name: str
+    # Tokens the extraction keeps submitted beyond the batch whose states it waits for; a backend
+    # without it gets one batch ahead. The engine backends set it at start: three engine steps.
+    tokens_ahead: int
 
     def start(self) -> dict: ...  # loads the model; returns facts for data_config.json
 

@@ -11,8 +11,8 @@ process) runs continuously, and the states stream:
 * a request that the engine reports finished has all its states in its region already: the batch
   it belongs to resolves with tensors that *are* those regions (one per layer, no copy), which the
   extraction hands to the writer, and the region returns to the pool when the last of them is gone;
-* the driver thread keeps the engine fed: the next batch's requests are in the engine while the
-  previous batch's last ones still run, so the GPU does not wait between batches.
+* the feed (``engine_feed.EngineFeed``) keeps the engine fed: the next batch's requests are in the
+  engine while the previous batch's last ones still run, so the GPU does not wait between batches.
 
 Correctness guards, before any tensor leaves the backend: the engine's prompt ids must be the
 submitted ones; the region's row count must be the prompt's length (never stale rows); and the token
@@ -21,10 +21,8 @@ token at that position (never another request's rows). A request failing one fai
 """
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
-import queue
 import struct
 import tempfile
 import threading
@@ -38,11 +36,11 @@ from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 
 from ..errors import ExtractError
 from . import BackendSettings
+from .engine_feed import Batch, EngineFeed, steps_of_tokens_ahead
 from .vllm_native import in_process_llm_environment, shut_down, state_store_root
 
 FIRST = Version(BACKEND_TOUCHPOINTS["vllm-engine"].first)  # the audit checks its touch points from there
 ALIGN = 64
-STOP = object()
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
 # The worker side, named to vLLM (worker_extension_cls): its workers import it, this process need not.
 EXTENSION = f"{__package__}.engine_capture.StreamingCapture"
@@ -145,12 +143,10 @@ class RegionPool:
         self.unlink()
 
 
-class _Batch:
+class _RegionBatch(Batch):
     def __init__(self, ids: list[list[int]], offsets: list[int]):
-        self.ids, self.offsets = ids, offsets
-        self.future: Future = Future()
-        self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
-        self.failed = False
+        super().__init__(ids)
+        self.offsets = offsets  # each sequence's region
 
 
 class VllmEngineBackend:
@@ -161,12 +157,9 @@ class VllmEngineBackend:
         self._llm = None
         self._pool: RegionPool | None = None
         self._layout: dict | None = None
-        self._incoming: queue.Queue = queue.Queue()
-        self._driver: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self._batches = itertools.count()
+        self._feed: EngineFeed | None = None
         self.rows_timeout = ROWS_TIMEOUT
-        self._failing = threading.Lock()
+        self.tokens_ahead = 1
 
     def start(self) -> dict:
         import vllm_compat
@@ -188,13 +181,14 @@ class VllmEngineBackend:
         replies = self._llm.collective_rpc("_vllm_compat_stream_setup", args=(settings.layer_ids,))
         self._layout = next(reply for reply in replies if reply is not None)
         self._row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
-        self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len))
+        self.tokens_ahead = steps_of_tokens_ahead(self._llm)
+        # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
+        self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len)
+                                + self._region_bytes(self.tokens_ahead))
         pinned = next(r for r in self._llm.collective_rpc("_vllm_compat_stream_to", args=(self._pool.path,))
                       if r is not None)
         self._pool.unlink()  # the worker and this process hold it mapped: no name left to leak
-        self._driver = threading.Thread(target=self._drive, args=(self._llm.llm_engine,), name="hidden-states-engine",
-                                        daemon=True)
-        self._driver.start()
+        self._feed = EngineFeed(self._llm.llm_engine, self._params, self._resolve, self._release)
         return {"backend": self.name, "vllm_compat": report.to_dict(), "states_page_locked": pinned}
 
     def _region_bytes(self, length: int) -> int:
@@ -202,71 +196,29 @@ class VllmEngineBackend:
 
     def submit(self, batch: list[list[int]]) -> Future:
         """Reserve each sequence's region (waits while the writer still holds too many states), then
-        hand the batch to the engine's driver."""
-        if self._failure is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self._failure}") from self._failure
+        hand the batch to the engine's feed."""
+        if self._feed.failure is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
         offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in batch]
-        work = _Batch(batch, offsets)
-        self._incoming.put(work)
-        if self._failure is not None:  # the driver may have stopped after it last looked at the queue
-            self._fail(work, self._failure)
+        work = _RegionBatch(batch, offsets)
+        self._feed.put(work)
         return work.future
 
     def extract(self, batch: list[list[int]]) -> list[list]:
         """``submit`` for callers that keep what they get: copies, and the regions back at once."""
         return [[layer.clone() for layer in layers] for layers in self.submit(batch).result()]
 
-    def _drive(self, engine) -> None:
+    @staticmethod
+    def _params(work: _RegionBatch, position: int):
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        running: dict[str, tuple[_Batch, int]] = {}
-        try:
-            while True:
-                work = self._incoming.get() if not running else self._next_nowait()
-                while work is not None:
-                    if work is STOP:
-                        return
-                    number = next(self._batches)
-                    for position, (ids, offset) in enumerate(zip(work.ids, work.offsets)):
-                        request_id = f"hs-{number}-{position}"
-                        params = SamplingParams(max_tokens=1, extra_args={REGION: (offset, len(ids))})
-                        engine.add_request(request_id=request_id, prompt=TokensPrompt(prompt_token_ids=ids), params=params)
-                        running[request_id] = (work, position)
-                    work = self._next_nowait()
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"vLLM's engine holds none of the {len(running)} requests still expected")
-                for output in engine.step():
-                    if output.finished and output.request_id in running:
-                        work, position = running.pop(output.request_id)
-                        work.finished[position] = output
-                        if len(work.finished) == len(work.ids):
-                            self._resolve(work)
-                        work = None  # an idle driver holds no batch, nor the regions of its states
-        except BaseException as exc:  # noqa: BLE001 - every waiting batch hears of it
-            self._failure = exc
-            for work, _ in running.values():
-                self._fail(work, exc)
-            while (work := self._next_nowait()) not in (None, STOP):
-                self._fail(work, exc)
+        return SamplingParams(max_tokens=1, extra_args={REGION: (work.offsets[position], len(work.ids[position]))})
 
-    def _fail(self, work: _Batch, exc: BaseException) -> None:
-        """Fail a batch the engine will not finish and give its regions back (once, whoever asks)."""
-        with self._failing:
-            if work.failed:
-                return
-            work.failed = True
+    def _release(self, work: _RegionBatch) -> None:
         for offset in work.offsets:
             self._pool.release(offset)
-        work.future.set_exception(exc)
 
-    def _next_nowait(self):
-        try:
-            return self._incoming.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _resolve(self, work: _Batch) -> None:
+    def _resolve(self, work: _RegionBatch) -> None:
         states: list = []
         try:
             for position in range(len(work.ids)):
@@ -279,7 +231,7 @@ class VllmEngineBackend:
         else:
             work.future.set_result(states)
 
-    def _states(self, work: _Batch, position: int) -> list:
+    def _states(self, work: _RegionBatch, position: int) -> list:
         """The request's layers as tensors over its region, once its rows are checked; the region is
         released when every one of them has been garbage collected."""
         import torch
@@ -311,15 +263,13 @@ class VllmEngineBackend:
         return verify_forward(self._llm.collective_rpc, lambda: self.extract([probe]))
 
     def close(self) -> None:
-        driver, self._driver = self._driver, None
-        if driver is not None:
-            self._incoming.put(STOP)  # an idle driver ends here; a busy one when the engine stops
+        feed, self._feed = self._feed, None
         llm, self._llm = self._llm, None
         if llm is not None:
-            shut_down(llm)
+            shut_down(llm)  # a busy feed's loop stops with the engine
             del llm
-        if driver is not None:
-            driver.join(timeout=30)
+        if feed is not None:
+            feed.stop(timeout=30)
         if self._pool is not None:
             self._pool.close()
 

@@ -1,6 +1,7 @@
 """vLLM's own extraction path, behind the same interface: the speculative method
-``extract_hidden_states`` with ``ExampleHiddenStatesConnector``, run in-process through ``vllm.LLM``
-(no HTTP server), one safetensors file per request that this backend reads back and deletes.
+``extract_hidden_states`` with ``ExampleHiddenStatesConnector``, run in-process through ``vllm.LLM``'s
+engine (no HTTP server) and kept fed across batches (``engine_feed``), one safetensors file per
+request that this backend reads back (a mapping, no copy) and deletes.
 
 Layer ids: the extractor's ids follow speculators 0.3/0.4 (id ``L`` = the *output* of decoder
 layer ``L``); vLLM's ``eagle_aux_hidden_state_layer_ids`` count the *input* of layer ``L`` (the
@@ -25,6 +26,7 @@ from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 from ..errors import ExtractError
 from ..preflight import model_facts
 from . import BackendSettings
+from .engine_feed import Batch, EngineFeed, steps_of_tokens_ahead
 
 FIRST = Version(BACKEND_TOUCHPOINTS["vllm-native"].first)  # the audit checks its touch points from there
 LAST_LAYER_FROM = Version("0.18.0")
@@ -39,7 +41,8 @@ class VllmNativeBackend:
         self.settings = settings
         self._llm = None
         self._store = None
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-states-vllm")
+        self._feed: EngineFeed | None = None
+        self.tokens_ahead = 1
         self._reader_thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-states-read")
 
     def vllm_layer_ids(self, version: Version) -> list[int]:
@@ -76,27 +79,39 @@ class VllmNativeBackend:
             kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                 "kv_connector_extra_config": {"shared_storage_path": self._store}},
         )
+        self.tokens_ahead = steps_of_tokens_ahead(self._llm)
+        self._feed = EngineFeed(self._llm.llm_engine, self._params, self._requests_finished)
         return {"backend": self.name, "vllm_layer_ids": vllm_ids, "vllm_compat": report.to_dict()}
 
     def submit(self, batch: list[list[int]]) -> Future:
-        """Run ``batch`` through vLLM on the engine thread, read its files on the reader thread: the
-        next batch's forward runs while this one's files are read back."""
-        generated = self._engine_thread.submit(self._generate, batch)
-        return self._reader_thread.submit(self._read, batch, generated)
+        """Hand ``batch`` to the engine's feed; its files are read on the reader thread once all of
+        its requests have finished, while the engine runs the next batch."""
+        work = Batch(batch)
+        self._feed.put(work)
+        return work.future
 
     def extract(self, batch: list[list[int]]) -> list[list]:
         return self.submit(batch).result()
 
-    def _generate(self, batch: list[list[int]]) -> list:
+    @staticmethod
+    def _params(work: Batch, position: int):
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        return self._llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch],
-                                  sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
+        return SamplingParams(max_tokens=1)
 
-    def _read(self, batch: list[list[int]], generated: Future) -> list[list]:
+    def _requests_finished(self, work: Batch) -> None:
+        self._reader_thread.submit(self._read, work)
+
+    def _read(self, work: Batch) -> None:
+        try:
+            work.future.set_result(self._states(work))
+        except BaseException as exc:  # noqa: BLE001 - the batch's caller hears of it
+            work.future.set_exception(exc)
+
+    def _states(self, work: Batch) -> list[list]:
         states = []
-        for position, (ids, output) in enumerate(zip(batch, generated.result(), strict=True)):
+        for position, ids in enumerate(work.ids):
+            output = work.finished[position]
             path = (output.kv_transfer_params or {}).get("hidden_states_path")
             if not path:
                 raise RuntimeError(f"vLLM returned no hidden_states_path for batch position {position}")
@@ -106,8 +121,9 @@ class VllmNativeBackend:
                     os.unlink(leftover)
             if token_ids != ids:
                 raise RuntimeError(f"vLLM's states at batch position {position} belong to other token ids")
-            # [tokens, layers, hidden] -> one contiguous [tokens, hidden] per layer: the only copy made
-            states.append([hidden[:, j].contiguous() for j in range(hidden.shape[1])])
+            # [tokens, layers, hidden] -> a view per layer: a format that stores the layers stacked
+            # writes the mapping as it is, one that stores them apart copies each on a writer thread
+            states.append([hidden[:, j] for j in range(hidden.shape[1])])
         return states
 
     def check_forward(self, probe: list[int]) -> list:
@@ -116,12 +132,14 @@ class VllmNativeBackend:
         return verify_forward(self._llm.collective_rpc, lambda: self.extract([probe]))
 
     def close(self) -> None:
-        for thread in (self._engine_thread, self._reader_thread):
-            thread.shutdown(wait=False, cancel_futures=True)
+        self._reader_thread.shutdown(wait=False, cancel_futures=True)
+        feed, self._feed = self._feed, None
         llm, self._llm = self._llm, None
         if llm is not None:
-            shut_down(llm)
+            shut_down(llm)  # a busy feed's loop stops with the engine
             del llm
+        if feed is not None:
+            feed.stop(timeout=30)
         if self._store:
             shutil.rmtree(self._store, ignore_errors=True)
 

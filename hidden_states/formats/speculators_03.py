@@ -71,6 +71,10 @@ class Speculators03:
         if config is not None and hasattr(config.save, "compute_crc32"):
             # zip CRCs cost a pass over every byte on one core; torch.load does not check them
             config.save.compute_crc32 = False
+        # A layer handed over as a view (vllm-native's are columns of vLLM's [tokens, layers, hidden]
+        # file) is made its own storage here, on a writer thread: torch.save writes a view's whole
+        # storage, and the trainer's tensors would load as views of it.
+        record = {**record, "hidden_states": [layer.contiguous() for layer in record["hidden_states"]]}
         # into a Python file: torch's own C++ writer reports a full disk as a RuntimeError
         # ("basic_ios::clear", "unexpected pos") that names neither the cause nor the file
         torch.save(record, handle)

@@ -55,9 +55,19 @@ def safetensors_header(path: Path) -> dict | None:
 
 
 def stacked_states(states: list):
-    """One sample's per-layer ``[T, hidden]`` states as ``[T, n_layers, hidden]``, contiguous."""
+    """One sample's per-layer ``[T, hidden]`` states as ``[T, n_layers, hidden]``, contiguous: the
+    tensor they are columns of, in order, if they are (vllm-native hands over vLLM's own file that
+    way: written as it is, no copy), else a stack of them."""
     import torch
 
+    first, count = states[0], len(states)
+    tokens, hidden = first.shape
+    if tokens > 0 and all(layer.shape == first.shape and layer.dtype == first.dtype
+                          and layer.stride() == (count * hidden, 1)
+                          and layer.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                          and layer.storage_offset() == first.storage_offset() + index * hidden
+                          for index, layer in enumerate(states)):
+        return first.as_strided((tokens, count, hidden), (count * hidden, hidden, 1), first.storage_offset())
     return torch.stack(list(states), dim=1).contiguous()
 
 

@@ -211,7 +211,9 @@ def _assert_gone_within(pids: set[int], seconds: float) -> None:
     assert not left, f"processes of the run outlived it by {seconds} s: {left}"
 
 
-INTERRUPTED_ROWS, INTERRUPTED_SEED = 40, 6
+# Enough samples that the run outlasts the test noticing its first files by seconds (the poll is
+# 0.2 s): with 40, a fast pass finished them all (0.8 s) before a signal sent on the 4th file arrived.
+INTERRUPTED_ROWS, INTERRUPTED_SEED = 120, 6
 
 
 @pytest.fixture(scope="module")

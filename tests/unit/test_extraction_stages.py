@@ -263,3 +263,23 @@ def test_a_batch_in_flight_is_written_when_bad_input_stops_the_run(job, monkeypa
 
     assert sorted(p.name for p in Path(job.output_dir).glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(good))
     assert backends_made[0].unfinished_at_submit == [0] + [1] * (good // 2 - 1)  # each submitted while one ran
+
+
+class EngineLikeBackend(OverlappingBackend):
+    """Like the engine backends: asks for ``tokens_ahead`` tokens submitted beyond the batch awaited."""
+
+    tokens_ahead = 12
+
+
+def test_batches_are_submitted_until_the_backends_tokens_ahead_are_in_flight(job, monkeypatch):
+    backends_made = []
+    monkeypatch.setattr(backends, "create", lambda name, settings: backends_made.append(
+        EngineLikeBackend(settings)) or backends_made[-1])
+
+    summary = Extraction(job, log=quiet).run()
+
+    assert summary.extracted == 6
+    assert sorted(p.name for p in Path(job.output_dir).glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    # batches of 7, 11 and 15 tokens: the first is awaited only once 12 tokens are submitted after it,
+    # so the third is submitted while both others run (one batch ahead: [0, 1, 1])
+    assert backends_made[0].unfinished_at_submit == [0, 1, 2]

@@ -1,5 +1,5 @@
 """The vllm-engine backend's parts, with small fakes: where the worker puts each step's rows
-(engine_capture), the region pool, and the driver that feeds vLLM's engine and resolves batches.
+(engine_capture), the region pool, and the feed that drives vLLM's engine and resolves batches.
 Real vLLM and speculators run it in tests/e2e/test_backends.py, compared with HF."""
 import gc
 import importlib
@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from hidden_states.backends import BackendSettings
-from hidden_states.backends.vllm_engine import HEADER, REGION, RegionPool, VllmEngineBackend, layer_start, region_bytes
+from hidden_states.backends.engine_feed import EngineFeed
+from hidden_states.backends.vllm_engine import (HEADER, REGION, RegionPool, VllmEngineBackend, _RegionBatch, layer_start,
+                                                region_bytes)
 
 HIDDEN = 4
 LAYERS = 2
-WAIT = 120  # seconds for a batch: the driver's first import of vllm takes a while on a loaded machine
+WAIT = 120  # seconds for a batch: the feed's first import of vllm takes a while on a loaded machine
 
 
 @pytest.fixture
@@ -227,8 +229,7 @@ def started_backend(capture, sequences_in_flight=4, **engine_options):
     backend._row_bytes = HIDDEN * 4
     backend._pool = RegionPool(sequences_in_flight * backend._region_bytes(16))
     backend._llm = SimpleNamespace(llm_engine=FakeEngine(backend._pool, HIDDEN * 4, **engine_options))
-    backend._driver = threading.Thread(target=backend._drive, args=(backend._llm.llm_engine,), daemon=True)
-    backend._driver.start()
+    backend._feed = EngineFeed(backend._llm.llm_engine, backend._params, backend._resolve, backend._release)
     return backend
 
 
@@ -318,5 +319,21 @@ def test_an_engine_failure_fails_every_waiting_batch(capture):
         with pytest.raises(RuntimeError, match="the engine loop has stopped: EngineCore died"):
             backend.submit([[40]])
         assert backend._pool._free == [(0, backend._pool.capacity)]  # the failed batches' regions are back
+    finally:
+        backend.close()
+
+
+def test_a_batch_put_after_the_loop_stopped_fails_and_gives_its_regions_back(capture):
+    """What ``submit`` hands the feed between its own check and the loop's failure: the batch fails
+    with the loop's error and its regions return to the pool (none left reserved)."""
+    backend = started_backend(capture, fail_after=0)
+    try:
+        with pytest.raises(RuntimeError, match="EngineCore died"):
+            backend.submit([[10]]).result(timeout=WAIT)
+        late = _RegionBatch([[20]], [backend._pool.reserve(backend._region_bytes(1), timeout=1)])
+        backend._feed.put(late)
+        with pytest.raises(RuntimeError, match="EngineCore died"):
+            late.future.result(timeout=WAIT)
+        assert backend._pool._free == [(0, backend._pool.capacity)]
     finally:
         backend.close()

@@ -1,0 +1,121 @@
+"""vLLM's engine kept fed from a queue of batches, on a thread of its own (``--backend vllm-engine``
+and ``--backend vllm-native``).
+
+``LLM.generate`` runs one batch to its end: between two calls the engine empties, and the GPU waits
+while the last outputs come back and the next requests go in. Here ``vllm.LLM``'s own engine
+(``LLMEngine``: its scheduler and engine-core process) takes requests as they come: the next batch's
+requests enter while the last ones of the batch before still run. Each batch is resolved by its
+backend once every one of its requests has finished.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+STOP = object()
+
+
+def steps_of_tokens_ahead(llm) -> int:
+    """Tokens the extraction keeps submitted beyond the batch it waits for: three of the engine's
+    steps (its scheduler's token budget each), whatever the batches' lengths. The step running, the
+    one vLLM schedules while it runs (async scheduling), and one more: a batch submitted while the
+    feed waits on a step enters the engine only when that step ends. With two, an H200 run still
+    saw steps scheduled half full (bench/steps.py, docs/performance.md)."""
+    return 3 * llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+
+
+class Batch:
+    """A batch of prompts in the engine: its future, and each finished request's output by position."""
+
+    def __init__(self, ids: list[list[int]]):
+        self.ids = ids
+        self.future: Future = Future()
+        self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
+        self.failed = False
+
+
+class EngineFeed:
+    """Adds each batch's requests to ``engine`` and steps it on a thread of its own.
+
+    Args:
+        engine: a ``vllm.LLM``'s ``llm_engine``.
+        params: ``(batch, position) -> SamplingParams`` of that prompt's request.
+        finished: called on the feed's thread with a batch whose requests have all finished; it
+            resolves the batch's future (or hands that on) and must not block for long.
+        failed: called once with a batch that will not finish, before its future fails (to give back
+            what the batch holds).
+    """
+
+    def __init__(self, engine, params: Callable, finished: Callable[[Batch], None],
+                 failed: Callable[[Batch], None] = lambda batch: None, name: str = "hidden-states-engine"):
+        self._engine, self._params, self._finished, self._failed = engine, params, finished, failed
+        self._incoming: queue.Queue = queue.Queue()
+        self._numbers = itertools.count()
+        self._failing = threading.Lock()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._drive, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, batch: Batch) -> None:
+        """Queue ``batch`` for the engine; if the loop has stopped, fail it at once (its future
+        carries the loop's error, and ``failed`` gives back what the batch holds)."""
+        self._incoming.put(batch)
+        if self.failure is not None:  # the loop may have stopped after it last looked at the queue
+            self.fail(batch, self.failure)
+
+    def fail(self, batch: Batch, exc: BaseException) -> None:
+        """Fail a batch the engine will not finish (once, whoever asks)."""
+        with self._failing:
+            if batch.failed:
+                return
+            batch.failed = True
+        self._failed(batch)
+        batch.future.set_exception(exc)
+
+    def stop(self, timeout: float) -> None:
+        """Ends an idle loop at once, a busy one when the engine stops; waits up to ``timeout`` s."""
+        self._incoming.put(STOP)
+        self._thread.join(timeout=timeout)
+
+    def _drive(self) -> None:
+        from vllm.inputs import TokensPrompt
+
+        engine = self._engine
+        running: dict[str, tuple[Batch, int]] = {}
+        try:
+            while True:
+                batch = self._incoming.get() if not running else self._next_nowait()
+                while batch is not None:
+                    if batch is STOP:
+                        return
+                    number = next(self._numbers)
+                    for position, ids in enumerate(batch.ids):
+                        request_id = f"hs-{number}-{position}"
+                        engine.add_request(request_id=request_id, prompt=TokensPrompt(prompt_token_ids=ids),
+                                           params=self._params(batch, position))
+                        running[request_id] = (batch, position)
+                    batch = self._next_nowait()
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM's engine holds none of the {len(running)} requests still expected")
+                for output in engine.step():
+                    if output.finished and output.request_id in running:
+                        batch, position = running.pop(output.request_id)
+                        batch.finished[position] = output
+                        if len(batch.finished) == len(batch.ids):
+                            self._finished(batch)
+                        batch = None  # an idle loop holds no batch, nor what its states keep
+        except BaseException as exc:  # noqa: BLE001 - every waiting batch hears of it
+            self.failure = exc
+            for batch, _ in running.values():
+                self.fail(batch, exc)
+            while (batch := self._next_nowait()) not in (None, STOP):
+                self.fail(batch, exc)
+
+    def _next_nowait(self):
+        try:
+            return self._incoming.get_nowait()
+        except queue.Empty:
+            return None

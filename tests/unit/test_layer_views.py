@@ -1,0 +1,62 @@
+"""Layers handed to a format as views of one stacked tensor (what --backend vllm-native gives: the
+columns of vLLM's own [tokens, layers, hidden] file): the stacked format writes that tensor without a
+copy, the per-layer format writes each layer as its own tensor."""
+import io
+
+import pytest
+import torch
+
+from hidden_states import formats
+from hidden_states.formats.speculators_05 import read_sample
+from hidden_states.inputs import Sample
+
+TOKENS, LAYERS, HIDDEN = 5, 3, 8
+
+
+def quiet(message):
+    pass
+
+
+@pytest.fixture
+def stacked():
+    return torch.arange(TOKENS * LAYERS * HIDDEN, dtype=torch.float32).to(torch.bfloat16).view(TOKENS, LAYERS, HIDDEN)
+
+
+def create(name, directory):
+    return formats.create(name, directory, formats.Layers([1, 2, 4], 6, HIDDEN), log=quiet)
+
+
+def test_columns_of_one_tensor_are_written_as_that_tensor(tmp_path, stacked):
+    format = create("speculators-0.5", tmp_path)
+    sample = Sample(0, 1, list(range(TOKENS)), None)
+    record = format.record(sample, [stacked[:, j] for j in range(LAYERS)])
+    assert record["hidden_states"].data_ptr() == stacked.data_ptr()  # no copy made
+    assert record["hidden_states"].is_contiguous() and torch.equal(record["hidden_states"], stacked)
+    path = tmp_path / "hs_0.safetensors"
+    with open(path, "wb") as handle:
+        format.save(record, handle)
+    assert torch.equal(read_sample(path)["hidden_states"], stacked)
+
+
+@pytest.mark.parametrize("layers", [lambda s: [s[:, j].clone() for j in range(LAYERS)],  # separate tensors
+                                    lambda s: [s[:, j] for j in reversed(range(LAYERS))],  # columns out of order
+                                    lambda s: [s[:, j] for j in range(LAYERS - 1)]],  # some of the columns
+                         ids=["separate", "reordered", "subset"])
+def test_other_layers_are_stacked(tmp_path, stacked, layers):
+    given = layers(stacked)
+    record = create("speculators-0.5", tmp_path).record(Sample(0, 1, list(range(TOKENS)), None), given)
+    assert record["hidden_states"].data_ptr() != stacked.data_ptr()
+    assert torch.equal(record["hidden_states"], torch.stack(given, dim=1))
+
+
+def test_the_per_layer_format_writes_each_column_as_its_own_tensor(tmp_path, stacked):
+    format = create("speculators-0.3", tmp_path)
+    record = format.record(Sample(0, 1, list(range(TOKENS)), None), [stacked[:, j] for j in range(LAYERS)])
+    buffer = io.BytesIO()
+    format.save(record, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["hidden_states"]
+    for j, layer in enumerate(loaded):
+        assert torch.equal(layer, stacked[:, j])
+        # a trainer gets a [tokens, hidden] tensor of its own, not a view of every layer's storage
+        assert layer.is_contiguous() and layer.untyped_storage().nbytes() == TOKENS * HIDDEN * layer.element_size()
