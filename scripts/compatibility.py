@@ -90,14 +90,9 @@ def run_audit(versions: list[str], results: dict) -> None:
 
 
 def backend_verdicts(result) -> dict[str, str]:
-    """Per extractor backend: ``ok (N touch points)``, its n/a, or its broken touch points."""
-    verdicts = {}
-    for backend in dict.fromkeys(f.scope for f in result.findings if f.kind == "backend"):
-        found = [f for f in result.findings if f.kind == "backend" and f.scope == backend]
-        broken = [f"{f.id}: {f.verdict}" for f in result.backend_problems(backend)]
-        verdicts[backend] = found[0].summary if found[0].verdict == "n/a" else (
-            "; ".join(broken) if broken else f"ok ({len(found)} touch points)")
-    return verdicts
+    """Per extractor backend: the audit's own phrase, and the id of each broken touch point."""
+    return {backend: "; ".join([summary, *(f"{f.id}: {f.verdict}" for f in result.backend_problems(backend))])
+            for backend, summary in result.backend_summaries().items()}
 
 
 CHECK = r"""

@@ -96,6 +96,20 @@ class AuditResult:
         return [f for f in self.findings if f.kind == "backend" and f.verdict in BAD
                 and backend in (None, f.scope)]
 
+    def backend_summaries(self) -> dict[str, str]:
+        """Per extractor backend, one phrase: its n/a (with why), or how many of its touch points are
+        ok and how many broken. The audit's line and docs/compatibility.md both say it this way."""
+        found: dict[str, list[Finding]] = {}
+        for f in self.findings:
+            if f.kind == "backend":
+                found.setdefault(f.scope, []).append(f)
+        summaries = {}
+        for name, checked in found.items():
+            broken = len(self.backend_problems(name))
+            summaries[name] = (checked[0].summary if checked[0].verdict == NOT_APPLICABLE
+                               else f"{len(checked) - broken} ok, {broken} broken")
+        return summaries
+
     @property
     def call_site_problems(self) -> list[callsites.CallSite]:
         return [c for c in self.call_sites if c.status == callsites.PROBLEM]
@@ -153,17 +167,9 @@ class AuditResult:
         return "\n".join(lines)
 
     def _render_backends(self) -> list[str]:
-        backends = {f.scope: [] for f in self.findings if f.kind == "backend"}
-        for f in self.findings:
-            if f.kind == "backend":
-                backends[f.scope].append(f)
-        parts, broken = [], []
-        for name, found in backends.items():
-            bad = [f for f in found if f.verdict in BAD]
-            parts.append(f"{name} {found[0].summary}" if found[0].verdict == NOT_APPLICABLE else
-                         f"{name} {len(found) - len(bad)} ok, {len(bad)} broken")
-            broken += [f"  {f.verdict}: {name}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip()
-                       for f in bad]
+        parts = [f"{name} {summary}" for name, summary in self.backend_summaries().items()]
+        broken = [f"  {f.verdict}: {f.scope}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip()
+                  for f in self.backend_problems()]
         return [f"extractor backends' touch points (hidden_states --backend): {'; '.join(parts)}", *broken]
 
     def _render_call_sites(self) -> list[str]:

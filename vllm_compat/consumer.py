@@ -101,16 +101,25 @@ def _fields(target: str, *names: str) -> list[tuple[Check, frozenset[str]]]:
     return [(Attr(target, name), frozenset({PRESENT})) for name in names]
 
 
+# Both backends keep vLLM's engine fed (hidden_states/backends/engine_feed.py): requests in by
+# keyword, steps out, each request's output told by its id.
+_FEED = [
+    *[(Param(f"{_ENGINE}.add_request", name), _GIVEN) for name in ("request_id", "prompt", "params")],
+    *_fields(_ENGINE, "step", "has_unfinished_requests"),
+    (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
+    *_fields("vllm.sampling_params:SamplingParams", "max_tokens"),
+    *[(Param("vllm.outputs:RequestOutput.__init__", name), _GIVEN) for name in ("request_id", "finished")],
+    # how many tokens make an engine step (the extraction keeps three steps' worth submitted ahead)
+    *_fields("vllm.config.scheduler:SchedulerConfig", "max_num_batched_tokens"),
+]
+
 BACKEND_TOUCHPOINTS: dict[str, BackendTouchpoints] = {
     "vllm-engine": BackendTouchpoints("0.11.0", tuple([
-        # the parent's driver (hidden_states/backends/vllm_engine.py): requests in by keyword, steps out
-        *[(Param(f"{_ENGINE}.add_request", name), _GIVEN) for name in ("request_id", "prompt", "params")],
-        *_fields(_ENGINE, "step", "has_unfinished_requests"),
-        (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
-        # the region of each request travels to the worker in its sampling parameters
-        *_fields("vllm.sampling_params:SamplingParams", "max_tokens", "extra_args"),
-        *[(Param("vllm.outputs:RequestOutput.__init__", name), _GIVEN)
-          for name in ("request_id", "prompt_token_ids", "finished")],
+        *_FEED,
+        # the region of each request travels to the worker in its sampling parameters; the parent
+        # compares each finished request's prompt with the one it submitted
+        *_fields("vllm.sampling_params:SamplingParams", "extra_args"),
+        (Param("vllm.outputs:RequestOutput.__init__", "prompt_token_ids"), _GIVEN),
         # LLM(worker_extension_cls=...) reaches EngineArgs; collective_rpc(method, args=...) the workers
         *_fields("vllm.engine.arg_utils:EngineArgs", "worker_extension_cls"),
         (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), _GIVEN),
@@ -130,9 +139,10 @@ BACKEND_TOUCHPOINTS: dict[str, BackendTouchpoints] = {
         (Exists("vllm.v1.spec_decode.extract_hidden_states"), frozenset({PRESENT})),
         (Exists("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector:"
                 "ExampleHiddenStatesConnector"), frozenset({PRESENT})),
-        *[(Param("vllm.entrypoints.llm:LLM.generate", name), _GIVEN) for name in ("sampling_params", "use_tqdm")],
-        (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
-        *_fields("vllm.sampling_params:SamplingParams", "max_tokens"),
+        # LLM(speculative_config=..., kv_transfer_config=...) reaches EngineArgs
+        (Exists("vllm.entrypoints.llm:LLM"), frozenset({PRESENT})),
+        *_fields("vllm.engine.arg_utils:EngineArgs", "speculative_config", "kv_transfer_config"),
+        *_FEED,
         # where each request's file is: the output's kv_transfer_params
         (Param("vllm.outputs:RequestOutput.__init__", "kv_transfer_params"), _GIVEN),
     ])),

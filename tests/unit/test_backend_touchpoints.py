@@ -16,7 +16,8 @@ from vllm_compat.audit import AuditResult, Finding, audit
 from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 from vllm_compat.probes.shapes import Exists
 
-MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py"], "vllm-native": ["vllm_native.py"]}
+MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py", "engine_feed.py"],
+           "vllm-native": ["vllm_native.py", "engine_feed.py"]}
 
 
 def source_of(backend: str) -> str:
