@@ -11,7 +11,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
-    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--backend B] [--writer-threads N] [--skip-forward-check] [--no-overlap]
+    python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--backend B] [--format F] [--writer-threads N] [--skip-forward-check] [--no-overlap]
     python bench/gpu.py forward-check --model M                                  # the extractor's preflight alone
     python bench/gpu.py check     --model M --samples 4 [--bf16-floor]           # extractor (and HF bf16) vs HF fp32
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
@@ -141,9 +141,12 @@ def phase_prefill(args) -> None:
     load = time.perf_counter() - started
     params_ = SamplingParams(max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences(args.model, 4, args.length, seed=1)], params_)
-    started = time.perf_counter()
+    started, span_start = time.perf_counter(), time.monotonic()
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
     seconds = time.perf_counter() - started
+    if os.environ.get("BENCH_STEPS_DIR"):  # bench/steps.py: the timed span, on its clock
+        with open(Path(os.environ["BENCH_STEPS_DIR"]) / f"parent-{os.getpid()}.jsonl", "a") as sink:
+            sink.write(json.dumps({"span": [span_start, span_start + seconds], "tokens": len(seqs) * args.length}) + "\n")
     emit("prefill", model=Path(args.model).name, mode="compiled" if args.compiled else "eager",
          load_seconds=round(load, 1), tp=args.tp, tokens=len(seqs) * args.length,
          seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
@@ -276,7 +279,7 @@ def phase_extract(args) -> None:
                "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
-               "--format", "speculators-0.3", "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
+               "--format", args.format, "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
                "--backend", args.backend] + (["--skip-forward-check"] if args.skip_forward_check else []) \
         + (["--no-overlap"] if args.no_overlap else []) \
         + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
@@ -291,7 +294,7 @@ def phase_extract(args) -> None:
     numbers = dict(tokens=r"([\d,]+) tokens in", seconds=r"in ([\d.]+) s", rate=r"\(([\d,]+) tok/s",
                    load=r"model load ([\d.]+) s", shutdown=r"shutdown ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
     found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
-    emit("extract", model=Path(args.model).name, backend=args.backend, batch=args.batch, tp=args.tp,
+    emit("extract", model=Path(args.model).name, backend=args.backend, format=args.format, batch=args.batch, tp=args.tp,
          overlap=not args.no_overlap, data_parallel_size=args.data_parallel_size, tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
          shutdown_seconds=found["shutdown"],
@@ -389,6 +392,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-forward-check", action="store_true", help="extract: pass --skip-forward-check")
     parser.add_argument("--no-overlap", action="store_true", help="extract: pass --no-overlap (one batch at a time)")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="extract: replicas (Ray), each --tp GPUs")
+    parser.add_argument("--format", default="speculators-0.3", help="extract: the output format (check reads speculators-0.3)")
     parser.add_argument("--compiled", action="store_true", help="prefill: vLLM's compiled mode (default: eager)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)

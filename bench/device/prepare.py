@@ -33,7 +33,9 @@ SMALL = ["pydantic==2.12.5", "pydantic-core==2.41.5", "annotated-types==0.7.0", 
          "starlette==1.3.1", "xgrammar==0.2.9", "apache-tvm-ffi==0.1.15.post2", "llguidance==1.3.0",
          "msgspec==0.20.0", "pyzmq==27.1.0", "cbor2==5.7.1", "pybase64==1.4.3", "cachetools==6.2.2",
          "gguf==0.17.1", "partial-json-parser==0.2.1.1.post7", "lm-format-enforcer==0.11.3", "interegular==0.3.3",
-         "loguru==0.7.3", "compressed-tensors==0.15.0.1"]  # the compressed-tensors vLLM 0.20 pins
+         "loguru==0.7.3", "compressed-tensors==0.15.0.1",  # the compressed-tensors vLLM 0.20 pins
+         # --format speculators-0.5 writes its index with datasets (the image has pyarrow, fsspec, xxhash)
+         "datasets==4.4.1", "dill==0.4.0", "multiprocess==0.70.18"]
 # Only for building the INT4 checkpoint (tiny_model.QUANTIZED: 0.17's checkpoint converters), installed
 # apart from vLLM (bench/device/install.sh) so that vLLM loads it with the version it pins.
 BUILD_ONLY = ["compressed-tensors==0.17.0"]

@@ -21,6 +21,9 @@
 #   bash bench/device/stages.sh baselines   # ... vLLM prefill, HF, vLLM native, generator without transport
 #   bash bench/device/stages.sh fwdcheck    # ... the extractor's forward check: its time, run with and without, per kernel
 #   bash bench/device/stages.sh timeline    # ... where the generator's time goes, parent and worker spans, batch 8 and 32
+#   bash bench/device/stages.sh engine4     # ... vllm-engine and vllm-native step by step against vLLM's prefill (bench/steps.py)
+#   bash bench/device/stages.sh engine5     # ... after engine4: vllm-native's states, its stacked format, batch 32, compiled prefill
+#   bash bench/device/stages.sh engine6     # ... three engine steps submitted ahead, the run's last files written by 8 threads
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
 # this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
@@ -50,7 +53,15 @@ step() {
 }
 # extract ARGS...: the extractor over 64 x $LENGTH random tokens of the 8B shape, its RESULT line
 extract() { PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M8 --samples 64 --length $LENGTH "$@" 2>&1 | grep -E "RESULT|Error|torch threads" | tail -3; }
-export -f extract; export B M8 SPEC LENGTH
+# timed NAME COMMAND...: COMMAND with bench/steps.py's step events on (bench/timeline_hook), into
+# /tmp/steps/NAME, archived as $OUT/steps-NAME.tgz (a call brings back at most 8 files)
+timed() {
+  local name=$1; shift
+  rm -rf "/tmp/steps/$name" && mkdir -p "/tmp/steps/$name"
+  BENCH_STEPS_DIR=/tmp/steps/$name PYTHONPATH=$PWD/bench/timeline_hook:$PYTHONPATH bash -c "$*"
+  tar czf "$OUT/steps-$name.tgz" -C /tmp/steps "$name"
+}
+export -f extract timed; export B M8 SPEC LENGTH
 case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
     $B env 2>&1 | grep RESULT
@@ -115,6 +126,34 @@ case "${1:?stage}" in
     step 90 "$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1"  # vLLM alone, eager, same machine
     step 100 "rm -rf /tmp/f32 && extract --backend vllm-engine --batch 32 --samples 256 --writer-threads 4 --work /tmp/f32; rm -rf /tmp/f32"
     step 100 "rm -rf /tmp/f8d && extract --backend vllm-engine --batch 8 --samples 256 --work /tmp/f8d; rm -rf /tmp/f8d"
+    ;;
+  engine4)  # issue 13: where vllm-engine's time goes against vLLM's prefill alone (bench/steps.py), and vllm-native on the engine feed
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 80 "timed prefill '$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1'"
+    step 100 "timed engine-b8 'rm -rf /tmp/g8 && extract --backend vllm-engine --batch 8 --samples 256 --work /tmp/g8; rm -rf /tmp/g8'"
+    step 120 "timed native-b8 'rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/n8'"
+    step 90 "$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/native-alone 2>&1 | grep RESULT | tail -1; rm -rf /tmp/native-alone"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    step 100 "timed engine-b32 'rm -rf /tmp/g32 && extract --backend vllm-engine --batch 32 --samples 256 --work /tmp/g32; rm -rf /tmp/g32'"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  engine5)  # issue 13, after engine4 on the same machine: vllm-native's states, the stacked format, batch 32; compiled prefill
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 80 "timed prefill '$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1'"
+    [ -d /tmp/n8 ] && step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT; rm -rf /tmp/n8"
+    step 120 "timed native-b8-stacked 'rm -rf /tmp/n8s && extract --backend vllm-native --batch 8 --samples 256 --format speculators-0.5 --work /tmp/n8s; rm -rf /tmp/n8s'"
+    step 120 "timed native-b32 'rm -rf /tmp/n32 && extract --backend vllm-native --batch 32 --samples 256 --work /tmp/n32; rm -rf /tmp/n32'"
+    step 130 "$B prefill --model $M8 --samples 256 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  engine6)  # issue 13, after engine4/engine5: three engine steps submitted ahead, the last batch written by 8 threads
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 80 "timed prefill '$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1'"
+    step 90 "timed engine-b8 'rm -rf /tmp/h8 && extract --backend vllm-engine --batch 8 --samples 256 --work /tmp/h8'"
+    step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/h8 2>&1 | grep RESULT; rm -rf /tmp/h8"
+    step 90 "timed engine-b32 'rm -rf /tmp/h32 && extract --backend vllm-engine --batch 32 --samples 256 --work /tmp/h32; rm -rf /tmp/h32'"
+    step 110 "timed native-b8 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
   engine2)  # issue 13: the rest of the same comparison
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"

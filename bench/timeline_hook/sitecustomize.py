@@ -1,7 +1,8 @@
 """Worker-side timing for bench/timeline.py, loaded by every Python process started with this folder
 first on PYTHONPATH (bench/timeline.py sets that, and ``BENCH_TIMELINE_DIR``, just before the
 generator spawns its vLLM workers). Without ``BENCH_TIMELINE_DIR`` it only hands over to the
-sitecustomize it shadows.
+sitecustomize it shadows. With ``BENCH_STEPS_DIR`` (bench/steps.py) it installs ``step_events``: CUDA
+events per engine step, no synchronisation.
 
 Each wrapper is installed when its module is imported (wrapt's post-import hooks). These hooks are
 registered at interpreter start, before vllm_compat's plugin registers its own, so on the same
@@ -121,6 +122,11 @@ def _hand_over() -> None:
 
 
 def _start() -> None:
+    steps = os.environ.get("BENCH_STEPS_DIR")
+    if steps:
+        import step_events
+
+        step_events.install(steps)
     directory = os.environ.get("BENCH_TIMELINE_DIR")
     if directory:
         import timeline_spans
