@@ -3,10 +3,11 @@
 extraction loop of Python's GIL while it writes.
 
     python bench/writer.py --dir /path/on/the/target/disk [--samples 32] [--tokens 2048] \\
-        [--hidden 4096] [--layers 4] [--threads 1 2 4]
+        [--hidden 4096] [--layers 4] [--threads 1 2 4] [--formats speculators-0.3 speculators-0.5]
 
 Feeds ``hidden_states.output.BackgroundWriter`` 8B-shaped samples (bf16, ``layers`` x ``tokens`` x
-``hidden``) while the main thread spins a pure-Python loop, the stand-in for the generator's
+``hidden``, the layers as columns of one ``[tokens, layers, hidden]`` tensor, as vllm-native hands
+them over), in each output format, while the main thread spins a pure-Python loop, the stand-in for the generator's
 scheduling loop. ``loop share`` is that loop's rate during the writes over its rate beside an idle
 thread: near 100 % means the writer leaves the GIL to the loop; a writer that held it would pull
 the share to about 50 % per busy thread.
@@ -41,25 +42,30 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--formats", nargs="+", default=["speculators-0.3", "speculators-0.5"])
     args = parser.parse_args()
 
     import torch
 
     from hidden_states import formats
+    from hidden_states.inputs import Sample
     from hidden_states.output import BackgroundWriter
 
-    record = {"input_ids": torch.arange(args.tokens),
-              "hidden_states": [torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16) for _ in range(args.layers)],
-              "loss_mask": torch.ones(args.tokens, dtype=torch.long)}
-    sample_mb = sum(h.numel() * h.element_size() for h in record["hidden_states"]) / 1e6
+    stacked = torch.randn(args.tokens, args.layers, args.hidden, dtype=torch.bfloat16)
+    sample = Sample(0, 1, list(range(args.tokens)), None)
+    layers = formats.Layers(list(range(args.layers)), args.layers + 1, args.hidden)
+    sample_mb = stacked.numel() * stacked.element_size() / 1e6
     baseline = idle_rate()
     print(f"{args.samples} samples of {sample_mb:.0f} MB ({args.layers} x {args.tokens} x {args.hidden} bf16) "
           f"to {args.dir}\n")
-    print("| writer threads | seconds | MB/s | tokens/s it sustains | loop share |\n|---|---|---|---|---|")
-    for threads in args.threads:
+    print("| format | writer threads | seconds | MB/s | tokens/s it sustains | loop share |\n|---|---|---|---|---|---|")
+    for name, threads in [(name, threads) for name in args.formats for threads in args.threads]:
         work = Path(tempfile.mkdtemp(prefix="bench-writer-", dir=args.dir))
         try:
-            writer = BackgroundWriter(work, threads=threads, format=formats.create("speculators-0.3", work))
+            format = formats.create(name, work, layers, log=lambda message: None)
+            (work / format.sample_file(0)).parent.mkdir(exist_ok=True)
+            record = format.record(sample, [stacked[:, j] for j in range(args.layers)])
+            writer = BackgroundWriter(work, threads=threads, format=format)
             done = threading.Event()
 
             def feed(writer=writer, done=done):
@@ -77,7 +83,7 @@ def main() -> int:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         megabytes = args.samples * sample_mb
-        print(f"| {threads} | {seconds:.2f} | {megabytes / seconds:,.0f} | {args.samples * args.tokens / seconds:,.0f} "
+        print(f"| {name} | {threads} | {seconds:.2f} | {megabytes / seconds:,.0f} | {args.samples * args.tokens / seconds:,.0f} "
               f"| {rate / baseline:.0%} |")
     return 0
 

@@ -318,15 +318,16 @@ class Extraction:
                                        format=self.format, tag=self.source.tag)
 
     def _extract(self, batch: list[Sample]) -> None:
-        """Submit ``batch``, then hand the oldest batch in flight to the writer once the batches
-        submitted after it hold the backend's ``tokens_ahead`` (default 1: one batch): a backend that
-        can runs those while the oldest one's states are copied out and written (the ``speculators``
-        backend overlaps two calls; the engine backends want three engine steps queued, whatever the
-        batches' lengths)."""
-        self._in_flight.append((batch, self._submit(batch), sum(len(s.input_ids) for s in batch)))
+        """Submit ``batch`` (in groups of at most the backend's ``tokens_per_submit``, if it has one),
+        then hand the oldest group in flight to the writer once the groups submitted after it hold
+        the backend's ``tokens_ahead`` (default 1: one batch): a backend that can runs those while
+        the oldest one's states are copied out and written (the ``speculators`` backend overlaps two
+        calls; the engine backends want three engine steps queued, whatever the batches' lengths)."""
         ahead = getattr(self.backend, "tokens_ahead", 1)
-        while len(self._in_flight) > 1 and sum(tokens for *_, tokens in itertools.islice(self._in_flight, 1, None)) >= ahead:
-            self._write(*self._in_flight.popleft()[:2])
+        for group in submit_groups(batch, getattr(self.backend, "tokens_per_submit", None)):
+            self._in_flight.append((group, self._submit(group), sum(len(s.input_ids) for s in group)))
+            while len(self._in_flight) > 1 and sum(tokens for *_, tokens in itertools.islice(self._in_flight, 1, None)) >= ahead:
+                self._write(*self._in_flight.popleft()[:2])
 
     def _write_in_flight(self) -> None:
         while self._in_flight:
@@ -400,6 +401,24 @@ class Extraction:
                 # the one reported (once); a rerun rewrites the format's index files from the files
                 if failing is None:
                     raise
+
+
+def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]:
+    """``batch`` in consecutive groups of at most ``tokens`` tokens (a longer sample alone), or whole
+    when ``tokens`` is None. A group's states are written once all of it has run: an engine backend
+    gets groups of about one engine step, so what is written after the run's last forward is one
+    step's sequences, not a whole ``--batch-size`` batch's."""
+    if tokens is None:
+        return [batch]
+    groups: list[list[Sample]] = []
+    held = 0
+    for sample in batch:
+        if not groups or held + len(sample.input_ids) > tokens:
+            groups.append([])
+            held = 0
+        groups[-1].append(sample)
+        held += len(sample.input_ids)
+    return groups
 
 
 def check_forward(backend, vocab_size: int) -> str:

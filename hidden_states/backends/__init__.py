@@ -32,6 +32,9 @@ class Backend(Protocol):
     # Tokens the extraction keeps submitted beyond the batch whose states it waits for; a backend
     # without it gets one batch ahead. The engine backends set it at start: three engine steps.
     tokens_ahead: int
+    # The most tokens one submit should hold (None: the whole batch). The engine backends set one
+    # engine step's: the extraction submits a batch to them in groups of that size (submit_groups).
+    tokens_per_submit: int | None
 
     def start(self) -> dict: ...  # loads the model; returns facts for data_config.json
 

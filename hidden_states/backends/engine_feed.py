@@ -18,13 +18,19 @@ from typing import Callable
 STOP = object()
 
 
+def step_tokens(llm) -> int:
+    """The most tokens one of the engine's steps runs: its scheduler's token budget. The engine
+    backends' ``tokens_per_submit``: a group of that size finishes in about one step."""
+    return llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+
+
 def steps_of_tokens_ahead(llm) -> int:
     """Tokens the extraction keeps submitted beyond the batch it waits for: three of the engine's
     steps (its scheduler's token budget each), whatever the batches' lengths. The step running, the
     one vLLM schedules while it runs (async scheduling), and one more: a batch submitted while the
     feed waits on a step enters the engine only when that step ends. With two, an H200 run still
     saw steps scheduled half full (bench/steps.py, docs/performance.md)."""
-    return 3 * llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    return 3 * step_tokens(llm)
 
 
 class Batch:

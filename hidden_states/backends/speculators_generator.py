@@ -10,6 +10,7 @@ from .overlap import OverlappedCalls
 
 class SpeculatorsBackend:
     name = "speculators"
+    tokens_per_submit = None  # a batch is one generator call
     tokens_ahead = 1  # one call runs while the one before it is copied out (overlap.py): one batch ahead
 
     def __init__(self, settings: BackendSettings):

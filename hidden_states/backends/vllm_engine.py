@@ -36,7 +36,7 @@ from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 
 from ..errors import ExtractError
 from . import BackendSettings
-from .engine_feed import Batch, EngineFeed, steps_of_tokens_ahead
+from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
 from .vllm_native import in_process_llm_environment, shut_down, state_store_root
 
 FIRST = Version(BACKEND_TOUCHPOINTS["vllm-engine"].first)  # the audit checks its touch points from there
@@ -160,6 +160,7 @@ class VllmEngineBackend:
         self._feed: EngineFeed | None = None
         self.rows_timeout = ROWS_TIMEOUT
         self.tokens_ahead = 1
+        self.tokens_per_submit: int | None = None
 
     def start(self) -> dict:
         import vllm_compat
@@ -182,6 +183,7 @@ class VllmEngineBackend:
         self._layout = next(reply for reply in replies if reply is not None)
         self._row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         self.tokens_ahead = steps_of_tokens_ahead(self._llm)
+        self.tokens_per_submit = step_tokens(self._llm)
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len)
                                 + self._region_bytes(self.tokens_ahead))

@@ -26,7 +26,7 @@ from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 from ..errors import ExtractError
 from ..preflight import model_facts
 from . import BackendSettings
-from .engine_feed import Batch, EngineFeed, steps_of_tokens_ahead
+from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
 
 FIRST = Version(BACKEND_TOUCHPOINTS["vllm-native"].first)  # the audit checks its touch points from there
 LAST_LAYER_FROM = Version("0.18.0")
@@ -43,6 +43,7 @@ class VllmNativeBackend:
         self._store = None
         self._feed: EngineFeed | None = None
         self.tokens_ahead = 1
+        self.tokens_per_submit: int | None = None
         self._reader_thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-states-read")
 
     def vllm_layer_ids(self, version: Version) -> list[int]:
@@ -80,6 +81,7 @@ class VllmNativeBackend:
                                 "kv_connector_extra_config": {"shared_storage_path": self._store}},
         )
         self.tokens_ahead = steps_of_tokens_ahead(self._llm)
+        self.tokens_per_submit = step_tokens(self._llm)
         self._feed = EngineFeed(self._llm.llm_engine, self._params, self._requests_finished)
         return {"backend": self.name, "vllm_layer_ids": vllm_ids, "vllm_compat": report.to_dict()}
 

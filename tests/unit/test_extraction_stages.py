@@ -1,5 +1,6 @@
 """The extraction's stages and plug-ins (formats, batch sources) with a small fake backend; the real
 vLLM runs in tests/e2e/test_extractor.py."""
+import dataclasses
 import json
 import pathlib
 import sys
@@ -283,3 +284,44 @@ def test_batches_are_submitted_until_the_backends_tokens_ahead_are_in_flight(job
     # batches of 7, 11 and 15 tokens: the first is awaited only once 12 tokens are submitted after it,
     # so the third is submitted while both others run (one batch ahead: [0, 1, 1])
     assert backends_made[0].unfinished_at_submit == [0, 1, 2]
+
+
+def test_submit_groups_keep_order_and_hold_at_most_the_tokens_asked():
+    from hidden_states.extraction import submit_groups
+
+    batch = [Sample(i, i, [5] * n, None) for i, n in enumerate([3, 4, 5, 9, 2, 2, 4])]
+    grouped = submit_groups(batch, 8)
+    assert [[len(s.input_ids) for s in group] for group in grouped] == [[3, 4], [5], [9], [2, 2, 4]]
+    assert [s for group in grouped for s in group] == batch  # a sample longer than 8 goes alone
+    assert submit_groups(batch, None) == [batch]
+
+
+class StepSizedBackend(OverlappingBackend):
+    """Like the engine backends: asks for groups of at most one engine step's tokens."""
+
+    tokens_ahead = 8
+    tokens_per_submit = 8
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.submitted: list[list[int]] = []
+
+    def submit(self, batch):
+        self.submitted.append([len(ids) for ids in batch])
+        return super().submit(batch)
+
+
+def test_a_batch_goes_to_an_engine_backend_in_groups_of_one_step(job, monkeypatch):
+    """The run's last states written after its last forward are one step's, whatever --batch-size:
+    a batch of six samples (3..8 tokens) is submitted as five groups of at most 8 tokens."""
+    backends_made = []
+    monkeypatch.setattr(backends, "create", lambda name, settings: backends_made.append(
+        StepSizedBackend(settings)) or backends_made[-1])
+
+    summary = Extraction(dataclasses.replace(job, batch_size=6), log=quiet).run()
+
+    assert backends_made[0].submitted == [[3, 4], [5], [6], [7], [8]]
+    assert summary.extracted == 6 and summary.tokens == sum(range(3, 9))
+    assert sorted(p.name for p in Path(job.output_dir).glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    # each group is written once 8 tokens are submitted after it, while those run
+    assert backends_made[0].unfinished_at_submit == [0, 1, 2, 2, 2]

@@ -1,7 +1,8 @@
 """Layers handed to a format as views of one stacked tensor (what --backend vllm-native gives: the
 columns of vLLM's own [tokens, layers, hidden] file): the stacked format writes that tensor without a
 copy, the per-layer format writes each layer as its own tensor."""
-import io
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +34,7 @@ def test_columns_of_one_tensor_are_written_as_that_tensor(tmp_path, stacked):
     assert record["hidden_states"].data_ptr() == stacked.data_ptr()  # no copy made
     assert record["hidden_states"].is_contiguous() and torch.equal(record["hidden_states"], stacked)
     path = tmp_path / "hs_0.safetensors"
-    with open(path, "wb") as handle:
-        format.save(record, handle)
+    format.save(record, path)
     assert torch.equal(read_sample(path)["hidden_states"], stacked)
 
 
@@ -52,11 +52,48 @@ def test_other_layers_are_stacked(tmp_path, stacked, layers):
 def test_the_per_layer_format_writes_each_column_as_its_own_tensor(tmp_path, stacked):
     format = create("speculators-0.3", tmp_path)
     record = format.record(Sample(0, 1, list(range(TOKENS)), None), [stacked[:, j] for j in range(LAYERS)])
-    buffer = io.BytesIO()
-    format.save(record, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)["hidden_states"]
+    format.save(record, tmp_path / "data_0.pt")
+    loaded = torch.load(tmp_path / "data_0.pt", weights_only=True)["hidden_states"]
     for j, layer in enumerate(loaded):
         assert torch.equal(layer, stacked[:, j])
         # a trainer gets a [tokens, hidden] tensor of its own, not a view of every layer's storage
         assert layer.is_contiguous() and layer.untyped_storage().nbytes() == TOKENS * HIDDEN * layer.element_size()
+
+
+WRITE_PAST_THE_LIMIT = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+from hidden_states import formats
+from hidden_states.output import BackgroundWriter
+from hidden_states.errors import OutputError
+from hidden_states.inputs import Sample
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+out = Path(sys.argv[1])
+format = formats.create(sys.argv[2], out, formats.Layers([1], 6, 1024), log=print)
+writer = BackgroundWriter(out, format=format)
+(out / "hidden_states").mkdir()
+writer.submit(0, format.record(Sample(0, 1, list(range(1024)), None), [torch.ones(1024, 1024)]))
+try:
+    writer.close()
+except OutputError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("name", ["speculators-0.3", "speculators-0.5"])
+def test_a_write_the_os_refuses_names_the_file_and_the_cause(tmp_path, name):
+    """A file the OS will not take (here: over RLIMIT_FSIZE, as a full disk would) fails the run
+    with the OS's reason and the file's name, in both formats: safetensors' writer reports the
+    errno only inside its message."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WRITE_PAST_THE_LIMIT, str(tmp_path), name],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    file = create(name, tmp_path).sample_file(0)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"writing sample 0: {tmp_path / file}: File too large", done.stdout + done.stderr[-2000:]
+    assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.safetensors"))

@@ -19,9 +19,9 @@ class BarrierFormat:
     def sample_file(self, index):
         return f"data_{index}.bin"
 
-    def save(self, record, handle):
+    def save(self, record, path):
         self.barrier.wait()
-        handle.write(record)
+        path.write_bytes(record)
 
     def length(self, record):
         return len(record)
