@@ -275,7 +275,8 @@ class BackgroundWriter:
             temp = self.directory / f"{self._temp_prefix}{final.name}.{os.getpid()}"
             started = time.perf_counter()
             try:
-                self.format.save(record, temp)
+                with open(temp, "wb") as handle:
+                    self.format.save(record, handle)
                 os.replace(temp, final)
             except BaseException as exc:  # noqa: BLE001 - carried to the main thread
                 temp.unlink(missing_ok=True)

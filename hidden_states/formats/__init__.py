@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import BinaryIO, Callable, Protocol
 
 from ..inputs import Sample
 
@@ -58,7 +58,7 @@ class Format(Protocol):
 
     def record(self, sample: Sample, states: list) -> object: ...  # states: one [n, hidden] per layers.ids entry
 
-    def save(self, record, path: Path) -> None: ...  # a new file at path (the writer's temporary file)
+    def save(self, record, handle: BinaryIO) -> None: ...
 
     def length(self, record) -> int: ...  # tokens of a record (the ledger's length)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import BinaryIO
 
 from ..inputs import Sample
 from ..output import atomic_write_json
@@ -63,7 +64,7 @@ class Speculators03:
         return {"input_ids": torch.tensor(sample.input_ids, dtype=torch.long), "hidden_states": states,
                 "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
-    def save(self, record: dict, path: Path) -> None:
+    def save(self, record: dict, handle: BinaryIO) -> None:
         import torch
 
         config = getattr(torch.serialization, "config", None)
@@ -76,8 +77,7 @@ class Speculators03:
         record = {**record, "hidden_states": [layer.contiguous() for layer in record["hidden_states"]]}
         # into a Python file: torch's own C++ writer reports a full disk as a RuntimeError
         # ("basic_ios::clear", "unexpected pos") that names neither the cause nor the file
-        with open(path, "wb") as handle:
-            torch.save(record, handle)
+        torch.save(record, handle)
 
     def length(self, record: dict) -> int:
         return int(record["input_ids"].shape[0])

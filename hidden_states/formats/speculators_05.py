@@ -22,6 +22,7 @@ import re
 import shutil
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import OutputError
 from ..inputs import Sample
@@ -32,7 +33,8 @@ STATES_DIR = "hidden_states"
 SAMPLE_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 DATASET_FILES = re.compile(r"^(data-\d{5}-of-\d{5}\.arrow|dataset_info\.json|state\.json)$")
 DATASET_TEMP = ".tmp-dataset"
-OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust writer reports an I/O error's errno
+# torch dtype -> safetensors' name for it: the dtypes a sample file holds (states in the model's dtype)
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64"}
 
 
 def safetensors_header(path: Path) -> dict | None:
@@ -52,6 +54,31 @@ def safetensors_header(path: Path) -> dict | None:
             return header if os.fstat(handle.fileno()).st_size == 8 + size + end else None
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
+
+
+def write_safetensors(tensors: dict, handle: BinaryIO) -> None:
+    """``tensors`` (contiguous) as one safetensors file, written from their own memory: the header,
+    then each tensor's bytes in order. safetensors' ``save`` builds the whole file in memory first
+    (a copy of every byte, 5-6x the CPU time of this; bench/writer.py), and its ``save_file`` writes
+    through a temporary file of its own naming, which a crash would leave in the output directory.
+    An OS error (a full disk) is the ``OSError`` of the write that met it."""
+    import torch
+
+    entries, offset = {}, 0
+    for name, tensor in tensors.items():
+        dtype = SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"{name}: {tensor.dtype} is not a sample file's dtype ({', '.join(SAFETENSORS_DTYPES)})")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: not contiguous (written as its memory is laid out)")
+        size = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the format's padding: the data starts 8-byte aligned
+    handle.write(struct.pack("<Q", len(header)) + header)
+    for tensor in tensors.values():
+        handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
 
 def stacked_states(states: list):
@@ -129,20 +156,8 @@ class Speculators05:
         n = len(sample.input_ids)
         return sample_tensors(sample.input_ids, sample.loss_mask if sample.loss_mask is not None else [1] * n, states)
 
-    def save(self, record: dict, path: Path) -> None:
-        """safetensors' own file writer, which writes the tensors' memory as it is (``save`` builds
-        the file in memory first: 5x the CPU time, docs/performance.md); the OS error it reports only
-        in its message is raised as that ``OSError``, which the writer names the file by."""
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
-
-        try:
-            save_file(record, str(path))
-        except SafetensorError as exc:
-            code = OS_ERROR.search(str(exc))
-            if code is None:
-                raise
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
+    def save(self, record: dict, handle: BinaryIO) -> None:
+        write_safetensors(record, handle)
 
     def length(self, record: dict) -> int:
         return int(record["token_ids"].shape[0])

@@ -58,7 +58,8 @@ def test_05_sample_files_are_whole_or_cut_short(tmp_path):
     record = layout.record(Sample(3, 4, [7, 8, 9, 10, 11], None), states)
     assert tuple(record["hidden_states"].shape) == (5, 2, 8) and record["loss_mask"].tolist() == [1] * 5
     path = tmp_path / layout.sample_file(3)
-    layout.save(record, path)
+    with open(path, "wb") as handle:
+        layout.save(record, handle)
     assert layout.sample_index(path.name) == 3 and layout.ends_whole(path) and layout.read_length(path) == 5
     path.write_bytes(path.read_bytes()[:-1])
     assert not layout.ends_whole(path)

@@ -1,7 +1,8 @@
 """Layers handed to a format as views of one stacked tensor (what --backend vllm-native gives: the
 columns of vLLM's own [tokens, layers, hidden] file): the stacked format writes that tensor without a
-copy, the per-layer format writes each layer as its own tensor."""
-
+copy, the per-layer format writes each layer as its own tensor. The stacked format's files are
+written by our own streaming safetensors writer, read here by safetensors itself."""
+import io
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ def test_columns_of_one_tensor_are_written_as_that_tensor(tmp_path, stacked):
     assert record["hidden_states"].data_ptr() == stacked.data_ptr()  # no copy made
     assert record["hidden_states"].is_contiguous() and torch.equal(record["hidden_states"], stacked)
     path = tmp_path / "hs_0.safetensors"
-    format.save(record, path)
+    with open(path, "wb") as handle:
+        format.save(record, handle)
     assert torch.equal(read_sample(path)["hidden_states"], stacked)
 
 
@@ -52,8 +54,10 @@ def test_other_layers_are_stacked(tmp_path, stacked, layers):
 def test_the_per_layer_format_writes_each_column_as_its_own_tensor(tmp_path, stacked):
     format = create("speculators-0.3", tmp_path)
     record = format.record(Sample(0, 1, list(range(TOKENS)), None), [stacked[:, j] for j in range(LAYERS)])
-    format.save(record, tmp_path / "data_0.pt")
-    loaded = torch.load(tmp_path / "data_0.pt", weights_only=True)["hidden_states"]
+    buffer = io.BytesIO()
+    format.save(record, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["hidden_states"]
     for j, layer in enumerate(loaded):
         assert torch.equal(layer, stacked[:, j])
         # a trainer gets a [tokens, hidden] tensor of its own, not a view of every layer's storage
@@ -97,3 +101,34 @@ def test_a_write_the_os_refuses_names_the_file_and_the_cause(tmp_path, name):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == f"writing sample 0: {tmp_path / file}: File too large", done.stdout + done.stderr[-2000:]
     assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sample_files_are_what_safetensors_reads(tmp_path, dtype):
+    """Written by our own streaming writer, read back by safetensors itself, every dtype a model's
+    states come in, and an empty sample."""
+    from safetensors import safe_open
+
+    from hidden_states.formats.speculators_05 import write_safetensors
+
+    for tokens in (TOKENS, 0):
+        tensors = {"hidden_states": torch.randn(tokens, LAYERS, HIDDEN).to(dtype),
+                   "token_ids": torch.arange(tokens), "loss_mask": torch.ones(tokens, dtype=torch.long)}
+        path = tmp_path / f"hs_{tokens}.safetensors"
+        with open(path, "wb") as handle:
+            write_safetensors(tensors, handle)
+        with safe_open(str(path), framework="pt") as read:
+            assert sorted(read.keys()) == sorted(tensors)
+            for name, tensor in tensors.items():
+                assert read.get_tensor(name).dtype == tensor.dtype and torch.equal(read.get_tensor(name), tensor)
+        assert path.stat().st_size % 8 == 0 or tokens == 0  # header padded: data 8-byte aligned
+
+
+def test_a_tensor_a_sample_file_cannot_hold_is_refused(tmp_path, stacked):
+    from hidden_states.formats.speculators_05 import write_safetensors
+
+    with open(tmp_path / "x", "wb") as handle:
+        with pytest.raises(ValueError, match="hidden_states: torch.uint8 is not a sample file's dtype"):
+            write_safetensors({"hidden_states": torch.zeros(2, dtype=torch.uint8)}, handle)
+        with pytest.raises(ValueError, match="hidden_states: not contiguous"):
+            write_safetensors({"hidden_states": stacked[:, 1]}, handle)

@@ -19,9 +19,9 @@ class BarrierFormat:
     def sample_file(self, index):
         return f"data_{index}.bin"
 
-    def save(self, record, path):
+    def save(self, record, handle):
         self.barrier.wait()
-        path.write_bytes(record)
+        handle.write(record)
 
     def length(self, record):
         return len(record)
