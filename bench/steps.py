@@ -28,16 +28,20 @@ def read_jsonl(paths) -> list[dict]:
     return [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
 
 
+class Unreadable(ValueError):
+    """A run with nothing to tabulate (it failed before its timed span, or ran no step in it)."""
+
+
 def analyse(directory: Path) -> dict:
     parent = read_jsonl(sorted(directory.glob("parent-*.jsonl")))
     spans = [r for r in parent if "span" in r]
     if len(spans) != 1:
-        raise SystemExit(f"{directory}: expected one timed span, found {len(spans)}")
+        raise Unreadable(f"{directory}: expected one timed span, found {len(spans)}")
     (start, end), tokens = spans[0]["span"], spans[0]["tokens"]
     steps = sorted((s for s in read_jsonl(sorted(directory.glob("steps-*.jsonl"))) if s["cpu_start"] >= start),
                    key=lambda s: s["gpu"]["start"])
     if not steps:
-        raise SystemExit(f"{directory}: no step inside the timed span")
+        raise Unreadable(f"{directory}: no step inside the timed span")
 
     def step_end(step):
         return step["gpu"].get("sampled", step["gpu"]["executed"])
@@ -92,7 +96,14 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    results = [analyse(Path(d)) for d in sys.argv[1:]]
+    """One column per run that can be read; a run that cannot (a failed step of a device stage) is
+    named and left out, and the others still make the table."""
+    results = []
+    for directory in sys.argv[1:]:
+        try:
+            results.append(analyse(Path(directory)))
+        except Unreadable as exc:
+            print(f"left out: {exc}", file=sys.stderr)
     for result in results:
         emit("steps", **result)
     print(table(results))
