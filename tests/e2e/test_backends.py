@@ -115,6 +115,11 @@ def test_native_on_this_host_needs_its_adapter(both, tmp_path):
     assert "pin_memory" in proc.stderr or "EngineDeadError" in proc.stderr
 
 
+# enough for the run to go on for seconds after its first files (about 10 s at the engine feed's
+# ~17,000 tokens/s on CPU): 64 rows ran in 1.1 s, and the run had ended before the kill landed
+KILLED_ROWS = 640
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("backend", ["vllm-native", "vllm-engine"])
 def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path, backend):
@@ -132,7 +137,7 @@ def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path, backend):
     if backend == "vllm-native" and VERSION < Version("0.18.0"):
         pytest.skip(f"vLLM {VERSION} refuses --backend vllm-native (test_native_refuses_clearly_where_it_cannot_run)")
     model = harness.tiny_model("llama")
-    rows = write_jsonl(tmp_path / "data.jsonl", 64, seed=5)
+    rows = write_jsonl(tmp_path / "data.jsonl", KILLED_ROWS, seed=5)
     out = tmp_path / "out"
     command, env = cli(*extract_args(model, tmp_path / "data.jsonl", out, "--backend", backend,
                                      "--batch-size", "4"))
