@@ -106,13 +106,14 @@ def test_a_write_the_os_refuses_names_the_file_and_the_cause(tmp_path, name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_sample_files_are_what_safetensors_reads(tmp_path, dtype):
     """Written by our own streaming writer, read back by safetensors itself, every dtype a model's
-    states come in, and an empty sample."""
+    states come in, an empty sample and an odd-sized one; every tensor starts aligned to its
+    element size (the states' odd byte count would put the int64 ids off by 2 if written first)."""
     from safetensors import safe_open
 
-    from hidden_states.formats.speculators_05 import write_safetensors
+    from hidden_states.formats.speculators_05 import safetensors_header, write_safetensors
 
-    for tokens in (TOKENS, 0):
-        tensors = {"hidden_states": torch.randn(tokens, LAYERS, HIDDEN).to(dtype),
+    for tokens, layers, hidden in ((TOKENS, LAYERS, HIDDEN), (0, LAYERS, HIDDEN), (3, 1, 3)):
+        tensors = {"hidden_states": torch.randn(tokens, layers, hidden).to(dtype),
                    "token_ids": torch.arange(tokens), "loss_mask": torch.ones(tokens, dtype=torch.long)}
         path = tmp_path / f"hs_{tokens}.safetensors"
         with open(path, "wb") as handle:
@@ -121,7 +122,8 @@ def test_sample_files_are_what_safetensors_reads(tmp_path, dtype):
             assert sorted(read.keys()) == sorted(tensors)
             for name, tensor in tensors.items():
                 assert read.get_tensor(name).dtype == tensor.dtype and torch.equal(read.get_tensor(name), tensor)
-        assert path.stat().st_size % 8 == 0 or tokens == 0  # header padded: data 8-byte aligned
+        header = safetensors_header(path)
+        assert all(header[name]["data_offsets"][0] % tensor.element_size() == 0 for name, tensor in tensors.items())
 
 
 def test_a_tensor_a_sample_file_cannot_hold_is_refused(tmp_path, stacked):
