@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
     # The tunable flags default to None here so that a preset's value stands unless a flag is given.
     extract.add_argument("--batch-size", type=at_least(1),
-                         help=f"sequences per generator call (default {default('batch_size')})")
+                         help=f"sequences per batch: one generator call with --backend speculators; the engine backends "
+                              f"run a batch in groups of one engine step (default {default('batch_size')})")
     extract.add_argument("--max-seq-len", type=at_least(1),
                          help=f"longer samples are truncated (or refused with --strict) (default {default('max_seq_len')})")
     extract.add_argument("--tp-size", type=at_least(1), help=f"tensor parallel size (default {default('tp_size')})")
