@@ -90,8 +90,8 @@ except OutputError as exc:
 @pytest.mark.parametrize("name", ["speculators-0.3", "speculators-0.5"])
 def test_a_write_the_os_refuses_names_the_file_and_the_cause(tmp_path, name):
     """A file the OS will not take (here: over RLIMIT_FSIZE, as a full disk would) fails the run
-    with the OS's reason and the file's name, in both formats: safetensors' writer reports the
-    errno only inside its message."""
+    with the OS's reason and the file's name, in both formats (the stacked one through our own
+    writer, the per-layer one through torch.save into a Python file)."""
     import subprocess
     import sys
 
