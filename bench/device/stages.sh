@@ -24,7 +24,8 @@
 #   bash bench/device/stages.sh engine4     # ... vllm-engine and vllm-native step by step against vLLM's prefill (bench/steps.py)
 #   bash bench/device/stages.sh engine5     # ... after engine4: vllm-native's states, its stacked format, batch 32, compiled prefill
 #   bash bench/device/stages.sh engine6     # ... three engine steps submitted ahead, the run's last files written by 8 threads
-#   bash bench/device/stages.sh engine7     # ... batches submitted in groups of one engine step; vllm-native beside vLLM's native path alone; safetensors' file writer
+#   bash bench/device/stages.sh engine7     # ... batches submitted in groups of one engine step: prefill, vllm-engine b32 (check) and b8
+#   bash bench/device/stages.sh engine7-native  # ... then vllm-native (both formats) beside vLLM's native path alone, compiled prefill
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
 # this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
@@ -156,15 +157,21 @@ case "${1:?stage}" in
     step 110 "timed native-b8 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
-  engine7)  # issue 13, after engine6: a batch submitted in step-sized groups (batch 32's tail one step's files, as batch 8's);
-            # vllm-native and vLLM's native path alone on one machine; speculators-0.5 written by safetensors' own file writer
+  engine7)  # issue 13, after engine6: a batch submitted in step-sized groups (batch 32's tail one step's files, as batch 8's)
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 80 "timed prefill '$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1'"
-    step 90 "timed engine-b32 'rm -rf /tmp/h32 && extract --backend vllm-engine --batch 32 --samples 256 --work /tmp/h32; rm -rf /tmp/h32'"
+    step 90 "timed engine-b32 'rm -rf /tmp/h32 && extract --backend vllm-engine --batch 32 --samples 256 --work /tmp/h32'"
+    step 60 "PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/h32 2>&1 | grep RESULT; rm -rf /tmp/h32"
     step 90 "timed engine-b8 'rm -rf /tmp/h8 && extract --backend vllm-engine --batch 8 --samples 256 --work /tmp/h8; rm -rf /tmp/h8'"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  engine7-native)  # ... on the same machine after engine7: vLLM's native path alone beside --backend vllm-native
+                   # (both formats; speculators-0.5 written by our streaming safetensors writer), compiled prefill
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 100 "$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/native-alone 2>&1 | grep RESULT | tail -1; rm -rf /tmp/native-alone"
-    step 110 "timed native-b8-stacked 'rm -rf /tmp/n8s && extract --backend vllm-native --batch 8 --samples 256 --format speculators-0.5 --work /tmp/n8s; rm -rf /tmp/n8s'"
     step 110 "timed native-b8 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
+    step 110 "timed native-b8-stacked 'rm -rf /tmp/n8s && extract --backend vllm-native --batch 8 --samples 256 --format speculators-0.5 --work /tmp/n8s; rm -rf /tmp/n8s'"
+    step 130 "$B prefill --model $M8 --samples 256 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
   engine2)  # issue 13: the rest of the same comparison
