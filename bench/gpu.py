@@ -129,6 +129,13 @@ def phase_matmul(args) -> None:
     emit("matmul", tflops=round(2 * n**3 / seconds / 1e12, 1))
 
 
+def note_timed_span(start: float, seconds: float, tokens: int) -> None:
+    """For bench/steps.py (BENCH_STEPS_DIR set): the timed span, on CLOCK_MONOTONIC as its step events."""
+    if os.environ.get("BENCH_STEPS_DIR"):
+        with open(Path(os.environ["BENCH_STEPS_DIR"]) / f"parent-{os.getpid()}.jsonl", "a") as sink:
+            sink.write(json.dumps({"span": [start, start + seconds], "tokens": tokens}) + "\n")
+
+
 def phase_prefill(args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -144,9 +151,7 @@ def phase_prefill(args) -> None:
     started, span_start = time.perf_counter(), time.monotonic()
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
     seconds = time.perf_counter() - started
-    if os.environ.get("BENCH_STEPS_DIR"):  # bench/steps.py: the timed span, on its clock
-        with open(Path(os.environ["BENCH_STEPS_DIR"]) / f"parent-{os.getpid()}.jsonl", "a") as sink:
-            sink.write(json.dumps({"span": [span_start, span_start + seconds], "tokens": len(seqs) * args.length}) + "\n")
+    note_timed_span(span_start, seconds, len(seqs) * args.length)
     emit("prefill", model=Path(args.model).name, mode="compiled" if args.compiled else "eager",
          load_seconds=round(load, 1), tp=args.tp, tokens=len(seqs) * args.length,
          seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
@@ -249,9 +254,10 @@ def phase_native(args) -> None:
     params_ = SamplingParams(max_tokens=1)
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences(args.model, 2, args.length, seed=1)], params_)
     seqs = sequences(args.model, args.samples, args.length)
-    started = time.perf_counter()
+    started, span_start = time.perf_counter(), time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
     seconds = time.perf_counter() - started
+    note_timed_span(span_start, seconds, len(seqs) * args.length)
     paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
     emit("native", model=Path(args.model).name, tp=args.tp, tokens=len(seqs) * args.length, seconds=round(seconds, 2),
          tokens_per_s=round(len(seqs) * args.length / seconds), files=sum(1 for p in paths if p),

@@ -26,6 +26,8 @@
 #   bash bench/device/stages.sh engine6     # ... three engine steps submitted ahead, the run's last files written by 8 threads
 #   bash bench/device/stages.sh engine7     # ... batches submitted in groups of one engine step: prefill, vllm-engine b32 (check) and b8
 #   bash bench/device/stages.sh engine7-native  # ... then vllm-native (both formats) beside vLLM's native path alone, compiled prefill
+#   bash bench/device/stages.sh engine8     # ... vLLM's native path alone and vllm-native step by step, vLLM's files in /dev/shm and on disk
+#   bash bench/device/stages.sh engine8b    # ... the native path alone with its files in /dev/shm, vllm-native with one writer thread
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
 # this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
@@ -172,6 +174,21 @@ case "${1:?stage}" in
     step 110 "timed native-b8 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
     step 110 "timed native-b8-stacked 'rm -rf /tmp/n8s && extract --backend vllm-native --batch 8 --samples 256 --format speculators-0.5 --work /tmp/n8s; rm -rf /tmp/n8s'"
     step 130 "$B prefill --model $M8 --samples 256 --length $LENGTH --compiled 2>&1 | grep RESULT | tail -1"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  engine8)  # issue 13, after engine7 (vllm-native 0.85x of vLLM's native path alone on one machine): where the
+            # native path's steps go, alone and under the backend, with vLLM's files on disk and in /dev/shm
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 110 "timed native-alone '$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/na 2>&1 | grep RESULT | tail -1'; rm -rf /tmp/na"
+    step 110 "timed native-b8 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
+    step 110 "mkdir -p /tmp/nstore && timed native-b8-store-disk 'rm -rf /tmp/m8 && VLLM_COMPAT_NATIVE_STORE=/tmp/nstore extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  engine8b)  # ... the next call: vLLM's native path alone with its files in /dev/shm; the backend with one writer thread
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 110 "timed native-alone-shm '$B native --model $M8 --samples 256 --length $LENGTH --work /dev/shm/na 2>&1 | grep RESULT | tail -1'; rm -rf /dev/shm/na"
+    step 110 "timed native-b8-w1 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --writer-threads 1 --work /tmp/m8; rm -rf /tmp/m8'"
+    step 110 "timed native-alone-2 '$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/na 2>&1 | grep RESULT | tail -1'; rm -rf /tmp/na"
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
   engine2)  # issue 13: the rest of the same comparison

@@ -32,6 +32,7 @@ FIRST = Version(BACKEND_TOUCHPOINTS["vllm-native"].first)  # the audit checks it
 LAST_LAYER_FROM = Version("0.18.0")
 SHM = "/dev/shm"
 STORE_REQUESTS = 128  # requests of the longest length /dev/shm must hold to be the connector's store
+STORE_ENV = "VLLM_COMPAT_NATIVE_STORE"  # a directory for the connector's files instead (its own choice otherwise)
 
 
 class VllmNativeBackend:
@@ -70,7 +71,7 @@ class VllmNativeBackend:
 
         facts = model_facts(self.settings.model_path)
         request_bytes = (self.settings.max_seq_len + 1) * len(vllm_ids) * facts.hidden_size * facts.dtype_bytes
-        self._store = tempfile.mkdtemp(prefix="vllm-native-states-", dir=state_store_root(STORE_REQUESTS * request_bytes))
+        self._store = tempfile.mkdtemp(prefix="vllm-native-states-", dir=chosen_store_root(STORE_REQUESTS * request_bytes))
         self._llm = LLM(
             model=self.settings.model_path, tensor_parallel_size=self.settings.tp_size, max_model_len=self.settings.max_seq_len + 1,
             gpu_memory_utilization=self.settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
@@ -177,6 +178,18 @@ def state_store_root(needed_bytes: int) -> str | None:
     if stat.f_bavail * stat.f_frsize < needed_bytes or not os.access(SHM, os.W_OK):
         return None
     return SHM
+
+
+def chosen_store_root(needed_bytes: int) -> str | None:
+    """Where this backend has vLLM's connector write: ``$VLLM_COMPAT_NATIVE_STORE`` when set (an
+    existing, writable directory), else :func:`state_store_root`."""
+    chosen = os.environ.get(STORE_ENV)
+    if not chosen:
+        return state_store_root(needed_bytes)
+    if not (os.path.isdir(chosen) and os.access(chosen, os.W_OK)):
+        raise ExtractError(f"{STORE_ENV}={chosen}: not a writable directory (where --backend vllm-native "
+                           f"has vLLM's connector write each request's file; unset it for /dev/shm or the temp dir)")
+    return chosen
 
 
 def read_connector_file(path: str):
