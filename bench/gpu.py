@@ -285,8 +285,9 @@ def phase_extract(args) -> None:
                "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
-               "--format", args.format, "--layer-ids", *map(str, default_layers(args.model)), "--writer-threads", str(args.writer_threads),
-               "--backend", args.backend] + (["--skip-forward-check"] if args.skip_forward_check else []) \
+               "--format", args.format, "--layer-ids", *map(str, default_layers(args.model)), "--backend", args.backend] \
+        + (["--writer-threads", str(args.writer_threads)] if args.writer_threads else []) \
+        + (["--skip-forward-check"] if args.skip_forward_check else []) \
         + (["--no-overlap"] if args.no_overlap else []) \
         + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -389,7 +390,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--speculators-version", default=os.environ.get("SPECULATORS_VERSION", ""))
     parser.add_argument("--work", default="/tmp/bench-extract")
-    parser.add_argument("--writer-threads", type=int, default=2)
+    parser.add_argument("--writer-threads", type=int, help="extract: --writer-threads (default: the extractor's for the backend)")
     parser.add_argument("--backend", default="speculators", choices=["speculators", "vllm-native", "vllm-engine"])
     parser.add_argument("--configs", default="", help="generator: batch x length list, e.g. 8x2048,32x512")
     parser.add_argument("--token-budget", type=int, default=0,

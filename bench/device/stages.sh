@@ -28,6 +28,7 @@
 #   bash bench/device/stages.sh engine7-native  # ... then vllm-native (both formats) beside vLLM's native path alone, compiled prefill
 #   bash bench/device/stages.sh engine8     # ... vLLM's native path alone and vllm-native step by step, vLLM's files in /dev/shm and on disk
 #   bash bench/device/stages.sh engine8b    # ... the native path alone with its files in /dev/shm, vllm-native with one writer thread
+#   bash bench/device/stages.sh engine9     # ... vllm-native's new defaults (store on disk, 1 writer thread) against the native path alone, twice
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
 # this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
@@ -180,15 +181,24 @@ case "${1:?stage}" in
             # native path's steps go, alone and under the backend, with vLLM's files on disk and in /dev/shm
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 110 "timed native-alone '$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/na 2>&1 | grep RESULT | tail -1'; rm -rf /tmp/na"
-    step 110 "timed native-b8 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
-    step 110 "mkdir -p /tmp/nstore && timed native-b8-store-disk 'rm -rf /tmp/m8 && VLLM_COMPAT_NATIVE_STORE=/tmp/nstore extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
+    step 110 "mkdir -p /dev/shm/nstore && timed native-b8 'rm -rf /tmp/m8 && VLLM_COMPAT_NATIVE_STORE=/dev/shm/nstore extract --backend vllm-native --batch 8 --samples 256 --writer-threads 2 --work /tmp/m8; rm -rf /tmp/m8'"
+    step 110 "mkdir -p /tmp/nstore && timed native-b8-store-disk 'rm -rf /tmp/m8 && VLLM_COMPAT_NATIVE_STORE=/tmp/nstore extract --backend vllm-native --batch 8 --samples 256 --writer-threads 2 --work /tmp/m8; rm -rf /tmp/m8'"
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
   engine8b)  # ... the next call: vLLM's native path alone with its files in /dev/shm; the backend with one writer thread
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 110 "timed native-alone-shm '$B native --model $M8 --samples 256 --length $LENGTH --work /dev/shm/na 2>&1 | grep RESULT | tail -1'; rm -rf /dev/shm/na"
-    step 110 "timed native-b8-w1 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --writer-threads 1 --work /tmp/m8; rm -rf /tmp/m8'"
+    step 110 "mkdir -p /dev/shm/nstore && timed native-b8-w1 'rm -rf /tmp/m8 && VLLM_COMPAT_NATIVE_STORE=/dev/shm/nstore extract --backend vllm-native --batch 8 --samples 256 --writer-threads 1 --work /tmp/m8; rm -rf /tmp/m8'"
     step 110 "timed native-alone-2 '$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/na 2>&1 | grep RESULT | tail -1'; rm -rf /tmp/na"
+    python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  engine9)  # issue 13, after engine8 (vllm-native's store back on disk, 1 writer thread): the new defaults against
+            # vLLM's native path alone, twice each, alternating (the path is host-bound: runs differ by 6 %)
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    for round in 1 2; do
+      step 100 "timed native-alone-$round '$B native --model $M8 --samples 256 --length $LENGTH --work /tmp/na 2>&1 | grep RESULT | tail -1'; rm -rf /tmp/na"
+      step 100 "timed native-b8-$round 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
+    done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
   engine2)  # issue 13: the rest of the same comparison

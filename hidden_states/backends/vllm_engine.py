@@ -37,7 +37,7 @@ from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 from ..errors import ExtractError
 from . import BackendSettings
 from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
-from .vllm_native import in_process_llm_environment, shut_down, state_store_root
+from .vllm_native import in_process_llm_environment, shut_down
 
 FIRST = Version(BACKEND_TOUCHPOINTS["vllm-engine"].first)  # the audit checks its touch points from there
 ALIGN = 64
@@ -48,6 +48,7 @@ EXTENSION = f"{__package__}.engine_capture.StreamingCapture"
 # A request's region, shared by this process and the worker (engine_capture).
 REGION = "vllm_compat_region"  # the sampling parameters' extra_args key: (offset, prompt length)
 HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
+SHM = "/dev/shm"
 
 
 def layer_start(length: int, index: int, row_bytes: int) -> int:
@@ -58,6 +59,18 @@ def layer_start(length: int, index: int, row_bytes: int) -> int:
 
 def region_bytes(length: int, layers: int, row_bytes: int) -> int:
     return layer_start(length, layers, row_bytes)
+
+
+def state_store_root(needed_bytes: int) -> str | None:
+    """Where the regions' file lives: ``/dev/shm`` (memory, never written back) where it has room
+    for ``needed_bytes``, else the default temporary directory (None)."""
+    try:
+        stat = os.statvfs(SHM)
+    except OSError:
+        return None
+    if stat.f_bavail * stat.f_frsize < needed_bytes or not os.access(SHM, os.W_OK):
+        return None
+    return SHM
 
 
 class RegionPool:

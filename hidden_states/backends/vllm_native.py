@@ -30,9 +30,7 @@ from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
 
 FIRST = Version(BACKEND_TOUCHPOINTS["vllm-native"].first)  # the audit checks its touch points from there
 LAST_LAYER_FROM = Version("0.18.0")
-SHM = "/dev/shm"
-STORE_REQUESTS = 128  # requests of the longest length /dev/shm must hold to be the connector's store
-STORE_ENV = "VLLM_COMPAT_NATIVE_STORE"  # a directory for the connector's files instead (its own choice otherwise)
+STORE_ENV = "VLLM_COMPAT_NATIVE_STORE"  # the directory the connector's files go to (default: the temp dir)
 
 
 class VllmNativeBackend:
@@ -69,9 +67,7 @@ class VllmNativeBackend:
         in_process_llm_environment()
         from vllm import LLM
 
-        facts = model_facts(self.settings.model_path)
-        request_bytes = (self.settings.max_seq_len + 1) * len(vllm_ids) * facts.hidden_size * facts.dtype_bytes
-        self._store = tempfile.mkdtemp(prefix="vllm-native-states-", dir=chosen_store_root(STORE_REQUESTS * request_bytes))
+        self._store = tempfile.mkdtemp(prefix="vllm-native-states-", dir=store_root())
         self._llm = LLM(
             model=self.settings.model_path, tensor_parallel_size=self.settings.tp_size, max_model_len=self.settings.max_seq_len + 1,
             gpu_memory_utilization=self.settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
@@ -165,30 +161,19 @@ def shut_down(llm) -> None:
         core.shutdown()
 
 
-def state_store_root(needed_bytes: int) -> str | None:
-    """Where vLLM's connector writes each request's file, which this backend reads back and
-    deletes at once: ``/dev/shm`` (memory) where it has room for ``needed_bytes``, else the default
-    temporary directory. On a disk the files cost a write and a read of every state besides the
-    extractor's own output (on the H200: 12,957 tokens/s against 26,251 for the other backend);
-    in memory they are gone before anything reaches a disk."""
-    try:
-        stat = os.statvfs(SHM)
-    except OSError:
-        return None
-    if stat.f_bavail * stat.f_frsize < needed_bytes or not os.access(SHM, os.W_OK):
-        return None
-    return SHM
-
-
-def chosen_store_root(needed_bytes: int) -> str | None:
-    """Where this backend has vLLM's connector write: ``$VLLM_COMPAT_NATIVE_STORE`` when set (an
-    existing, writable directory), else :func:`state_store_root`."""
+def store_root() -> str | None:
+    """Where vLLM's connector writes each request's file, which this backend maps and deletes once
+    its states are written: ``$VLLM_COMPAT_NATIVE_STORE`` when set (an existing, writable
+    directory), else the temporary directory (None). Not ``/dev/shm``: vLLM 0.20's connector saves
+    inside the engine step (0.26's on threads of its own), and on the H200 vLLM's own path alone ran 5-10 % slower with its
+    files in ``/dev/shm`` than on disk, this backend 7-9 % (docs/performance.md). A file lives about one
+    step, so on disk it is mostly deleted before the kernel writes it back."""
     chosen = os.environ.get(STORE_ENV)
     if not chosen:
-        return state_store_root(needed_bytes)
+        return None
     if not (os.path.isdir(chosen) and os.access(chosen, os.W_OK)):
         raise ExtractError(f"{STORE_ENV}={chosen}: not a writable directory (where --backend vllm-native "
-                           f"has vLLM's connector write each request's file; unset it for /dev/shm or the temp dir)")
+                           f"has vLLM's connector write each request's file; unset it for the temp dir)")
     return chosen
 
 

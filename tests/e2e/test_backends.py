@@ -25,7 +25,9 @@ def both(tmp_path_factory):
     model = harness.tiny_model("llama")
     root = tmp_path_factory.mktemp("backends")
     rows = write_jsonl(root / "data.jsonl", 24, seed=11)
-    runs = {backend: run_cli(*extract_args(model, root / "data.jsonl", root / backend, "--backend", backend))
+    (root / "native-store").mkdir()
+    runs = {backend: run_cli(*extract_args(model, root / "data.jsonl", root / backend, "--backend", backend),
+                             env_extra={"VLLM_COMPAT_NATIVE_STORE": str(root / "native-store")})
             for backend in ("speculators", "vllm-native", "vllm-engine")}
     return model, root, rows, runs
 
@@ -59,6 +61,19 @@ def test_same_states_from_both_backends(both):
         for a, b, ref in zip(native["hidden_states"], generator["hidden_states"], reference[i]):
             assert float(relative_errors(a, b).max()) < 0.02  # the same model, the same bf16 kernels
             assert float(relative_errors(a, ref).max()) < harness.TOLERANCE
+
+
+def test_native_store_is_the_named_one_and_left_empty(both, tmp_path):
+    """The connector's files went to VLLM_COMPAT_NATIVE_STORE (a store the backend cannot use is an
+    error naming it) and none is left there after the run."""
+    model, root, _, runs = both
+    if runs["vllm-native"].returncode != 0:
+        pytest.skip(f"vllm-native cannot run on vLLM {VERSION} here (checked above)")
+    assert list((root / "native-store").iterdir()) == []
+    proc = run_cli(*extract_args(model, root / "data.jsonl", tmp_path / "out", "--backend", "vllm-native"),
+                   env_extra={"VLLM_COMPAT_NATIVE_STORE": str(tmp_path / "no-such-dir")}, timeout=900)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"VLLM_COMPAT_NATIVE_STORE={tmp_path / 'no-such-dir'}: not a writable directory" in proc.stderr
 
 
 def test_engine_backend_finds_the_generators_states(both):

@@ -214,6 +214,9 @@ def test_every_default_is_the_settings_one():
     h200 = ["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o", "--preset", "h200"]
     assert settings_from(build_parser().parse_args(h200)).writer_threads == 4
     assert settings_from(build_parser().parse_args([*h200, "--writer-threads", "2"])).writer_threads == 2
+    native = [*h200, "--backend", "vllm-native"]  # the backend's own setting over the preset's, under a flag
+    assert settings_from(build_parser().parse_args(native)).writer_threads == 1
+    assert settings_from(build_parser().parse_args([*native, "--writer-threads", "3"])).writer_threads == 3
 
 
 def test_a_sample_records_file_and_length_follow_the_format(tmp_path):
