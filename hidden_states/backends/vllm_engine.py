@@ -61,7 +61,7 @@ def region_bytes(length: int, layers: int, row_bytes: int) -> int:
     return layer_start(length, layers, row_bytes)
 
 
-def state_store_root(needed_bytes: int) -> str | None:
+def regions_root(needed_bytes: int) -> str | None:
     """Where the regions' file lives: ``/dev/shm`` (memory, never written back) where it has room
     for ``needed_bytes``, else the default temporary directory (None)."""
     try:
@@ -79,7 +79,7 @@ class RegionPool:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        fd, self.path = tempfile.mkstemp(prefix="vllm-compat-regions-", dir=state_store_root(capacity))
+        fd, self.path = tempfile.mkstemp(prefix="vllm-compat-regions-", dir=regions_root(capacity))
         try:
             os.ftruncate(fd, capacity)
             self.mapping = mmap.mmap(fd, capacity)

@@ -64,8 +64,8 @@ def test_same_states_from_both_backends(both):
 
 
 def test_native_store_is_the_named_one_and_left_empty(both, tmp_path):
-    """The connector's files went to VLLM_COMPAT_NATIVE_STORE (a store the backend cannot use is an
-    error naming it) and none is left there after the run."""
+    """The backend reads VLLM_COMPAT_NATIVE_STORE (a store it cannot use is an error naming the
+    variable) and leaves nothing in the one it used."""
     model, root, _, runs = both
     if runs["vllm-native"].returncode != 0:
         pytest.skip(f"vllm-native cannot run on vLLM {VERSION} here (checked above)")

@@ -20,19 +20,19 @@ def fake_statvfs(free_bytes):
 def test_regions_in_shared_memory_when_it_has_room(monkeypatch):
     monkeypatch.setattr(os, "statvfs", fake_statvfs(64 << 30))
     monkeypatch.setattr(os, "access", lambda path, mode: True)
-    assert vllm_engine.state_store_root(8 << 30) == vllm_engine.SHM
+    assert vllm_engine.regions_root(8 << 30) == vllm_engine.SHM
 
 
 def test_regions_on_disk_when_shared_memory_is_small_or_missing(monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: True)
     monkeypatch.setattr(os, "statvfs", fake_statvfs(64 << 20))  # a container's default 64 MiB /dev/shm
-    assert vllm_engine.state_store_root(8 << 30) is None
+    assert vllm_engine.regions_root(8 << 30) is None
 
     def missing(path):
         raise FileNotFoundError(path)
 
     monkeypatch.setattr(os, "statvfs", missing)
-    assert vllm_engine.state_store_root(1) is None
+    assert vllm_engine.regions_root(1) is None
 
 
 def test_connector_files_in_the_temp_dir_unless_the_environment_names_one(monkeypatch, tmp_path):
