@@ -25,8 +25,8 @@ from . import shards
 from .backends import BACKENDS
 from .errors import ExtractError
 from .formats import FORMATS
-from .presets import BACKEND_SETTINGS, PRESETS
-from .settings import Settings, default
+from .presets import PRESETS
+from .settings import BACKEND_DEFAULTS, Settings, default
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads")
 
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
     extract.add_argument("--writer-threads", type=at_least(1),
                          help=f"threads writing files (default {default('writer_threads')}; "
-                              f"{BACKEND_SETTINGS['vllm-native']['writer_threads']} with --backend vllm-native)")
+                              f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
     extract.add_argument("--no-overlap", action="store_true",
                          help="one batch at a time: the next batch's forward does not run while this batch's "
                               "states are copied out (the speculators backend overlaps them by default)")
@@ -124,7 +124,7 @@ def settings_from(args) -> Settings:
     """Settings from parsed flags: each tunable from its flag, else the backend's own setting, else
     the preset, else its default."""
     tuned = dict(PRESETS[args.preset]) if args.preset else {}
-    tuned.update(BACKEND_SETTINGS.get(args.backend, {}))
+    tuned.update(BACKEND_DEFAULTS.get(args.backend, {}))
     tuned.update({name: getattr(args, name) for name in TUNABLE if getattr(args, name) is not None})
     return Settings(model_path=args.model_path, prepared_data=args.prepared_data, output_dir=args.output_dir,
                     layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,

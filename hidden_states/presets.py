@@ -13,11 +13,3 @@ PRESETS: dict[str, dict] = {
     "cpu-tiny": {"tp_size": 1, "gpu_memory_utilization": 0.02, "batch_size": 8, "max_seq_len": 1024},
 }
 
-# A backend's own settings, over a preset's (a flag given on the command line still wins).
-BACKEND_SETTINGS: dict[str, dict] = {
-    # vLLM 0.20's connector saves every state inside the engine step (0.26's on threads of its own),
-    # on the host's CPUs and memory, so whatever else writes slows the engine down: on the H200 one
-    # writer thread ran 8-11 % faster than 2 (the states arrive at 0.6 GB/s, which one thread
-    # writes; the files queued at the end are drained by more), docs/performance.md.
-    "vllm-native": {"writer_threads": 1},
-}

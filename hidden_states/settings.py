@@ -24,7 +24,8 @@ class Settings:
         backend: ``backends.BACKENDS``; format: ``formats.FORMATS``, None: what the installed
             speculators trains on (``layer_conventions.default_format``).
         writer_queue: samples allowed to wait for the disk before the loop blocks.
-        writer_threads: threads writing files.
+        writer_threads: threads writing files; None: the backend's own number
+            (``BACKEND_DEFAULTS``), else ``BACKEND_DEPENDENT``'s.
         progress_interval: seconds between progress lines when stderr is not a terminal.
         forward_check: self-test the model's kernels after the load.
         overlap: run the next batch's forward while this batch's states are copied out of vLLM
@@ -49,7 +50,7 @@ class Settings:
     backend: str = "speculators"
     format: str | None = None
     writer_queue: int = 64
-    writer_threads: int = 2
+    writer_threads: int | None = None
     progress_interval: float = 10.0
     forward_check: bool = True
     overlap: bool = True
@@ -57,9 +58,31 @@ class Settings:
     data_parallel_size: int = 1
     ray_address: str | None = None
 
+    def __post_init__(self):
+        for name in BACKEND_DEPENDENT:
+            if getattr(self, name) is None:
+                setattr(self, name, default(name, self.backend))
 
-def default(name: str):
-    """The default of the setting ``name``."""
+
+# Settings whose default a backend may set (the field says None): their default for the others.
+BACKEND_DEPENDENT: dict[str, object] = {"writer_threads": 2}
+
+# A backend's own defaults: a caller leaving the field out gets them (the CLI puts them over a
+# preset's values, under its flags: cli.settings_from).
+BACKEND_DEFAULTS: dict[str, dict] = {
+    # vLLM 0.20's connector saves every state inside the engine step (0.26's on threads of its own),
+    # on the host's CPUs and memory, so whatever else writes slows the engine down: on the H200 one
+    # writer thread ran 8-11 % faster than 2 (the states arrive at 0.6 GB/s, which one thread
+    # writes; the files queued at the end are drained by more), docs/performance.md.
+    "vllm-native": {"writer_threads": 1},
+}
+
+
+def default(name: str, backend: str | None = None):
+    """The default of the setting ``name``; for a backend-dependent one, ``backend``'s (None: the
+    default backend's)."""
+    if name in BACKEND_DEPENDENT:
+        return BACKEND_DEFAULTS.get(backend or default("backend"), {}).get(name, BACKEND_DEPENDENT[name])
     for field in fields(Settings):
         if field.name == name:
             return field.default

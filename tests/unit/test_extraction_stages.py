@@ -16,7 +16,7 @@ from hidden_states.extraction import Extraction
 from hidden_states.formats.speculators_03 import Speculators03
 from hidden_states.inputs import InputStream, Sample
 from hidden_states.preflight import FIRST_LINES
-from hidden_states.settings import Settings
+from hidden_states.settings import Settings, default
 
 pytest.importorskip("torch")
 
@@ -210,13 +210,23 @@ def test_every_default_is_the_settings_one():
     assert settings_from(args) == Settings(model_path="m", prepared_data="d", output_dir="o")
     preset = settings_from(build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d",
                                                       "--output-dir", "o", "--preset", "cpu-tiny"]))
-    assert (preset.batch_size, preset.max_seq_len, preset.writer_threads) == (8, 1024, Settings.writer_threads)
+    assert (preset.batch_size, preset.max_seq_len, preset.writer_threads) == (8, 1024, default("writer_threads"))
     h200 = ["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o", "--preset", "h200"]
     assert settings_from(build_parser().parse_args(h200)).writer_threads == 4
     assert settings_from(build_parser().parse_args([*h200, "--writer-threads", "2"])).writer_threads == 2
     native = [*h200, "--backend", "vllm-native"]  # the backend's own setting over the preset's, under a flag
     assert settings_from(build_parser().parse_args(native)).writer_threads == 1
     assert settings_from(build_parser().parse_args([*native, "--writer-threads", "3"])).writer_threads == 3
+
+
+def test_a_library_caller_gets_the_backends_own_defaults():
+    """Settings built without the CLI: a field left out takes the backend's own default, as the
+    CLI's do; a value given stays."""
+    paths = {"model_path": "m", "prepared_data": "d", "output_dir": "o"}
+    assert Settings(**paths).writer_threads == default("writer_threads") == 2
+    assert Settings(**paths, backend="vllm-native").writer_threads == default("writer_threads", "vllm-native") == 1
+    assert Settings(**paths, backend="vllm-engine").writer_threads == 2
+    assert Settings(**paths, backend="vllm-native", writer_threads=3).writer_threads == 3
 
 
 def test_a_sample_records_file_and_length_follow_the_format(tmp_path):
