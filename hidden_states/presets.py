@@ -12,4 +12,3 @@ PRESETS: dict[str, dict] = {
     # The CPU demo and tests: vLLM's CPU backend, a tiny local model.
     "cpu-tiny": {"tp_size": 1, "gpu_memory_utilization": 0.02, "batch_size": 8, "max_seq_len": 1024},
 }
-
