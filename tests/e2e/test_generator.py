@@ -27,14 +27,14 @@ def extraction(request):
 
 def test_runs_without_error(extraction):
     _, run, _ = extraction
-    assert run.error is None, run.error
+    assert run.error is None, harness.failure(run)
 
 
 @pytest.mark.parametrize("call", range(len(CALLS)),
                          ids=["uneven", "over_step_budget", "shared_prefix", "over_max_num_seqs", "repeated"])
 def test_every_layer_and_token_matches_hf(extraction, call):
     _, run, refs = extraction
-    assert run.error is None, run.error
+    assert run.error is None, harness.failure(run)
     verdict = harness.judge(harness.Run([run.calls[call]], None, None, ""), [CALLS[call]], [refs[call]])
     assert verdict == "ok", verdict
 
