@@ -215,13 +215,13 @@ def failure(run: Run) -> str:
     """A failed run in one line: the exception's last lines (with pydantic's detail lines after it),
     then what the other processes said: the exceptions their logs end tracebacks with (a vLLM worker
     that failed to start logs its own) and the children that ended, with how."""
-    lines = [line for line in run.error.strip().splitlines() if line.strip()]
+    lines = [line for line in run.error.strip().splitlines() if line.strip(" ^~")]  # not the caret lines
     said = " | ".join(lines[-4:])
     elsewhere = [line for line in dict.fromkeys(EXCEPTION_LINE.findall(run.log)) if line not in said]
     if elsewhere:
         said += " || in the log: " + " | ".join(elsewhere[-3:])
     if run.ended_children:
-        said += " || ended: " + ", ".join(run.ended_children)
+        said += " || " + " | ".join(run.ended_children)
     return said
 
 
