@@ -125,6 +125,13 @@ def oom_kills() -> int | None:
     return None
 
 
+def oom_kills_since(before: int | None) -> int | None:
+    """Processes the kernel's OOM killer killed since :func:`oom_kills` gave ``before``; None where
+    either count is unknown."""
+    now = oom_kills()
+    return None if now is None or before is None else now - before
+
+
 @dataclass(frozen=True)
 class Exit:
     """How one child process ended.
@@ -252,8 +259,7 @@ class Children:
     def oom_kills(self) -> int | None:
         """Processes the kernel's OOM killer killed on this host since these children were first
         recorded; None where its count cannot be read."""
-        now = oom_kills()
-        return None if now is None or self._oom_kills_before is None else now - self._oom_kills_before
+        return oom_kills_since(self._oom_kills_before)
 
     def close(self) -> None:
         """Stop watching (the processes themselves are left as they are)."""

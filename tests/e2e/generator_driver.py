@@ -15,7 +15,7 @@ import multiprocessing.process
 import sys
 import traceback
 
-from hidden_states.processes import Exit, oom_kills
+from hidden_states.processes import Exit, oom_kills, oom_kills_since
 
 
 def main(spec_path: str, out_path: str) -> int:
@@ -45,8 +45,7 @@ def main(spec_path: str, out_path: str) -> int:
             saved["report"] = str(vllm_compat.status())
     except BaseException:  # the test asserts on this text
         saved["error"] = traceback.format_exc()
-        after = oom_kills()
-        saved["ended_children"] = ended_children(None if None in (after, oom_kills_before) else after - oom_kills_before)
+        saved["ended_children"] = ended_children(oom_kills_since(oom_kills_before))
     torch.save(saved, out_path)
     return 0
 
