@@ -1,32 +1,42 @@
 #!/usr/bin/env bash
-# Device side: reassemble the parts prepared by bench/device/prepare.py and install into /tmp/site.
-# Each of three calls copies its carried part into /tmp/vw (`cp -r .gpu/pN/. /tmp/vw/`); the call
-# that has all parts runs this. /tmp survives between calls while the machine stays warm.
+# Device side: join and install the bundles bench/device/prepare.py made, once every part of each has
+# been copied into /tmp/vw/<bundle>/ (`cp .gpu/<bundle>/pN/* /tmp/vw/<bundle>/`, one call a part).
+#   bash bench/device/install.sh torch-2.14.0 vllm-0.34.0 [triton-2.14.0] [ray]
+# Where things go (stages.sh reads the same variables):
+#   torch-T, triton-T -> $TORCH_SITE (/tmp/torch-site): a torch other than the image's, its NCCL, torchvision
+#   vllm-R            -> $SITE (/tmp/site-R): vLLM and the requirements the image lacks;
+#                        speculators into $SPEC_ROOT/<version> (/tmp/vcache/speculators)
+#   ray               -> $RAY_SITE (/tmp/ray-site)
+# /tmp survives between calls only while the machine stays warm (30 s after a call).
 set -euo pipefail
-W=${1:-/tmp/vw}
-SITE=${SITE:-/tmp/site}
-SPEC=${SPEC:-/tmp/vcache/speculators}
-BUILD_SITE=${BUILD_SITE:-/tmp/build-site}
-cd "$W"
-for i in 0 1 2; do [ -f "vllm.tar.xz.$i" ] || [ "$i" = 2 ] || { echo "MISSING $W/vllm.tar.xz.$i"; exit 2; }; done
-cat vllm.tar.xz.[0-9] > vllm.tar.xz  # the parts, not the .sha256 beside them
-echo "$(cat vllm.tar.xz.sha256)  vllm.tar.xz" | sha256sum -c -
-rm -rf "$SITE" && mkdir -p "$SITE"
-tar xJf vllm.tar.xz -C "$SITE"
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" wheels/*.whl
-# compressed-tensors 0.17 builds the INT4 checkpoint (stages.sh kimi-int4); vLLM keeps its pinned 0.15
-rm -rf "$BUILD_SITE" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$BUILD_SITE" build-only/*.whl
-for wheel in speculators/*.whl; do
-  version=$(basename "$wheel" | cut -d- -f2)
-  rm -rf "$SPEC/$version" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SPEC/$version" "$wheel"
-  echo "$version" > "$SPEC/$version/.complete"
-done
-# Ray (prepare.py --ray; the data-parallel stage): its two parts, when carried, into $RAY_SITE
+W=${W:-/tmp/vw}
+TORCH_SITE=${TORCH_SITE:-/tmp/torch-site}
+SPEC_ROOT=${SPEC_ROOT:-/tmp/vcache/speculators}
 RAY_SITE=${RAY_SITE:-/tmp/ray-site}
-if [ -f ray.whl.0 ] && [ -f ray.whl.1 ]; then
-  wheel=$(cat ray.whl.name)
-  cat ray.whl.0 ray.whl.1 > "$wheel"
-  echo "$(cat ray.whl.sha256)  $wheel" | sha256sum -c -
-  rm -rf "$RAY_SITE" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$RAY_SITE" "$wheel" msgpack-*.whl
-fi
-echo "installed into $SITE: $(du -sh "$SITE" | cut -f1)"
+pip_into() { local dest=$1; shift; python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$dest" "$@" 2>&1 | grep -v -e WARNING -e "^ *$" || true; }
+for name in "$@"; do
+  dir=$W/$name
+  [ -f "$dir/$name.parts" ] || { echo "MISSING $dir/$name.parts (the last part of $name was not copied)"; exit 2; }
+  count=$(cat "$dir/$name.parts")
+  for i in $(seq -f %02g 1 "$count"); do [ -f "$dir/$name.tar.$i" ] || { echo "MISSING $dir/$name.tar.$i"; exit 2; }; done
+  cat "$dir/$name".tar.[0-9][0-9] > "$dir/$name.tar"
+  echo "$(cat "$dir/$name.sha256")  $dir/$name.tar" | sha256sum -c - >/dev/null
+  rm -f "$dir/$name".tar.[0-9][0-9]
+  rm -rf "$dir/x" && mkdir -p "$dir/x" && tar xf "$dir/$name.tar" -C "$dir/x" && rm -f "$dir/$name.tar"
+  case "$name" in
+    torch-*|triton-*) pip_into "$TORCH_SITE" "$dir"/x/wheels/*.whl; echo "$name -> $TORCH_SITE" ;;
+    ray) pip_into "$RAY_SITE" "$dir"/x/wheels/*.whl; echo "ray -> $RAY_SITE" ;;
+    vllm-*)
+      site=${SITE:-/tmp/site-${name#vllm-}}
+      rm -rf "$site" && mkdir -p "$site"
+      pip_into "$site" "$dir"/x/wheels/*.whl
+      for wheel in "$dir"/x/speculators/*.whl; do
+        version=$(basename "$wheel" | cut -d- -f2)
+        [ -f "$SPEC_ROOT/$version/.complete" ] && continue
+        rm -rf "${SPEC_ROOT:?}/$version" && pip_into "$SPEC_ROOT/$version" "$wheel" && echo "$version" > "$SPEC_ROOT/$version/.complete"
+      done
+      echo "$name -> $site ($(du -sh "$site" | cut -f1))" ;;
+    *) echo "unknown bundle $name"; exit 2 ;;
+  esac
+  rm -rf "$dir/x"
+done

@@ -1,18 +1,40 @@
 #!/usr/bin/env python3
-"""Prepare, on this machine, everything the lent H200 needs to run vLLM and the extractor.
+"""Prepare, on this machine, what the lent H200 needs to run one vLLM release and the extractor.
 
-    python3 bench/device/prepare.py          # -> .gpu/p1 .gpu/p2 .gpu/p3 (each under 60 MiB, git-ignored)
-    python3 bench/device/prepare.py --ray    # ... and .gpu/p4 .gpu/p5: Ray, for the data-parallel stage
+    python3 bench/device/prepare.py                      # vLLM 0.34.0 (the default release)
+    python3 bench/device/prepare.py --vllm 0.33.0        # another release
+    python3 bench/device/prepare.py --vllm 0.20.0 --ray  # ... and Ray, for the data-parallel stage
+    python3 bench/device/prepare.py --triton             # ... and the Triton the release's torch pins
 
-The device has Python 3.12, torch 2.11.0+cu130, transformers 5.17 and no network. vLLM 0.20.x pins
-torch 2.11.0 and its PyPI wheel links CUDA 13, like the image. The wheel (244 MB) is unpacked
-without FlashAttention-2's kernels (Hopper runs FA3) and recompressed with xz (119 MiB), then split;
-``p3`` adds the small wheels vLLM and speculators import that the image lacks, speculators
-0.3.0 / 0.4.0, and compressed-tensors 0.17 for building the INT4 checkpoint only. Three device
-calls carry one part each (``carry: [".gpu/pN"]``); the third runs
-``bench/device/install.sh`` (bench/device/README.md gives the exact calls).
+The device has Python 3.12, torch 2.11.0+cu130, transformers 5.17 and no network, and a call carries
+at most 64 MiB. Everything travels as *bundles*: a bundle is an uncompressed tar of wheels (wheels
+are already compressed) cut into parts of 59 MiB, ``.gpu/<bundle>/pN`` (``.gpu/`` is git-ignored).
+One device call carries one part and copies it into ``/tmp/vw/<bundle>/``; ``install.sh`` joins the
+parts, checks the tar's sha256 and installs the wheels with pip (no index, no dependencies).
+
+Bundles for a release R:
+
+* ``vllm-R``: vLLM's CUDA wheel without FlashAttention-2's kernels (Hopper runs FA3) and the Rust
+  front end (``vllm-rs``, used only when asked for by an environment variable); every requirement
+  the device image lacks or holds at another version than pip resolves for R (pip resolves
+  ``vllm==R``'s requirements here, less the GPU kernel packages the bundled extractor never
+  imports: ``KERNEL_PACKAGES``); speculators 0.3.0 and 0.4.0 (installed apart, one folder each).
+* ``torch-T``, only where R pins another torch than the image's: that torch, the torchvision R pins,
+  and the NCCL that torch pins (a newer torch links NCCL functions the image's NCCL lacks, and
+  Python loads extensions with every symbol bound). The CUDA 13 runtime libraries, cuDNN and
+  cuSPARSELt stay the image's (same major versions; docs/performance.md says what that leaves).
+* ``triton-X`` with ``--triton``: the Triton that torch pins (the image's serves eager runs).
+* ``ray`` with ``--ray``: Ray as the extractor's ``[ray]`` extra pins it, and msgpack.
+
+bench/device/README.md gives the calls, in order.
 """
+from __future__ import annotations
+
+import argparse
 import hashlib
+import io
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -23,104 +45,173 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / ".gpu"
 BUILD = ROOT / ".cache" / "gpu"
-VLLM = "vllm==0.20.0"
 PART = 59 * 1024 * 1024
-LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",)  # FA2: not used on Hopper
-# What vLLM 0.20 and speculators import that the device image lacks (found by import discovery
-# on the device; see shared/gpu/prepare-wheelhouse.sh), plus loguru for speculators.
-SMALL = ["pydantic==2.12.5", "pydantic-core==2.41.5", "annotated-types==0.7.0", "typing-inspection==0.4.2",
-         "openai==2.30.0", "distro==1.9.0", "sniffio==1.3.1", "openai-harmony==0.0.8", "fastapi==0.136.3",
-         "starlette==1.3.1", "xgrammar==0.2.9", "apache-tvm-ffi==0.1.15.post2", "llguidance==1.3.0",
-         "msgspec==0.20.0", "pyzmq==27.1.0", "cbor2==5.7.1", "pybase64==1.4.3", "cachetools==6.2.2",
-         "gguf==0.17.1", "partial-json-parser==0.2.1.1.post7", "lm-format-enforcer==0.11.3", "interegular==0.3.3",
-         "loguru==0.7.3", "compressed-tensors==0.15.0.1",  # the compressed-tensors vLLM 0.20 pins
-         # --format speculators-0.5 writes its index with datasets (the image has pyarrow, fsspec, xxhash)
-         "datasets==4.4.1", "dill==0.4.0", "multiprocess==0.70.18"]
-# Only for building the INT4 checkpoint (tiny_model.QUANTIZED: 0.17's checkpoint converters), installed
-# apart from vLLM (bench/device/install.sh) so that vLLM loads it with the version it pins.
-BUILD_ONLY = ["compressed-tensors==0.17.0"]
+DEVICE_TORCH = "2.11.0"
+PYTHON = "3.12"
+LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs")
+# vLLM requirements that are GPU kernel libraries for models, quantizations or media the extractor
+# does not run (each is imported lazily by vLLM), or that travel in the torch bundle.
+KERNEL_PACKAGES = {"flashinfer-python", "tilelang", "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla",
+                   "humming-kernels", "pynvvideocodec", "torchcodec", "fastsafetensors", "instanttensor",
+                   "nvidia-cudnn-frontend", "torch", "torchaudio", "torchvision", "numba",
+                   "opencv-python-headless", "apache-tvm-ffi", "compressed-tensors", "triton"}
+# Requirements resolved anew even where the image has the package: the versions vLLM's own
+# install would bring (the image's transformers 5.17 / huggingface_hub 1.x predate them).
+ALWAYS = {"transformers", "huggingface-hub", "tokenizers"}
 SPECULATORS = ["speculators==0.3.0", "speculators==0.4.0"]
-# Data-parallel replicas (issue 15, `stages.sh dp`, two GPUs): Ray as the extractor's `[ray]` extra
-# pins it, and msgpack; the Ray wheel (79 MB) travels in two more parts, `.gpu/p4` and `.gpu/p5`.
+EXTRA = ["loguru==0.7.3"]  # speculators' logger
 RAY = ["ray==2.60.0", "msgpack==1.2.4"]
-PLATFORMS = ["any", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64",
-             "manylinux_2_35_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64"]
+PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
+             "manylinux_2_35_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64", "manylinux_2_18_x86_64"]
+KINDS = Path("/work/.library/device/KINDS.md")  # the device image's package list, where this workplace has it
 
 
-def download(dest: Path, *requirements: str) -> None:
-    dest.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
-               "--abi", "none", "-d", str(dest)]
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def pip_target_args() -> list[str]:
+    args = ["--python-version", PYTHON, "--implementation", "cp", "--only-binary=:all:"]
     for platform in PLATFORMS:
-        command += ["--platform", platform]
-    subprocess.run([*command, *requirements], check=True)
+        args += ["--platform", platform]
+    return args
 
 
-def vllm_archive() -> Path:
-    archive = BUILD / "vllm-0.20.0.tar.xz"
-    if archive.exists():
-        return archive
-    download(BUILD, VLLM)
-    wheel = next(BUILD.glob("vllm-0.20.0-*.whl"))
-    with zipfile.ZipFile(wheel) as zf, tarfile.open(archive.with_suffix(".part"), "w:xz", preset=9) as tar:
-        for info in zf.infolist():
-            if info.filename in LEFT_OUT or info.is_dir():
+def download(dest: Path, *requirements: str) -> list[Path]:
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.iterdir())
+    for requirement in requirements:  # one at a time: pip resolves one version of a name per call
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *pip_target_args(),
+                        "-d", str(dest), requirement], check=True)
+    return sorted(set(dest.iterdir()) - before) or sorted(dest.iterdir())
+
+
+def requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(name).decode().splitlines()
+    return [line.split(": ", 1)[1] for line in lines if line.startswith("Requires-Dist: ") and "extra ==" not in line]
+
+
+def pinned(wheel: Path, package: str) -> str:
+    for requirement in requirements(wheel):
+        match = re.match(rf"{package}\s*==\s*([\w.+]+)", requirement, re.I)
+        if match:
+            return match.group(1)
+    raise SystemExit(f"{wheel.name} pins no {package}")
+
+
+def device_packages() -> set[str]:
+    text = KINDS.read_text() if KINDS.exists() else ""
+    listed = text.split("Packages: ")[-1].split("\n")[0].rstrip(".")
+    return {norm(name) for name in listed.split(",") if name.strip()}
+
+
+def resolve(vllm_wheel: Path, cache: Path) -> list[str]:
+    """``name==version`` for each requirement of the release pip resolves here that the device needs."""
+    report = cache / "resolved.json"
+    if not report.exists():
+        wanted = [r for r in requirements(vllm_wheel) if norm(re.split(r"[\s<>=!~;\[]", r)[0]) not in KERNEL_PACKAGES]
+        listing = cache / "requirements.txt"
+        listing.write_text("\n".join(wanted) + "\n")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+                        "--report", str(report), *pip_target_args(), "--target", str(cache / "unused"),
+                        "-r", str(listing)], check=True)
+    have = device_packages()
+    picked = []
+    for item in json.loads(report.read_text())["install"]:
+        name, version = norm(item["metadata"]["name"]), item["metadata"]["version"]
+        if name in KERNEL_PACKAGES or name.startswith("nvidia-") or (name in have and name not in ALWAYS):
+            continue
+        picked.append(f"{name}=={version}")
+    return picked
+
+
+def slim_vllm(wheel: Path, dest: Path) -> Path:
+    """The wheel less ``LEFT_OUT``, its RECORD kept consistent with what ships."""
+    slim = dest / wheel.name
+    if slim.exists():
+        return slim
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim.with_suffix(".part"), "w", zipfile.ZIP_DEFLATED) as out:
+        for info in src.infolist():
+            if info.filename in LEFT_OUT:
                 continue
-            data = zf.read(info)
-            if info.filename.endswith(".dist-info/RECORD"):  # keep RECORD consistent with what ships
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
                 data = b"".join(line + b"\n" for line in data.splitlines()
-                                if not any(line.startswith(left.encode()) for left in LEFT_OUT))
-            member = tarfile.TarInfo(info.filename)
-            member.size = len(data)
-            member.mode = 0o755 if info.filename.endswith(".so") else 0o644
-            tar.addfile(member, fileobj=__import__("io").BytesIO(data))
-    archive.with_suffix(".part").rename(archive)
-    return archive
+                                if not any(line.startswith(left.encode() + b",") for left in LEFT_OUT))
+            out.writestr(info, data)
+    slim.with_suffix(".part").rename(slim)
+    return slim
 
 
-def ray_parts() -> list[Path]:
-    """Ray's wheel split in two parts (``ray.whl.0``, ``ray.whl.1``, its sha256 and msgpack beside)."""
-    wheels = BUILD / "ray"
-    download(wheels, *RAY)
-    wheel = next(wheels.glob("ray-*.whl"))
-    data = wheel.read_bytes()
-    parts = [OUT / "p4", OUT / "p5"]
-    half = (len(data) + 1) // 2
-    for index, part in enumerate(parts):
+def bundle(name: str, files: dict[str, Path]) -> list[Path]:
+    """Tar ``files`` (archive name -> path) and cut the tar into ``.gpu/<name>/pN``; the last part
+    holds ``<name>.sha256``."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        for arcname, path in sorted(files.items()):
+            tar.add(path, arcname=arcname)
+    blob = data.getvalue()
+    folder = OUT / name
+    shutil.rmtree(folder, ignore_errors=True)
+    parts = []
+    for index, start in enumerate(range(0, len(blob), PART), start=1):
+        part = folder / f"p{index}"
         part.mkdir(parents=True)
-        (part / f"ray.whl.{index}").write_bytes(data[index * half:(index + 1) * half])
-    (parts[1] / "ray.whl.name").write_text(wheel.name + "\n")
-    (parts[1] / "ray.whl.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
-    shutil.copy(next(wheels.glob("msgpack-*.whl")), parts[1])
+        (part / f"{name}.tar.{index:02d}").write_bytes(blob[start:start + PART])
+        parts.append(part)
+    (parts[-1] / f"{name}.sha256").write_text(hashlib.sha256(blob).hexdigest() + "\n")
+    (parts[-1] / f"{name}.parts").write_text(f"{len(parts)}\n")
     return parts
 
 
 def main() -> int:
-    shutil.rmtree(OUT, ignore_errors=True)
-    parts = [OUT / "p1", OUT / "p2", OUT / "p3"]
-    for part in parts:
-        part.mkdir(parents=True)
-    archive = vllm_archive()
-    data = archive.read_bytes()
-    (parts[2] / "vllm.tar.xz.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
-    chunks = [data[i:i + PART] for i in range(0, len(data), PART)]
-    if len(chunks) > 3:
-        raise SystemExit(f"{archive} needs {len(chunks)} parts of {PART} bytes")
-    for index, chunk in enumerate(chunks):
-        (parts[index] / f"vllm.tar.xz.{index}").write_bytes(chunk)
-    download(parts[2] / "wheels", *SMALL)
-    download(parts[2] / "build-only", *BUILD_ONLY)
-    for requirement in SPECULATORS:  # pip resolves one version of a name per call
-        download(parts[2] / "speculators", requirement)
-    if "--ray" in sys.argv[1:]:
-        parts += ray_parts()
-    for part in parts:
-        size = sum(f.stat().st_size for f in part.rglob("*") if f.is_file())
-        print(f"{part.relative_to(ROOT)}: {size / 2**20:.1f} MiB")
-        if size > 62 * 2**20:
-            raise SystemExit(f"{part} is over the 64 MiB a device call carries")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm", default="0.34.0", help="the vLLM release (its CUDA wheel from PyPI)")
+    parser.add_argument("--triton", action="store_true", help="also the Triton that the release's torch pins")
+    parser.add_argument("--ray", action="store_true", help="also Ray, for the data-parallel stage")
+    args = parser.parse_args()
+    release = args.vllm
+    cache = BUILD / f"vllm-{release}"
+    wheels = cache / "wheels"
+    vllm_wheel = next(iter(sorted(wheels.glob(f"vllm-{release}-*.whl"))), None) or download(wheels, f"vllm=={release}")[0]
+    files = {f"wheels/{slim_vllm(vllm_wheel, cache).name}": slim_vllm(vllm_wheel, cache)}
+    small = cache / "small"
+    wanted = resolve(vllm_wheel, cache) + EXTRA + [f"compressed-tensors=={pinned(vllm_wheel, 'compressed-tensors')}"]
+    present = {norm(p.name.split("-")[0]) for p in small.glob("*.whl")} if small.exists() else set()
+    missing = [w for w in wanted if norm(w.split("==")[0]) not in present]
+    if missing:
+        download(small, *missing)
+    files.update({f"wheels/{p.name}": p for p in small.glob("*.whl")})
+    for requirement in SPECULATORS:
+        for path in download(BUILD / "speculators" / requirement.split("==")[1], requirement):
+            files[f"speculators/{path.name}"] = path
+    made = {f"vllm-{release}": bundle(f"vllm-{release}", files)}
+
+    torch = pinned(vllm_wheel, "torch")
+    if torch != DEVICE_TORCH:
+        tdir = BUILD / f"torch-{torch}"
+        torch_wheel = download(tdir, f"torch=={torch}")[0] if not list(tdir.glob("torch-*.whl")) else next(tdir.glob("torch-*.whl"))
+        extra = [f"torchvision=={pinned(vllm_wheel, 'torchvision')}", f"nvidia-nccl-cu13=={pinned(torch_wheel, 'nvidia-nccl-cu13')}"]
+        if not list(tdir.glob("torchvision-*.whl")) or not list(tdir.glob("nvidia_nccl*.whl")):
+            download(tdir, *extra)
+        made[f"torch-{torch}"] = bundle(f"torch-{torch}", {f"wheels/{p.name}": p for p in tdir.glob("*.whl")})
+        if args.triton:
+            triton = next(r for r in requirements(torch_wheel) if r.startswith("triton")).split(";")[0]
+            triton_pin = triton.replace("~=", "==").replace(" ", "")
+            xdir = BUILD / "triton"
+            found = list(xdir.glob("triton-*.whl")) or download(xdir, triton_pin)
+            made[f"triton-{torch}"] = bundle(f"triton-{torch}", {f"wheels/{found[0].name}": found[0]})
+    if args.ray:
+        made["ray"] = bundle("ray", {f"wheels/{p.name}": p for p in download(BUILD / "ray", *RAY)})
+    for name, parts in made.items():
+        for part in parts:
+            size = sum(f.stat().st_size for f in part.rglob("*") if f.is_file())
+            if size > 62 * 2**20:
+                raise SystemExit(f"{part} is over the 64 MiB a device call carries")
+        print(f"{name}: {len(parts)} parts ({', '.join(str(p.relative_to(ROOT)) for p in parts)})")
     return 0
 
 

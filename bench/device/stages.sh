@@ -28,13 +28,19 @@
 #   bash bench/device/stages.sh engine7-native  # ... then vllm-native (both formats) beside vLLM's native path alone, compiled prefill
 #   bash bench/device/stages.sh engine8     # ... vLLM's native path alone and vllm-native step by step, vLLM's files in /dev/shm and on disk
 #   bash bench/device/stages.sh engine8b    # ... the native path alone with its files in /dev/shm, vllm-native with one writer thread
+#   SITE=/tmp/site-0.34.0 TORCH_SITE=/tmp/torch-site bash bench/device/stages.sh release-load  # a new release:
+#                                           env, the 8B checkpoint, the generator without extensible_kv_cache (the fault), with it
+#   ... stages.sh release-8b                # that release's eager prefill beside both generators, vllm-engine, vllm-native; each vs HF
+#   ... stages.sh release-tiny              # the e2e suite's generator and backend tests on the tiny models (every family)
 #   bash bench/device/stages.sh engine9     # ... vllm-native's new defaults (store on disk, 1 writer thread) against the native path alone, twice
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
 # this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
 set -uo pipefail
 SITE=${SITE:-/tmp/site}
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=${VLLM_COMPAT_CACHE:-/tmp/vcache} HF_HUB_OFFLINE=1
+# a torch other than the image's (install.sh's torch bundle), behind the release's own site
+TORCH_SITE=${TORCH_SITE:-}
+export PYTHONPATH=$SITE${TORCH_SITE:+:$TORCH_SITE}${PYTHONPATH:+:$PYTHONPATH} VLLM_COMPAT_CACHE=${VLLM_COMPAT_CACHE:-/tmp/vcache} HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -200,6 +206,33 @@ case "${1:?stage}" in
       step 100 "timed native-b8-$round 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
     done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  release-load)  # a release newly carried (install.sh): what runs, the 8B checkpoint, the extensible-KV-cache fault
+    $B env 2>&1 | grep -E "RESULT|Error"
+    python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    # without the adapter: the generator's scheduler hands out blocks vLLM never put memory behind
+    step 200 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache extract --batch 32 --samples 64 --work /tmp/fault"
+    step 100 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/fault 2>&1 | grep RESULT; rm -rf /tmp/fault"
+    step 120 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
+    step 90 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT"
+    ;;
+  release-8b)  # the release's eager prefill beside each way to extract, 128 x 2048 each, each one's files against HF fp32
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    S04=${SPEC%/*}/0.4.0
+    step 80 "$B prefill --model $M8 --samples 128 --length $LENGTH 2>&1 | grep RESULT | tail -1"
+    step 90 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 128 --work /tmp/e8"
+    step 60 "$B check --model $M8 --samples 4 --work /tmp/e8 2>&1 | grep RESULT; rm -rf /tmp/e8"
+    step 100 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 128 --work /tmp/n8"
+    step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT; rm -rf /tmp/n8"
+    step 90 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 8 --samples 128 --work /tmp/s04"
+    step 60 "PYTHONPATH=$S04:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/s04 2>&1 | grep RESULT; rm -rf /tmp/s04"
+    step 90 "rm -rf /tmp/s03 && extract --batch 8 --samples 128 --work /tmp/s03; rm -rf /tmp/s03"
+    ;;
+  release-tiny)  # the e2e suite on the tiny models: both generators on every family, both engine backends
+    # (Model Runner V2 is the only runner from 0.34.0: its runner-v2 cases repeat the default ones there)
+    K=${K:-not runner-v2}
+    step 420 "python3 -m pytest -q -p no:cacheprovider -m 'not faults' tests/e2e/test_generator.py tests/e2e/test_backends.py -k '$K' 2>&1 | tail -40 | tee $OUT/tiny-pytest.txt"
     ;;
   engine2)  # issue 13: the rest of the same comparison
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
