@@ -39,7 +39,7 @@ ADAPTER = default_keyword(
     scope=Scope.CONSUMER,
     vllm=SpecifierSet(">=0.34.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
-    verified_through="0.33.0",
+    verified_through="0.34.0",  # the H200 run of 2026-12-03 (docs/compatibility.md)
     evidence="DRIFT.md §9: vllm/config/cache.py:395; vllm/config/vllm.py:3180-3254; "
              "vllm/v1/engine/core.py:404-418; vllm/v1/worker/gpu_worker.py:909-952, 1080-1098",
 )
