@@ -40,7 +40,7 @@ class Behaviour:
     Attributes:
         steps: each engine step vLLM makes and the generator lacks.
         fields: config fields with a default added since ``baseline``.
-        baseline: the release the config fields are compared with ('' when none could be read).
+        baseline: the release the config fields are compared with ('' when they were not compared).
         notes: what could not be read, each one line (the readings concerned are then empty).
     """
 
@@ -85,7 +85,8 @@ def _fields(index: VllmIndex, version: Version | None, text: str, notes: list[st
         notes.append("vLLM version unknown: config fields not compared")
         return [], release
     if base(version) <= Version(release):
-        return [], release  # nothing can have been added since a release that is not older
+        notes.append(f"vllm {version} is not newer than the config baseline ({release}): no config field to review")
+        return [], ""
     tree = ast.parse(text)
     configs = constructed_configs(ModuleNames(index, tree, GENERATOR.rpartition(".")[0]), tree)
     found, uncovered = added_fields(index, configs, config_baseline.FIELDS)
