@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from .probes.shapes import Check
+
+# an engine step as the audit names it: role (executor, scheduler, rpc, kv_cache) and method or function
+STEP_ID = re.compile(r"[a-z_]+\.[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Scope(str, enum.Enum):
@@ -121,6 +125,10 @@ class Adapter:
         requires: ids of adapters whose patches this one relies on. When one of them is disabled
             (or failed), this one is reported ``disabled`` too instead of breaking a worker later;
             it is applied after them.
+        bridges_steps: the engine steps of vLLM's own engine core that the generator lacks and this
+            adapter performs for it or makes unnecessary, each ``role.name`` as the audit names them
+            (``executor.compile_or_warm_up_model``; docs/audit.md, "Engine steps"). The audit shows
+            such a step as bridged by this adapter where its verdict is ``adapted``.
     """
 
     id: str
@@ -140,10 +148,14 @@ class Adapter:
     requires: tuple[str, ...] = ()
     evidence: str = ""
     tags: tuple[str, ...] = field(default=())
+    bridges_steps: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.verified_through, str):  # declared as text, kept as a Version
             object.__setattr__(self, "verified_through", Version(self.verified_through))
+        for step in self.bridges_steps:
+            if not STEP_ID.fullmatch(step):
+                raise ValueError(f"adapter {self.id}: bridges_steps entry {step!r} is not 'role.name'")
 
     def verified_on(self, vllm: Version) -> bool:
         """Whether ``vllm`` (a release, a nightly, a local build) is no newer than the newest

@@ -18,7 +18,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import callsites, versions, wheels
+from . import behaviour, callsites, versions, wheels
 from .consumer import BACKEND_TOUCHPOINTS, IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
@@ -31,7 +31,8 @@ from .registry import adapters, newest_verified
 OK = "ok"
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
-JSON_SCHEMA_VERSION = 3  # 2: call_sites, consumer_source; 3: findings of kind "backend"
+JSON_SCHEMA_VERSION = 4  # 2: call_sites, consumer_source; 3: findings of kind "backend"; 4: engine_steps,
+#                          config_fields, config_baseline, behaviour_notes
 
 
 class AuditError(VllmCompatError):
@@ -81,6 +82,10 @@ class AuditResult:
     call_sites: tuple[callsites.CallSite, ...] = field(default=())
     consumer_source: str | None = None  # where the consumer's code was read ('' when not found)
     newest_verified: str | None = None  # the newest vLLM release every adapter was verified on
+    engine_steps: tuple[behaviour.StepFinding, ...] = field(default=())  # vLLM's steps the generator lacks
+    config_fields: tuple[behaviour.FieldFinding, ...] = field(default=())  # added with a default: review
+    config_baseline: str = ""  # the release the config fields are compared with ('' when none)
+    behaviour_notes: tuple[str, ...] = field(default=())  # what the behaviour readings could not read
 
     @property
     def unverified(self) -> list[Finding]:
@@ -115,8 +120,13 @@ class AuditResult:
         return [c for c in self.call_sites if c.status == callsites.PROBLEM]
 
     @property
+    def engine_step_problems(self) -> list[behaviour.StepFinding]:
+        return [s for s in self.engine_steps if s.status == behaviour.PROBLEM]
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.problems or self.call_site_problems or self.backend_problems() else 0
+        bad = self.problems or self.call_site_problems or self.engine_step_problems or self.backend_problems()
+        return 1 if bad else 0
 
     def __getitem__(self, finding_id: str) -> Finding:
         for finding in self.findings:
@@ -151,8 +161,8 @@ class AuditResult:
         lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
-        lines += ["", *self._render_call_sites(), "", *self._render_backends()]
-        problems = len(self.problems) + len(self.call_site_problems)
+        lines += ["", *self._render_call_sites(), "", *self._render_behaviour(), "", *self._render_backends()]
+        problems = len(self.problems) + len(self.call_site_problems) + len(self.engine_step_problems)
         verdicts = [f"PROBLEMS: {problems} (the generator would break or be wrong)"] if problems else []
         broken = sorted({f.scope for f in self.backend_problems()})
         if broken:
@@ -163,8 +173,30 @@ class AuditResult:
         if self.unverified:
             verdict += (f"; {len(self.unverified)} adapter(s) not verified on vllm {self.vllm_version} "
                         f"(newest verified: {self.newest_verified})")
+        if self.config_fields:
+            verdict += f"; {len(self.config_fields)} config field(s) to review"
         lines += ["", verdict]
         return "\n".join(lines)
+
+    def _render_behaviour(self) -> list[str]:
+        counts = {status: sum(s.status == status for s in self.engine_steps)
+                  for status in (behaviour.BRIDGED, behaviour.NOT_NEEDED, behaviour.PROBLEM)}
+        lines = [f"engine steps vLLM's engine core makes and the generator does not: "
+                 f"{counts[behaviour.BRIDGED]} bridged, {counts[behaviour.NOT_NEEDED]} not needed, "
+                 f"{counts[behaviour.PROBLEM]} problems"]
+        for s in self.engine_steps:
+            if s.status == behaviour.NOT_NEEDED:
+                continue
+            after = f", after {s.after}" if s.after else ""
+            when = f" when {s.guard}" if s.guard else ""
+            head = f"bridged by {s.by}" if s.status == behaviour.BRIDGED else "PROBLEM"
+            lines.append(f"  {head}: {s.step} ({s.phase}, {s.where}{after}){when}")
+        if self.config_baseline:
+            lines.append(f"config fields added since vllm {self.config_baseline} with a default, in the configs the "
+                         f"generator builds (review): {len(self.config_fields)}")
+        lines += [f"  {f.config}.{f.field} = {f.default} ({f.where})" for f in self.config_fields]
+        lines += [f"  note: {note}" for note in self.behaviour_notes]
+        return lines
 
     def _render_backends(self) -> list[str]:
         parts = [f"{name} {summary}" for name, summary in self.backend_summaries().items()]
@@ -313,9 +345,12 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
     adapted = [a for a in adapters() if a.id in adapted_ids]
     root = _consumer_root(consumer_source, spec_version)
     sites = callsites.check(static, adapted, root)
+    drift = behaviour.check(static, version, adapted, root)
     return AuditResult(label, source.mode, str(version) if version else None,
                        f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
-                       str(root) if root else "", newest_verified=str(newest_verified()))
+                       str(root) if root else "", newest_verified=str(newest_verified()),
+                       engine_steps=drift.steps, config_fields=drift.fields, config_baseline=drift.baseline,
+                       behaviour_notes=drift.notes)
 
 
 def audit_backend(backend: str) -> list[Finding]:

@@ -147,3 +147,58 @@ BACKEND_TOUCHPOINTS: dict[str, BackendTouchpoints] = {
         (Param("vllm.outputs:RequestOutput.__init__", "kv_transfer_params"), _GIVEN),
     ])),
 }
+
+
+# -- the engine the generator builds by hand ------------------------------------------------------
+# VllmHiddenStatesGenerator re-implements vLLM's engine start (its __init__) and step (generate).
+# The audit reads the engine steps it makes there and compares them with those vLLM's own engine
+# core makes (vllm_compat.behaviour): phase -> the generator's methods that make it.
+GENERATOR_CLASS = "VllmHiddenStatesGenerator"
+GENERATOR_PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (("start", ("__init__",)), ("step", ("generate",)))
+
+# Steps vLLM's engine core makes that the generator does without, and why that is harmless. A step
+# of vLLM's that the generator lacks, that no adapted adapter bridges (Adapter.bridges_steps) and
+# that is not here, is an audit PROBLEM. Ids are `role.name` (docs/audit.md, "Engine steps").
+_NO_CONNECTOR = "only with a KV or encoder-cache connector, which the generator never configures"
+_PREFIX_CACHING = ("block hashes serve prefix caching and connectors: the generator configures no connector and "
+                   "builds its config with prefix caching off (speculators 0.4 passes enable_prefix_caching=False; "
+                   "prefix_caching_default turns the default off for 0.3)")
+_SPEC_DECODE = "only with speculative decoding, which the generator never configures"
+ENGINE_STEPS_NOT_NEEDED: dict[str, str] = {
+    # starting
+    "executor.register_failure_callback": "vLLM's engine client passes one to hear of a dead executor; the generator "
+                                          "calls the executor itself and sees its errors raise",
+    "executor.determine_available_memory": "the generator sizes its KV cache itself, from the free device memory "
+                                           "(gpu_memory_utilization x its CACHE_MEMORY_FRACTION)",
+    "kv_cache.get_global_kv_cache_groups": "the generator groups the layers itself (_get_kv_cache_groups_uniform_spec "
+                                           "over the first worker's specs)",
+    "kv_cache.get_kv_cache_configs": "the generator plans one KV-cache config itself with get_kv_cache_config_from_groups "
+                                     "and gives it to every worker",
+    "kv_cache.generate_scheduler_kv_cache_config": "the generator's scheduler gets the same single config as its workers",
+    "kv_cache.get_kv_cache_capacity": "capacity for the engine's log and its client's report only",
+    "kv_cache.update_kv_cache_capacity": "records the capacity on the config for the engine's log and its client's "
+                                         "report only",
+    "kv_cache.resolve_cache_hit_alignment_tokens": "prefix-cache hit alignment: " + _PREFIX_CACHING,
+    "rpc.initialize_cache": "tells the workers the block count, which on those releases only the FlexAttention backend "
+                            "reads (vllm/v1/attention/backends/flex_attention.py:717 in 0.17.0), CUDA's last resort "
+                            "after FlashAttention, FlashInfer and Triton; the generator's workers get the count in "
+                            "their KV-cache config (initialize_from_config)",
+    "rpc.update_max_model_len": "only when vLLM's own KV-cache planning shrank max_model_len to fit (auto-fit); the "
+                                "generator's planning keeps the max_model_len it asked for",
+    "executor.init_kv_output_aggregator": _NO_CONNECTOR,
+    "executor.init_ec_output_aggregator": _NO_CONNECTOR,
+    "scheduler.get_kv_connector": _NO_CONNECTOR,
+    "executor.get_kv_connector_handshake_metadata": _NO_CONNECTOR,
+    "executor.get_simple_cpu_offload_num_blocks": _NO_CONNECTOR,
+    "kv_cache.init_none_hash": _PREFIX_CACHING,
+    "kv_cache.get_request_block_hasher": _PREFIX_CACHING,
+    # stepping
+    "scheduler.has_requests": "the generator's loop ends on its own count of prefilled tokens and on a schedule() "
+                              "with nothing to run",
+    "scheduler.get_grammar_bitmask": "structured output only: the generator's requests carry no grammar",
+    "scheduler.make_stats": "statistics for the engine's log and metrics only",
+    "scheduler.update_from_output": "prefill only: the generator discards the sampled token, counts computed tokens "
+                                    "itself and aborts its requests (finish_requests) instead of feeding outputs back",
+    "executor.take_draft_token_ids": _SPEC_DECODE,
+    "scheduler.update_draft_token_ids": _SPEC_DECODE,
+}

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) 
     ("declarations", {"consumer", "adapter", "factories"}),
     ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source", "forward_check"}),
     ("adapters", {"adapters"}),
-    ("registry and audit", {"registry", "callsites", "audit"}),
+    ("registry and audit", {"registry", "callsites", "behaviour", "audit"}),
     ("public API", {"__init__", "__main__", "cli", "plugin"}),
 ])
 # The extractor's layers, the same way (lowest first).

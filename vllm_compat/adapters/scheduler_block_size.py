@@ -68,5 +68,6 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("Scheduler"), function_wrapper(block_size_from_config)),),
     verified_through="0.32.0",
+    bridges_steps=("kv_cache.resolve_kv_cache_block_sizes",),  # the scheduler block size, derived as vLLM does
     evidence="DRIFT.md §1: vllm/v1/core/sched/scheduler.py:45 (0.11.0) -> :53-58 (0.11.1)",
 )

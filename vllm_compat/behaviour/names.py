@@ -1,0 +1,69 @@
+"""What a module's top-level names are in vLLM, read from its imports (the module is never imported).
+
+Works for vLLM's own modules and for a consumer's: ``from vllm.x import Y as Z`` makes ``Z`` vLLM's
+``vllm.x:Y`` (read where an adapter puts a moved name back, when one does), ``import vllm.x as m``
+makes ``m`` the module.
+"""
+from __future__ import annotations
+
+import ast
+
+from ..callsites.signatures import VllmIndex
+from ..probes.static import Found, defining_nodes
+
+
+class ModuleNames:
+    """The vLLM names one module imports. ``package``: where its relative imports start."""
+
+    def __init__(self, index: VllmIndex, tree: ast.Module, package: str):
+        self.index, self.package = index, package
+        self.imports: dict[str, tuple[str, str]] = {}  # local name -> (module, attribute or '' for a module)
+        for stmt in (n for top in tree.body for n in defining_nodes(top)):
+            if isinstance(stmt, ast.ImportFrom):
+                module = self._absolute(stmt)
+                for alias in stmt.names:
+                    if alias.name != "*":
+                        self.imports[alias.asname or alias.name] = (module, alias.name)
+            elif isinstance(stmt, ast.Import):
+                for alias in stmt.names:
+                    if alias.asname:
+                        self.imports[alias.asname] = (alias.name, "")
+
+    def _absolute(self, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        parts = self.package.split(".")
+        prefix = ".".join(parts[: len(parts) - node.level + 1])
+        return f"{prefix}.{node.module}" if node.module else prefix
+
+    def found(self, name: str) -> Found | None:
+        """vLLM's definition of a top-level ``name`` (a class, function or module), or None."""
+        if name not in self.imports:
+            return None
+        module, attr = self.imports[name]
+        if module.split(".")[0] != "vllm":
+            return None
+        found = self.index.top_level(module, attr) if attr else self.index.module(module)
+        if found is None and attr:
+            found = self.index.moved_to(module, attr)
+        return found if isinstance(found, Found) else None
+
+    def class_named(self, expr: ast.expr | None) -> Found | None:
+        """The vLLM class ``expr`` names: ``X``, ``mod.X``, ``"X"``, ``X | None``."""
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            try:
+                expr = ast.parse(expr.value, mode="eval").body
+            except SyntaxError:
+                return None
+        if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitOr):
+            sides = [s for s in (expr.left, expr.right) if not (isinstance(s, ast.Constant) and s.value is None)]
+            return self.class_named(sides[0]) if len(sides) == 1 else None
+        found = None
+        if isinstance(expr, ast.Name):
+            found = self.found(expr.id)
+        elif isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
+            holder = self.found(expr.value.id)
+            if holder is not None and isinstance(holder.node, ast.Module):
+                member = self.index.top_level(holder.module, expr.attr)
+                found = member if isinstance(member, Found) else None
+        return found if found is not None and isinstance(found.node, ast.ClassDef) else None
