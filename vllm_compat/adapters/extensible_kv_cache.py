@@ -37,6 +37,9 @@ ADAPTER = default_keyword(
     drift="CacheConfig.enable_extensible_kv_cache (on by default on CUDA) in 0.34.0: memory behind the "
           "KV cache only after the engine core's extend_kv_cache step, which the generator lacks",
     scope=Scope.CONSUMER,
+    # with the cache sized up front, none of the engine core's extensible-cache steps has work to do
+    bridges_steps=("executor.extensible_kv_cache_unsupported_reason", "executor.disable_extensible_kv_cache",
+                   "kv_cache.finalize_extensible_kv_cache", "executor.extend_kv_cache"),
     vllm=SpecifierSet(">=0.34.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     verified_through="0.34.0",  # the H200 run of 2026-12-03 (docs/compatibility.md)
