@@ -192,7 +192,10 @@ def _literal_values(alias: Any) -> set[str]:
         return set()
     values: set[str] = set()
     for arg in typing.get_args(alias):
-        values |= _literal_values(arg) if typing.get_origin(arg) is typing.Literal else {arg} if isinstance(arg, str) else set()
+        if typing.get_origin(arg) is typing.Literal:
+            values |= _literal_values(arg)
+        elif isinstance(arg, str):
+            values.add(arg)
     return values
 
 

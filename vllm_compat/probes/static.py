@@ -262,7 +262,8 @@ class StaticSource:
                         continue
                     if self._string(call.args[0], found.module) != key:
                         continue
-                    parts = [self._string(arg, found.module) for arg in [*call.args[1:], *(k.value for k in call.keywords)]]
+                    rest = [*call.args[1:], *(keyword.value for keyword in call.keywords)]  # module, class
+                    parts = [self._string(arg, found.module) for arg in rest]
                     where = f"{found.file}:{call.lineno}"
                     if None in parts or len(parts) not in (1, 2):
                         return Observation(UNRESOLVED, where)
@@ -274,7 +275,8 @@ class StaticSource:
         if found is None:
             return Observation(MISSING)
         node = found.node
-        qualname = self._string(node.value, found.module) if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value else None
+        assigned = isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
+        qualname = self._string(node.value, found.module) if assigned else None
         return Observation(address_of(qualname), found.where) if qualname else Observation(ABSENT, found.where)
 
     def branch(self, target: str, value: str) -> Observation:
@@ -322,7 +324,8 @@ class StaticSource:
             body = [stmt for stmt in helper.node.body
                     if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]  # the docstring
             params = [arg.arg for arg in helper.node.args.args]
-            if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None or len(params) != len(expr.args):
+            one_return = len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None
+            if not one_return or len(params) != len(expr.args):
                 return None
             args = [self._string(arg, module, bound, depth + 1) for arg in expr.args]
             if None in args:
