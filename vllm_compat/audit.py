@@ -23,7 +23,7 @@ from .consumer import BACKEND_TOUCHPOINTS, IN_PROCESS_SPECULATORS, SERVING_SPECU
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
-from .probes.shapes import Attr, Param
+from .probes.shapes import UNRESOLVED, Attr, ByString, Param
 from .probes.static import DirTree, StaticSource, Tree, WheelTree
 from .probes.verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 from .registry import adapters, newest_verified
@@ -376,7 +376,10 @@ def _backend_findings(backend: str, source, version: Version | None) -> list[Fin
 
 
 def touched_name(check) -> str:
-    """What a backend's check is about, as one id: ``mod:Class.attr``, ``mod:Class.method(param)``."""
+    """What a backend's check is about, as one id: ``mod:Class.attr``, ``mod:Class.method(param)``,
+    ``mod:Name['string']`` (a string vLLM resolves there)."""
+    if isinstance(check, ByString):
+        return f"{check.target}[{check.name!r}]"
     if isinstance(check, Param):
         return f"{check.target}({check.name})"
     if isinstance(check, Attr):
@@ -388,7 +391,9 @@ def _touchpoint_finding(check, expected: frozenset[str], source, kind: str, scop
                         finding_id: str = "") -> Finding:
     """The one rule for touch points: ok when the observation is one of those expected."""
     seen = check.observe(source)
-    verdict = OK if seen.value in expected else MISSING_SYMBOL if seen.value == "<missing>" else UNKNOWN_DRIFT
+    # missing: the symbol is gone, or the implementation vLLM resolves a string to (unresolved)
+    gone = seen.value in ("<missing>", UNRESOLVED)
+    verdict = OK if seen.value in expected else MISSING_SYMBOL if gone else UNKNOWN_DRIFT
     return Finding(finding_id or check.target, kind, verdict, check.describe(), tuple(sorted(expected)), (),
                    seen.value, seen.where, scope=scope)
 

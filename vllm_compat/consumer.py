@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .probes.shapes import OPTIONAL, PRESENT, REQUIRED, Attr, Check, Exists, Param
+from .probes.shapes import (OPTIONAL, PRESENT, REQUIRED, Attr, Branch, Check, Dispatched, Exists, LiteralMember, Param,
+                            Registered)
 
 # -- the generator releases ---------------------------------------------------------------------
 # The releases the contract and end-to-end suites run (one speculators install each, see
@@ -95,6 +96,7 @@ class BackendTouchpoints(NamedTuple):
 _OUTPUT = "vllm.v1.core.sched.output"
 _ENGINE = "vllm.v1.engine.llm_engine:LLMEngine"
 _GIVEN = frozenset({REQUIRED, OPTIONAL})  # a parameter we pass: there, whether or not it has a default
+_METHOD = "extract_hidden_states"  # vllm-native's speculative method
 
 
 def _fields(target: str, *names: str) -> list[tuple[Check, frozenset[str]]]:
@@ -134,11 +136,20 @@ BACKEND_TOUCHPOINTS: dict[str, BackendTouchpoints] = {
     ])),
     "vllm-native": BackendTouchpoints("0.17.0", tuple([
         # speculative_config={"method": "extract_hidden_states"} and kv_transfer_config's connector
-        # name vLLM's own code by strings: the proposer's module and the connector class must be there
-        # (the config keys inside those dicts are strings too: the end-to-end runs prove them)
-        (Exists("vllm.v1.spec_decode.extract_hidden_states"), frozenset({PRESENT})),
-        (Exists("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector:"
-                "ExampleHiddenStatesConnector"), frozenset({PRESENT})),
+        # name vLLM's own code by strings, checked where vLLM resolves them: the method among those
+        # SpeculativeConfig validates, and dispatched to an implementation that exists (the V1 model
+        # runner's proposer selection up to 0.33; the V2 runner's registry of speculator configs,
+        # whose speculator_class names the implementation, from 0.34); the connector registered in
+        # the connector factory under a module and class that exist. (The config keys inside those
+        # dicts are strings too: the end-to-end runs prove them.)
+        (LiteralMember("vllm.config.speculative:SpeculativeMethod", _METHOD), frozenset({PRESENT})),
+        (Dispatched("vllm.config.speculative:SpeculativeConfig.method", _METHOD, sites=(
+            Registered("vllm.v1.worker.gpu.spec_decode.speculator_config:_CONFIG_BY_METHOD", _METHOD,
+                       then="speculator_class"),
+            Branch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", _METHOD),
+        )), frozenset({PRESENT})),
+        (Registered("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry",
+                    "ExampleHiddenStatesConnector", via="register_connector"), frozenset({PRESENT})),
         # LLM(speculative_config=..., kv_transfer_config=...) reaches EngineArgs
         (Exists("vllm.entrypoints.llm:LLM"), frozenset({PRESENT})),
         *_fields("vllm.engine.arg_utils:EngineArgs", "speculative_config", "kv_transfer_config"),

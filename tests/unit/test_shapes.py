@@ -58,6 +58,60 @@ FILES = {
         "class Resumed(NewRequestData):\n"
         "    pass\n"
     ),
+    # strings vLLM resolves: a Literal it validates against, a registry filled by calls, a dict of
+    # qualified names built by a helper (whose entry names a config naming the implementation in turn),
+    # an if-chain that builds what it picks
+    "fakevllm/spec.py": (
+        "from typing import Literal\n"
+        "Inner = Literal['mtp', 'extract_hidden_states']\n"
+        "Method = Literal['ngram', Inner, Literal['suffix']]\n"
+        "_PKG = 'fakevllm.impl'\n"
+        "def _builtin(module, name):\n"
+        "    return f'{_PKG}.{module}.{name}'\n"
+        "CONFIGS = {\n"
+        "    'extract_hidden_states': _builtin('configs', 'ExtractConfig'),\n"
+        "    'ngram': 'fakevllm.impl.configs.' + 'NgramConfig',\n"
+        "    'gone': _builtin('nowhere', 'Gone'),\n"
+        "    'dangling': 'fakevllm.impl.configs.DanglingConfig',\n"
+        "}\n"
+        "class Factory:\n"
+        "    _registry = {}\n"
+        "    @classmethod\n"
+        "    def register(cls, name, module_path, class_name):\n"
+        "        def loader():\n"
+        "            import importlib\n"
+        "            return getattr(importlib.import_module(module_path), class_name)\n"
+        "        cls._registry[name] = loader\n"
+        "Factory.register('Hidden', 'fakevllm.impl.configs', 'Extract')\n"
+        "Factory.register('Lost', 'fakevllm.impl.lost', 'Lost')\n"
+    ),
+    "fakevllm/impl/__init__.py": "",
+    "fakevllm/impl/configs.py": (
+        "class Extract:\n"
+        "    pass\n"
+        "class BaseConfig:\n"
+        "    impl = None\n"
+        "class ExtractConfig(BaseConfig):\n"
+        "    impl = 'fakevllm.impl.configs.Extract'\n"
+        "class NgramConfig(BaseConfig):\n"
+        "    pass\n"
+        "class DanglingConfig(BaseConfig):\n"
+        "    impl = 'fakevllm.impl.lost.Lost'\n"
+    ),
+    "fakevllm/runner.py": (
+        "from fakevllm.impl.configs import Extract as Proposer\n"
+        "class Runner:\n"
+        "    def __init__(self, method):\n"
+        "        if method == 'ngram':\n"
+        "            self.drafter = None\n"
+        "        elif method in ('eagle', 'extract_hidden_states'):\n"
+        "            self.drafter = Proposer(method)\n"
+        "        elif method == 'local':\n"
+        "            from fakevllm.impl.configs import NgramConfig\n"
+        "            self.drafter = NgramConfig()\n"
+        "        elif method == 'dangling':\n"
+        "            self.drafter = NotImportedAnywhere()\n"
+    ),
     "fakevllm/request.py": (
         "class Request:\n"
         "    def __init__(self, request_id, prompt_token_ids, eos_token_id, *, block_hasher=None, mode):\n"
@@ -95,6 +149,39 @@ CHECKS = [
     (shapes.FieldDefault("fakevllm.config:SchedulerConfig", "max_num_seqs"), "128"),
     (shapes.Exists("fakevllm.config:SchedulerConfig"), shapes.PRESENT),
     (shapes.Exists("fakevllm.config:Missing"), shapes.MISSING),
+    (shapes.LiteralMember("fakevllm.spec:Method", "extract_hidden_states"), shapes.PRESENT),
+    (shapes.LiteralMember("fakevllm.spec:Method", "suffix"), shapes.PRESENT),
+    (shapes.LiteralMember("fakevllm.spec:Method", "medusa"), shapes.ABSENT),
+    (shapes.LiteralMember("fakevllm.spec:Gone", "ngram"), shapes.MISSING),
+    (shapes.Registered("fakevllm.spec:Factory._registry", "Hidden", via="register"), shapes.PRESENT),
+    (shapes.Registered("fakevllm.spec:Factory._registry", "Lost", via="register"), shapes.UNRESOLVED),
+    (shapes.Registered("fakevllm.spec:Factory._registry", "Other", via="register"), shapes.ABSENT),
+    (shapes.Registered("fakevllm.spec:CONFIGS", "extract_hidden_states"), shapes.PRESENT),
+    (shapes.Registered("fakevllm.spec:CONFIGS", "extract_hidden_states", then="impl"), shapes.PRESENT),
+    (shapes.Registered("fakevllm.spec:CONFIGS", "ngram", then="impl"), shapes.ABSENT),  # names no implementation
+    (shapes.Registered("fakevllm.spec:CONFIGS", "gone"), shapes.UNRESOLVED),
+    (shapes.Registered("fakevllm.spec:CONFIGS", "dangling", then="impl"), shapes.UNRESOLVED),
+    (shapes.Registered("fakevllm.spec:CONFIGS", "medusa"), shapes.ABSENT),
+    (shapes.Registered("fakevllm.spec:NOTHING", "ngram"), shapes.MISSING),
+    (shapes.Branch("fakevllm.runner:Runner.__init__", "extract_hidden_states"), shapes.PRESENT),
+    (shapes.Branch("fakevllm.runner:Runner.__init__", "local"), shapes.PRESENT),
+    (shapes.Branch("fakevllm.runner:Runner.__init__", "ngram"), shapes.ABSENT),  # builds nothing
+    (shapes.Branch("fakevllm.runner:Runner.__init__", "medusa"), shapes.ABSENT),
+    (shapes.Branch("fakevllm.runner:Runner.__init__", "dangling"), shapes.UNRESOLVED),
+    (shapes.Branch("fakevllm.runner:Gone.__init__", "ngram"), shapes.MISSING),
+    # a site this release lacks is skipped; every site it has must resolve the string
+    (shapes.Dispatched("fakevllm.spec:Config.method", "extract_hidden_states", sites=(
+        shapes.Registered("fakevllm.spec:NOTHING", "extract_hidden_states"),
+        shapes.Branch("fakevllm.runner:Runner.__init__", "extract_hidden_states"))), shapes.PRESENT),
+    (shapes.Dispatched("fakevllm.spec:Config.method", "dangling", sites=(
+        shapes.Registered("fakevllm.spec:CONFIGS", "dangling"),
+        shapes.Branch("fakevllm.runner:Runner.__init__", "dangling"))), shapes.UNRESOLVED),
+    (shapes.Dispatched("fakevllm.spec:Config.method", "local", sites=(
+        shapes.Registered("fakevllm.spec:CONFIGS", "local"),
+        shapes.Branch("fakevllm.runner:Runner.__init__", "local"))), shapes.ABSENT),
+    (shapes.Dispatched("fakevllm.spec:Config.method", "ngram", sites=(
+        shapes.Registered("fakevllm.spec:NOTHING", "ngram"),
+        shapes.Branch("fakevllm.runner:Gone.__init__", "ngram"))), shapes.MISSING),
 ]
 
 
@@ -152,3 +239,12 @@ def test_live_source_sees_through_wrapt_proxies(live):
         assert shapes.Param("fakevllm.request:Request.__init__", "eos_token_id").observe(live).value == shapes.REQUIRED
     finally:
         request.Request.__init__ = original
+
+
+def test_a_resolved_string_is_where_its_implementation_is_defined(tree, live):
+    check = shapes.Registered("fakevllm.spec:CONFIGS", "extract_hidden_states", then="impl")
+    static, alive = check.observe(StaticSource(DirTree(tree))), check.observe(live)
+    assert static == (shapes.PRESENT, "fakevllm/impl/configs.py:1")
+    assert alive.value == shapes.PRESENT and alive.where.endswith(static.where)  # live: the file's full path
+    dangling = shapes.Branch("fakevllm.runner:Runner.__init__", "dangling").observe(StaticSource(DirTree(tree)))
+    assert dangling == (shapes.UNRESOLVED, "fakevllm/runner.py:11")  # the branch that names it

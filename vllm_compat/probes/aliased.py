@@ -34,3 +34,15 @@ class AliasedSource:
 
     def field_default(self, target: str, name: str) -> Observation:
         return self.inner.field_default(self.redirect(target), name)
+
+    def literal_member(self, target: str, value: str) -> Observation:
+        return self.inner.literal_member(self.redirect(target), value)
+
+    def registered(self, target: str, key: str, via: str) -> Observation:
+        return self.inner.registered(self.redirect(target), key, via)
+
+    def named(self, target: str) -> Observation:
+        return self.inner.named(self.redirect(target))
+
+    def branch(self, target: str, value: str) -> Observation:
+        return self.inner.branch(self.redirect(target), value)

@@ -5,14 +5,19 @@ Attributes are looked up through the class's MRO with ``vars()`` (no binding), a
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
+import textwrap
+import typing
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .shapes import ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, Observation, split_target
+from .branches import taken
+from .shapes import (ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, UNRESOLVED, Observation, address_of,
+                     split_target)
 
 
 def _proxy_types() -> tuple[type, ...]:
@@ -128,6 +133,74 @@ class LiveSource:
         if default is dataclasses.MISSING:
             return Observation(REQUIRED, _where(cls))
         return Observation(repr(default), _where(cls))
+
+    # -- strings vLLM resolves ------------------------------------------------------------------
+    def literal_member(self, target: str, value: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        return Observation(PRESENT if value in _literal_values(found[1]) else ABSENT, _where(found[1]))
+
+    def registered(self, target: str, key: str, via: str) -> Observation:
+        """What the imported registry holds for ``key`` (the registering calls ran at import): a
+        qualified name, or a loader vLLM calls to import the implementation, called here the same way."""
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        registry = found[1]
+        if not isinstance(registry, dict) or key not in registry:
+            return Observation(ABSENT, _where(found[0]))
+        entry = registry[key]
+        if isinstance(entry, str):
+            return Observation(address_of(entry))
+        try:
+            loaded = entry()
+        except (ImportError, AttributeError):
+            return Observation(UNRESOLVED, _where(entry))
+        return Observation(_address(loaded), _where(entry))
+
+    def named(self, target: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        value = found[1]
+        return Observation(address_of(value)) if isinstance(value, str) and value else Observation(ABSENT)
+
+    def branch(self, target: str, value: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        func = inspect.unwrap(found[1])
+        try:
+            text = textwrap.dedent(inspect.getsource(func))
+        except (OSError, TypeError):
+            return Observation(MISSING, _where(func))
+        hit = taken(ast.parse(text), value)
+        if hit is None or not hit.name:
+            return Observation(ABSENT, _where(func))
+        if hit.module:
+            return Observation(f"{hit.module}:{hit.name}")
+        built = getattr(func, "__globals__", {}).get(hit.name)
+        if built is None or not hasattr(built, "__qualname__"):
+            return Observation(UNRESOLVED, _where(func))
+        return Observation(_address(_unwrap(built)))
+
+
+def _literal_values(alias: Any) -> set[str]:
+    """The strings of a ``Literal`` type, nested Literals flattened (as ``typing.get_args`` does)."""
+    if typing.get_origin(alias) is not typing.Literal:
+        return set()
+    values: set[str] = set()
+    for arg in typing.get_args(alias):
+        if typing.get_origin(arg) is typing.Literal:
+            values |= _literal_values(arg)
+        elif isinstance(arg, str):
+            values.add(arg)
+    return values
+
+
+def _address(obj: Any) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
 
 
 

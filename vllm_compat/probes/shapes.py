@@ -21,6 +21,7 @@ REQUIRED = "required"
 OPTIONAL = "optional"
 ABSENT = "absent"
 PRESENT = "present"
+UNRESOLVED = "unresolved"  # vLLM names an implementation by a string, and nothing is there by that name
 
 
 class Observation(NamedTuple):
@@ -41,6 +42,24 @@ class Source(Protocol):
     def param(self, target: str, name: str) -> Observation: ...
     def attr(self, target: str, name: str) -> Observation: ...
     def field_default(self, target: str, name: str) -> Observation: ...
+    # the strings vLLM resolves: an address (``module:Qual.name``) found, or ABSENT / MISSING / UNRESOLVED
+    def literal_member(self, target: str, value: str) -> Observation: ...
+    def registered(self, target: str, key: str, via: str) -> Observation: ...
+    def named(self, target: str) -> Observation: ...
+    def branch(self, target: str, value: str) -> Observation: ...
+
+
+def is_address(value: str) -> bool:
+    """Whether an observation is an address (``module:Qual``) rather than one of the values above."""
+    return ":" in value and not value.startswith("<")
+
+
+def address_of(qualname: str) -> str:
+    """A dotted ``pkg.module.Name`` as vLLM's ``resolve_obj_by_qualname`` splits it: ``pkg.module:Name``."""
+    if ":" in qualname:
+        return qualname
+    module, _, name = qualname.rpartition(".")
+    return f"{module}:{name}"
 
 
 def split_target(target: str) -> tuple[str, list[str]]:
@@ -159,3 +178,97 @@ class Moved(Check):
             return Observation(self.NOT_MOVED, here.where)
         there = source.exists(f"{self.to}:{self.qualname}")
         return Observation(self.MOVED, there.where) if there.value != MISSING else here
+
+
+# -- strings vLLM resolves --------------------------------------------------------------------------
+# A speculative method or a KV connector is named by a string in a configuration dict; vLLM turns it
+# into an implementation in its own code (a Literal it validates against, a registry, an if-chain).
+# These checks follow the string there, so a module that moved behind an unchanged name is no break
+# and a name vLLM no longer resolves is one. Each observes ``present`` (the string resolves to an
+# object that exists; where: its definition), ``absent`` (vLLM's site does not name the string),
+# ``unresolved`` (it names an implementation that is not there; where: the naming line) or
+# ``<missing>`` (the site itself is not in this vLLM).
+
+
+@dataclass(frozen=True)
+class ByString(Check):
+    """Base of the checks on a string ``name`` that vLLM resolves at ``target``."""
+
+    name: str = ""
+
+
+def _resolved(source: Source, named: Observation) -> Observation:
+    """``named`` (an address, or why there is none) as ``present`` where the address exists."""
+    if not is_address(named.value):
+        return named
+    there = source.exists(named.value)
+    return Observation(PRESENT, there.where) if there.value != MISSING else Observation(UNRESOLVED, named.where)
+
+
+@dataclass(frozen=True)
+class LiteralMember(ByString):
+    """Is ``name`` one of the strings of the ``Literal`` type ``target`` (nested Literals included)?
+    ``present``, ``absent`` or ``<missing>``: how vLLM validates a configuration string."""
+
+    def describe(self) -> str:
+        return f"{self.name!r} among the values of {self.target}"
+
+    def observe(self, source: Source) -> Observation:
+        return source.literal_member(self.target, self.name)
+
+
+@dataclass(frozen=True)
+class Registered(ByString):
+    """Does the string-keyed registry ``target`` (a dict) map ``name`` to an object that exists?
+
+    The dict's own entries are read, and the module-level calls of ``via`` (its registering
+    function, e.g. ``register_connector("Name", "pkg.module", "Class")``) in the module defining
+    it. ``then``: a class attribute of the registered object that names the implementation in turn
+    (a string, e.g. a config class's ``speculator_class``), followed the same way."""
+
+    via: str = ""
+    then: str = ""
+
+    def describe(self) -> str:
+        hop = f", then its {self.then}" if self.then else ""
+        return f"{self.name!r} registered in {self.target}{hop}"
+
+    def observe(self, source: Source) -> Observation:
+        named = source.registered(self.target, self.name, self.via)
+        if not self.then or not is_address(named.value):
+            return _resolved(source, named)
+        if source.exists(named.value).value == MISSING:
+            return Observation(UNRESOLVED, named.where)
+        inner = source.named(f"{named.value}.{self.then}")
+        return _resolved(source, inner if inner.value != MISSING else Observation(ABSENT, named.where))
+
+
+@dataclass(frozen=True)
+class Branch(ByString):
+    """Does the function ``target`` branch on the string ``name`` (``x == name``, ``x in (...)``)
+    and build there (the first call of a plain name in the branch) an object that exists?"""
+
+    def describe(self) -> str:
+        return f"the branch for {self.name!r} in {self.target}"
+
+    def observe(self, source: Source) -> Observation:
+        return _resolved(source, source.branch(self.target, self.name))
+
+
+@dataclass(frozen=True)
+class Dispatched(ByString):
+    """The string ``name``, the value of ``target``, resolved wherever vLLM dispatches it: every one
+    of ``sites`` (:class:`Registered`, :class:`Branch`) that this vLLM has must resolve it; a site it
+    lacks (``<missing>``) is skipped, and one at least must be there. A release that moved the
+    dispatch (from the V1 model runner's if-chain to a registry) is read at the site it has."""
+
+    sites: tuple[Check, ...] = ()
+
+    def describe(self) -> str:
+        return f"{self.name!r} as {self.target}, dispatched by {' / '.join(s.target for s in self.sites)}"
+
+    def observe(self, source: Source) -> Observation:
+        there = [seen for seen in (site.observe(source) for site in self.sites) if seen.value != MISSING]
+        if not there:
+            return Observation(MISSING)
+        return next((seen for seen in there if seen.value != PRESENT), there[0])

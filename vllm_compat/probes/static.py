@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .shapes import ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, Observation, split_target
+from .branches import taken
+from .shapes import (ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, UNRESOLVED, Observation, address_of,
+                     split_target)
 
 
 class Tree(Protocol):
@@ -214,6 +216,126 @@ class StaticSource:
         if member is None or not isinstance(member.node, ast.AnnAssign):
             return Observation(ABSENT, found.where)
         return Observation(default_repr(member.node.value), found.where)
+
+    # -- strings vLLM resolves ------------------------------------------------------------------
+    def literal_member(self, target: str, value: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        values = self._literal_values(found, 0)
+        return Observation(PRESENT if value in values else ABSENT, found.where)
+
+    def _literal_values(self, found: Found, depth: int) -> set[str]:
+        """The strings of the ``Literal[...]`` assigned at ``found``, nested Literals (by name or
+        inline) followed."""
+        node = found.node
+        expr = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        return self._literal_expr(expr, found.module, depth) if expr is not None and depth < 12 else set()
+
+    def _literal_expr(self, expr: ast.expr, module: str, depth: int) -> set[str]:
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            return {expr.value}
+        if isinstance(expr, ast.Name):
+            inner = self._top_level(module, expr.id)
+            return self._literal_values(inner, depth + 1) if inner else set()
+        if isinstance(expr, ast.Subscript) and _call_name_of(expr.value) == "Literal":
+            items = expr.slice.elts if isinstance(expr.slice, ast.Tuple) else [expr.slice]
+            return set().union(*(self._literal_expr(item, module, depth) for item in items))
+        return set()
+
+    def registered(self, target: str, key: str, via: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        node = found.node
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict):
+            for k, v in zip(node.value.keys, node.value.values):
+                if k is not None and self._string(k, found.module) == key:
+                    qualname = self._string(v, found.module)
+                    return Observation(address_of(qualname) if qualname else UNRESOLVED, f"{found.file}:{k.lineno}")
+        if via:
+            loaded = self._module(found.module)
+            for stmt in loaded[0].body if loaded else []:
+                for inner in defining_nodes(stmt):
+                    call = inner.value if isinstance(inner, ast.Expr) else None
+                    if not isinstance(call, ast.Call) or _call_name(call) != via or not call.args:
+                        continue
+                    if self._string(call.args[0], found.module) != key:
+                        continue
+                    rest = [*call.args[1:], *(keyword.value for keyword in call.keywords)]  # module, class
+                    parts = [self._string(arg, found.module) for arg in rest]
+                    where = f"{found.file}:{call.lineno}"
+                    if None in parts or len(parts) not in (1, 2):
+                        return Observation(UNRESOLVED, where)
+                    return Observation(address_of(":".join(parts)), where)
+        return Observation(ABSENT, found.where)
+
+    def named(self, target: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        node = found.node
+        assigned = isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
+        qualname = self._string(node.value, found.module) if assigned else None
+        return Observation(address_of(qualname), found.where) if qualname else Observation(ABSENT, found.where)
+
+    def branch(self, target: str, value: str) -> Observation:
+        found = self._resolve(target)
+        if found is None or not isinstance(found.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return Observation(MISSING)
+        hit = taken(found.node, value)
+        if hit is None or not hit.name:
+            return Observation(ABSENT, found.where if hit is None else f"{found.file}:{hit.line}")
+        where = f"{found.file}:{hit.line}"
+        if hit.module:
+            return Observation(f"{hit.module}:{hit.name}", where)
+        defined = self._top_level(found.module, hit.name)
+        if defined is None or isinstance(defined.node, ast.Module):
+            return Observation(UNRESOLVED, where)
+        return Observation(f"{defined.module}:{getattr(defined.node, 'name', hit.name)}", where)
+
+    def _string(self, expr: ast.expr, module: str, bound: dict[str, str] | None = None, depth: int = 0) -> str | None:
+        """The string ``expr`` evaluates to, as far as source shows it: literals, f-strings, ``+``,
+        module-level string constants and calls of module-level one-line helper functions
+        (``def _builtin(module, name): return f"{_PKG}.{module}.{name}"``); None otherwise."""
+        bound = bound or {}
+        if depth > 12:
+            return None
+        if isinstance(expr, ast.Constant):
+            return expr.value if isinstance(expr.value, str) else None
+        if isinstance(expr, ast.Name):
+            if expr.id in bound:
+                return bound[expr.id]
+            found = self._top_level(module, expr.id)
+            if found is None or not isinstance(found.node, (ast.Assign, ast.AnnAssign)) or found.node.value is None:
+                return None
+            return self._string(found.node.value, found.module, None, depth + 1)
+        if isinstance(expr, ast.JoinedStr):
+            parts = [self._string(v.value if isinstance(v, ast.FormattedValue) else v, module, bound, depth + 1)
+                     for v in expr.values]
+            return None if None in parts else "".join(parts)
+        if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+            left, right = (self._string(side, module, bound, depth + 1) for side in (expr.left, expr.right))
+            return None if left is None or right is None else left + right
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and not expr.keywords:
+            helper = self._top_level(module, expr.func.id)
+            if helper is None or not isinstance(helper.node, ast.FunctionDef):
+                return None
+            body = [stmt for stmt in helper.node.body
+                    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]  # the docstring
+            params = [arg.arg for arg in helper.node.args.args]
+            one_return = len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None
+            if not one_return or len(params) != len(expr.args):
+                return None
+            args = [self._string(arg, module, bound, depth + 1) for arg in expr.args]
+            if None in args:
+                return None
+            return self._string(body[0].value, helper.module, dict(zip(params, args)), depth + 1)
+        return None
+
+
+def _call_name_of(expr: ast.expr) -> str:
+    return expr.id if isinstance(expr, ast.Name) else expr.attr if isinstance(expr, ast.Attribute) else ""
 
 
 def defining_nodes(stmt: ast.stmt):
