@@ -217,6 +217,18 @@ case "${1:?stage}" in
     step 120 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
     step 90 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT"
     ;;
+  release-one)  # one call for a release (most important first): the generator with the shim, its files vs HF,
+                # the same without extensible_kv_cache (the fault), eager prefill, vllm-engine, vllm-native, speculators 0.4.0
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    S04=${SPEC%/*}/0.4.0
+    step 100 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
+    step 60 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT; rm -rf /tmp/r03"
+    step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
+    step 60 "$B prefill --model $M8 --samples 64 --length $LENGTH 2>&1 | grep RESULT | tail -1"
+    step 80 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 64 --work /tmp/e8 | cut -c1-600; rm -rf /tmp/e8"
+    step 90 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 64 --work /tmp/n8 | cut -c1-600; rm -rf /tmp/n8"
+    step 80 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 32 --samples 64 --work /tmp/s04 | cut -c1-600; rm -rf /tmp/s04"
+    ;;
   release-8b)  # the release's eager prefill beside each way to extract, 128 x 2048 each, each one's files against HF fp32
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     S04=${SPEC%/*}/0.4.0

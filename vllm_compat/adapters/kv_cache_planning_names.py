@@ -11,7 +11,9 @@ functions (``kv_cache_utils.X is kv_cache_planning.X``), before anything imports
 deletes them again. Applied first (phase ``IMPORT_FIX``), so that ``kv_cache_specs_kwarg`` then
 wraps ``get_kv_cache_config_from_groups`` at its old address as on earlier releases.
 
-Scope: global (a missing name added where it used to be harms no caller).
+Scope: worker (applied in every vLLM process too: a worker imports the generator's module when it
+loads speculators' worker extension, ``speculators.data_generation``, and fails there first; a
+missing name added where it used to be harms no caller).
 Disable: ``VLLM_COMPAT_DISABLE=kv_cache_planning_names``.
 """
 from packaging.specifiers import SpecifierSet
@@ -26,7 +28,7 @@ ADAPTER = alias_moved_names(
     names=("get_kv_cache_config_from_groups", "_get_kv_cache_groups_uniform_spec", "unify_hybrid_kv_cache_specs"),
     summary="give vllm.v1.core.kv_cache_utils back the KV-cache planning functions that moved out",
     drift="three kv_cache_utils functions moved to kv_cache_planning in 0.33.0, no re-export",
-    scope=Scope.GLOBAL,
+    scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.33.0"),
     verified_through="0.33.0",
     evidence="DRIFT.md §8: vllm/v1/core/kv_cache_utils.py:1260,1588,1799 (0.32.0) -> "
