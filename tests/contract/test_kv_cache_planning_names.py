@@ -4,7 +4,7 @@ import inspect
 import pytest
 
 import vllm_compat
-from tests.contract.base import AdapterContract, needs_vllm_platform
+from tests.contract.base import AdapterContract, host_vllm_config
 from vllm_compat.probes.verdicts import ADAPTED
 
 NAMES = ("get_kv_cache_config_from_groups", "_get_kv_cache_groups_uniform_spec", "unify_hybrid_kv_cache_specs")
@@ -38,10 +38,7 @@ class TestKvCachePlanningNames(AdapterContract):
         """The generator's call, through the old address and with the keyword kv_cache_specs_kwarg
         drops, builds a KV-cache config (vLLM's attention-free path: a real call without a model)."""
         utils = self.kv_cache_utils()
-        needs_vllm_platform()
-        from vllm.config import VllmConfig
-
         vllm_compat.apply()
         config = utils.get_kv_cache_config_from_groups(
-            vllm_config=VllmConfig(), kv_cache_groups=[], kv_cache_specs={}, available_memory=0)
+            vllm_config=host_vllm_config(), kv_cache_groups=[], kv_cache_specs={}, available_memory=0)
         assert config.num_blocks == 1

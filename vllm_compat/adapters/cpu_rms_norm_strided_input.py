@@ -43,7 +43,8 @@ def normalise_packed(wrapped, instance, args, kwargs):
 def kernel_ignores_strides() -> tuple[bool, str]:
     device = vllm_device_type()
     if device != "cpu":
-        return False, f"vLLM runs on {device}: its RMSNorm does not reach the CPU kernel"
+        return False, f"vLLM runs on {device or 'no device platform (a CUDA build without a GPU)'}: " \
+                      "its RMSNorm does not reach the CPU kernel"
     import torch
     from vllm import _custom_ops as ops
 

@@ -61,6 +61,8 @@ def rotate_flat(wrapped, instance, args, kwargs):
 def kernel_mishandles_heads() -> tuple[bool, str]:
     device = vllm_device_type()
     if device != "cpu":
+        if not device:  # its CUDA build on a host without a GPU
+            return False, "vLLM found no device platform (a CUDA build without a GPU): no CPU rotary kernel here"
         return False, f"vLLM runs on {device}: it rotates through forward_{device}, not the CPU kernel"
     import torch
     from vllm import _custom_ops as ops
