@@ -1,4 +1,5 @@
 import importlib
+import importlib.util
 import inspect
 
 import pytest
@@ -42,3 +43,25 @@ class TestKvCachePlanningNames(AdapterContract):
         config = utils.get_kv_cache_config_from_groups(
             vllm_config=host_vllm_config(), kv_cache_groups=[], kv_cache_specs={}, available_memory=0)
         assert config.num_blocks == 1
+
+    @pytest.mark.parametrize("disabled", ["", "kv_cache_planning_names"], ids=["applied", "disabled"])
+    def test_worker_process_imports_speculators_worker_extension(self, disabled):
+        """A vLLM worker applies only what its ``vllm.general_plugins`` hook applies, then imports
+        speculators' worker extension, whose package imports the generator module and with it the
+        moved names. Run as a worker is: a fresh process, the plugin's ``register()``, the import.
+        Applied, the import works; disabled, it fails as the H200 run of 2026-12-03 did."""
+        import os
+        import subprocess
+        import sys
+
+        self.kv_cache_utils()
+        if importlib.util.find_spec("speculators") is None or not self.consumer_needs_it():
+            pytest.skip("no speculators 0.3/0.4 on the path")
+        code = ("from vllm_compat.plugin import register; register(); "
+                "import speculators.data_generation.custom_worker")
+        env = {**os.environ, "VLLM_COMPAT_APPLY": "1", "VLLM_COMPAT_DISABLE": disabled}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        if disabled:
+            assert done.returncode != 0 and "cannot import name" in done.stderr, done.stderr[-2000:]
+        else:
+            assert done.returncode == 0, done.stderr[-3000:]
