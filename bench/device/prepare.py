@@ -17,8 +17,9 @@ Bundles for a release R:
 * ``vllm-R``: vLLM's CUDA wheel without FlashAttention-2's kernels (Hopper runs FA3) and the Rust
   front end (``vllm-rs``, used only when asked for by an environment variable); every requirement
   the device image lacks or holds at another version than pip resolves for R (pip resolves
-  ``vllm==R``'s requirements here, less the GPU kernel packages the bundled extractor never
-  imports: ``KERNEL_PACKAGES``); speculators 0.3.0 and 0.4.0 (installed apart, one folder each).
+  ``vllm==R``'s requirements here, less what the extractor's path never imports: ``NOT_IMPORTED``;
+  a pin the index lacks is relaxed by scripts/pins.py's rule and said); speculators 0.3.0 and 0.4.0
+  (installed apart, one folder each).
 * ``torch-T``, only where R pins another torch than the image's: that torch, the torchvision R pins,
   and the NCCL that torch pins (a newer torch links NCCL functions the image's NCCL lacks, and
   Python loads extensions with every symbol bound). The CUDA 13 runtime libraries, cuDNN and
@@ -49,21 +50,29 @@ PART = 59 * 1024 * 1024
 DEVICE_TORCH = "2.11.0"
 PYTHON = "3.12"
 LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs")
-# vLLM requirements that are GPU kernel libraries for models, quantizations or media the extractor
-# does not run (each is imported lazily by vLLM), or that travel in the torch bundle.
-KERNEL_PACKAGES = {"flashinfer-python", "tilelang", "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla",
-                   "humming-kernels", "pynvvideocodec", "torchcodec", "fastsafetensors", "instanttensor",
-                   "nvidia-cudnn-frontend", "torch", "torchaudio", "torchvision", "numba",
-                   "opencv-python-headless", "apache-tvm-ffi", "compressed-tensors", "triton"}
+# vLLM requirements the extractor's path never imports (media decoders, kernels of models and formats
+# it does not run, the torch family, which travels in the torch bundle). Everything else vLLM
+# requires travels: on the H200 vLLM 0.34.0 imported xgrammar's apache-tvm-ffi, FlashInfer (its V2
+# sampler) and CUTLASS's DSL (the FlashAttention backend, warm-up) on a plain Llama.
+NOT_IMPORTED = {"pynvvideocodec", "torchcodec", "tilelang", "tokenspeed-mla", "tokenspeed-triton", "humming-kernels",
+                "fastsafetensors", "instanttensor", "z3-solver", "nvidia-cutlass-dsl-libs-cu12", "torch", "torchaudio", "torchvision", "triton",
+                "numba", "opencv-python-headless"}
 # Requirements resolved anew even where the image has the package: the versions vLLM's own
 # install would bring (the image's transformers 5.17 / huggingface_hub 1.x predate them).
 ALWAYS = {"transformers", "huggingface-hub", "tokenizers"}
+# What torch's own requirements bring (CUDA runtime libraries the image has at the same major versions;
+# the NCCL torch pins travels in the torch bundle).
+TORCH_BUNDLE = {"cuda-toolkit", "cuda-bindings", "cuda-pathfinder", "nvidia-cublas", "nvidia-cuda-cupti",
+                "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "nvidia-cudnn-cu13", "nvidia-cufft", "nvidia-cufile",
+                "nvidia-curand", "nvidia-cusolver", "nvidia-cusparse", "nvidia-cusparselt-cu13", "nvidia-nccl-cu13",
+                "nvidia-nvjitlink", "nvidia-nvshmem-cu13", "nvidia-nvtx", "nvidia-cuda-nvcc", "nvidia-cuda-crt",
+                "nvidia-nvvm", "nvidia-cuda-cccl"}
 SPECULATORS = ["speculators==0.3.0", "speculators==0.4.0"]
 EXTRA = ["loguru==0.7.3"]  # speculators' logger
 RAY = ["ray==2.60.0", "msgpack==1.2.4"]
-PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
-             "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
-             "manylinux_2_35_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64", "manylinux_2_18_x86_64"]
+# every manylinux tag up to glibc 2.39 (the device's Python accepts them all; pip matches tags exactly)
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(5, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
+                                                                "manylinux1_x86_64"]
 KINDS = Path("/work/.library/device/KINDS.md")  # the device image's package list, where this workplace has it
 
 
@@ -109,10 +118,17 @@ def device_packages() -> set[str]:
 
 
 def resolve(vllm_wheel: Path, cache: Path) -> list[str]:
-    """``name==version`` for each requirement of the release pip resolves here that the device needs."""
+    """``name==version`` for each requirement of the release pip resolves here that the device needs;
+    a pin the index does not serve is relaxed as ``scripts/vllm_venv.py --cuda`` does (scripts/pins.py)."""
     report = cache / "resolved.json"
     if not report.exists():
-        wanted = [r for r in requirements(vllm_wheel) if norm(re.split(r"[\s<>=!~;\[]", r)[0]) not in KERNEL_PACKAGES]
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from pins import index_versions, relax_unavailable
+
+        wanted = [r for r in requirements(vllm_wheel) if norm(re.split(r"[\s<>=!~;\[]", r)[0]) not in NOT_IMPORTED]
+        wanted, relaxed = relax_unavailable(wanted, lambda name: index_versions(sys.executable, name, PYTHON), PYTHON)
+        for pin in relaxed:
+            print(f"prepare: relaxed pin {pin.name}=={pin.pinned} -> {pin.chosen} ({pin.rule})")
         listing = cache / "requirements.txt"
         listing.write_text("\n".join(wanted) + "\n")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
@@ -122,7 +138,7 @@ def resolve(vllm_wheel: Path, cache: Path) -> list[str]:
     picked = []
     for item in json.loads(report.read_text())["install"]:
         name, version = norm(item["metadata"]["name"]), item["metadata"]["version"]
-        if name in KERNEL_PACKAGES or name.startswith("nvidia-") or (name in have and name not in ALWAYS):
+        if name in NOT_IMPORTED or name in TORCH_BUNDLE or (name in have and name not in ALWAYS):
             continue
         picked.append(f"{name}=={version}")
     return picked
@@ -179,12 +195,17 @@ def main() -> int:
     vllm_wheel = next(iter(sorted(wheels.glob(f"vllm-{release}-*.whl"))), None) or download(wheels, f"vllm=={release}")[0]
     files = {f"wheels/{slim_vllm(vllm_wheel, cache).name}": slim_vllm(vllm_wheel, cache)}
     small = cache / "small"
-    wanted = resolve(vllm_wheel, cache) + EXTRA + [f"compressed-tensors=={pinned(vllm_wheel, 'compressed-tensors')}"]
-    present = {norm(p.name.split("-")[0]) for p in small.glob("*.whl")} if small.exists() else set()
-    missing = [w for w in wanted if norm(w.split("==")[0]) not in present]
+    wanted = resolve(vllm_wheel, cache) + EXTRA
+
+    def wheel_of(requirement: str) -> Path | None:
+        name, version = requirement.split("==")
+        return next((p for p in small.glob("*.whl") if norm(p.name.split("-")[0]) == norm(name)
+                     and p.name.split("-")[1] == version), None) if small.exists() else None
+
+    missing = [w for w in wanted if wheel_of(w) is None]
     if missing:
         download(small, *missing)
-    files.update({f"wheels/{p.name}": p for p in small.glob("*.whl")})
+    files.update({f"wheels/{wheel_of(w).name}": wheel_of(w) for w in wanted})
     for requirement in SPECULATORS:
         for path in download(BUILD / "speculators" / requirement.split("==")[1], requirement):
             files[f"speculators/{path.name}"] = path
