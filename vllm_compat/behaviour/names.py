@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from ..callsites.signatures import VllmIndex
+from ..callsites.signatures import VllmIndex, absolute_module, single_class_expression
 from ..probes.static import Found, defining_nodes
 
 
@@ -20,7 +20,7 @@ class ModuleNames:
         self.imports: dict[str, tuple[str, str]] = {}  # local name -> (module, attribute or '' for a module)
         for stmt in (n for top in tree.body for n in defining_nodes(top)):
             if isinstance(stmt, ast.ImportFrom):
-                module = self._absolute(stmt)
+                module = absolute_module(self.package, stmt)
                 for alias in stmt.names:
                     if alias.name != "*":
                         self.imports[alias.asname or alias.name] = (module, alias.name)
@@ -28,13 +28,6 @@ class ModuleNames:
                 for alias in stmt.names:
                     if alias.asname:
                         self.imports[alias.asname] = (alias.name, "")
-
-    def _absolute(self, node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module or ""
-        parts = self.package.split(".")
-        prefix = ".".join(parts[: len(parts) - node.level + 1])
-        return f"{prefix}.{node.module}" if node.module else prefix
 
     def found(self, name: str) -> Found | None:
         """vLLM's definition of a top-level ``name`` (a class, function or module), or None."""
@@ -50,14 +43,7 @@ class ModuleNames:
 
     def class_named(self, expr: ast.expr | None) -> Found | None:
         """The vLLM class ``expr`` names: ``X``, ``mod.X``, ``"X"``, ``X | None``."""
-        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
-            try:
-                expr = ast.parse(expr.value, mode="eval").body
-            except SyntaxError:
-                return None
-        if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitOr):
-            sides = [s for s in (expr.left, expr.right) if not (isinstance(s, ast.Constant) and s.value is None)]
-            return self.class_named(sides[0]) if len(sides) == 1 else None
+        expr = single_class_expression(expr)
         found = None
         if isinstance(expr, ast.Name):
             found = self.found(expr.id)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..probes.static import Found
-from .signatures import FUNCTIONS, VllmIndex
+from .signatures import FUNCTIONS, VllmIndex, absolute_module
 
 MODULE, CLASS, FUNCTION, METHOD, INSTANCE = "module", "class", "function", "method", "instance"
 
@@ -173,11 +173,7 @@ class ModuleAnalysis:
                                       missing=not found))
 
     def absolute(self, node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module or ""
-        parts = self.package.split(".")
-        prefix = ".".join(parts[: len(parts) - node.level + 1])
-        return f"{prefix}.{node.module}" if node.module else prefix
+        return absolute_module(self.package, node)
 
     def _lookup(self, holder: Value, name: str) -> Found | None | bool:
         """``holder.name`` in vLLM for a module, class or instance (see ``VllmIndex.member``)."""

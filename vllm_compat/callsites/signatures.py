@@ -78,6 +78,31 @@ def _base_name(expr: ast.expr) -> str:
     return expr.attr if isinstance(expr, ast.Attribute) else getattr(expr, "id", "")
 
 
+def absolute_module(package: str, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` names, a relative one resolved from ``package``."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    prefix = ".".join(parts[: len(parts) - node.level + 1])
+    return f"{prefix}.{node.module}" if node.module else prefix
+
+
+def single_class_expression(annotation: ast.expr | None) -> ast.expr | None:
+    """What an annotation names one class by: a string annotation parsed, ``X | None`` and
+    ``Optional[X]`` reduced to ``X``; None where it names no single class."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return None
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        sides = [s for s in (annotation.left, annotation.right) if not (isinstance(s, ast.Constant) and s.value is None)]
+        return single_class_expression(sides[0]) if len(sides) == 1 else None
+    if isinstance(annotation, ast.Subscript) and _base_name(annotation.value) == "Optional":
+        return single_class_expression(annotation.slice)
+    return annotation
+
+
 def _annotation_text(node: ast.AnnAssign) -> str:
     return ast.unparse(node.annotation)
 
@@ -274,19 +299,7 @@ class VllmIndex:
     # -- types --------------------------------------------------------------------------------
     def annotation_class(self, module: str, annotation: ast.expr | None) -> Found | None:
         """The vLLM class an annotation names (``X``, ``mod.X``, ``"X"``, ``X | None``)."""
-        if annotation is None:
-            return None
-        if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
-            try:
-                annotation = ast.parse(annotation.value, mode="eval").body
-            except SyntaxError:
-                return None
-        if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
-            sides = [s for s in (annotation.left, annotation.right)
-                     if not (isinstance(s, ast.Constant) and s.value is None)]
-            return self.annotation_class(module, sides[0]) if len(sides) == 1 else None
-        if isinstance(annotation, ast.Subscript) and _base_name(annotation.value) == "Optional":
-            return self.annotation_class(module, annotation.slice)
+        annotation = single_class_expression(annotation)
         found = None
         if isinstance(annotation, ast.Name):
             found = self.top_level(module, annotation.id)
