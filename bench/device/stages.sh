@@ -34,7 +34,8 @@
 #   ... stages.sh release-tiny              # the e2e suite's generator and backend tests on the tiny models (every family)
 #   bash bench/device/stages.sh engine9     # ... vllm-native's new defaults (store on disk, 1 writer thread) against the native path alone, twice
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
-# CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 skips the install of
+# CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
+# device once this checkout is installed there) skips the install of
 # this checkout into $SITE, and M8 / SPEC / LENGTH / VLLM_COMPAT_CACHE / OUT may be set from outside.
 set -uo pipefail
 SITE=${SITE:-/tmp/site}
@@ -45,7 +46,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # this checkout's vllm-compat, with its vLLM plugin entry point, next to vLLM
-[ -n "${DRY_RUN:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . 2>&1 | grep -v WARNING
+[ -n "${DRY_RUN:-}${NO_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . 2>&1 | grep -v WARNING
 SPEC=${SPEC:-/tmp/vcache/speculators/0.3.0}
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 B="python3 bench/gpu.py"
