@@ -87,13 +87,22 @@ def pip_target_args() -> list[str]:
     return args
 
 
-def download(dest: Path, *requirements: str) -> list[Path]:
-    dest.mkdir(parents=True, exist_ok=True)
-    before = set(dest.iterdir())
-    for requirement in requirements:  # one at a time: pip resolves one version of a name per call
+def fetch(folder: Path, requirement: str) -> Path:
+    """The wheel of ``name==version`` in ``folder``, downloaded first when it is not there yet."""
+    name, version = requirement.split("==")
+
+    def present() -> Path | None:
+        return next((p for p in folder.glob("*.whl")
+                     if norm(p.name.split("-")[0]) == norm(name) and p.name.split("-")[1] == version), None)
+
+    if present() is None:
+        folder.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *pip_target_args(),
-                        "-d", str(dest), requirement], check=True)
-    return sorted(set(dest.iterdir()) - before) or sorted(dest.iterdir())
+                        "-d", str(folder), requirement], check=True)
+    wheel = present()
+    if wheel is None:
+        raise SystemExit(f"pip downloaded no wheel named {requirement} into {folder}")
+    return wheel
 
 
 def requirements(wheel: Path) -> list[str]:
@@ -191,42 +200,30 @@ def main() -> int:
     args = parser.parse_args()
     release = args.vllm
     cache = BUILD / f"vllm-{release}"
-    wheels = cache / "wheels"
-    vllm_wheel = next(iter(sorted(wheels.glob(f"vllm-{release}-*.whl"))), None) or download(wheels, f"vllm=={release}")[0]
-    files = {f"wheels/{slim_vllm(vllm_wheel, cache).name}": slim_vllm(vllm_wheel, cache)}
-    small = cache / "small"
-    wanted = resolve(vllm_wheel, cache) + EXTRA
-
-    def wheel_of(requirement: str) -> Path | None:
-        name, version = requirement.split("==")
-        return next((p for p in small.glob("*.whl") if norm(p.name.split("-")[0]) == norm(name)
-                     and p.name.split("-")[1] == version), None) if small.exists() else None
-
-    missing = [w for w in wanted if wheel_of(w) is None]
-    if missing:
-        download(small, *missing)
-    files.update({f"wheels/{wheel_of(w).name}": wheel_of(w) for w in wanted})
+    vllm_wheel = fetch(cache / "wheels", f"vllm=={release}")
+    slim = slim_vllm(vllm_wheel, cache)
+    files = {f"wheels/{slim.name}": slim}
+    for requirement in resolve(vllm_wheel, cache) + EXTRA:
+        wheel = fetch(cache / "small", requirement)
+        files[f"wheels/{wheel.name}"] = wheel
     for requirement in SPECULATORS:
-        for path in download(BUILD / "speculators" / requirement.split("==")[1], requirement):
-            files[f"speculators/{path.name}"] = path
+        wheel = fetch(BUILD / "speculators" / requirement.split("==")[1], requirement)
+        files[f"speculators/{wheel.name}"] = wheel
     made = {f"vllm-{release}": bundle(f"vllm-{release}", files)}
 
     torch = pinned(vllm_wheel, "torch")
     if torch != DEVICE_TORCH:
         tdir = BUILD / f"torch-{torch}"
-        torch_wheel = download(tdir, f"torch=={torch}")[0] if not list(tdir.glob("torch-*.whl")) else next(tdir.glob("torch-*.whl"))
-        extra = [f"torchvision=={pinned(vllm_wheel, 'torchvision')}", f"nvidia-nccl-cu13=={pinned(torch_wheel, 'nvidia-nccl-cu13')}"]
-        if not list(tdir.glob("torchvision-*.whl")) or not list(tdir.glob("nvidia_nccl*.whl")):
-            download(tdir, *extra)
-        made[f"torch-{torch}"] = bundle(f"torch-{torch}", {f"wheels/{p.name}": p for p in tdir.glob("*.whl")})
+        torch_wheel = fetch(tdir, f"torch=={torch}")
+        bundled = [torch_wheel, fetch(tdir, f"torchvision=={pinned(vllm_wheel, 'torchvision')}"),
+                   fetch(tdir, f"nvidia-nccl-cu13=={pinned(torch_wheel, 'nvidia-nccl-cu13')}")]
+        made[f"torch-{torch}"] = bundle(f"torch-{torch}", {f"wheels/{p.name}": p for p in bundled})
         if args.triton:
             triton = next(r for r in requirements(torch_wheel) if r.startswith("triton")).split(";")[0]
-            triton_pin = triton.replace("~=", "==").replace(" ", "")
-            xdir = BUILD / "triton"
-            found = list(xdir.glob("triton-*.whl")) or download(xdir, triton_pin)
-            made[f"triton-{torch}"] = bundle(f"triton-{torch}", {f"wheels/{found[0].name}": found[0]})
+            found = fetch(BUILD / "triton", triton.replace("~=", "==").replace(" ", ""))
+            made[f"triton-{torch}"] = bundle(f"triton-{torch}", {f"wheels/{found.name}": found})
     if args.ray:
-        made["ray"] = bundle("ray", {f"wheels/{p.name}": p for p in download(BUILD / "ray", *RAY)})
+        made["ray"] = bundle("ray", {f"wheels/{p.name}": p for p in (fetch(BUILD / "ray", r) for r in RAY)})
     for name, parts in made.items():
         for part in parts:
             size = sum(f.stat().st_size for f in part.rglob("*") if f.is_file())
