@@ -28,8 +28,9 @@
 #   bash bench/device/stages.sh engine7-native  # ... then vllm-native (both formats) beside vLLM's native path alone, compiled prefill
 #   bash bench/device/stages.sh engine8     # ... vLLM's native path alone and vllm-native step by step, vLLM's files in /dev/shm and on disk
 #   bash bench/device/stages.sh engine8b    # ... the native path alone with its files in /dev/shm, vllm-native with one writer thread
-#   SITE=/tmp/site-0.34.0 TORCH_SITE=/tmp/torch-site bash bench/device/stages.sh release-load  # a new release:
-#                                           env, the 8B checkpoint, the generator without extensible_kv_cache (the fault), with it
+#   SITE=/tmp/site-0.34.0 TORCH_SITE=/tmp/torch-site bash bench/device/stages.sh release-one  # a new release, one call:
+#                                           versions, the 8B checkpoint, the generator with and without extensible_kv_cache,
+#                                           prefill, vllm-engine, vllm-native, speculators 0.4.0
 #   ... stages.sh release-8b                # that release's eager prefill beside both generators, vllm-engine, vllm-native; each vs HF
 #   ... stages.sh release-tiny              # the e2e suite's generator and backend tests on the tiny models (every family)
 #   bash bench/device/stages.sh engine9     # ... vllm-native's new defaults (store on disk, 1 writer thread) against the native path alone, twice
@@ -208,18 +209,10 @@ case "${1:?stage}" in
     done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
-  release-load)  # a release newly carried (install.sh): what runs, the 8B checkpoint, the extensible-KV-cache fault
-    $B env 2>&1 | grep -E "RESULT|Error"
-    python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
-    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
-    # without the adapter: the generator's scheduler hands out blocks vLLM never put memory behind
-    step 200 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache extract --batch 32 --samples 64 --work /tmp/fault"
-    step 100 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/fault 2>&1 | grep RESULT; rm -rf /tmp/fault"
-    step 120 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
-    step 90 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT"
-    ;;
   release-one)  # one call for a release (most important first): the generator with the shim, its files vs HF,
                 # the same without extensible_kv_cache (the fault), eager prefill, vllm-engine, vllm-native, speculators 0.4.0
+    $B env 2>&1 | grep -E "RESULT|Error"
+    python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     S04=${SPEC%/*}/0.4.0
     step 100 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
