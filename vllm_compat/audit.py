@@ -23,7 +23,7 @@ from .consumer import BACKEND_TOUCHPOINTS, IN_PROCESS_SPECULATORS, SERVING_SPECU
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
-from .probes.shapes import UNRESOLVED, Attr, ByString, Param
+from .probes.shapes import MISSING, UNRESOLVED, Attr, ByString, Param
 from .probes.static import DirTree, StaticSource, Tree, WheelTree
 from .probes.verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
 from .registry import adapters, newest_verified
@@ -392,7 +392,7 @@ def _touchpoint_finding(check, expected: frozenset[str], source, kind: str, scop
     """The one rule for touch points: ok when the observation is one of those expected."""
     seen = check.observe(source)
     # missing: the symbol is gone, or the implementation vLLM resolves a string to (unresolved)
-    gone = seen.value in ("<missing>", UNRESOLVED)
+    gone = seen.value in (MISSING, UNRESOLVED)
     verdict = OK if seen.value in expected else MISSING_SYMBOL if gone else UNKNOWN_DRIFT
     return Finding(finding_id or check.target, kind, verdict, check.describe(), tuple(sorted(expected)), (),
                    seen.value, seen.where, scope=scope)

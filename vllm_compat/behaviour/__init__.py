@@ -20,7 +20,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from ..adapter import Adapter
-from ..callsites import consumer_files
+from ..callsites import adapted_index, consumer_files
 from ..callsites.signatures import VllmIndex
 from ..consumer import GENERATOR
 from ..probes.static import StaticSource
@@ -61,8 +61,7 @@ def check(source: StaticSource, version: Version | None, adapted: list[Adapter],
     text = consumer_files(consumer).get(GENERATOR_FILE.rsplit("/", 1)[1]) if consumer is not None else None
     if text is None:
         return Behaviour(notes=("consumer code not found: engine steps and config fields not read",))
-    moved = {p.target: p.alias_of for a in adapted for p in a.patches if p.alias_of}
-    index = VllmIndex(source, moved)
+    index = adapted_index(source, adapted)
     notes = []
     engine = engine_steps(index)
     generator = generator_steps(index, text, GENERATOR_FILE)

@@ -217,10 +217,16 @@ def bridging(ref: Reference, adapted: list[Adapter], index: VllmIndex) -> str:
     return ""
 
 
+def adapted_index(source: StaticSource, adapted: list[Adapter]) -> VllmIndex:
+    """``source`` as the adapted process sees it: names the ``adapted`` adapters put back where they
+    used to be are read where they live now."""
+    return VllmIndex(source, {p.target: p.alias_of for a in adapted for p in a.patches if p.alias_of})
+
+
 def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -> list[CallSite]:
     """Every call site of the consumer under ``consumer`` (None: skip it) and of the ``adapted``
     adapters, checked against ``source``."""
-    index = VllmIndex(source, {p.target: p.alias_of for a in adapted for p in a.patches if p.alias_of})
+    index = adapted_index(source, adapted)
     analyses = consumer_analyses(index, consumer) if consumer is not None else []
     generator = next((a for a in analyses if a.name == GENERATOR), None)
     results = []
@@ -235,4 +241,4 @@ def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -
     return results
 
 
-__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "check", "consumer_root"]
+__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "adapted_index", "check", "consumer_root"]

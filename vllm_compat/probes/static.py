@@ -380,5 +380,4 @@ def default_repr(value: ast.expr | None) -> str:
 
 
 def _call_name(call: ast.Call) -> str:
-    func = call.func
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return _call_name_of(call.func)
