@@ -291,6 +291,8 @@ def phase_extract(args) -> None:
         + (["--no-overlap"] if args.no_overlap else []) \
         + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if os.environ.get("BENCH_LOG_DIR"):  # the whole log, workers' tracebacks included (RESULT keeps the tail)
+        Path(os.environ["BENCH_LOG_DIR"], f"extract-{work.name}.log").write_text(proc.stderr)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
     # "forward check ok: N kernel self-tests on the model's own layouts in X s", between the load and the run
     forward = next((l for l in proc.stderr.splitlines() if "] forward check" in l), "")

@@ -46,6 +46,7 @@ export PYTHONPATH=$SITE${TORCH_SITE:+:$TORCH_SITE}${PYTHONPATH:+:$PYTHONPATH} VL
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+export BENCH_LOG_DIR=${BENCH_LOG_DIR:-$OUT}  # bench/gpu.py extract keeps each run's whole log there
 # this checkout's vllm-compat, with its vLLM plugin entry point, next to vLLM
 [ -n "${DRY_RUN:-}${NO_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . 2>&1 | grep -v WARNING
 SPEC=${SPEC:-/tmp/vcache/speculators/0.3.0}
@@ -209,17 +210,21 @@ case "${1:?stage}" in
     done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
-  release-one)  # one call for a release (most important first): the generator with the shim, its files vs HF,
-                # the same without extensible_kv_cache (the fault), eager prefill, vllm-engine, vllm-native, speculators 0.4.0
+  release-one)  # one call for a release (most important first): the generator with the shim and its files vs HF,
+                # from 0.34.0 the same without extensible_kv_cache (the fault), eager prefill, vllm-engine (vs HF),
+                # vllm-native, speculators 0.4.0
     $B env 2>&1 | grep -E "RESULT|Error"
     python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     S04=${SPEC%/*}/0.4.0
     step 100 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
     step 60 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT; rm -rf /tmp/r03"
-    step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
+    if python3 -c "import sys, vllm; from packaging.version import Version; sys.exit(Version(vllm.__version__) < Version('0.34.0'))"; then
+      step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
+    fi
     step 60 "$B prefill --model $M8 --samples 64 --length $LENGTH 2>&1 | grep RESULT | tail -1"
-    step 80 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 64 --work /tmp/e8 | cut -c1-600; rm -rf /tmp/e8"
+    step 80 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 64 --work /tmp/e8 | cut -c1-600"
+    step 60 "$B check --model $M8 --samples 4 --work /tmp/e8 2>&1 | grep RESULT; rm -rf /tmp/e8"
     step 90 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 64 --work /tmp/n8 | cut -c1-600; rm -rf /tmp/n8"
     step 80 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 32 --samples 64 --work /tmp/s04 | cut -c1-600; rm -rf /tmp/s04"
     ;;

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Device side, in the background: install bundles and run stages one after another, so that the
+# calls copying the next bundle's parts (receive.sh) overlap the GPU work of the one before.
+#   run(command="bash bench/device/queue.sh torch-2.14.0 vllm-0.34.0 0.34.0:release-one vllm-0.33.0 0.33.0:release-one")
+# returns at once; the queue runs from its own copy of this checkout (/tmp/repo: the next call
+# replaces the working tree), logs to /tmp/queue.log, and each stage writes /tmp/out/R-STAGE/.
+#   bash bench/device/queue.sh --harvest   # in any later call: the log's tail, /tmp/out as $OUT/out.tgz
+# Items, in order:
+#   8b                the Llama-3-8B-shaped checkpoint into /tmp/models/llama3-8b, with the image's torch
+#   torch-T, vllm-R   wait for receive.sh's mark that every part is here, then install.sh
+#   R:STAGE           stages.sh STAGE against vLLM R (SITE=/tmp/site-R, TORCH_SITE when installed)
+# The environment passes through (DEADLINE, K, VLLM_* ...).
+set -uo pipefail
+W=${W:-/tmp/vw}
+if [ "${1:-}" = "--harvest" ]; then
+  tail -n "${TAIL:-25}" /tmp/queue.log
+  tar czf "${OUT:?}/out.tgz" -C /tmp out queue.log 2>/dev/null
+  exit 0
+fi
+if [ -z "${QUEUE_CHILD:-}" ]; then
+  rm -rf /tmp/repo && mkdir -p /tmp/repo /tmp/out
+  tar cf - --exclude=./.gpu --exclude=./.cache --exclude=./.git . | tar xf - -C /tmp/repo
+  cd /tmp/repo && QUEUE_CHILD=1 setsid nohup bash bench/device/queue.sh "$@" >> /tmp/queue.log 2>&1 < /dev/null &
+  echo "queue started: $*"
+  exit 0
+fi
+say() { echo "[queue $(date +%H:%M:%S)] $*"; }
+for item in "$@"; do
+  case "$item" in
+    *:*)
+      release=${item%%:*} stage=${item#*:}
+      [ -d "/tmp/site-$release" ] || { say "SKIPPED $item: vLLM $release is not installed"; continue; }
+      torch_site=""; [ -d /tmp/torch-site/torch ] && torch_site=/tmp/torch-site
+      say "start $item"
+      OUT=/tmp/out/$release-$stage SITE=/tmp/site-$release TORCH_SITE=$torch_site bash bench/device/stages.sh "$stage" 2>&1 \
+        | tee "/tmp/out/$release-$stage.log" | grep -E "^## |RESULT|SKIPPED|FAILED|passed|failed|Error" | cut -c1-600
+      say "done $item" ;;
+    8b)
+      say "build the 8B checkpoint"
+      python3 bench/gpu.py build --family llama3-8b --path /tmp/models/llama3-8b --results /tmp/out/build.jsonl 2>&1 | grep -E "RESULT|Error" | cut -c1-300 ;;
+    *)
+      say "waiting for every part of $item"
+      until [ -f "$W/$item/.complete" ]; do sleep 2; done
+      say "install $item"
+      bash bench/device/install.sh "$item" || say "INSTALL FAILED: $item" ;;
+  esac
+done
+say "queue finished"
