@@ -5,10 +5,10 @@
 # returns at once; the queue runs from its own copy of this checkout (/tmp/repo: the next call
 # replaces the working tree), logs to /tmp/queue.log, and each stage writes /tmp/out/R-STAGE/.
 #   bash bench/device/queue.sh --harvest   # in any later call: the log's tail, /tmp/out as $OUT/out.tgz
-# Items, in order:
-#   8b                the Llama-3-8B-shaped checkpoint into /tmp/models/llama3-8b, with the image's torch
-#   torch-T, vllm-R   wait for receive.sh's mark that every part is here, then install.sh
-#   R:STAGE           stages.sh STAGE against vLLM R (SITE=/tmp/site-R, TORCH_SITE when installed)
+# Items, each lane in the order given:
+#   torch-T, vllm-R   install lane: wait for receive.sh's mark that every part is here, then install.sh
+#   8b                GPU lane: the Llama-3-8B-shaped checkpoint into /tmp/models/llama3-8b (the image's torch)
+#   R:STAGE           GPU lane: once vllm-R is installed, stages.sh STAGE (SITE=/tmp/site-R, TORCH_SITE if any)
 # The environment passes through (DEADLINE, K, VLLM_* ...).
 set -uo pipefail
 W=${W:-/tmp/vw}
@@ -20,16 +20,24 @@ fi
 if [ -z "${QUEUE_CHILD:-}" ]; then
   rm -rf /tmp/repo && mkdir -p /tmp/repo /tmp/out
   tar cf - --exclude=./.gpu --exclude=./.cache --exclude=./.git . | tar xf - -C /tmp/repo
-  cd /tmp/repo && QUEUE_CHILD=1 setsid nohup bash bench/device/queue.sh "$@" >> /tmp/queue.log 2>&1 < /dev/null &
-  echo "queue started: $*"
+  # two lanes: bundles install one after another on the CPUs while the GPU lane runs its stages in order
+  installs=() gpu=()
+  for item in "$@"; do case "$item" in torch-*|vllm-*|triton-*|ray) installs+=("$item") ;; *) gpu+=("$item") ;; esac; done
+  cd /tmp/repo
+  for lane in installs gpu; do
+    declare -n items=$lane
+    [ ${#items[@]} -gt 0 ] && QUEUE_CHILD=$lane setsid nohup bash bench/device/queue.sh "${items[@]}" >> /tmp/queue.log 2>&1 < /dev/null &
+  done
+  echo "queue started: installs: ${installs[*]:-none}; gpu: ${gpu[*]:-none}"
   exit 0
 fi
-say() { echo "[queue $(date +%H:%M:%S)] $*"; }
+say() { echo "[$QUEUE_CHILD $(date +%H:%M:%S)] $*"; }
 for item in "$@"; do
   case "$item" in
     *:*)
       release=${item%%:*} stage=${item#*:}
-      [ -d "/tmp/site-$release" ] || { say "SKIPPED $item: vLLM $release is not installed"; continue; }
+      until [ -f "$W/vllm-$release/.installed" ] || [ -f "$W/vllm-$release/.failed" ]; do sleep 2; done
+      [ -f "$W/vllm-$release/.installed" ] || { say "SKIPPED $item: vLLM $release did not install"; continue; }
       torch_site=""; [ -d /tmp/torch-site/torch ] && torch_site=/tmp/torch-site
       say "start $item"
       OUT=/tmp/out/$release-$stage SITE=/tmp/site-$release TORCH_SITE=$torch_site bash bench/device/stages.sh "$stage" 2>&1 \
@@ -42,7 +50,7 @@ for item in "$@"; do
       say "waiting for every part of $item"
       until [ -f "$W/$item/.complete" ]; do sleep 2; done
       say "install $item"
-      bash bench/device/install.sh "$item" || say "INSTALL FAILED: $item" ;;
+      if bash bench/device/install.sh "$item"; then touch "$W/$item/.installed"; else touch "$W/$item/.failed"; say "INSTALL FAILED: $item"; fi ;;
   esac
 done
-say "queue finished"
+say "lane finished"
