@@ -30,6 +30,9 @@ for name in "$@"; do
       site=${SITE:-/tmp/site-${name#vllm-}}
       rm -rf "$site" && mkdir -p "$site"
       pip_into "$site" "$dir"/x/wheels/*.whl
+      # pip --target runs no .pth file, a site directory does: nvidia-cutlass-dsl puts its packages on
+      # the path with one, which vLLM's warm-up imports (0.34.0: `No module named 'cutlass'` without it)
+      printf 'import os, site\nsite.addsitedir(os.path.dirname(os.path.abspath(__file__)))\n' > "$site/sitecustomize.py"
       for wheel in "$dir"/x/speculators/*.whl; do
         version=$(basename "$wheel" | cut -d- -f2)
         [ -f "$SPEC_ROOT/$version/.complete" ] && continue
