@@ -228,6 +228,11 @@ case "${1:?stage}" in
     step 90 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 64 --work /tmp/n8 | cut -c1-600; rm -rf /tmp/n8"
     step 80 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 32 --samples 64 --work /tmp/s04 | cut -c1-600; rm -rf /tmp/s04"
     ;;
+  release-generator)  # release-one's first steps alone: the generator (speculators 0.3.0) and its files vs HF, the fault
+    step 100 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
+    step 60 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT; rm -rf /tmp/r03"
+    step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
+    ;;
   release-8b)  # the release's eager prefill beside each way to extract, 128 x 2048 each, each one's files against HF fp32
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     S04=${SPEC%/*}/0.4.0
@@ -243,7 +248,8 @@ case "${1:?stage}" in
   release-tiny)  # the e2e suite on the tiny models: both generators on every family, both engine backends
     # (Model Runner V2 is the only runner from 0.34.0: its runner-v2 cases repeat the default ones there)
     K=${K:-not runner-v2}
-    step 420 "python3 -m pytest -q -p no:cacheprovider -m 'not faults' tests/e2e/test_generator.py tests/e2e/test_backends.py -k '$K' 2>&1 | tail -40 | tee $OUT/tiny-pytest.txt"
+    # the whole output into the file as it comes (-rA: every test's outcome), so a stage cut short keeps what ran
+    step 420 "python3 -m pytest -q -rA -p no:cacheprovider -m 'not faults' tests/e2e/test_generator.py tests/e2e/test_backends.py -k '$K' 2>&1 | tee $OUT/tiny-pytest.txt | tail -40"
     ;;
   engine2)  # issue 13: the rest of the same comparison
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
