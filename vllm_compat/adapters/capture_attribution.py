@@ -104,7 +104,7 @@ ADAPTER = Adapter(
         Patch(f"{WORKER_EXTENSION}._get_captured_states", function_wrapper(regroup_rows)),
         Patch("vllm.v1.worker.gpu_worker:Worker.execute_model", function_wrapper(remember_step)),
     ),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     requires=("v2_batch_order",),  # reads the batch order it notes under Model Runner V2
     evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",
 )

@@ -45,6 +45,6 @@ ADAPTER = Adapter(
     deferred=True,
     phase=Phase.TRANSPORT,  # outermost: after capture_attribution has regrouped the rows
     patches=(Patch(f"{WORKER_EXTENSION}._get_captured_states", function_wrapper(states_to_host)),),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     evidence="shared/gpu/README.md measured anchors; vllm/distributed/device_communicators/shm_broadcast.py enqueue()",
 )

@@ -51,7 +51,7 @@ ADAPTER = Adapter(
                   old={ABSENT}, new={PRESENT}),
     speculators=SpecifierSet(SPECULATORS_03),  # 0.4 handles it itself
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(flush_pending_samples)),),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     bridges_steps=("executor.sample_tokens",),  # speculators 0.3 never samples; 0.4 makes the step itself
     evidence="DRIFT.md §2: vllm/v1/executor/multiproc_executor.py:253-275 (0.11.1)",
 )

@@ -40,6 +40,6 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(SPECULATORS_03),
     deferred=True,
     patches=(Patch(f"{WORKER_EXTENSION}._setup_hidden_states_capture", function_wrapper(alias_embedding)),),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     evidence="DRIFT.md §2: vllm/model_executor/models/llama.py:378 (0.11.0) -> :427 (0.11.1)",
 )

@@ -41,6 +41,6 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(SPECULATORS_03),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("schedule", _schedule_with_undelivered)),),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     evidence="H200, vLLM 0.20.0, VLLM_USE_V2_MODEL_RUNNER=1: 'No free indices' (vllm/v1/worker/gpu/states.py:91)",
 )

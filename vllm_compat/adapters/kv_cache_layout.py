@@ -51,7 +51,7 @@ ADAPTER = Adapter(
                   old={ABSENT}, new={PRESENT}),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(resolve_layout)),),
-    verified_through="0.33.0",  # its 0.33.0 change (the interleave size) tested there, docs/compatibility.md
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     bridges_steps=("executor.get_supported_kv_cache_layouts", "executor.set_kv_cache_layout"),
     evidence="DRIFT.md §2 (0.29.0 row): vllm/config/cache.py:344-351; vllm/v1/engine/core.py:289-294",
 )

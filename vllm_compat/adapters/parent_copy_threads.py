@@ -104,7 +104,7 @@ ADAPTER = Adapter(
     host_probe=workers_off_cpu,
     host_note="where vLLM's workers are not on the CPU",
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(give_threads_back)),),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     evidence="vllm/v1/executor/multiproc_executor.py: _init_executor -> set_multiprocessing_worker_envs "
              "(0.11.0, 0.12.0, 0.16.0, 0.17.0, 0.20.0, 0.26.0), + set_torch_threads_for_runtime after wait_for_ready "
              "(0.32.0: lines 136, 221; 0.33.0); docs/performance.md 'Measured on the H200 (2026-12-01)'",

@@ -34,6 +34,6 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     deferred=True,
     patches=(Patch(TARGET, function_wrapper(remember_v2_batch)),),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     evidence="DRIFT.md §2 (0.22.0 -> 0.29.0 row) and §7.7; vllm/v1/worker/gpu/model_runner.py:1291 (0.32.0)",
 )

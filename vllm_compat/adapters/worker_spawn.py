@@ -42,6 +42,6 @@ ADAPTER = Adapter(
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(spawn_workers)),),
-    verified_through="0.32.0",
+    verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     evidence="shared/gpu/README.md: 'Cannot re-initialize CUDA in forked subprocess' (vLLM 0.20.0, H200)",
 )
