@@ -43,7 +43,9 @@ class Phase(enum.IntEnum):
       transformers module). First, so that every later patch, and the consumer's own imports, find it.
     * ``ADAPT``: the default: call fixes (a keyword dropped or defaulted), behaviour fixes and the
       worker-side capture fixes. Wrappers in this phase each touch their own argument or aspect of
-      the result, so their relative nesting does not matter.
+      the result; where several wrap one name they nest by id, and that order is declared, not
+      assumed harmless: docs/adapters.md ("Shared patch targets") shows each such stack, a unit test
+      pins it and a contract test checks the live chain after ``apply()`` against it.
     * ``TRANSPORT``: changes how a finished result travels (``capture_transport`` moves captured
       states through shared memory): outermost, after every fix has shaped the result.
     """
