@@ -107,9 +107,9 @@ class Adapter:
     Attributes:
         id: stable snake_case name: module name, report key and ``VLLM_COMPAT_DISABLE`` entry.
         summary: one line a user reads in reports.
-        drift: old shape -> new shape, as DRIFT.md states it, with the first changed release.
+        drift: old shape -> new shape, with the first changed release (docs/drift-atlas.md).
         scope: see :class:`Scope`.
-        vllm: vLLM releases where the new shape is expected (two-sided where DRIFT.md says so).
+        vllm: vLLM releases where the new shape is expected (two-sided where the drift atlas says so).
         patches: what gets replaced.
         verified_through: the newest vLLM release this adapter was verified on (the other side of
             ``vllm``, as instrumentation libraries declare the library versions they were tested

@@ -8,7 +8,7 @@ Decision for one adapter, in order:
    ``not_needed``;
 3. host probe (e.g. "no CUDA device") says no -> ``not_needed``;
 4. the live probe: old shape -> ``not_needed``; new shape -> patch; neither -> ``unknown_drift``.
-   The version range from DRIFT.md is a cross-check: a release inside the range whose probe still
+   The version range (from docs/drift-atlas.md) is a cross-check: a release inside the range whose probe still
    finds the old shape is ``unknown_drift`` too (nightlies, which sit between releases, are not).
 
 Every adapter that gets as far as the probe is also checked against its ``verified_through``: on a

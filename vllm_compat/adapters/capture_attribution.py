@@ -106,5 +106,5 @@ ADAPTER = Adapter(
     ),
     verified_through="0.32.0",
     requires=("v2_batch_order",),  # reads the batch order it notes under Model Runner V2
-    evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",
+    evidence="docs/drift-atlas.md, \"Defects of speculators 0.3.0\"; docs/cpu-vllm.md, \"Correctness traps\"",
 )

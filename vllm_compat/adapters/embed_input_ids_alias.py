@@ -41,5 +41,6 @@ ADAPTER = Adapter(
     deferred=True,
     patches=(Patch(f"{WORKER_EXTENSION}._setup_hidden_states_capture", function_wrapper(alias_embedding)),),
     verified_through="0.32.0",
-    evidence="DRIFT.md §2: vllm/model_executor/models/llama.py:378 (0.11.0) -> :427 (0.11.1)",
+    evidence="docs/drift-atlas.md, \"Input embeddings renamed (0.11.1)\": "
+             "vllm/model_executor/models/llama.py:378 (0.11.0) -> :427 (0.11.1)",
 )

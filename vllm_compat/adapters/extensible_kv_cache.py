@@ -44,6 +44,7 @@ ADAPTER = default_keyword(
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     # its contract test on the real 0.34.0 wheel; no engine run yet reached the KV cache (docs/compatibility.md)
     verified_through="0.34.0",
-    evidence="DRIFT.md §9: vllm/config/cache.py:395; vllm/config/vllm.py:3180-3254; "
+    evidence="docs/drift-atlas.md, \"Extensible KV cache (0.34.0)\": "
+             "vllm/config/cache.py:395; vllm/config/vllm.py:3180-3254; "
              "vllm/v1/engine/core.py:404-418; vllm/v1/worker/gpu_worker.py:909-952, 1080-1098",
 )

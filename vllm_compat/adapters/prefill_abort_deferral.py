@@ -45,5 +45,5 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(SPECULATORS_03),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("finish_requests", _finish_after_prefill)),),
     verified_through="0.32.0",
-    evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",
+    evidence="docs/drift-atlas.md, \"Defects of speculators 0.3.0\"; docs/cpu-vllm.md, \"Correctness traps\"",
 )
