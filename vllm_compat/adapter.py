@@ -129,8 +129,9 @@ class Adapter:
             it is applied after them.
         bridges_steps: the engine steps of vLLM's own engine core that the generator lacks and this
             adapter performs for it or makes unnecessary, each ``role.name`` as the audit names them
-            (``executor.compile_or_warm_up_model``; docs/audit.md, "Engine steps"). The audit shows
-            such a step as bridged by this adapter where its verdict is ``adapted``.
+            (``executor.compile_or_warm_up_model``; docs/audit.md, "Behaviour drift: engine steps and
+            config fields"). The audit shows such a step as bridged by this adapter where its
+            verdict is ``adapted``.
     """
 
     id: str

@@ -9,7 +9,7 @@ block count with a step of its own, ``executor.extend_kv_cache(num_blocks)`` aft
 (``vllm/v1/engine/core.py:404-418``). The speculators generator builds its executor and scheduler
 by hand, sizes the cache itself from free memory, and never takes that step: its scheduler hands out
 blocks no memory stands behind. No signature changed; the audit's engine-step comparison names the
-step (docs/audit.md, "Engine steps").
+step (docs/audit.md, "Behaviour drift: engine steps and config fields").
 
 What it does: the generator's ``CacheConfig`` is built with ``enable_extensible_kv_cache=False``,
 vLLM's estimate-sized cache (what it does everywhere the extensible cache is unsupported, and what
