@@ -8,8 +8,9 @@ Decision for one adapter, in order:
    ``not_needed``;
 3. host probe (e.g. "no CUDA device") says no -> ``not_needed``;
 4. the live probe: old shape -> ``not_needed``; new shape -> patch; neither -> ``unknown_drift``.
-   The version range (from docs/drift-atlas.md) is a cross-check: a release inside the range whose probe still
-   finds the old shape is ``unknown_drift`` too (nightlies, which sit between releases, are not).
+   The version range (docs/drift-atlas.md) is a cross-check: a release inside the range whose
+   probe still finds the old shape is ``unknown_drift`` too (nightlies, which sit between releases,
+   are not).
 
 Every adapter that gets as far as the probe is also checked against its ``verified_through``: on a
 newer vLLM its result says "not verified on X" (a warning), and strict mode refuses.
@@ -339,7 +340,7 @@ def _arguments(disable, strict, scopes, role) -> dict[str, object]:
 def _warn_if_other(arguments: dict[str, object]) -> None:
     """One warning for a repeated apply() whose arguments differ from the first call's, naming what
     differed (as OpenTelemetry's instrumentors warn on a second instrument()); silent otherwise."""
-    differences = [f"{name} {_applied_with[name]!r} -> {value!r}" for name, value in arguments.items()
+    differences = [f"{name} {_applied_with.get(name)!r} -> {value!r}" for name, value in arguments.items()
                    if _applied_with.get(name) != value]
     if differences:
         logger.warning("vllm-compat: apply() called again with other arguments (%s); ignored, the first "
