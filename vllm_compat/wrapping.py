@@ -137,6 +137,18 @@ def uninstall(record: Installed) -> bool:
     return True
 
 
+def stack(target: str) -> tuple[str, ...]:
+    """The adapters whose replacements sit at ``target`` now, outermost first: the live chain,
+    followed through ``__wrapped__`` for as long as its objects are ours (``registry.wrapper_stacks``
+    declares the order they must come in)."""
+    current = resolve(target)[2]
+    owners: list[str] = []
+    while current is not ABSENT and (owner := owner_of(current)) is not None:
+        owners.append(owner)
+        current = getattr(current, "__wrapped__", ABSENT)
+    return tuple(owners)
+
+
 def function_wrapper(wrapper):
     """A patch factory wrapping the original with ``wrapper(wrapped, instance, args, kwargs)``."""
     import wrapt

@@ -1,6 +1,6 @@
 """Shared contract for every adapter, run against the real installed vLLM (and speculators, when
 the matrix puts one on the path). Subclass, set ``adapter_id`` and ``first_new`` (the first vLLM
-release with the new shape, from DRIFT.md, written out here independently of the adapter's own
+release with the new shape, from docs/drift-atlas.md, written out here independently of the adapter's own
 declaration), add ``test_patched_call`` exercising the patched object for real, and state the
 adapter's negative proof (``negative`` or ``not_observable_on_cpu``, read by
 tests/e2e/test_negative.py). tests/unit/test_contracts_exist.py checks every adapter has one."""
@@ -59,8 +59,8 @@ RUNNER_V2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 class AdapterContract:
     adapter_id: str = ""
-    first_new: str = ""  # DRIFT.md: first release with the new shape ("" = every release)
-    last_new: str = ""  # DRIFT.md: last release with it, when it went away again
+    first_new: str = ""  # docs/drift-atlas.md: first release with the new shape ("" = every release)
+    last_new: str = ""  # docs/drift-atlas.md: last release with it, when it went away again
     # The negative proof (tests/e2e/test_negative.py): with the adapter disabled, the generator run
     # fails with an error containing ``negative``, or any error (``"error"``), or gives wrong
     # numbers or an error (``"wrong"``). Or, where a CPU run cannot show the failure, why not

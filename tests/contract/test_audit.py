@@ -1,6 +1,6 @@
 """The audit against real vLLM: static (installed files), static (the release's wheel) and live
 (imported) give the same verdicts; and a handful of releases, read from PyPI's wheels, show each
-drift where DRIFT.md says it first appears."""
+drift where docs/drift-atlas.md says it first appears."""
 import sys
 from pathlib import Path
 
@@ -41,7 +41,7 @@ def test_static_wheel_and_live_agree_on_the_installed_release():
         k: v for k, v in verdicts(from_wheel).items() if k not in on_host}
 
 
-# (adapter, last release with the old shape, first release with the new one), from DRIFT.md
+# (adapter, last release with the old shape, first release with the new one), from docs/drift-atlas.md
 FIRST_CHANGED = [
     ("scheduler_block_size", "0.11.0", "0.11.1"),
     ("request_eos_token_id", "0.16.0", "0.17.0"),

@@ -104,8 +104,8 @@ class TestCaptureTransport(AdapterContract):
 
     def test_parent_clones_reuse_freed_memory(self):
         """The parent's copies out of the segment land on reused pages, not freshly faulted ones
-        (4 KiB faults held that copy to 2 GB/s on an H200 host; bench/host_copy.py). 256 faults
-        per MiB is one per page: what every call costs without it."""
+        (docs/performance.md, "The parent's copy lands on fresh pages (issue 13 step 2)"). 256
+        faults per MiB is one per page: what every call costs without it."""
         if platform.libc_ver()[0] != "glibc":
             pytest.skip("not glibc: no mallopt")
         # The median call from the 4th on, at most half its pages fresh. Not "none": a small

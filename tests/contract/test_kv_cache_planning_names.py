@@ -49,7 +49,8 @@ class TestKvCachePlanningNames(AdapterContract):
         """A vLLM worker applies only what its ``vllm.general_plugins`` hook applies, then imports
         speculators' worker extension, whose package imports the generator module and with it the
         moved names. Run as a worker is: a fresh process, the plugin's ``register()``, the import.
-        Applied, the import works; disabled, it fails as the H200 run of 2026-12-03 did."""
+        Applied, the import works; disabled, it fails as a real worker does (docs/drift-atlas.md,
+        "KV-cache planning moves to its own module (0.33.0)")."""
         import os
         import subprocess
         import sys

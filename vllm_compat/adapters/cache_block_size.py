@@ -37,5 +37,6 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("CacheConfig"), function_wrapper(backend_chooses_block_size)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §2 (0.18.0 row): vllm/config/cache.py:36-40,195-206; vllm/v1/attention/selector.py:74-77",
+    evidence="docs/drift-atlas.md, \"An explicit block size is honoured (0.18.0)\": "
+             "vllm/config/cache.py:36-40,195-206; vllm/v1/attention/selector.py:74-77",
 )

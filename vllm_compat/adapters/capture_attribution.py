@@ -4,8 +4,8 @@ Not a vLLM drift but the 0.3.0 generator's own defect: its worker concatenates e
 row of every step, and the parent slices that in the order it *submitted* the prompts. Rows come
 in the model runner's batch order, step by step: when one call needs several scheduler steps
 (more tokens than one step admits, chunked prompts) or the runner reorders the batch, sequences
-get each other's states (seen on vLLM 0.11.0 itself: 12 of 40, 132 of 300 sequences wrong; no
-error). Warm-up and padding rows would shift every slice as well.
+get each other's states, with no error (even on vLLM 0.11.0 itself: docs/cpu-vllm.md,
+"Correctness traps"). Warm-up and padding rows would shift every slice as well.
 
 What it does, inside the worker: the step's per-request token counts are noted when the worker
 executes a scheduler output; each captured forward records which request owns which rows (the
@@ -106,5 +106,5 @@ ADAPTER = Adapter(
     ),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     requires=("v2_batch_order",),  # reads the batch order it notes under Model Runner V2
-    evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",
+    evidence="docs/drift-atlas.md, \"Defects of speculators 0.3.0\"; docs/cpu-vllm.md, \"Correctness traps\"",
 )

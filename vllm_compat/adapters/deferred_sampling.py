@@ -53,5 +53,6 @@ ADAPTER = Adapter(
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(flush_pending_samples)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     bridges_steps=("executor.sample_tokens",),  # speculators 0.3 never samples; 0.4 makes the step itself
-    evidence="DRIFT.md §2: vllm/v1/executor/multiproc_executor.py:253-275 (0.11.1)",
+    evidence="docs/drift-atlas.md, \"Deferred sampling (0.11.1)\": "
+             "vllm/v1/executor/multiproc_executor.py:253-275 (0.11.1)",
 )

@@ -41,5 +41,6 @@ ADAPTER = Adapter(
     deferred=True,
     patches=(Patch(f"{WORKER_EXTENSION}._setup_hidden_states_capture", function_wrapper(alias_embedding)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §2: vllm/model_executor/models/llama.py:378 (0.11.0) -> :427 (0.11.1)",
+    evidence="docs/drift-atlas.md, \"Input embeddings renamed (0.11.1)\": "
+             "vllm/model_executor/models/llama.py:378 (0.11.0) -> :427 (0.11.1)",
 )

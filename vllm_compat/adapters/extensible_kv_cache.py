@@ -9,7 +9,7 @@ block count with a step of its own, ``executor.extend_kv_cache(num_blocks)`` aft
 (``vllm/v1/engine/core.py:404-418``). The speculators generator builds its executor and scheduler
 by hand, sizes the cache itself from free memory, and never takes that step: its scheduler hands out
 blocks no memory stands behind. No signature changed; the audit's engine-step comparison names the
-step (docs/audit.md, "Engine steps").
+step (docs/audit.md, "Behaviour drift: engine steps and config fields").
 
 What it does: the generator's ``CacheConfig`` is built with ``enable_extensible_kv_cache=False``,
 vLLM's estimate-sized cache (what it does everywhere the extensible cache is unsupported, and what
@@ -45,6 +45,7 @@ ADAPTER = default_keyword(
     # ran on the H200 under 0.34.0 (generator states = HF); the fault it prevents was not reproduced there
     # (docs/compatibility.md)
     verified_through="0.34.0",
-    evidence="DRIFT.md §9: vllm/config/cache.py:395; vllm/config/vllm.py:3180-3254; "
+    evidence="docs/drift-atlas.md, \"Extensible KV cache (0.34.0)\": "
+             "vllm/config/cache.py:395; vllm/config/vllm.py:3180-3254; "
              "vllm/v1/engine/core.py:404-418; vllm/v1/worker/gpu_worker.py:909-952, 1080-1098",
 )

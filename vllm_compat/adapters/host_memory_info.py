@@ -53,5 +53,5 @@ ADAPTER = Adapter(
             original, lambda wrapped, instance, args, kwargs: host_memory()), optional=True),
     ),
     verified_through="0.32.0",
-    evidence="shared/CPU-VLLM.md; speculators 0.4.0 speculators/utils/util.py:34-43",
+    evidence="docs/cpu-vllm.md, \"Running\"; speculators 0.4.0 speculators/utils/util.py:34-43",
 )

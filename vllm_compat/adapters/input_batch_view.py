@@ -47,5 +47,6 @@ ADAPTER = Adapter(
     patches=(Patch(f"{WORKER_EXTENSION}._store_captured_states", function_wrapper(with_input_batch_view)),),
     verified_through="0.32.0",
     requires=("v2_batch_order",),  # reads the batch order it notes under Model Runner V2
-    evidence="DRIFT.md §6 (0.22.0-0.28.0 row): AttributeError in _store_captured_states under MRv2",
+    evidence="docs/drift-atlas.md, \"Model Runner V2 by default (0.22.0 to 0.29.0)\": "
+             "AttributeError in _store_captured_states under MRv2",
 )

@@ -53,5 +53,6 @@ ADAPTER = Adapter(
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(resolve_layout)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     bridges_steps=("executor.get_supported_kv_cache_layouts", "executor.set_kv_cache_layout"),
-    evidence="DRIFT.md §2 (0.29.0 row): vllm/config/cache.py:344-351; vllm/v1/engine/core.py:289-294",
+    evidence="docs/drift-atlas.md, \"The caller resolves the KV-cache layout (0.29.0)\": "
+             "vllm/config/cache.py:344-351; vllm/v1/engine/core.py:289-294",
 )

@@ -31,6 +31,7 @@ ADAPTER = alias_moved_names(
     scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.33.0"),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §8: vllm/v1/core/kv_cache_utils.py:1260,1588,1799 (0.32.0) -> "
+    evidence="docs/drift-atlas.md, \"KV-cache planning moves to its own module (0.33.0)\": "
+             "vllm/v1/core/kv_cache_utils.py:1260,1588,1799 (0.32.0) -> "
              "vllm/v1/core/kv_cache_planning.py:314,642,853 (0.33.0)",
 )

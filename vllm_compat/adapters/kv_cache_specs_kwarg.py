@@ -27,5 +27,6 @@ ADAPTER = drop_keyword(
     scope=Scope.GLOBAL,
     vllm=SpecifierSet(">=0.12.0"),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §1: vllm/v1/core/kv_cache_utils.py:1001 (0.11.2) -> :1050 (0.12.0)",
+    evidence="docs/drift-atlas.md, \"`get_kv_cache_config_from_groups` drops `kv_cache_specs` (0.12.0)\": "
+             "vllm/v1/core/kv_cache_utils.py:1001 (0.11.2) -> :1050 (0.12.0)",
 )

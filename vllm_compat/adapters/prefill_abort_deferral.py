@@ -3,8 +3,8 @@
 Not a vLLM drift but the 0.3.0 generator's own defect, exposed by chunked prefill (on by default
 in vLLM's V1 scheduler whenever a step's token budget is smaller than the batch): the step loop
 calls ``finish_requests([req_id], FINISHED_ABORTED)`` for every request scheduled in a step, so a
-prompt split across steps loses its tail, and every later sequence's slice shifts (seen: 13 of 40
-sequences wrong, no error).
+prompt split across steps loses its tail, and every later sequence's slice shifts, with no error
+(docs/cpu-vllm.md, "Correctness traps").
 
 What it does: on the scheduler the generator builds (only that one), an abort of a request whose
 prompt is not yet fully scheduled is held back; the same call in a later step, after the last
@@ -45,5 +45,5 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(SPECULATORS_03),
     patches=(Patch(generator_name("Scheduler"), wrap_constructed("finish_requests", _finish_after_prefill)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §2 'Other 0.3.0 defects'; shared/CPU-VLLM.md 'Correctness traps seen'",
+    evidence="docs/drift-atlas.md, \"Defects of speculators 0.3.0\"; docs/cpu-vllm.md, \"Correctness traps\"",
 )

@@ -29,5 +29,6 @@ ADAPTER = default_keyword(
     vllm=SpecifierSet(">=0.12.0"),
     speculators=SpecifierSet(SPECULATORS_03),  # 0.4 handles it itself
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §2: vllm/config/cache.py:76; vllm/v1/core/block_pool.py:238 (0.12.0)",
+    evidence="docs/drift-atlas.md, \"Prefix caching on by default (0.12.0)\": "
+             "vllm/config/cache.py:76; vllm/v1/core/block_pool.py:238 (0.12.0)",
 )

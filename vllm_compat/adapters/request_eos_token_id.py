@@ -22,5 +22,6 @@ ADAPTER = drop_keyword(
     scope=Scope.GLOBAL,
     vllm=SpecifierSet(">=0.17.0"),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §1: vllm/v1/request.py:59-65 (0.16.0) -> :60-76 (0.17.0)",
+    evidence="docs/drift-atlas.md, \"`Request` drops `eos_token_id` (0.17.0)\": "
+             "vllm/v1/request.py:59-65 (0.16.0) -> :60-76 (0.17.0)",
 )

@@ -40,5 +40,6 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(SPECULATORS_03),
     patches=(Patch(generator_name("MultiprocExecutor"), wrap_constructed("collective_rpc", _reply_as_list)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §3 C10: vllm/v1/executor/multiproc_executor.py:237-271 (0.11.0) vs :296-297,346 (0.11.1)",
+    evidence="docs/drift-atlas.md, \"Single reply from `collective_rpc` (0.11.1)\": "
+             "vllm/v1/executor/multiproc_executor.py:237-271 (0.11.0) vs :296-297,346 (0.11.1)",
 )

@@ -69,5 +69,6 @@ ADAPTER = Adapter(
     patches=(Patch(generator_name("Scheduler"), function_wrapper(block_size_from_config)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     bridges_steps=("kv_cache.resolve_kv_cache_block_sizes",),  # the scheduler block size, derived as vLLM does
-    evidence="DRIFT.md §1: vllm/v1/core/sched/scheduler.py:45 (0.11.0) -> :53-58 (0.11.1)",
+    evidence="docs/drift-atlas.md, \"Scheduler needs `block_size` (0.11.1)\": "
+             "vllm/v1/core/sched/scheduler.py:45 (0.11.0) -> :53-58 (0.11.1)",
 )

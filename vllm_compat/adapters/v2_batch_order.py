@@ -35,5 +35,6 @@ ADAPTER = Adapter(
     deferred=True,
     patches=(Patch(TARGET, function_wrapper(remember_v2_batch)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="DRIFT.md §2 (0.22.0 -> 0.29.0 row) and §7.7; vllm/v1/worker/gpu/model_runner.py:1291 (0.32.0)",
+    evidence="docs/drift-atlas.md, \"Model Runner V2 by default (0.22.0 to 0.29.0)\": "
+             "vllm/v1/worker/gpu/model_runner.py:1291 (0.32.0)",
 )

@@ -38,5 +38,6 @@ ADAPTER = Adapter(
     patches=(Patch(generator_name("MultiprocExecutor"), wrap_constructed("initialize_from_config", _then_warm_up)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     bridges_steps=("executor.compile_or_warm_up_model",),
-    evidence="DRIFT.md §2: vllm/v1/executor/abstract.py:112-118 (0.16.0) vs :118-137, engine/core.py:330-332 (0.27.0)",
+    evidence="docs/drift-atlas.md, \"Warm-up leaves `initialize_from_config` (0.27.0)\": "
+             "vllm/v1/executor/abstract.py:112-118 (0.16.0) vs :118-137, engine/core.py:330-332 (0.27.0)",
 )

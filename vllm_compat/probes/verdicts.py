@@ -55,7 +55,7 @@ def judge(adapter: Adapter, source: Source, vllm: Version | None) -> Verdict:
         return Verdict(MISSING_SYMBOL, f"{release}: {expect.check.target} not found", seen.value, seen.where)
     if seen.value in expect.old:
         if expected_new and not is_nightly(vllm):
-            return Verdict(UNKNOWN_DRIFT, f"expected the new shape for vllm {adapter.vllm} (DRIFT.md), "
+            return Verdict(UNKNOWN_DRIFT, f"expected the new shape for vllm {adapter.vllm} (docs/drift-atlas.md), "
                            f"but on {release} {shape}", seen.value, seen.where)
         return Verdict(NATIVE, f"native on {release}: {shape}", seen.value, seen.where)
     return Verdict(UNKNOWN_DRIFT, f"{release}: {shape}; expected {sorted(expect.old)} (old) or "
