@@ -43,6 +43,11 @@ FIRST = "0.11.0"
 CUDA_ONLY = ("0.33.0", "0.34.0")
 # of those, the releases checked without an engine (the page's paragraph on 0.33.0)
 CHECKED_WITHOUT_ENGINE = ("0.33.0",)
+# what ran of a release with no CPU build on the lent GPU, per (release, speculators, family) (its paragraph)
+ON_THE_GPU = {
+    ("0.34.0", "0.3.0", "llama"): "no CPU build; H200, 8B shape: ok (0.086)",
+    ("0.34.0", "0.4.0", "llama"): "no CPU build; H200, 8B shape: ran, not compared",
+}
 
 
 def releases() -> list[str]:
@@ -298,26 +303,34 @@ def render(results: dict) -> None:
         "which 0.33.0 did not get: they stay at 0.32.0, and `apply()` and the audit warn on 0.33.0.",
         "That parent-only check missed a worker: see 0.34.0 below (the fix holds for 0.33.0 too).",
         "",
-        "**0.34.0 on the H200 (2026-12-03): started, not yet measured.** Carried to the lent GPU",
-        "(`bench/device/prepare.py --vllm 0.34.0`): vLLM 0.34.0's CUDA wheel, torch 2.14.0+cu130 with the",
-        "NCCL it pins (2.30.7: torch 2.14 links NCCL functions the image's 2.28.9 lacks), torchvision 0.29.0,",
-        "transformers 5.22.2 and huggingface_hub 2.4.0 as vLLM's own install resolves them; the image's",
-        "cuDNN 9.19 and Triton 3.6.0 stayed. torch, NCCL and vLLM imported and ran on the GPU. What the runs",
-        "found (raw: `bench/results/h200-vllm0.34.0-2026-12-03.txt`): (1) the generator's worker died",
-        "importing speculators' worker extension, whose package imports the generator module and with it",
-        "the KV-cache names 0.33.0 moved: `kv_cache_planning_names` was applied in the parent only. It is",
-        "now applied in every vLLM process, and a contract test runs a worker's import (fails with the",
-        "adapter disabled or at its old scope). (2) vLLM 0.34.0's model runner imports FlashInfer for its",
-        "sampler (`flashinfer-python==0.7.3`, pinned, is not on the index; `VLLM_USE_FLASHINFER_SAMPLER=0`",
-        "avoids the import) and its FlashAttention backend and warm-up import CUTLASS's Python DSL",
-        "(`nvidia-cutlass-dsl`), neither carried that session: with the sampler switched off the generator",
-        "built its executor, planned and initialised the KV cache and stopped in warm-up (`No module named",
-        "'cutlass'`); vLLM's own `LLM` stopped the same way. So no state was compared on 0.34.0 yet, and the",
-        "extensible KV cache's missing step (`extensible_kv_cache`, named by the audit's engine-step",
-        "comparison) is read from the source, its fix checked on the real wheel by its contract test, not",
-        "yet in an engine run. `prepare.py` now carries every runtime requirement vLLM declares except media",
-        "decoders and kernels of models the extractor does not run (FlashInfer as 0.7.4, the relaxed pin);",
-        "the next GPU session runs `stages.sh release-one` and `release-tiny`. 0.33.0 was not run.",
+        "**0.34.0 on the H200 (2026-12-03): ran.** Carried to the lent GPU (`bench/device/prepare.py",
+        "--vllm 0.34.0`, then `receive.sh` per part and `queue.sh`): vLLM 0.34.0's CUDA wheel with every",
+        "runtime requirement it declares as pip resolves them (FlashInfer as 0.7.4: the pinned 0.7.3 is not on",
+        "the index; CUTLASS's Python DSL 4.8.0; transformers 5.22.2), torch 2.14.0+cu130 with the NCCL it pins",
+        "(2.30.7: torch 2.14 links NCCL functions the image's 2.28.9 lacks); the image's cuDNN 9.19 and",
+        "Triton 3.6.0 stayed. Llama-3-8B shape, 64 x 2048 tokens, layers 2/16/29/31 (raw:",
+        "`bench/results/h200-vllm0.34.0-2026-12-03-b.{txt,jsonl}`): vLLM's eager prefill 41,829 tokens/s;",
+        "`--backend vllm-engine` 40,521 (0.97x); `--backend vllm-native` 34,759 (0.83x); the unmodified",
+        "generators through `apply()`, speculators 0.3.0 28,342 and 0.4.0 28,805. States against HF fp32,",
+        "for `vllm-engine` and the 0.3.0 generator: max relative error 0.026 / 0.061 / 0.082 / 0.086 per",
+        "layer, no token over 15 %, the numbers vLLM 0.20.0 gave on the same machine. The first session",
+        "found a worker that died importing speculators' worker extension (`kv_cache_planning_names` was",
+        "applied in the parent only; now in every vLLM process, with a contract test of a worker's import);",
+        "the second, that CUTLASS's DSL reaches the path only through a `.pth` file, which a `--target`",
+        "install never runs (a carrying problem, fixed in `install.sh`). **The extensible KV cache.** The",
+        "audit's engine-step comparison names the four steps vLLM's engine core gained; `extensible_kv_cache`",
+        "builds the generator's cache up front instead. The predicted fault was **not reproduced**: without",
+        "the adapter the generator ran to the end (27,426 tokens/s; its load 9.6 s longer, vLLM's KV-cache",
+        "sizing warm-up, which runs only with the extensible cache on). Read in the source: with eager",
+        "execution the blocks that warm-up commits stay backed, and it commits enough for the largest step",
+        "it measures; a block past those has no memory behind it, which a workload holding more blocks in",
+        "flight than that step would reach (not run). The adapter stays: it makes the cache the generator",
+        "addresses the one vLLM sized, whatever the workload. `verified_through` is 0.34.0 for the 21",
+        "adapters that ran in the generator run whose states matched HF; the others stay where they were",
+        "(not needed on CUDA, another model family's, speculators 0.4.0's alone, or a fault path not hit).",
+        "Not yet run on 0.34.0: the end-to-end suite on the tiny models (interrupted at the device budget's",
+        "end, its output lost) and the files of `vllm-native` and of the 0.4.0 generator against HF.",
+        "0.33.0 was installed on the H200 but not run: it stays checked without an engine.",
         "",
         "| vLLM | audit 0.3.0 | audit 0.4.0 | extractor backends | Llama 0.3.0 | Llama 0.4.0 | DeepSeek 0.3.0 | DeepSeek 0.4.0 | "
         + " | ".join(title for _, title in FAMILY_COLUMNS) + " |",
@@ -346,6 +359,8 @@ def render(results: dict) -> None:
         if row is None:
             if version in CHECKED_WITHOUT_ENGINE:
                 return "not runnable: no CPU build (checked without an engine, above)"
+            if (version, spec, family) in ON_THE_GPU:
+                return ON_THE_GPU[version, spec, family]
             if version in CUDA_ONLY:
                 return "not runnable: no CPU build"
             return "not run" if family in ("llama", "deepseek") else "not yet measured"
