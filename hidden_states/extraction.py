@@ -246,7 +246,7 @@ class Extraction:
         estimate = check_disk(self.output.path, settings.prepared_data, self.bytes_per_token, self.facts, layer_ids,
                               settings.max_seq_len)
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            self.log(check_vllm(settings.backend))
+            self.log(check_vllm(settings.backend, backends.touchpoints_of(settings.backend)))
         end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
         self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
                                max_seq_len=settings.max_seq_len, strict=settings.strict)
@@ -323,8 +323,8 @@ class Extraction:
         the backend's ``tokens_ahead`` (default 1: one batch): a backend that can runs those while
         the oldest one's states are copied out and written (the ``speculators`` backend overlaps two
         calls; the engine backends want three engine steps queued, whatever the batches' lengths)."""
-        ahead = getattr(self.backend, "tokens_ahead", 1)
-        for group in submit_groups(batch, getattr(self.backend, "tokens_per_submit", None)):
+        ahead = self.backend.tokens_ahead
+        for group in submit_groups(batch, self.backend.tokens_per_submit):
             self._in_flight.append((group, self._submit(group), sum(len(s.input_ids) for s in group)))
             while len(self._in_flight) > 1 and sum(tokens for *_, tokens in itertools.islice(self._in_flight, 1, None)) >= ahead:
                 self._write(*self._in_flight.popleft()[:2])
@@ -423,7 +423,7 @@ def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]
 
 def check_forward(backend, vocab_size: int) -> str:
     """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
-    (``vllm_compat.forward_check``): a kernel that is wrong for one layout (seen: vLLM's CPU RMSNorm
+    (``hidden_states.forward_check``): a kernel that is wrong for one layout (seen: vLLM's CPU RMSNorm
     on 0.12-0.13, its CPU rotary on 3-D inputs from 0.14) makes every state after the first token
     wrong with no error. One short sequence and a few small kernel calls: seconds."""
     started = time.monotonic()

@@ -15,7 +15,29 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+from vllm_compat.extractor_api import OPTIONAL, PRESENT, REQUIRED, Attr, Exists, Param
+
 STOP = object()
+ENGINE = "vllm.v1.engine.llm_engine:LLMEngine"
+GIVEN = frozenset({REQUIRED, OPTIONAL})  # a parameter we pass: there, whether or not it has a default
+
+
+def present(target: str, *names: str) -> list:
+    """Touch points: the attributes ``names`` of ``target``, expected present."""
+    return [(Attr(target, name), frozenset({PRESENT})) for name in names]
+
+
+# What the feed touches in vLLM (both engine backends declare it among their touch points): requests
+# in by keyword, steps out, each request's output told by its id.
+FEED_TOUCHPOINTS = [
+    *[(Param(f"{ENGINE}.add_request", name), GIVEN) for name in ("request_id", "prompt", "params")],
+    *present(ENGINE, "step", "has_unfinished_requests"),
+    (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
+    *present("vllm.sampling_params:SamplingParams", "max_tokens"),
+    *[(Param("vllm.outputs:RequestOutput.__init__", name), GIVEN) for name in ("request_id", "finished")],
+    # how many tokens make an engine step (the extraction keeps three steps' worth submitted ahead)
+    *present("vllm.config.scheduler:SchedulerConfig", "max_num_batched_tokens"),
+]
 
 
 def step_tokens(llm) -> int:

@@ -23,11 +23,9 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from vllm_compat.wrapping import pass_through_module, wrap_instance_method
+from vllm_compat.extractor_api import wrap_method
 
 FETCH = "_get_captured_states"
-# rpc_single_reply tells the generator's collective_rpc calls by their caller: ours pass them on
-pass_through_module(__name__)
 
 
 class OverlappedCalls:
@@ -40,7 +38,9 @@ class OverlappedCalls:
         self._copied = threading.Event()  # set: no call's reply is still being copied out
         self._copied.set()
         self._local = threading.local()  # per call: whether its reply has arrived (GPU phase over)
-        wrap_instance_method(executor, "collective_rpc", self._collective_rpc)
+        # transparent: rpc_single_reply tells the generator's collective_rpc calls by their caller,
+        # and this wrapper only passes them on
+        wrap_method(executor, "collective_rpc", self._collective_rpc, transparent=True)
 
     def submit(self, batch: list[list[int]]) -> Future:
         """Start ``generate(batch)``; blocks while the previous call is still in its GPU phase."""
