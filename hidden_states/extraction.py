@@ -101,7 +101,8 @@ class ProcessDied(RuntimeError):
 # engine core of ``vllm.LLM`` reports its death to this process before it exits.
 EXIT_WAIT = 5.0
 # Writer threads, at most, for the files queued when a run ends (the last batch: its files are the run's
-# tail). One thread writes about 0.7 GB/s into the page cache (an H200 host, bench/writer.py).
+# tail): one thread alone writes the page cache well below a disk's rate (docs/performance.md,
+# "The extractor's defaults").
 DRAIN_THREADS = 8
 
 
@@ -488,9 +489,9 @@ def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]
 
 def check_forward(backend, vocab_size: int) -> str:
     """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
-    (``hidden_states.forward_check``): a kernel that is wrong for one layout (seen: vLLM's CPU RMSNorm
-    on 0.12-0.13, its CPU rotary on 3-D inputs from 0.14) makes every state after the first token
-    wrong with no error. One short sequence and a few small kernel calls: seconds."""
+    (``hidden_states.forward_check``): a kernel that is wrong for one layout makes every state after
+    the first token wrong with no error (docs/extractor.md, "Forward check"). One short sequence
+    and a few small kernel calls: seconds."""
     started = time.monotonic()
     probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
     checks = backend.check_forward(probe)

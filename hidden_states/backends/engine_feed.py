@@ -50,8 +50,8 @@ def steps_of_tokens_ahead(llm) -> int:
     """Tokens the extraction keeps submitted beyond the batch it waits for: three of the engine's
     steps (its scheduler's token budget each), whatever the batches' lengths. The step running, the
     one vLLM schedules while it runs (async scheduling), and one more: a batch submitted while the
-    feed waits on a step enters the engine only when that step ends. With two, an H200 run still
-    saw steps scheduled half full (bench/steps.py, docs/performance.md)."""
+    feed waits on a step enters the engine only when that step ends (two leave steps scheduled half
+    full: docs/performance.md, "The extractor's defaults")."""
     return 3 * step_tokens(llm)
 
 

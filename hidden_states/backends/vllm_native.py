@@ -131,11 +131,10 @@ class VllmNativeBackend(EngineBackend):
 def store_root() -> str | None:
     """Where vLLM's connector writes each request's file, which this backend maps and deletes once
     its states are written: ``$VLLM_COMPAT_NATIVE_STORE`` when set (an existing, writable
-    directory), else the temporary directory (None). Not ``/dev/shm``: vLLM 0.20's connector saves
-    inside the engine step (0.26's on threads of its own), and on the H200 vLLM's own path alone ran
-    5-10 % slower with its files in ``/dev/shm`` than on disk, this backend 7-9 %
-    (docs/performance.md). A file lives about one step, so on disk it is mostly deleted before the
-    kernel writes it back."""
+    directory), else the temporary directory (None). Not ``/dev/shm``: the connector saves on the
+    host's CPUs and memory, and states in memory compete with it, where a file on disk lives about
+    one step and is mostly deleted before the kernel writes it back (measured slower in
+    ``/dev/shm``: docs/performance.md, "The extractor's defaults")."""
     chosen = os.environ.get(STORE_ENV)
     if not chosen:
         return None
