@@ -109,3 +109,21 @@ def test_preflight_of_vllm_native_needs_no_speculators(monkeypatch):
     monkeypatch.setattr(audit_module, "audit_backend", lambda backend, touched: [broken])
     with pytest.raises(PreflightError, match="problems for --backend vllm-native:\n  vllm.inputs:TokensPrompt: missing"):
         preflight.check_vllm("vllm-native", touchpoints_of("vllm-native"))
+
+
+def test_a_backend_refuses_to_start_without_an_adapter_it_requires():
+    """vllm-engine declares requires=("v2_batch_order",) beside its code: with that adapter disabled
+    its start stops before vLLM loads, naming it (negative: with it applied or not needed, no refusal)."""
+    from hidden_states.backends import BackendSettings
+    from hidden_states.backends.vllm_engine import VllmEngineBackend
+    from hidden_states.errors import ExtractError
+    from vllm_compat.report import AdapterResult, Report
+
+    assert touchpoints_of("vllm-engine").requires == ("v2_batch_order",)
+    backend = VllmEngineBackend(BackendSettings("m", [0], 8, 1, 0.1))
+    disabled = Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", "disabled", "disabled by VLLM_COMPAT_DISABLE"),))
+    with pytest.raises(ExtractError, match="--backend vllm-engine needs the adapter.s. v2_batch_order: "
+                                           "v2_batch_order disabled by VLLM_COMPAT_DISABLE"):
+        backend._check_required(disabled)
+    for status in ("applied", "not_needed"):
+        backend._check_required(Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", status, ""),)))
