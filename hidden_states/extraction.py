@@ -39,9 +39,8 @@ from .errors import ExtractError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
-from .preflight import (check_disk, check_first_samples, check_layer_ids, check_memory, check_tensor_parallel,
-                        ModelFacts, check_vllm, device_budget, estimate_memory, human_size,
-                        model_facts)
+from .preflight import (ModelFacts, check_disk, check_first_samples, check_layer_ids, check_memory,
+                        check_tensor_parallel, check_vllm, device_budget, estimate_memory, human_size, model_facts)
 from .progress import Progress, log_to_stderr
 from .settings import Settings
 
@@ -300,7 +299,7 @@ class Extraction:
         self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
                                max_seq_len=settings.max_seq_len, strict=settings.strict)
         self.run_plan = RunPlan(dataclasses.replace(settings), self.facts, self.format_name,
-                                tuple(layer_ids), self.layers, self.source.tag, self.config)
+                                tuple(layer_ids), self.layers, self.source.tag, dict(self.config))
         todo, exact = self.pending.todo()
         done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
         about = "" if exact else "about "
