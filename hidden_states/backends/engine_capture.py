@@ -10,7 +10,7 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
 * A region belongs to one request: the parent names it in the request's sampling parameters
   (``extra_args[REGION]``: offset and prompt length), so it reaches this worker with the request,
   whatever id vLLM gives it internally.
-* Layout (``vllm_engine.layer_start``): a 64-byte header, whose first int64 is the number of prompt rows
+* Layout (``regions.layer_start``): a 64-byte header, whose first int64 is the number of prompt rows
   stored so far; the token id of every stored row (int32), taken from the same forward rows as its
   states, which the parent compares with the prompt (a row attributed to the wrong request cannot
   pass); then the layers one after the other, each ``[prompt_len, hidden]`` contiguous: a request's
@@ -38,7 +38,7 @@ from speculators.data_generation.custom_worker import HiddenStatesWorkerExtensio
 
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
-from .vllm_engine import HEADER, REGION, layer_start
+from .regions import HEADER, REGION, layer_start
 
 logger = logging.getLogger(__name__)
 

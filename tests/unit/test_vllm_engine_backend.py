@@ -14,8 +14,8 @@ import torch
 
 from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.vllm_engine import (HEADER, REGION, RegionPool, VllmEngineBackend, _RegionBatch, layer_start,
-                                                region_bytes)
+from hidden_states.backends.regions import HEADER, REGION, RegionPool, layer_start, region_bytes
+from hidden_states.backends.vllm_engine import VllmEngineBackend, _RegionBatch
 
 HIDDEN = 4
 LAYERS = 2
