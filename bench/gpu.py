@@ -313,7 +313,7 @@ def phase_extract(args) -> None:
 
 
 def phase_forward_check(args) -> None:
-    """The extractor's preflight (``vllm_compat.forward_check`` through the backend) on its own:
+    """The extractor's preflight (``hidden_states.forward_check`` through the backend) on its own:
     every kernel self-test with its error, and the check's time on a cold and on a warm call."""
     from hidden_states import backends
 

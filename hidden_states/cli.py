@@ -26,7 +26,7 @@ from .backends import BACKENDS
 from .errors import ExtractError
 from .formats import FORMATS
 from .presets import PRESETS
-from .settings import BACKEND_DEFAULTS, Settings, default
+from .settings import Settings, default
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads")
 
@@ -123,46 +123,46 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from(args) -> Settings:
     """Settings from parsed flags: each tunable from its flag, else the backend's own setting, else
     the preset, else its default."""
-    tuned = dict(PRESETS[args.preset]) if args.preset else {}
-    tuned.update(BACKEND_DEFAULTS.get(args.backend, {}))
-    tuned.update({name: getattr(args, name) for name in TUNABLE if getattr(args, name) is not None})
-    return Settings(model_path=args.model_path, prepared_data=args.prepared_data, output_dir=args.output_dir,
-                    layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
-                    max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
-                    backend=args.backend, format=args.format, progress_interval=args.progress_interval,
-                    forward_check=not args.skip_forward_check,
-                    overlap=not args.no_overlap,
-                    shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
-                    ray_address=args.ray_address, **tuned)
+    given = {name: getattr(args, name) for name in TUNABLE if getattr(args, name) is not None}
+    return Settings.tuned(args.backend, PRESETS.get(args.preset), given,
+                          model_path=args.model_path, prepared_data=args.prepared_data, output_dir=args.output_dir,
+                          layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
+                          max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
+                          format=args.format, progress_interval=args.progress_interval,
+                          forward_check=not args.skip_forward_check, overlap=not args.no_overlap,
+                          shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
+                          ray_address=args.ray_address)
 
 
 def _extract(args) -> int:
     from .extraction import Extraction
+    from .progress import log_to_stderr as log
 
     settings = settings_from(args)
     if settings.shard is not None:
-        print(f"[hidden-states] {settings.shard}", file=sys.stderr, flush=True)
+        log(str(settings.shard))
         devices = shards.leave_torchrun(tp_size=settings.tp_size)
         if devices is not None:
-            print(f"[hidden-states] torchrun rank: devices {devices}", file=sys.stderr, flush=True)
+            log(f"torchrun rank: devices {devices}")
     if settings.data_parallel_size > 1 or settings.ray_address:
         from .replicas import RayExtraction
 
-        summary = RayExtraction(settings).run()
+        summary = RayExtraction(settings, log=log).run()
     else:
-        summary = Extraction(settings).run()
-    print(summary.line(), file=sys.stderr, flush=True)
+        summary = Extraction(settings, log=log).run()
+    log(summary.line())
     if summary.interrupted is not None:
-        print("[hidden-states] rerun the same command to resume", file=sys.stderr)
+        log("rerun the same command to resume")
         return 128 + summary.interrupted
     return 0
 
 
 def _convert(args) -> int:
     from .convert import convert
+    from .progress import log_to_stderr as log
 
-    written = convert(args.src, args.dst, args.to, log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(f"[hidden-states] converted: {written} samples written to {args.dst}", file=sys.stderr, flush=True)
+    written = convert(args.src, args.dst, args.to, log=log)
+    log(f"converted: {written} samples written to {args.dst}")
     return 0
 
 

@@ -20,6 +20,7 @@ from . import formats, layer_conventions
 from .errors import OutputError, UsageError
 from .inputs import Sample
 from .output import CONFIG, TEMP_PREFIX, BackgroundWriter, OutputDir, format_name, read_json
+from .progress import log_to_stderr
 
 CONVERTIBLE = (layer_conventions.SPECULATORS_03, layer_conventions.SPECULATORS_05)
 
@@ -89,7 +90,7 @@ def whole_samples(src: Path, name: str) -> dict[int, Path]:
     return files
 
 
-def convert(src: str | Path, dst: str | Path, to: str, log=print) -> int:
+def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int:
     """Convert the extraction in ``src`` to format ``to`` in ``dst``; returns the samples written."""
     src, dst = Path(src), Path(dst)
     if to not in CONVERTIBLE:
@@ -106,7 +107,7 @@ def convert(src: str | Path, dst: str | Path, to: str, log=print) -> int:
     order = [src_ids.index(layer) for layer in dst_ids]
     first = read_sample(name, files[0])
     layers = formats.Layers(dst_ids, num_layers=0, hidden_size=int(first[2][0].shape[-1]))  # num_layers: unused here
-    layout = formats.create(to, dst, layers, log=lambda message: log(f"[hidden-states] {message}"))
+    layout = formats.create(to, dst, layers, log=log)
     output = OutputDir(layout)
     dst_layer_ids = layer_conventions.from_extractor(to, dst_ids)
     output.prepare({"model": config.get("model"), "layer_ids": dst_layer_ids}, {
@@ -116,7 +117,7 @@ def convert(src: str | Path, dst: str | Path, to: str, log=print) -> int:
                            "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}})
     finished = output.finished()
     todo = [index for index in sorted(files) if index not in finished]
-    log(f"[hidden-states] convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "
+    log(f"convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "
         f"{dst_layer_ids}): {len(files)} samples, {len(files) - len(todo)} already converted, {len(todo)} to go")
     writer = BackgroundWriter(dst, max_pending=8, format=layout)
     try:

@@ -21,6 +21,7 @@ its first samples, and the loop reads on from there. The plug-ins: the output fo
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import itertools
@@ -38,15 +39,10 @@ from .errors import ExtractError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
-from .preflight import (check_disk, check_first_samples, check_layer_ids, check_memory, check_tensor_parallel,
-                        check_vllm, device_budget, estimate_memory, human_size, model_facts)
-from .progress import Progress
+from .preflight import (ModelFacts, check_disk, check_first_samples, check_layer_ids, check_memory,
+                        check_tensor_parallel, check_vllm, device_budget, estimate_memory, human_size, model_facts)
+from .progress import Progress, log_to_stderr
 from .settings import Settings
-
-
-def log_to_stderr(message: str) -> None:
-    """The extractor's one logger: ``[hidden-states] message`` on stderr."""
-    print(f"[hidden-states] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -67,7 +63,7 @@ class Summary:
         rate = self.tokens / max(self.seconds, 1e-9)
         stall = 100 * self.stall_seconds / max(self.seconds, 1e-9)
         state = "interrupted" if self.interrupted is not None else "done"
-        return (f"[hidden-states] {state}: {self.extracted} samples extracted, {self.skipped} already finished, "
+        return (f"{state}: {self.extracted} samples extracted, {self.skipped} already finished, "
                 f"{self.tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s; model load "
                 f"{self.load_seconds:.1f} s, shutdown {self.shutdown_seconds:.1f} s), "
                 f"{self.bytes_written / 1e6:,.1f} MB written, writer stall {self.stall_seconds:.2f} s ({stall:.1f} %)"
@@ -104,8 +100,50 @@ class ProcessDied(RuntimeError):
 # engine core of ``vllm.LLM`` reports its death to this process before it exits.
 EXIT_WAIT = 5.0
 # Writer threads, at most, for the files queued when a run ends (the last batch: its files are the run's
-# tail). One thread writes about 0.7 GB/s into the page cache (an H200 host, bench/writer.py).
+# tail): one thread alone writes the page cache well below a disk's rate (docs/performance.md,
+# "The extractor's defaults").
 DRAIN_THREADS = 8
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What :meth:`Extraction.plan` and :meth:`Extraction.prepare` decided, for every process that
+    executes the run: a single run, each Ray replica (``replicas.py``), each static shard. Made once,
+    never changed (a replica gets its own with :meth:`for_replica`); it crosses to Ray's actors pickled.
+
+    Attributes:
+        settings: the run's settings, every default applied (a copy: the caller's object may change).
+        facts: the model's config facts.
+        format_name, format_layer_ids: the output format and the layer ids as its trainer counts them.
+        layers: the layers the backend captures, as the extractor counts them.
+        tag: the ledger's tag (``done.<tag>.jsonl``: a shard's, a replica's); None: ``done.jsonl``.
+        config: ``data_config.json`` before the backend's own facts (read, never changed).
+    """
+
+    settings: Settings
+    facts: ModelFacts
+    format_name: str
+    format_layer_ids: tuple[int, ...]
+    layers: formats.Layers
+    tag: str | None
+    config: dict
+
+    def for_replica(self, replica_id: int) -> RunPlan:
+        """The plan of Ray replica ``replica_id``: its own ledger (a static shard's replicas carry the
+        shard's tag too, so two sharded Ray runs never share one)."""
+        tag = f"{self.tag}.replica-{replica_id}" if self.tag else f"replica-{replica_id}"
+        return dataclasses.replace(self, tag=tag)
+
+    def backend_settings(self) -> backends.BackendSettings:
+        """What the backend gets: the settings it shares with the run, by name, and the layers it
+        captures (each once, in the model's order)."""
+        settings = self.settings
+        shared = {f.name: getattr(settings, f.name) for f in dataclasses.fields(backends.BackendSettings)
+                  if hasattr(settings, f.name) and f.name != "layer_ids"}
+        # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
+        # backend keeps ahead, known once its engine runs, it adds itself)
+        return backends.BackendSettings(**shared, layer_ids=sorted(set(self.layers.ids)),
+                                        sequences_in_flight=3 * settings.batch_size + settings.writer_threads)
 
 
 class Extraction:
@@ -119,6 +157,10 @@ class Extraction:
     Attributes:
         loads_model_here: the backend runs in this process, on this host's devices, against which
             the plan checks the memory the model needs.
+        run_plan: the :class:`RunPlan` (after :meth:`prepare`, or given to :meth:`executing`).
+
+    A way of running batches elsewhere (the Ray driver, ``replicas.RayExtraction``) overrides the
+    two public hooks of the loop, :meth:`open_sink` and :meth:`hand_out`, and nothing else of it.
     """
 
     loads_model_here = True
@@ -139,6 +181,7 @@ class Extraction:
         self.config: dict = {}
         self.finished: dict[int, int | None] = {}
         self.pending: Pending | None = None
+        self.run_plan: RunPlan | None = None
         # load and loop
         self.backend = None
         self._layer_order: list[int] = []  # where each listed layer is among those the backend captures
@@ -216,9 +259,14 @@ class Extraction:
         self.input = InputStream(settings.prepared_data, facts.vocab_size)
         self.bytes_per_token = check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
         if self.loads_model_here:  # last: asking the device imports vLLM (seconds)
-            memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
-            self.log(check_memory(settings.model_path, memory, device_budget(settings.gpu_memory_utilization))
-                     if memory else f"memory: not estimated ({facts.path} holds no .safetensors files)")
+            self.check_memory_here()
+
+    def check_memory_here(self) -> None:
+        """The memory the model needs per rank against this host's devices (refuses what cannot fit)."""
+        settings, facts = self.settings, self.facts
+        memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
+        self.log(check_memory(settings.model_path, memory, device_budget(settings.gpu_memory_utilization))
+                 if memory else f"memory: not estimated ({facts.path} holds no .safetensors files)")
 
     def prepare(self) -> None:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""
@@ -246,29 +294,42 @@ class Extraction:
         estimate = check_disk(self.output.path, settings.prepared_data, self.bytes_per_token, self.facts, layer_ids,
                               settings.max_seq_len)
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            self.log(check_vllm(settings.backend))
+            self.log(check_vllm(settings.backend, backends.touchpoints_of(settings.backend)))
         end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
         self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
                                max_seq_len=settings.max_seq_len, strict=settings.strict)
+        self.run_plan = RunPlan(dataclasses.replace(settings), self.facts, self.format_name,
+                                tuple(layer_ids), self.layers, self.source.tag, dict(self.config))
         todo, exact = self.pending.todo()
         done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
         about = "" if exact else "about "
         self.log(f"{about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract "
                  f"(layers {layer_ids}, about {human_size(estimate)} for the whole input)")
 
+    @classmethod
+    def executing(cls, plan: RunPlan, *, log=None) -> Extraction:
+        """An extraction of ``plan``, which another process planned and prepared (a Ray replica's):
+        its format and output directory (tagged ``plan.tag``) as the plan says; :meth:`load` and
+        :meth:`open_sink` start it, :meth:`extract_batch` runs a batch."""
+        extraction = cls(plan.settings, log=log)
+        extraction._adopt(plan)
+        return extraction
+
+    def _adopt(self, plan: RunPlan) -> None:
+        self.run_plan, self.facts, self.layers = plan, plan.facts, plan.layers
+        self.format_name, self.format_layer_ids = plan.format_name, list(plan.format_layer_ids)
+        self.summary.layer_ids = self.format_layer_ids
+        self.format = formats.create(plan.format_name, Path(plan.settings.output_dir), plan.layers, log=self.log)
+        self.output = OutputDir(self.format, tag=plan.tag)
+        self.config = dict(plan.config)
+
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""
         settings = self.settings
+        backend_settings = self.run_plan.backend_settings()
+        self.backend = backends.create(settings.backend, backend_settings)
         # Backends capture each layer once, in the model's order; the files list them as asked.
-        captured = sorted(set(self.layers.ids))
-        self.backend = backends.create(settings.backend, backends.BackendSettings(
-            model_path=settings.model_path, layer_ids=captured, max_seq_len=settings.max_seq_len,
-            tp_size=settings.tp_size, gpu_memory_utilization=settings.gpu_memory_utilization,
-            trust_remote_code=settings.trust_remote_code, overlap=settings.overlap,
-            # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
-            # backend keeps ahead, known once its engine runs, it adds itself)
-            sequences_in_flight=3 * settings.batch_size + settings.writer_threads))
-        self._layer_order = [captured.index(layer) for layer in self.layers.ids]
+        self._layer_order = [backend_settings.layer_ids.index(layer) for layer in self.layers.ids]
         started = time.monotonic()
         self.log(f"starting the {settings.backend} backend: vLLM loads the model (tens of seconds; Ctrl-C stops "
                  f"at once)")
@@ -285,7 +346,7 @@ class Extraction:
         """Extract and hand to the writer every batch the source gives, until it stops or a signal asks."""
         self.log("extracting")
         self._started = time.monotonic()
-        self._start_writer()
+        self.open_sink()
         todo, exact = self.pending.todo()
         self.progress = Progress(self.source.expected(todo), log=self.log, exact=exact,
                                  interval=self.settings.progress_interval)
@@ -300,7 +361,7 @@ class Extraction:
                     raise
                 if batch is None:
                     break
-                self._extract(batch)
+                self.hand_out(batch)
                 if self.interrupt.requested is not None:
                     self.summary.interrupted = self.interrupt.requested
                     break
@@ -313,18 +374,22 @@ class Extraction:
                          f"{self.settings.max_seq_len} were truncated (--strict refuses them)")
         self.progress.close()
 
-    def _start_writer(self) -> None:
+    def open_sink(self) -> None:
+        """Start the writer every sample file of this process goes through (the background writer,
+        its ledger tagged as the plan says). A hook: the Ray driver writes nothing itself."""
         self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
-                                       format=self.format, tag=self.source.tag)
+                                       format=self.format, tag=self.run_plan.tag)
 
-    def _extract(self, batch: list[Sample]) -> None:
-        """Submit ``batch`` (in groups of at most the backend's ``tokens_per_submit``, if it has one),
+    def hand_out(self, batch: list[Sample]) -> None:
+        """A hook: run ``batch`` (here, on this process's backend; the Ray driver hands it to a replica).
+
+        Submit ``batch`` (in groups of at most the backend's ``tokens_per_submit``, if it has one),
         then hand the oldest group in flight to the writer once the groups submitted after it hold
         the backend's ``tokens_ahead`` (default 1: one batch): a backend that can runs those while
         the oldest one's states are copied out and written (the ``speculators`` backend overlaps two
         calls; the engine backends want three engine steps queued, whatever the batches' lengths)."""
-        ahead = getattr(self.backend, "tokens_ahead", 1)
-        for group in submit_groups(batch, getattr(self.backend, "tokens_per_submit", None)):
+        ahead = self.backend.tokens_ahead
+        for group in submit_groups(batch, self.backend.tokens_per_submit):
             self._in_flight.append((group, self._submit(group), sum(len(s.input_ids) for s in group)))
             while len(self._in_flight) > 1 and sum(tokens for *_, tokens in itertools.islice(self._in_flight, 1, None)) >= ahead:
                 self._write(*self._in_flight.popleft()[:2])
@@ -392,7 +457,7 @@ class Extraction:
                 self.summary.stall_seconds = self.writer.stats.stall_seconds + drain
                 self.finished.update(self.writer.stats.lengths)
             failing = failing or sys.exc_info()[1]
-            if self.source.tag is not None:  # other shards wrote too: the index lists theirs as well
+            if self.run_plan.tag is not None:  # other shards wrote too: the index lists theirs as well
                 self.finished = self.output.finished()
             try:
                 self.output.finish(self.finished)
@@ -423,9 +488,9 @@ def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]
 
 def check_forward(backend, vocab_size: int) -> str:
     """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
-    (``vllm_compat.forward_check``): a kernel that is wrong for one layout (seen: vLLM's CPU RMSNorm
-    on 0.12-0.13, its CPU rotary on 3-D inputs from 0.14) makes every state after the first token
-    wrong with no error. One short sequence and a few small kernel calls: seconds."""
+    (``hidden_states.forward_check``): a kernel that is wrong for one layout makes every state after
+    the first token wrong with no error (docs/extractor.md, "Forward check"). One short sequence
+    and a few small kernel calls: seconds."""
     started = time.monotonic()
     probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
     checks = backend.check_forward(probe)

@@ -54,7 +54,7 @@ def default_format() -> str:
     import importlib.metadata
 
     from packaging.specifiers import SpecifierSet
-    from vllm_compat.consumer import TRAINER_LAYOUTS
+    from vllm_compat.extractor_api import TRAINER_LAYOUTS
 
     try:
         installed = importlib.metadata.version("speculators")

@@ -198,7 +198,7 @@ def _tensor_sizes(file: Path):
 
 def device_budget(gpu_memory_utilization: float) -> DeviceBudget | str:
     """What vLLM's ranks may fill here, asked without creating a CUDA context in this process (vLLM
-    forks its workers; ``vllm_compat.host``); a string says why it is not known.
+    forks its workers; ``vllm_compat.extractor_api``); a string says why it is not known.
 
     On a GPU: the first visible GPU's total memory (its ranks' GPUs taken to be alike) times
     ``gpu_memory_utilization``, the share vLLM gives the weights, activations and KV cache.
@@ -208,7 +208,7 @@ def device_budget(gpu_memory_utilization: float) -> DeviceBudget | str:
     host's available memory, the one limit no setting moves.
     """
     try:
-        from vllm_compat.host import device_total_memory, host_memory, vllm_device_type
+        from vllm_compat.extractor_api import device_total_memory, host_memory, vllm_device_type
 
         device = vllm_device_type()
         if device == "cpu":
@@ -309,23 +309,22 @@ def check_disk(output_dir: Path, input_path: str, bytes_per_token: float, facts:
     return estimate
 
 
-def check_vllm(backend: str) -> str:
+def check_vllm(backend: str, touched=None) -> str:
     """The vllm-compat audit of the installed vLLM (static, no import) for what ``backend`` relies on:
     speculators' generator under the shim (``speculators``; ``vllm-engine``, which runs its capture)
-    and the backend's own touch points of vLLM. Problems stop the run."""
-    from vllm_compat.audit import BAD, AuditError, audit, audit_backend
-    from vllm_compat.consumer import BACKEND_TOUCHPOINTS
-    from vllm_compat.versions import vllm_version
+    and the touch points of vLLM the backend declares (``touched``, its ``BackendTouchpoints``;
+    None: none of its own). Problems stop the run."""
+    from vllm_compat.extractor_api import BAD, AuditError, audit, audit_backend, vllm_version
 
     try:
         if backend == "vllm-native":  # vLLM's own path: no generator, no speculators
-            problems = [f for f in audit_backend(backend) if f.verdict in BAD]
+            problems = [f for f in audit_backend(backend, touched) if f.verdict in BAD]
             version, consumer = vllm_version(), "no generator"
         else:
             result = audit()
             if result.consumer is None:
                 raise PreflightError(f"speculators is not installed (--backend {backend} needs 0.3.x or 0.4.x)")
-            problems = result.problems + (result.backend_problems(backend) if backend in BACKEND_TOUCHPOINTS else [])
+            problems = result.problems + (result.backend_problems(backend) if touched is not None else [])
             version, consumer = result.vllm_version, result.consumer
     except AuditError as exc:
         raise PreflightError(f"vLLM: {exc}") from None

@@ -4,10 +4,9 @@ setting a preset leaves out keeps its default (``settings.Settings``)."""
 PRESETS: dict[str, dict] = {
     # 8x RTX PRO 6000 Blackwell 96 GB: the mission's TP=8 job (1T-parameter MoE class).
     "blackwell-tp8": {"tp_size": 8, "gpu_memory_utilization": 0.80, "batch_size": 4, "max_seq_len": 2048},
-    # One lent H200 (139 GiB), 8B-class dense model. Batch 8: the generator's fastest at 2048 tokens
-    # (29,600 tok/s against 23,600 at batch 32, docs/performance.md); smaller batches also leave
-    # less for the writer to finish after the last one. 4 writer threads: 1-3 % faster than 2 on
-    # both backends there (the states arrive at 1.3 GB/s).
+    # One H200 (139 GiB), 8B-class dense model. Batch 8: the generator's fastest batch at 2048 tokens,
+    # and a smaller batch leaves less for the writer to finish after the last one; 4 writer threads
+    # keep up with the states there (measured: docs/performance.md, "The extractor's defaults").
     "h200": {"tp_size": 1, "gpu_memory_utilization": 0.80, "batch_size": 8, "max_seq_len": 2048, "writer_threads": 4},
     # The CPU demo and tests: vLLM's CPU backend, a tiny local model.
     "cpu-tiny": {"tp_size": 1, "gpu_memory_utilization": 0.02, "batch_size": 8, "max_seq_len": 1024},

@@ -1,10 +1,15 @@
-"""Progress: a bar on a terminal, plain periodic lines in logs, one summary line at the end."""
+"""The run's logger, and its progress: a bar on a terminal, plain periodic lines in logs."""
 from __future__ import annotations
 
 import sys
 import time
 
 from .settings import default
+
+
+def log_to_stderr(message: str) -> None:
+    """The extractor's one logger: ``[hidden-states] message`` on stderr."""
+    print(f"[hidden-states] {message}", file=sys.stderr, flush=True)
 
 
 def _duration(seconds: float) -> str:

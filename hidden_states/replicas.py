@@ -26,13 +26,12 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from . import processes
 from .errors import UsageError
-from .extraction import Extraction, ExtractionFailed
+from .extraction import Extraction, ExtractionFailed, RunPlan
 from .inputs import Sample
-from .output import OutputDir
+from .progress import log_to_stderr
 
 IN_FLIGHT = 2  # calls queued per replica: the next batch is there when one ends
 OBJECT_STORE = 256 * 2**20  # bytes, for a local Ray
@@ -51,22 +50,21 @@ def import_ray():
 
 
 class Replica:
-    """One model replica, in a Ray actor: loads the backend, extracts the batches it is given, writes
-    their files through its own writer, tagged ``tag`` (its ledger is ``done.<tag>.jsonl``)."""
+    """One model replica, in a Ray actor: executes the driver's plan (its own ledger tag, the plan's
+    ``for_replica``): loads the backend, extracts the batches it is given, writes their files through
+    its own sink (``done.<tag>.jsonl``)."""
 
-    def __init__(self, settings, config: dict, replica_id: int, tag: str, env: dict[str, str]):
+    def __init__(self, plan: RunPlan, replica_id: int, env: dict[str, str]):
         self.driver_env = env  # the driver's variables this replica got (FORWARDED_ENV)
         self.replica_id = replica_id
-        self.tag = tag
-        self.extraction = Extraction(settings, log=self._log)
-        self.config = config
+        self.extraction = Extraction.executing(plan, log=self._log)
         self._reported: set[int] = set()
 
     def _log(self, message: str) -> None:
-        print(f"[hidden-states] replica {self.replica_id}: {message}", flush=True)
+        log_to_stderr(f"replica {self.replica_id}: {message}")
 
     def load(self) -> dict:
-        """Plan (model facts, layers), load the backend in this actor, start the writer."""
+        """Check the memory on this actor's devices, load the backend here, open the sink."""
         import socket
 
         if "OMP_NUM_THREADS" not in self.driver_env:
@@ -75,19 +73,12 @@ class Replica:
             # thread, where a single run uses every core
             os.environ.pop("OMP_NUM_THREADS", None)
 
-        from . import formats
-        from .output import BackgroundWriter
-
         ext = self.extraction
-        ext.plan()
-        ext.format = formats.create(ext.format_name, Path(ext.settings.output_dir), ext.layers, log=ext.log)
-        ext.output = OutputDir(ext.format, tag=self.tag)
-        ext.config = self.config
+        ext.check_memory_here()
         started = time.monotonic()
         with processes.contained():  # vLLM's workers die with this actor (a kill reaches them too)
             ext.load()
-        ext.writer = BackgroundWriter(ext.output.path, ext.settings.writer_queue, ext.settings.writer_threads,
-                                      format=ext.format, tag=self.tag)
+        ext.open_sink()
         return {"pid": os.getpid(), "host": socket.gethostname(), "load_seconds": time.monotonic() - started,
                 "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
@@ -174,10 +165,8 @@ class RayExtraction(Extraction):
                  f"{have:g} {'GPUs' if gpus else 'CPUs'}) in {time.monotonic() - started:.0f} s: starting "
                  f"{settings.data_parallel_size} replicas (each loads the model; tens of seconds)")
         actor_class = ray.remote(Replica).options(num_cpus=1, max_concurrency=1, max_restarts=0, **need)
-        # a static shard's replicas carry its tag too: two sharded Ray runs never share a ledger
-        tags = {k: f"{self.source.tag}.replica-{k}" if self.source.tag else f"replica-{k}"
-                for k in range(settings.data_parallel_size)}
-        actors = {k: actor_class.remote(settings, self.config, k, tags[k], env) for k in tags}
+        actors = {k: actor_class.remote(self.run_plan.for_replica(k), k, env)
+                  for k in range(settings.data_parallel_size)}
         loads = {actors[k].load.remote(): k for k in actors}
         started = time.monotonic()
         for ref, k in loads.items():
@@ -194,8 +183,8 @@ class RayExtraction(Extraction):
             raise ExtractionFailed(f"none of the {len(actors)} replicas loaded the model (tracebacks above)")
         self.summary.load_seconds = time.monotonic() - started
 
-    # -- loop: the one loop of Extraction calls this for every batch
-    def _extract(self, batch: list[Sample]) -> None:
+    # -- loop: the one loop of Extraction hands every batch out here
+    def hand_out(self, batch: list[Sample]) -> None:
         self._retry_lost()  # batches of a retired replica first: they are older
         self._dispatch(Batch(batch))
 
@@ -285,10 +274,10 @@ class RayExtraction(Extraction):
         return ExtractionFailed(f"every replica failed; finished files are kept, rerun to resume. Last errors:\n"
                                 f"{errors}")
 
-    # -- finish: the calls in flight, the replicas' writers, then the shared end of run
-    def _start_writer(self) -> None:
+    def open_sink(self) -> None:
         pass  # each replica writes through its own
 
+    # -- finish: the calls in flight, the replicas' writers, then the shared end of run
     def finish(self) -> None:
         aborting = isinstance(sys.exc_info()[1], KeyboardInterrupt)  # a second Ctrl-C: kill, wait for nothing
         try:

@@ -63,17 +63,24 @@ class Settings:
             if getattr(self, name) is None:
                 setattr(self, name, default(name, self.backend))
 
+    @classmethod
+    def tuned(cls, backend: str, preset: dict | None = None, given: dict | None = None, **fields_) -> Settings:
+        """Settings whose tunables come, in this order of precedence, from ``given`` (the flags),
+        else ``backend``'s own default, else ``preset``, else the field's default."""
+        return cls(backend=backend, **{**(preset or {}), **BACKEND_DEFAULTS.get(backend, {}), **(given or {})},
+                   **fields_)
+
 
 # Settings whose default a backend may set (the field says None): their default for the others.
 BACKEND_DEPENDENT: dict[str, object] = {"writer_threads": 2}
 
-# A backend's own defaults: a caller leaving the field out gets them (the CLI puts them over a
-# preset's values, under its flags: cli.settings_from).
+# A backend's own defaults: a caller leaving the field out gets them (over a preset's values, under
+# the flags: Settings.tuned).
 BACKEND_DEFAULTS: dict[str, dict] = {
-    # vLLM 0.20's connector saves every state inside the engine step (0.26's on threads of its own),
-    # on the host's CPUs and memory, so whatever else writes slows the engine down: on the H200 one
-    # writer thread ran 8-11 % faster than 2 (the states arrive at 0.6 GB/s, which one thread
-    # writes; the files queued at the end are drained by more), docs/performance.md.
+    # vLLM's connector saves every state on the host's CPUs and memory, inside the engine step or on
+    # threads of its own, so whatever else writes slows the engine down: one writer thread keeps up
+    # with the rate its states arrive at, and the files queued at the end are drained by more
+    # (measured: docs/performance.md, "Writer threads").
     "vllm-native": {"writer_threads": 1},
 }
 

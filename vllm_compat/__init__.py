@@ -8,8 +8,9 @@
 Importing this package is cheap: it imports neither vLLM nor torch. ``apply()`` imports the vLLM
 modules it probes; the audit (``vllm-compat audit``) reads vLLM's source without importing it.
 
-Other code may also use ``vllm_compat.host``, ``versions``, ``forward_check``, ``consumer`` and
-``report`` (docs/usage.md, "What other code may use"); the layers: docs/architecture.md.
+Other code may also use ``vllm_compat.host``, ``versions``, ``consumer`` and ``report``; the bundled
+extractor uses ``vllm_compat.extractor_api`` alone (docs/usage.md, "What other code may use"); the
+layers: docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import behaviour, callsites, versions, wheels
-from .consumer import BACKEND_TOUCHPOINTS, IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS
+from .consumer import (IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints,
+                       backend_touchpoints)
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
@@ -339,8 +340,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
             continue
         findings.append(_touchpoint_finding(check, expected, bridged_source, "touchpoint"))
-    for backend in BACKEND_TOUCHPOINTS:
-        findings += _backend_findings(backend, bridged_source, version)
+    for backend, touched in backend_touchpoints().items():
+        findings += _backend_findings(backend, touched, bridged_source, version)
     adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
     adapted = [a for a in adapters() if a.id in adapted_ids]
     root = _consumer_root(consumer_source, spec_version)
@@ -353,10 +354,11 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
                        behaviour_notes=drift.notes)
 
 
-def audit_backend(backend: str) -> list[Finding]:
-    """The touch points of one of the extractor's own backends in the installed vLLM (static), for a
-    backend that needs no speculators generator (``vllm-native``): no consumer is involved."""
-    return _backend_findings(backend, _installed(), versions.vllm_version())
+def audit_backend(backend: str, touched: BackendTouchpoints) -> list[Finding]:
+    """The touch points ``touched`` of one of the extractor's own backends in the installed vLLM
+    (static), for a backend that needs no speculators generator (``vllm-native``): no consumer is
+    involved."""
+    return _backend_findings(backend, touched, _installed(), versions.vllm_version())
 
 
 def _installed() -> StaticSource:
@@ -366,8 +368,7 @@ def _installed() -> StaticSource:
     return StaticSource(DirTree(where.parent, str(where)))
 
 
-def _backend_findings(backend: str, source, version: Version | None) -> list[Finding]:
-    touched = BACKEND_TOUCHPOINTS[backend]
+def _backend_findings(backend: str, touched: BackendTouchpoints, source, version: Version | None) -> list[Finding]:
     if version is not None and versions.base(version) < Version(touched.first):
         return [Finding(backend, "backend", NOT_APPLICABLE, "", scope=backend,
                         summary=f"n/a (needs vLLM >= {touched.first})")]

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .probes.shapes import (OPTIONAL, PRESENT, REQUIRED, Attr, Branch, Check, Dispatched, Exists, LiteralMember, Param,
-                            Registered)
+from .probes.shapes import PRESENT, Attr, Check
 
 # -- the generator releases ---------------------------------------------------------------------
 # The releases the contract and end-to-end suites run (one speculators install each, see
@@ -78,86 +77,43 @@ TOUCHPOINTS: tuple[tuple[Check, frozenset[str], str], ...] = tuple(
 # `hidden_states --backend vllm-engine` and `--backend vllm-native` drive vLLM without speculators'
 # generator: what they touch is theirs, not the generator's, and the call-site audit does not read
 # their source (they reach vLLM's objects through the engine, the scheduler output handed to a
-# wrapped method and dicts of configuration, none of which a static reader can type). Declared here
-# instead, per backend, and checked by the audit with the same rule as TOUCHPOINTS. Instance
-# attributes set in __init__ (Worker.model_runner, LLM.llm_engine) are in no class body: the
-# end-to-end runs prove those. tests/unit/test_backend_touchpoints.py checks every name declared
-# here is used by its backend.
+# wrapped method and dicts of configuration, none of which a static reader can type). Each backend
+# declares its own, beside its code (``TOUCHPOINTS`` in its module, ``hidden_states/backends/``);
+# the audit finds them there (:func:`backend_touchpoints`) and checks them with the same rule as
+# TOUCHPOINTS. Instance attributes set in __init__ (Worker.model_runner, LLM.llm_engine) are in no
+# class body: the end-to-end runs prove those.
 
 
 class BackendTouchpoints(NamedTuple):
-    """The vLLM releases a backend runs on (from ``first``) and (check, expected observations) for
-    each touch point."""
+    """What one of the extractor's backends relies on in vLLM and in the shim.
+
+    Attributes:
+        first: the first vLLM release the backend runs on (the audit checks it from there).
+        checks: (check, expected observations) for each touch point.
+        requires: adapters the backend cannot run without (its start refuses when one is disabled),
+            as an adapter's own ``requires``.
+    """
 
     first: str
     checks: tuple[tuple[Check, frozenset[str]], ...]
+    requires: tuple[str, ...] = ()
 
 
-_OUTPUT = "vllm.v1.core.sched.output"
-_ENGINE = "vllm.v1.engine.llm_engine:LLMEngine"
-_GIVEN = frozenset({REQUIRED, OPTIONAL})  # a parameter we pass: there, whether or not it has a default
-_METHOD = "extract_hidden_states"  # vllm-native's speculative method
+# Where the bundled extractor's backends are: a package whose ``touchpoints()`` returns
+# {backend name: BackendTouchpoints}, each read from the backend's own module.
+EXTRACTOR_BACKENDS = "hidden_states.backends"
 
 
-def _fields(target: str, *names: str) -> list[tuple[Check, frozenset[str]]]:
-    return [(Attr(target, name), frozenset({PRESENT})) for name in names]
+def backend_touchpoints() -> dict[str, BackendTouchpoints]:
+    """The extractor backends' declared touch points, by backend name ({} where the extractor is not
+    installed). Importing them imports neither vLLM nor torch."""
+    import importlib
 
-
-# Both backends keep vLLM's engine fed (hidden_states/backends/engine_feed.py): requests in by
-# keyword, steps out, each request's output told by its id.
-_FEED = [
-    *[(Param(f"{_ENGINE}.add_request", name), _GIVEN) for name in ("request_id", "prompt", "params")],
-    *_fields(_ENGINE, "step", "has_unfinished_requests"),
-    (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
-    *_fields("vllm.sampling_params:SamplingParams", "max_tokens"),
-    *[(Param("vllm.outputs:RequestOutput.__init__", name), _GIVEN) for name in ("request_id", "finished")],
-    # how many tokens make an engine step (the extraction keeps three steps' worth submitted ahead)
-    *_fields("vllm.config.scheduler:SchedulerConfig", "max_num_batched_tokens"),
-]
-
-BACKEND_TOUCHPOINTS: dict[str, BackendTouchpoints] = {
-    "vllm-engine": BackendTouchpoints("0.11.0", tuple([
-        *_FEED,
-        # the region of each request travels to the worker in its sampling parameters; the parent
-        # compares each finished request's prompt with the one it submitted
-        *_fields("vllm.sampling_params:SamplingParams", "extra_args"),
-        (Param("vllm.outputs:RequestOutput.__init__", "prompt_token_ids"), _GIVEN),
-        # LLM(worker_extension_cls=...) reaches EngineArgs; collective_rpc(method, args=...) the workers
-        *_fields("vllm.engine.arg_utils:EngineArgs", "worker_extension_cls"),
-        (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), _GIVEN),
-        # the worker (engine_capture.py): execute_model's scheduler output says whose rows go where
-        (Param("vllm.v1.worker.gpu_worker:Worker.execute_model", "scheduler_output"), _GIVEN),
-        *_fields(f"{_OUTPUT}:SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs",
-                 "num_scheduled_tokens", "finished_req_ids"),
-        *_fields(f"{_OUTPUT}:NewRequestData", "req_id", "prompt_token_ids", "sampling_params",
-                 "num_computed_tokens"),
-        *_fields(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
-        (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
-    ])),
-    "vllm-native": BackendTouchpoints("0.17.0", tuple([
-        # speculative_config={"method": "extract_hidden_states"} and kv_transfer_config's connector
-        # name vLLM's own code by strings, checked where vLLM resolves them: the method among those
-        # SpeculativeConfig validates, and dispatched to an implementation that exists (the V1 model
-        # runner's proposer selection up to 0.33; the V2 runner's registry of speculator configs,
-        # whose speculator_class names the implementation, from 0.34); the connector registered in
-        # the connector factory under a module and class that exist. (The config keys inside those
-        # dicts are strings too: the end-to-end runs prove them.)
-        (LiteralMember("vllm.config.speculative:SpeculativeMethod", _METHOD), frozenset({PRESENT})),
-        (Dispatched("vllm.config.speculative:SpeculativeConfig.method", _METHOD, sites=(
-            Registered("vllm.v1.worker.gpu.spec_decode.speculator_config:_CONFIG_BY_METHOD", _METHOD,
-                       then="speculator_class"),
-            Branch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", _METHOD),
-        )), frozenset({PRESENT})),
-        (Registered("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry",
-                    "ExampleHiddenStatesConnector", via="register_connector"), frozenset({PRESENT})),
-        # LLM(speculative_config=..., kv_transfer_config=...) reaches EngineArgs
-        (Exists("vllm.entrypoints.llm:LLM"), frozenset({PRESENT})),
-        *_fields("vllm.engine.arg_utils:EngineArgs", "speculative_config", "kv_transfer_config"),
-        *_FEED,
-        # where each request's file is: the output's kv_transfer_params
-        (Param("vllm.outputs:RequestOutput.__init__", "kv_transfer_params"), _GIVEN),
-    ])),
-}
+    try:
+        package = importlib.import_module(EXTRACTOR_BACKENDS)
+    except ImportError:
+        return {}
+    return package.touchpoints()
 
 
 # -- the engine the generator builds by hand ------------------------------------------------------

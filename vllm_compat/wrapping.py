@@ -172,25 +172,26 @@ def wrap_constructed(method: str, wrapper):
     return function_wrapper(construct)
 
 
-_pass_through: set[str] = set()  # modules whose wrappers call on behalf of their caller
+_pass_through: set = set()  # code objects of wrappers that call on behalf of their caller
 
 
-def pass_through_module(name: str) -> None:
-    """Declare that module ``name`` only wraps calls (e.g. a wrapper of its own on an executor the
-    consumer built): :func:`caller_module` looks past its frames, as past vllm_compat's and wrapt's,
-    so consumer-scoped adapters still see the consumer as the caller."""
-    _pass_through.add(name)
+def pass_through(function) -> None:
+    """Declare that ``function`` only wraps calls (a wrapper of its own on an executor the consumer
+    built): :func:`caller_module` looks past its frames, as past vllm_compat's and wrapt's, so
+    consumer-scoped adapters still see the consumer as the caller. Declared when the wrapper is
+    installed, never at import."""
+    _pass_through.add(getattr(function, "__func__", function).__code__)
 
 
 def caller_module(skip: int = 1) -> str:
     """``__name__`` of the module whose code called the current wrapper (wrapt's own frames,
-    vllm_compat's and those of :func:`pass_through_module` modules are skipped). Lets a
+    vllm_compat's and those of :func:`pass_through` functions are skipped). Lets a
     consumer-scoped wrapper tell the consumer's calls from the calls vLLM's own methods make through
     the same object."""
     frame = sys._getframe(skip + 1)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if not (name.startswith("wrapt") or name.startswith("vllm_compat") or name in _pass_through):
+        if not (name.startswith("wrapt") or name.startswith("vllm_compat") or frame.f_code in _pass_through):
             return name
         frame = frame.f_back
     return ""

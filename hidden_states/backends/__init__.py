@@ -1,6 +1,13 @@
-"""Extraction backends behind one interface (:class:`Backend`), selected with ``--backend``."""
+"""Extraction backends behind one interface (:class:`Backend`), selected with ``--backend``.
+
+A backend is a module here named in :data:`MODULES`, holding its class (``BACKEND``) and, when it
+touches vLLM beyond speculators' generator, its touch points (``TOUCHPOINTS``, a
+``BackendTouchpoints``: the first vLLM release, the checks, the adapters it requires), which the
+shim's audit and the extractor's preflight read through :func:`touchpoints`.
+"""
 from __future__ import annotations
 
+import importlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,8 +36,8 @@ class Backend(Protocol):
     """
 
     name: str
-    # Tokens the extraction keeps submitted beyond the batch whose states it waits for; a backend
-    # without it gets one batch ahead. The engine backends set it at start: three engine steps.
+    # Tokens the extraction keeps submitted beyond the batch whose states it waits for (1: one batch
+    # ahead). The engine backends set it at start: three engine steps.
     tokens_ahead: int
     # The most tokens one submit should hold (None: the whole batch). The engine backends set one
     # engine step's: the extraction submits a batch to them in groups of that size (submit_groups).
@@ -42,7 +49,7 @@ class Backend(Protocol):
 
     def submit(self, batch: list[list[int]]) -> Future: ...  # extract(batch), maybe running on while the caller goes on
 
-    def check_forward(self, probe: list[int]) -> list: ...  # vllm_compat.forward_check on one sequence
+    def check_forward(self, probe: list[int]) -> list: ...  # forward_check.verify_forward on one sequence
 
     def close(self) -> None: ...
 
@@ -60,24 +67,34 @@ def completed(function, *args) -> Future:
 class OneBatchAtATime:
     """``submit`` for a backend whose ``extract`` runs a batch start to end before it returns."""
 
+    tokens_ahead = 1
+    tokens_per_submit: int | None = None
+
     def submit(self, batch: list[list[int]]) -> Future:
         return completed(self.extract, batch)
 
 
+# --backend name -> its module here
+MODULES = {"speculators": "speculators_generator", "vllm-native": "vllm_native", "vllm-engine": "vllm_engine"}
+BACKENDS = tuple(MODULES)
+
+
+def _module(name: str):
+    if name not in MODULES:
+        raise ValueError(f"unknown backend {name!r}")
+    return importlib.import_module(f"{__name__}.{MODULES[name]}")
+
+
 def create(name: str, settings: BackendSettings) -> Backend:
-    if name == "speculators":
-        from .speculators_generator import SpeculatorsBackend
-
-        return SpeculatorsBackend(settings)
-    if name == "vllm-native":
-        from .vllm_native import VllmNativeBackend
-
-        return VllmNativeBackend(settings)
-    if name == "vllm-engine":
-        from .vllm_engine import VllmEngineBackend
-
-        return VllmEngineBackend(settings)
-    raise ValueError(f"unknown backend {name!r}")
+    return _module(name).BACKEND(settings)
 
 
-BACKENDS = ("speculators", "vllm-native", "vllm-engine")
+def touchpoints() -> dict:
+    """{backend name: its declared ``BackendTouchpoints``} for the backends that declare them, by name."""
+    declared = {name: getattr(_module(name), "TOUCHPOINTS", None) for name in sorted(MODULES)}
+    return {name: touched for name, touched in declared.items() if touched is not None}
+
+
+def touchpoints_of(name: str):
+    """The touch points ``name`` declares, or None (``speculators``: the generator's, which the audit reads)."""
+    return getattr(_module(name), "TOUCHPOINTS", None)

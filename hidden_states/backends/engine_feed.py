@@ -15,7 +15,29 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+from vllm_compat.extractor_api import OPTIONAL, PRESENT, REQUIRED, Attr, Exists, Param
+
 STOP = object()
+ENGINE = "vllm.v1.engine.llm_engine:LLMEngine"
+GIVEN = frozenset({REQUIRED, OPTIONAL})  # a parameter we pass: there, whether or not it has a default
+
+
+def present(target: str, *names: str) -> list:
+    """Touch points: the attributes ``names`` of ``target``, expected present."""
+    return [(Attr(target, name), frozenset({PRESENT})) for name in names]
+
+
+# What the feed touches in vLLM (both engine backends declare it among their touch points): requests
+# in by keyword, steps out, each request's output told by its id.
+FEED_TOUCHPOINTS = [
+    *[(Param(f"{ENGINE}.add_request", name), GIVEN) for name in ("request_id", "prompt", "params")],
+    *present(ENGINE, "step", "has_unfinished_requests"),
+    (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
+    *present("vllm.sampling_params:SamplingParams", "max_tokens"),
+    *[(Param("vllm.outputs:RequestOutput.__init__", name), GIVEN) for name in ("request_id", "finished")],
+    # how many tokens make an engine step (the extraction keeps three steps' worth submitted ahead)
+    *present("vllm.config.scheduler:SchedulerConfig", "max_num_batched_tokens"),
+]
 
 
 def step_tokens(llm) -> int:
@@ -28,8 +50,8 @@ def steps_of_tokens_ahead(llm) -> int:
     """Tokens the extraction keeps submitted beyond the batch it waits for: three of the engine's
     steps (its scheduler's token budget each), whatever the batches' lengths. The step running, the
     one vLLM schedules while it runs (async scheduling), and one more: a batch submitted while the
-    feed waits on a step enters the engine only when that step ends. With two, an H200 run still
-    saw steps scheduled half full (bench/steps.py, docs/performance.md)."""
+    feed waits on a step enters the engine only when that step ends (two leave steps scheduled half
+    full: docs/performance.md, "The extractor's defaults")."""
     return 3 * step_tokens(llm)
 
 

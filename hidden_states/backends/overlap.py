@@ -5,7 +5,7 @@ Every ``generate()`` of speculators 0.3/0.4 has two phases. First the GPU phase:
 scheduler, the steps, and the ``_get_captured_states`` RPC, whose reply (``capture_transport``) is a
 set of views of the worker's shared-memory segment. Then the copy phase, in the calling process
 only: a ``.clone()`` of every sequence's slice of every layer out of that segment. Called one after
-the other, the GPU idles during every copy (38-40 % of the wall time on an H200, issue 13).
+the other, the GPU idles during every copy (docs/performance.md says how long).
 
 :class:`OverlappedCalls` runs each call on its own thread and lets call N+1 start its GPU phase as
 soon as call N has its reply, while N copies. Two rules keep every state where it belongs:
@@ -23,11 +23,9 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from vllm_compat.wrapping import pass_through_module, wrap_instance_method
+from vllm_compat.extractor_api import wrap_method
 
 FETCH = "_get_captured_states"
-# rpc_single_reply tells the generator's collective_rpc calls by their caller: ours pass them on
-pass_through_module(__name__)
 
 
 class OverlappedCalls:
@@ -40,7 +38,9 @@ class OverlappedCalls:
         self._copied = threading.Event()  # set: no call's reply is still being copied out
         self._copied.set()
         self._local = threading.local()  # per call: whether its reply has arrived (GPU phase over)
-        wrap_instance_method(executor, "collective_rpc", self._collective_rpc)
+        # transparent: rpc_single_reply tells the generator's collective_rpc calls by their caller,
+        # and this wrapper only passes them on
+        wrap_method(executor, "collective_rpc", self._collective_rpc, transparent=True)
 
     def submit(self, batch: list[list[int]]) -> Future:
         """Start ``generate(batch)``; blocks while the previous call is still in its GPU phase."""

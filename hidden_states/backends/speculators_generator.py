@@ -19,9 +19,9 @@ class SpeculatorsBackend:
         self._calls: OverlappedCalls | None = None
 
     def start(self) -> dict:
-        import vllm_compat
+        from vllm_compat.extractor_api import apply
 
-        report = vllm_compat.apply()
+        report = apply()
         from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
         # The generator keeps len(prompt) + 1 <= max_model_len (it asks for one output token).
@@ -52,7 +52,7 @@ class SpeculatorsBackend:
         return states
 
     def check_forward(self, probe: list[int]) -> list:
-        from vllm_compat.forward_check import verify_forward
+        from ..forward_check import verify_forward
 
         return verify_forward(self._generator.executor.collective_rpc, lambda: self.extract([probe]))
 
@@ -60,3 +60,6 @@ class SpeculatorsBackend:
         generator, self._generator = self._generator, None
         if generator is not None:
             generator.executor.shutdown()
+
+
+BACKEND = SpeculatorsBackend

@@ -21,139 +21,40 @@ token at that position (never another request's rows). A request failing one fai
 """
 from __future__ import annotations
 
-import mmap
-import os
-import struct
-import tempfile
 import threading
-import time
 import weakref
-from concurrent.futures import Future
 
-from packaging.version import Version
+from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 
-from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+from .engine_base import EngineBackend
+from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
+from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes
 
-from ..errors import ExtractError
-from . import BackendSettings
-from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
-from .vllm_native import in_process_llm_environment, shut_down
-
-FIRST = Version(BACKEND_TOUCHPOINTS["vllm-engine"].first)  # the audit checks its touch points from there
-ALIGN = 64
+_OUTPUT = "vllm.v1.core.sched.output"
+# What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
+# the worker (engine_capture) reads the forward's row order through the shim's batch order, which
+# under Model Runner V2 only the v2_batch_order adapter notes. The audit and the preflight read it here.
+TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
+    *FEED_TOUCHPOINTS,
+    # the region of each request travels to the worker in its sampling parameters; the parent
+    # compares each finished request's prompt with the one it submitted
+    *present("vllm.sampling_params:SamplingParams", "extra_args"),
+    (Param("vllm.outputs:RequestOutput.__init__", "prompt_token_ids"), GIVEN),
+    # LLM(worker_extension_cls=...) reaches EngineArgs; collective_rpc(method, args=...) the workers
+    *present("vllm.engine.arg_utils:EngineArgs", "worker_extension_cls"),
+    (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), GIVEN),
+    # the worker (engine_capture.py): execute_model's scheduler output says whose rows go where
+    (Param("vllm.v1.worker.gpu_worker:Worker.execute_model", "scheduler_output"), GIVEN),
+    *present(f"{_OUTPUT}:SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs",
+             "num_scheduled_tokens", "finished_req_ids"),
+    *present(f"{_OUTPUT}:NewRequestData", "req_id", "prompt_token_ids", "sampling_params",
+             "num_computed_tokens"),
+    *present(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
+    (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
+]), requires=("v2_batch_order",))
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
 # The worker side, named to vLLM (worker_extension_cls): its workers import it, this process need not.
 EXTENSION = f"{__package__}.engine_capture.StreamingCapture"
-
-# A request's region, shared by this process and the worker (engine_capture).
-REGION = "vllm_compat_region"  # the sampling parameters' extra_args key: (offset, prompt length)
-HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
-SHM = "/dev/shm"
-
-
-def layer_start(length: int, index: int, row_bytes: int) -> int:
-    """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
-    header and the token ids, int32, padded to 64 bytes)."""
-    return HEADER + (4 * length + 63) // 64 * 64 + index * length * row_bytes
-
-
-def region_bytes(length: int, layers: int, row_bytes: int) -> int:
-    return layer_start(length, layers, row_bytes)
-
-
-def regions_root(needed_bytes: int) -> str | None:
-    """Where the regions' file lives: ``/dev/shm`` (memory, never written back) where it has room
-    for ``needed_bytes``, else the default temporary directory (None)."""
-    try:
-        stat = os.statvfs(SHM)
-    except OSError:
-        return None
-    if stat.f_bavail * stat.f_frsize < needed_bytes or not os.access(SHM, os.W_OK):
-        return None
-    return SHM
-
-
-class RegionPool:
-    """A shared-memory file cut into regions: first fit, freed regions merged, ``reserve`` waits for
-    room (the writer frees regions as it writes)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        fd, self.path = tempfile.mkstemp(prefix="vllm-compat-regions-", dir=regions_root(capacity))
-        try:
-            os.ftruncate(fd, capacity)
-            self.mapping = mmap.mmap(fd, capacity)
-        finally:
-            os.close(fd)
-        self._free = [(0, capacity)]  # (offset, size), sorted by offset
-        self._reserved: dict[int, int] = {}  # offset -> size of each region handed out
-        self._room = threading.Condition()
-
-    def reserve(self, nbytes: int, timeout: float) -> int:
-        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        if nbytes > self.capacity:
-            raise ExtractError(f"a sequence needs {nbytes} bytes of states, the region pool holds {self.capacity}")
-        with self._room:
-            if not self._room.wait_for(lambda: self._fit(nbytes) is not None, timeout):
-                raise RuntimeError(f"no region of {nbytes} bytes freed within {timeout:.0f} s: the states "
-                                   f"handed out are not being released (is the writer stuck?)")
-            index = self._fit(nbytes)
-            offset, size = self._free[index]
-            if size == nbytes:
-                del self._free[index]
-            else:
-                self._free[index] = (offset + nbytes, size - nbytes)
-            self._reserved[offset] = nbytes
-            struct.pack_into("<q", self.mapping, offset, 0)  # no rows stored yet
-            return offset
-
-    def release(self, offset: int) -> None:
-        with self._room:
-            self._free.append((offset, self._reserved.pop(offset)))
-            self._free.sort()
-            merged = [self._free[0]]
-            for start, size in self._free[1:]:
-                last_start, last_size = merged[-1]
-                if last_start + last_size == start:
-                    merged[-1] = (last_start, last_size + size)
-                else:
-                    merged.append((start, size))
-            self._free = merged
-            self._room.notify_all()
-
-    def _fit(self, nbytes: int) -> int | None:
-        return next((i for i, (_, size) in enumerate(self._free) if size >= nbytes), None)
-
-    def rows_stored(self, offset: int, expected: int, timeout: float) -> int:
-        """The row count a worker wrote into the region at ``offset``, once it is ``expected`` or
-        ``timeout`` seconds have passed (a GPU worker writes it when the copies have landed, which
-        may be a moment after the engine reports the request finished)."""
-        deadline = time.monotonic() + timeout
-        while (stored := struct.unpack_from("<q", self.mapping, offset)[0]) != expected and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        return stored
-
-    def view(self, offset: int, dtype, count: int):
-        """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy).
-
-        Through a ``memoryview``: ``torch.frombuffer`` on the mapping itself does not hold it
-        exported, so ``close`` would unmap it under a live tensor (reads and writes through it then
-        hit unmapped or reused memory: a segfault, or another allocation's bytes). The memoryview
-        each tensor keeps makes ``close`` leave the mapping to the last tensor instead."""
-        import torch
-
-        return torch.frombuffer(memoryview(self.mapping)[offset:offset + count * dtype.itemsize], dtype=dtype)
-
-    def unlink(self) -> None:
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-
-    def close(self) -> None:
-        try:
-            self.mapping.close()
-        except BufferError:  # states still held (views): unmapped when the last of them is gone
-            pass
-        self.unlink()
 
 
 class _RegionBatch(Batch):
@@ -162,78 +63,59 @@ class _RegionBatch(Batch):
         self.offsets = offsets  # each sequence's region
 
 
-class VllmEngineBackend:
+class VllmEngineBackend(EngineBackend):
     name = "vllm-engine"
+    touchpoints = TOUCHPOINTS
 
-    def __init__(self, settings: BackendSettings):
-        self.settings = settings
-        self._llm = None
+    def __init__(self, settings):
+        super().__init__(settings)
         self._pool: RegionPool | None = None
         self._layout: dict | None = None
-        self._feed: EngineFeed | None = None
         self.rows_timeout = ROWS_TIMEOUT
-        self.tokens_ahead = 1
-        self.tokens_per_submit: int | None = None
 
-    def start(self) -> dict:
-        import vllm_compat
-        from vllm_compat.versions import base, vllm_version
+    def llm_keywords(self) -> dict:
+        return {"worker_extension_cls": EXTENSION}
 
-        version = vllm_version()
-        if version is None or base(version) < FIRST:
-            raise ExtractError(f"--backend vllm-engine needs vLLM >= {FIRST}; the installed vLLM is {version}")
-        report = vllm_compat.apply()  # the worker adapters keep speculators' capture forward right
-        in_process_llm_environment()
+    def started(self) -> dict:
+        """Install the capture in the workers and map them the region pool."""
         import torch
-        from vllm import LLM
 
         settings = self.settings
-        self._llm = LLM(
-            model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
-            trust_remote_code=settings.trust_remote_code, worker_extension_cls=EXTENSION)
-        replies = self._llm.collective_rpc("_vllm_compat_stream_setup", args=(settings.layer_ids,))
+        replies = self._llm.collective_rpc("_hidden_states_stream_setup", args=(settings.layer_ids,))
         self._layout = next(reply for reply in replies if reply is not None)
         self._row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
-        self.tokens_ahead = steps_of_tokens_ahead(self._llm)
-        self.tokens_per_submit = step_tokens(self._llm)
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len)
                                 + self._region_bytes(self.tokens_ahead))
-        pinned = next(r for r in self._llm.collective_rpc("_vllm_compat_stream_to", args=(self._pool.path,))
+        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self._pool.path,))
                       if r is not None)
         self._pool.unlink()  # the worker and this process hold it mapped: no name left to leak
-        self._feed = EngineFeed(self._llm.llm_engine, self._params, self._resolve, self._release)
-        return {"backend": self.name, "vllm_compat": report.to_dict(), "states_page_locked": pinned}
+        return {"states_page_locked": pinned}
 
     def _region_bytes(self, length: int) -> int:
         return region_bytes(length, len(self.settings.layer_ids), self._row_bytes)
 
-    def submit(self, batch: list[list[int]]) -> Future:
-        """Reserve each sequence's region (waits while the writer still holds too many states), then
-        hand the batch to the engine's feed."""
+    def new_batch(self, batch: list[list[int]]) -> _RegionBatch:
+        """Reserve each sequence's region (waits while the writer still holds too many states)."""
         if self._feed.failure is not None:
             raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
         offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in batch]
-        work = _RegionBatch(batch, offsets)
-        self._feed.put(work)
-        return work.future
+        return _RegionBatch(batch, offsets)
 
     def extract(self, batch: list[list[int]]) -> list[list]:
         """``submit`` for callers that keep what they get: copies, and the regions back at once."""
         return [[layer.clone() for layer in layers] for layers in self.submit(batch).result()]
 
-    @staticmethod
-    def _params(work: _RegionBatch, position: int):
+    def params(self, work: _RegionBatch, position: int):
         from vllm import SamplingParams
 
         return SamplingParams(max_tokens=1, extra_args={REGION: (work.offsets[position], len(work.ids[position]))})
 
-    def _release(self, work: _RegionBatch) -> None:
+    def failed(self, work: _RegionBatch) -> None:
         for offset in work.offsets:
             self._pool.release(offset)
 
-    def _resolve(self, work: _RegionBatch) -> None:
+    def finished(self, work: _RegionBatch) -> None:
         states: list = []
         try:
             for position in range(len(work.ids)):
@@ -272,19 +154,7 @@ class VllmEngineBackend:
             weakref.finalize(layer, release)
         return layers
 
-    def check_forward(self, probe: list[int]) -> list:
-        from vllm_compat.forward_check import verify_forward
-
-        return verify_forward(self._llm.collective_rpc, lambda: self.extract([probe]))
-
-    def close(self) -> None:
-        feed, self._feed = self._feed, None
-        llm, self._llm = self._llm, None
-        if llm is not None:
-            shut_down(llm)  # a busy feed's loop stops with the engine
-            del llm
-        if feed is not None:
-            feed.stop(timeout=30)
+    def release(self) -> None:
         if self._pool is not None:
             self._pool.close()
 
@@ -304,3 +174,4 @@ class _Countdown:
             self._action(*self._args)
 
 
+BACKEND = VllmEngineBackend

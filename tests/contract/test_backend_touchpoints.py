@@ -1,4 +1,4 @@
-"""The extractor backends' own touch points (vllm_compat.consumer.BACKEND_TOUCHPOINTS) against
+"""The extractor backends' own touch points (``TOUCHPOINTS`` beside each backend, hidden_states/backends/) against
 real vLLM: present in the installed release and in every release read here from each backend's
 first to 0.34.0 (static: 0.33.0 and 0.34.0 have no CPU build), and a broken one named by the audit."""
 import os
@@ -10,7 +10,9 @@ from packaging.version import Version
 from tests.contract.test_audit import wheel
 from vllm_compat import versions
 from vllm_compat.audit import audit
-from vllm_compat.consumer import BACKEND_TOUCHPOINTS
+from hidden_states.backends import touchpoints
+
+BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_states/backends)
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""The forward check (vllm_compat.forward_check) against the real kernels of the installed vLLM:
+"""The forward check (hidden_states.forward_check) against the real kernels of the installed vLLM:
 it must flag a layout a kernel gets wrong (the defects two adapters bridge) and pass once they apply."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ import vllm_compat
 from tests.contract.base import needs_vllm_kernels
 from vllm_compat.adapters.cpu_rms_norm_strided_input import kernel_ignores_strides
 from vllm_compat.adapters.cpu_rotary_head_layout import kernel_mishandles_heads
-from vllm_compat.forward_check import check_recorded, record_layouts
+from hidden_states.forward_check import check_recorded, record_layouts
 from vllm_compat.registry import get
 from vllm_compat.versions import in_range, vllm_version
 

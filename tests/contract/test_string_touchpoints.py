@@ -6,10 +6,12 @@ import pytest
 from packaging.version import Version
 
 from vllm_compat import versions
-from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 from vllm_compat.probes import shapes
 from vllm_compat.probes.live import LiveSource
 from vllm_compat.probes.static import DirTree, StaticSource
+from hidden_states.backends import touchpoints
+
+BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_states/backends)
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""The extractor backends' declared vLLM touch points (vllm_compat.consumer.BACKEND_TOUCHPOINTS):
+"""The extractor backends' declared vLLM touch points (``TOUCHPOINTS`` beside each backend, hidden_states/backends/):
 declared names are used, used vLLM imports are declared, the audit gates them by release, and the
 extractor's preflight stops on the chosen backend's alone. Without vLLM: synthetic trees and results."""
 import ast
@@ -13,11 +13,13 @@ from hidden_states.errors import PreflightError
 from tests.conftest import ROOT
 from vllm_compat import audit as audit_module
 from vllm_compat.audit import AuditResult, Finding, audit
-from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 from vllm_compat.probes.shapes import Exists
+from hidden_states.backends import touchpoints, touchpoints_of
 
-MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py", "engine_feed.py"],
-           "vllm-native": ["vllm_native.py", "engine_feed.py"]}
+BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_states/backends)
+
+MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py", "engine_feed.py", "engine_base.py"],
+           "vllm-native": ["vllm_native.py", "engine_feed.py", "engine_base.py"]}
 
 
 def source_of(backend: str) -> str:
@@ -95,15 +97,33 @@ def test_preflight_stops_on_the_chosen_backends_touch_points_alone(monkeypatch):
     assert preflight.check_vllm("speculators") == "vLLM 0.33.0, speculators==0.3.0: audit ok for --backend speculators"
     with pytest.raises(PreflightError, match=r"problems for --backend vllm-engine:\n  vllm.v1.core.sched.output:"
                                              r"NewRequestData.num_computed_tokens: missing: attribute 'num_computed_tokens'"):
-        preflight.check_vllm("vllm-engine")
+        preflight.check_vllm("vllm-engine", touchpoints_of("vllm-engine"))
 
 
 def test_preflight_of_vllm_native_needs_no_speculators(monkeypatch):
     monkeypatch.setattr(audit_module, "audit", lambda: pytest.fail("vllm-native has no generator to audit"))
-    monkeypatch.setattr("vllm_compat.versions.vllm_version", lambda: "0.33.0")
-    monkeypatch.setattr(audit_module, "audit_backend", lambda backend: [])
-    assert preflight.check_vllm("vllm-native") == "vLLM 0.33.0, no generator: audit ok for --backend vllm-native"
+    monkeypatch.setattr("vllm_compat.extractor_api.vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(audit_module, "audit_backend", lambda backend, touched: [])
+    assert preflight.check_vllm("vllm-native", touchpoints_of("vllm-native")) == "vLLM 0.33.0, no generator: audit ok for --backend vllm-native"
     broken = dataclasses.replace(BROKEN_ENGINE, id="vllm.inputs:TokensPrompt", scope="vllm-native")
-    monkeypatch.setattr(audit_module, "audit_backend", lambda backend: [broken])
+    monkeypatch.setattr(audit_module, "audit_backend", lambda backend, touched: [broken])
     with pytest.raises(PreflightError, match="problems for --backend vllm-native:\n  vllm.inputs:TokensPrompt: missing"):
-        preflight.check_vllm("vllm-native")
+        preflight.check_vllm("vllm-native", touchpoints_of("vllm-native"))
+
+
+def test_a_backend_refuses_to_start_without_an_adapter_it_requires():
+    """vllm-engine declares requires=("v2_batch_order",) beside its code: with that adapter disabled
+    its start stops before vLLM loads, naming it (negative: with it applied or not needed, no refusal)."""
+    from hidden_states.backends import BackendSettings
+    from hidden_states.backends.vllm_engine import VllmEngineBackend
+    from hidden_states.errors import ExtractError
+    from vllm_compat.report import AdapterResult, Report
+
+    assert touchpoints_of("vllm-engine").requires == ("v2_batch_order",)
+    backend = VllmEngineBackend(BackendSettings("m", [0], 8, 1, 0.1))
+    disabled = Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", "disabled", "disabled by VLLM_COMPAT_DISABLE"),))
+    with pytest.raises(ExtractError, match="--backend vllm-engine needs the adapter.s. v2_batch_order: "
+                                           "v2_batch_order disabled by VLLM_COMPAT_DISABLE"):
+        backend._check_required(disabled)
+    for status in ("applied", "not_needed"):
+        backend._check_required(Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", status, ""),)))

@@ -16,9 +16,6 @@ def test_adapter_docs_are_current():
 # take from them is in docs/drift-atlas.md and docs/cpu-vllm.md. Written in two parts so that this
 # file does not cite them itself.
 OUTSIDE_NOTES = re.compile("DRIFT" + r"\.md|CPU-" + "VLLM")
-# docs/architecture.md is rewritten on another branch of issue 28 (its module lists); its one
-# citation goes with that rewrite, and this exception with it.
-NOT_YET = {"docs/architecture.md"}
 # A citation of a docs page's section: docs/<page>.md, "<heading>" (quotes escaped inside a string too).
 CITATION = re.compile(r'(docs/[a-z-]+\.md), \\?"([^"\\]+)\\?"')
 
@@ -44,7 +41,7 @@ def texts():
 
 
 def test_no_tracked_file_cites_notes_outside_the_repository():
-    citing = [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for name, text in texts() if name not in NOT_YET
+    citing = [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for name, text in texts()
               for m in OUTSIDE_NOTES.finditer(text)]
     assert citing == [], "cite docs/drift-atlas.md or docs/cpu-vllm.md (a section) instead: " + ", ".join(citing)
 

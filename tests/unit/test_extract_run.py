@@ -13,7 +13,7 @@ from hidden_states import backends, extraction
 from hidden_states.errors import PreflightError
 from hidden_states.extraction import Extraction
 from hidden_states.settings import Settings
-from vllm_compat.forward_check import KernelCheck
+from hidden_states.forward_check import KernelCheck
 
 pytest.importorskip("torch")
 
@@ -135,7 +135,7 @@ def test_a_full_disk_is_one_message_naming_the_file_and_keeps_finished_samples(j
     data = Path(job.prepared_data)
     data.write_text("".join(json.dumps({"input_ids": [5] * 2}) + "\n" for _ in range(12)))
     monkeypatch.setattr(backends, "create", lambda name, settings: BigStatesBackend(settings))
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend: "audit: not run (a fake backend)")
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched: "audit: not run (a fake backend)")
     out = small_disk / "out"
 
     code = main(["extract", "--model-path", job.model_path, "--prepared-data", str(data), "--output-dir", str(out),

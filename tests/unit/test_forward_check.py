@@ -1,8 +1,8 @@
-"""How a kernel self-test reads (vllm_compat.forward_check.KernelCheck); the tests themselves run
+"""How a kernel self-test reads (hidden_states.forward_check.KernelCheck); the tests themselves run
 against real kernels in tests/contract/test_forward_check.py."""
 import math
 
-from vllm_compat.forward_check import TOLERANCE, KernelCheck
+from hidden_states.forward_check import TOLERANCE, KernelCheck
 
 
 def test_an_error_over_the_tolerance_is_wrong_and_says_where():

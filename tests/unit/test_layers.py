@@ -25,15 +25,16 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) 
     ("wrapping", {"wrapping"}),
     ("probes", {"probes"}),
     ("declarations", {"consumer", "adapter", "factories"}),
-    ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source", "forward_check"}),
+    ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source"}),
     ("adapters", {"adapters"}),
     ("registry and audit", {"registry", "callsites", "behaviour", "audit"}),
-    ("public API", {"__init__", "__main__", "cli", "plugin"}),
+    ("public API", {"__init__", "__main__", "cli", "plugin", "extractor_api"}),
 ])
 # The extractor's layers, the same way (lowest first).
 EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
     ("settings", {"__init__", "errors", "settings", "presets", "shards"}),
-    ("plumbing", {"inputs", "preflight", "layer_conventions", "output", "processes", "interrupts", "progress"}),
+    ("plumbing", {"inputs", "preflight", "layer_conventions", "output", "processes", "interrupts", "progress",
+                  "forward_check"}),
     ("plug-ins", {"formats", "batches", "backends"}),
     ("the run", {"extraction", "replicas", "convert", "status", "cli", "__main__"}),
     ("fixtures", {"fixtures"}),

@@ -129,8 +129,9 @@ def test_adapters_that_tell_callers_apart_still_see_the_generator_calling(monkey
     the gate's wrapper sits between them and must not count as the caller (negative: undeclared)."""
     from vllm_compat import wrapping
 
-    if not declared:
-        monkeypatch.setattr(wrapping, "_pass_through", set())
+    monkeypatch.setattr(wrapping, "_pass_through", set())
+    if not declared:  # the gate's wrapper installed without saying it is transparent
+        monkeypatch.setattr(wrapping, "pass_through", lambda function: None)
     generator = FakeGenerator()
     callers = []
 

@@ -231,7 +231,7 @@ def test_the_extractor_refuses_a_model_the_host_cannot_hold_before_anything_is_w
                                                                                         capsys):
     """Negative proof: the same run with the host's memory (or the GPU's, where there is one) made
     too small for the tiny model stops in the preflight, exit 2, naming the numbers."""
-    import vllm_compat.host
+    import vllm_compat.extractor_api
     from hidden_states import backends
     from hidden_states.cli import main
 
@@ -240,8 +240,8 @@ def test_the_extractor_refuses_a_model_the_host_cannot_hold_before_anything_is_w
 
     model, data = tiny
     monkeypatch.setattr(backends, "create", load)
-    monkeypatch.setattr(vllm_compat.host, "host_memory", lambda: (1_000_000, 2_000_000))
-    monkeypatch.setattr(vllm_compat.host, "device_total_memory", lambda: 1_000_000)
+    monkeypatch.setattr(vllm_compat.extractor_api, "host_memory", lambda: (1_000_000, 2_000_000))
+    monkeypatch.setattr(vllm_compat.extractor_api, "device_total_memory", lambda: 1_000_000)
     out = tmp_path / "out"
     assert main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
                  "--format", "speculators-0.3", "--tp-size", "2"]) == 2

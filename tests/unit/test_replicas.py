@@ -2,6 +2,7 @@
 for Ray that runs each call at once, and the fake backend of test_extraction_stages; real Ray and vLLM
 run in tests/e2e/test_data_parallel.py."""
 import json
+import pickle
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -85,9 +86,9 @@ class FakeRay:
                 return ActorClass
 
             @staticmethod
-            def remote(settings, config, replica_id, tag, env):
+            def remote(plan, replica_id, env):
                 fault = ray.faults.get(replica_id, ray.faults.get("every"))
-                actor = FakeActor(cls(settings, config, replica_id, tag, env), fault)
+                actor = FakeActor(cls(pickle.loads(pickle.dumps(plan)), replica_id, env), fault)  # as Ray ships it
                 ray.actors.append(actor)
                 return actor
 

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from hidden_states.backends import vllm_engine, vllm_native
+from hidden_states.backends import regions, vllm_native
 from hidden_states.errors import ExtractError
 
 
 def fake_statvfs(free_bytes):
     def statvfs(path):
-        assert path == vllm_engine.SHM
+        assert path == regions.SHM
         return SimpleNamespace(f_bavail=free_bytes // 4096, f_frsize=4096)
     return statvfs
 
@@ -20,19 +20,19 @@ def fake_statvfs(free_bytes):
 def test_regions_in_shared_memory_when_it_has_room(monkeypatch):
     monkeypatch.setattr(os, "statvfs", fake_statvfs(64 << 30))
     monkeypatch.setattr(os, "access", lambda path, mode: True)
-    assert vllm_engine.regions_root(8 << 30) == vllm_engine.SHM
+    assert regions.regions_root(8 << 30) == regions.SHM
 
 
 def test_regions_on_disk_when_shared_memory_is_small_or_missing(monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: True)
     monkeypatch.setattr(os, "statvfs", fake_statvfs(64 << 20))  # a container's default 64 MiB /dev/shm
-    assert vllm_engine.regions_root(8 << 30) is None
+    assert regions.regions_root(8 << 30) is None
 
     def missing(path):
         raise FileNotFoundError(path)
 
     monkeypatch.setattr(os, "statvfs", missing)
-    assert vllm_engine.regions_root(1) is None
+    assert regions.regions_root(1) is None
 
 
 def test_connector_files_in_the_temp_dir_unless_the_environment_names_one(monkeypatch, tmp_path):

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 
 from vllm_compat.audit import audit, touched_name
-from vllm_compat.consumer import BACKEND_TOUCHPOINTS
 from vllm_compat.probes import shapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import vllm_venv  # noqa: E402
+from hidden_states.backends import touchpoints
+
+BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_states/backends)
 
 BY_STRING = [check for check, _ in BACKEND_TOUCHPOINTS["vllm-native"].checks if isinstance(check, shapes.ByString)]
 METHOD, CONNECTOR = (touched_name(check) for check in (BY_STRING[1], BY_STRING[2]))

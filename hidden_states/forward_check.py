@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 MAX_TOKENS = 16  # tokens per self-test: enough for every position-dependent defect seen
 TOLERANCE = 5e-2  # relative; a layout defect is off by 0.3-1.3, rounding by < 1e-5 (fp32) or < 1e-2 (bf16)
-_HOOKS = "_vllm_compat_forward_check"
+_HOOKS = "_hidden_states_forward_check"
 _KINDS = {"RMSNorm": "rms_norm", "RotaryEmbedding": "rotary", "RotaryEmbeddingBase": "rotary"}
 _PARAMETERS = {"rms_norm": ("x", "residual"), "rotary": ("positions", "query", "key")}  # as vLLM names them
 

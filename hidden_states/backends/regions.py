@@ -1,0 +1,129 @@
+"""Where ``--backend vllm-engine``'s states meet: one shared-memory file cut into a region per
+request, and the layout of a region, which this process (``vllm_engine``) and the worker
+(``engine_capture``) both follow.
+
+A region: a 64-byte header whose first int64 is the number of prompt rows stored so far; the token
+id of every stored row (int32), padded to 64 bytes; then the layers one after the other, each
+``[prompt_len, hidden]`` contiguous.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+import threading
+import time
+
+from ..errors import ExtractError
+
+ALIGN = 64
+# A request's region, shared by this process and the worker (engine_capture).
+REGION = "hidden_states_region"  # the sampling parameters' extra_args key: (offset, prompt length)
+HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
+SHM = "/dev/shm"
+
+
+def layer_start(length: int, index: int, row_bytes: int) -> int:
+    """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
+    header and the token ids, int32, padded to 64 bytes)."""
+    return HEADER + (4 * length + 63) // 64 * 64 + index * length * row_bytes
+
+
+def region_bytes(length: int, layers: int, row_bytes: int) -> int:
+    return layer_start(length, layers, row_bytes)
+
+
+def regions_root(needed_bytes: int) -> str | None:
+    """Where the regions' file lives: ``/dev/shm`` (memory, never written back) where it has room
+    for ``needed_bytes``, else the default temporary directory (None)."""
+    try:
+        stat = os.statvfs(SHM)
+    except OSError:
+        return None
+    if stat.f_bavail * stat.f_frsize < needed_bytes or not os.access(SHM, os.W_OK):
+        return None
+    return SHM
+
+
+class RegionPool:
+    """A shared-memory file cut into regions: first fit, freed regions merged, ``reserve`` waits for
+    room (the writer frees regions as it writes)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        fd, self.path = tempfile.mkstemp(prefix="hidden-states-regions-", dir=regions_root(capacity))
+        try:
+            os.ftruncate(fd, capacity)
+            self.mapping = mmap.mmap(fd, capacity)
+        finally:
+            os.close(fd)
+        self._free = [(0, capacity)]  # (offset, size), sorted by offset
+        self._reserved: dict[int, int] = {}  # offset -> size of each region handed out
+        self._room = threading.Condition()
+
+    def reserve(self, nbytes: int, timeout: float) -> int:
+        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        if nbytes > self.capacity:
+            raise ExtractError(f"a sequence needs {nbytes} bytes of states, the region pool holds {self.capacity}")
+        with self._room:
+            if not self._room.wait_for(lambda: self._fit(nbytes) is not None, timeout):
+                raise RuntimeError(f"no region of {nbytes} bytes freed within {timeout:.0f} s: the states "
+                                   f"handed out are not being released (is the writer stuck?)")
+            index = self._fit(nbytes)
+            offset, size = self._free[index]
+            if size == nbytes:
+                del self._free[index]
+            else:
+                self._free[index] = (offset + nbytes, size - nbytes)
+            self._reserved[offset] = nbytes
+            struct.pack_into("<q", self.mapping, offset, 0)  # no rows stored yet
+            return offset
+
+    def release(self, offset: int) -> None:
+        with self._room:
+            self._free.append((offset, self._reserved.pop(offset)))
+            self._free.sort()
+            merged = [self._free[0]]
+            for start, size in self._free[1:]:
+                last_start, last_size = merged[-1]
+                if last_start + last_size == start:
+                    merged[-1] = (last_start, last_size + size)
+                else:
+                    merged.append((start, size))
+            self._free = merged
+            self._room.notify_all()
+
+    def _fit(self, nbytes: int) -> int | None:
+        return next((i for i, (_, size) in enumerate(self._free) if size >= nbytes), None)
+
+    def rows_stored(self, offset: int, expected: int, timeout: float) -> int:
+        """The row count a worker wrote into the region at ``offset``, once it is ``expected`` or
+        ``timeout`` seconds have passed (a GPU worker writes it when the copies have landed, which
+        may be a moment after the engine reports the request finished)."""
+        deadline = time.monotonic() + timeout
+        while (stored := struct.unpack_from("<q", self.mapping, offset)[0]) != expected and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        return stored
+
+    def view(self, offset: int, dtype, count: int):
+        """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy).
+
+        Through a ``memoryview``: ``torch.frombuffer`` on the mapping itself does not hold it
+        exported, so ``close`` would unmap it under a live tensor (reads and writes through it then
+        hit unmapped or reused memory: a segfault, or another allocation's bytes). The memoryview
+        each tensor keeps makes ``close`` leave the mapping to the last tensor instead."""
+        import torch
+
+        return torch.frombuffer(memoryview(self.mapping)[offset:offset + count * dtype.itemsize], dtype=dtype)
+
+    def unlink(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        try:
+            self.mapping.close()
+        except BufferError:  # states still held (views): unmapped when the last of them is gone
+            pass
+        self.unlink()
