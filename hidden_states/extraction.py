@@ -489,8 +489,8 @@ def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]
 def check_forward(backend, vocab_size: int) -> str:
     """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
     (``hidden_states.forward_check``): a kernel that is wrong for one layout makes every state after
-    the first token wrong with no error (docs/extractor.md, "Forward check"). One short sequence
-    and a few small kernel calls: seconds."""
+    the first token wrong with no error (docs/extractor.md, "Forward check (after the model load,
+    before the first sample)"). One short sequence and a few small kernel calls: seconds."""
     started = time.monotonic()
     probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
     checks = backend.check_forward(probe)

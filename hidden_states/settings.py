@@ -80,7 +80,7 @@ BACKEND_DEFAULTS: dict[str, dict] = {
     # vLLM's connector saves every state on the host's CPUs and memory, inside the engine step or on
     # threads of its own, so whatever else writes slows the engine down: one writer thread keeps up
     # with the rate its states arrive at, and the files queued at the end are drained by more
-    # (measured: docs/performance.md, "Writer threads").
+    # (measured: docs/performance.md, "The extractor's defaults").
     "vllm-native": {"writer_threads": 1},
 }
 
