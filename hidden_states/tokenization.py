@@ -9,10 +9,10 @@ the whole conversation rendered once. The mask is 1 on every assistant turn's re
 * where the template has generation markers (``{% generation %}``, answered by
   ``apply_chat_template(..., return_assistant_tokens_mask=True)``), the tokens inside them;
 * otherwise, for each assistant turn, the span of the render that the turn's content makes: the
-  conversation is rendered again with that turn's content empty, and the characters where the two
-  renders differ (after their common start, before their common end) are the reply as the template
-  placed it (trimmed, reasoning stripped or kept, as the template does); every token overlapping
-  that span is trained. Templates that rewrite earlier turns (Qwen3 drops the reasoning of turns
+  conversation is rendered again with that turn's content replaced by a placeholder; the text the
+  template puts before and after the placeholder, matched against the real render from its start
+  and from its end, bounds the reply as the template placed it (trimmed, reasoning stripped or
+  kept, as the template does); every token overlapping that span is trained. Templates that rewrite earlier turns (Qwen3 drops the reasoning of turns
   before the last user query) are handled because both renders are of the whole conversation.
 
 ``speculators-0.5`` (speculators >= 0.5, ``prepare-data``): one row per assistant turn (not the
@@ -24,7 +24,7 @@ their common start, provided the history's own render is a prefix of the turn's;
 conversation is skipped (counted). A turn whose prompt alone fills ``max_seq_len`` is skipped.
 
 Truncation keeps the first ``max_seq_len`` tokens of a row (the trainers' right-side truncation);
-a row left with no trained token is dropped, counted. ``text`` rows are tokenized as they are
+a row with no trained token is counted, and dropped for speculators-0.5 as its trainer does. ``text`` rows are tokenized as they are
 (with the tokenizer's special tokens) and trained on every token.
 """
 from __future__ import annotations
@@ -40,6 +40,9 @@ from .conversations import Conversation, Record
 from .errors import InputError, UsageError
 
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+# Stands in for a reply's content to find where the template puts it: no whitespace to trim, no
+# markup a template reacts to, characters of Unicode's private use area that no text holds.
+PLACEHOLDER = "\ue000hidden-states-reply\ue001"
 MARKERS, CONTENT_SPANS, TURN_BOUNDARIES = "generation markers", "content spans", "turn boundaries"
 
 
@@ -59,7 +62,8 @@ class Counts:
         records: conversations and text rows read.
         rows: rows produced.
         truncated: rows cut to ``max_seq_len``.
-        unsupervised: rows dropped because no trained token was left.
+        unsupervised: rows with no trained token (dropped for speculators-0.5, kept for 0.3 as
+            speculators 0.3/0.4 keep them: sample i is then conversation i).
         skipped: conversations or turns skipped, by reason.
     """
 
@@ -75,7 +79,7 @@ class Counts:
             said.append(f"{self.truncated} truncated to --max-seq-len {max_seq_len} (the first {max_seq_len} "
                         f"tokens kept)")
         if self.unsupervised:
-            said.append(f"{self.unsupervised} dropped with no trained token left")
+            said.append(f"{self.unsupervised} with no trained token")
         said += [f"{n} skipped: {why}" for why, n in sorted(self.skipped.items())]
         return ", ".join(said)
 
@@ -118,12 +122,17 @@ def _common_prefix(a, b) -> int:
     return n
 
 
-def changed_span(full: str, without: str) -> tuple[int, int]:
-    """The characters of ``full`` that ``without`` lacks or has otherwise: after the two texts'
-    common start and before their common end (the end not allowed to overlap the start)."""
-    start = _common_prefix(full, without)
-    end = _common_prefix(full[::-1], without[::-1])
-    end = min(end, len(full) - start, len(without) - start)
+def reply_span(full: str, probe: str) -> tuple[int, int] | None:
+    """Where a reply sits in ``full``, a conversation's render, given ``probe``, the render with
+    that reply's content replaced by ``PLACEHOLDER``: after as much of the text the template puts
+    before the placeholder as ``full`` shares, and before as much of the text it puts after it.
+    None if the template does not show the reply (no placeholder in ``probe``)."""
+    at = probe.find(PLACEHOLDER)
+    if at < 0:
+        return None
+    before, after = probe[:at], probe[at + len(PLACEHOLDER):]
+    start = _common_prefix(full, before)
+    end = min(_common_prefix(full[::-1], after[::-1]), len(full) - start)
     return start, len(full) - end
 
 
@@ -203,7 +212,8 @@ class ChatTokenizer:
                 ids, mask = ids[: self.max_seq_len], mask[: self.max_seq_len]
             if not any(mask):
                 self.counts.unsupervised += 1
-                continue
+                if self.per_turn:  # speculators >= 0.5 drops such a row; 0.3/0.4 keep it
+                    continue
             kept.append(Row(list(ids), list(mask)))
         self.counts.rows += len(kept)
         return kept
@@ -234,8 +244,12 @@ class ChatTokenizer:
         for number, message in enumerate(chat.messages):
             if message["role"] != "assistant" or not message["content"]:
                 continue
-            emptied = [*chat.messages[:number], {**message, "content": ""}, *chat.messages[number + 1:]]
-            start, end = changed_span(full, self._render(emptied, chat.tools))
+            probe = [*chat.messages[:number], {**message, "content": PLACEHOLDER}, *chat.messages[number + 1:]]
+            span = reply_span(full, self._render(probe, chat.tools))
+            if span is None:
+                self.counts.skipped["replies the template does not show (left untrained)"] += 1
+                continue
+            start, end = span
             for position, (first, last) in enumerate(offsets):
                 if last > start and first < end:
                     mask[position] = 1
