@@ -7,7 +7,7 @@ Containers, detected per file (never by the name alone):
 * Parquet (the file starts with ``PAR1``), streamed in row groups; needs ``pyarrow``;
 * a directory saved with ``datasets.Dataset.save_to_disk``; needs ``datasets``.
 
-Rows, detected from the first row's keys; every later row must be of the same kind:
+Rows, each detected from its keys (tokenized rows and conversations do not mix in one input):
 
 * ``tokenized``: ``{"input_ids": [...], "loss_mask": [...]}`` (what ``inputs.validate`` checks);
 * ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": ...}]}``;

@@ -300,17 +300,18 @@ def save_token_frequencies(freq: dict[int, int], path: str | Path) -> None:
 
 def tokenized_rows(source, tokenizer_of, log=None) -> Iterator[tuple[Record, str, list[int], list[int] | None]]:
     """(record, kind, input_ids, loss_mask) for every row of ``source`` (a ``RecordSource``),
-    conversations tokenized by ``tokenizer_of()`` (called once, at the first conversation); one
-    kind per file."""
-    first_kind = None
+    conversations tokenized by ``tokenizer_of()`` (called once, at the first conversation).
+    ShareGPT, messages and text rows may mix; tokenized rows and conversations may not."""
+    first = None
     chat = None
     for record in source:
         kind = conversations.kind_of(record)
-        if first_kind is None:
-            first_kind = kind
-        elif kind != first_kind:
-            raise InputError(f"{record.where}: a {kind} row in a file of {first_kind} rows (its first row decided); "
-                             f"one kind per file")
+        tokenized = kind == conversations.TOKENIZED
+        if first is None:
+            first = kind
+        elif tokenized != (first == conversations.TOKENIZED):
+            raise InputError(f"{record.where}: a {kind} row in a file whose first row is {first}: tokenized rows "
+                             f"and conversations do not mix in one input")
         if kind == conversations.TOKENIZED:
             yield record, kind, record.value.get("input_ids"), record.value.get("loss_mask")
             continue
