@@ -218,3 +218,29 @@ def test_speculators_05_layout_matches_prepare_data(workspace, family, kind):
     mine, my_freq, their, their_freq, reasons = compare(workspace, family, kind, "speculators-0.5", "0.9")
     assert not reasons
     assert my_freq == their_freq
+
+
+def test_parquet_and_a_dataset_directory_read_as_the_jsonl_does(workspace):
+    """The same conversations as Parquet and as a ``save_to_disk`` directory (written by pyarrow and
+    datasets from the 0.9.0 folder, whose columns then hold every key of every turn, missing ones
+    None) prepare to the JSONL's rows."""
+    root, files, tokenizers = workspace
+    path = os.pathsep.join([ROOT, str(speculators_09())])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    writer = ("import json, sys, datasets, pyarrow as pa, pyarrow.parquet as pq\n"
+              "rows = [json.loads(line) for line in open(sys.argv[1])]\n"
+              "pq.write_table(pa.Table.from_pylist(rows), sys.argv[2])\n"
+              "datasets.Dataset.from_list(rows).save_to_disk(sys.argv[3])\n")
+    for kind in ("sharegpt", "messages"):
+        parquet, directory = root / f"{kind}.parquet", root / f"{kind}-dataset"
+        subprocess.run([sys.executable, "-c", writer, str(files[kind]), str(parquet), str(directory)], env=env,
+                       check=True, capture_output=True, timeout=300)
+        outputs = []
+        for data in (files[kind], parquet, directory):
+            out = root / "containers" / f"{data.name}.jsonl"
+            proc = subprocess.run([sys.executable, "-m", "hidden_states", "prepare", "--model-path",
+                                   str(tokenizers["qwen3"]), "--data", str(data), "--output", str(out), "--format",
+                                   "speculators-0.3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            outputs.append(out.read_text())
+        assert outputs[0] == outputs[1] == outputs[2] and outputs[0].count("\n") == 40
