@@ -63,7 +63,8 @@ class RecordSource:
         container: ``jsonl``, ``json``, ``parquet`` or ``dataset``.
         size: bytes of the file (None for a directory).
         rows: how many rows it holds, where the container says so up front (JSONL: None).
-        bytes_read: bytes of a JSONL file read so far.
+        bytes_read: bytes of a JSONL file read so far; of a JSON array or Parquet file, its size's
+            share of the rows read (they are read whole or by row group); 0 for a directory.
     """
 
     path: Path
@@ -147,8 +148,8 @@ def _json_rows(source: RecordSource, handle) -> Iterator[Record]:
     if not isinstance(items, list):
         raise InputError(f"{source.path}: a JSON file must hold one array of rows, not a {type(items).__name__}")
     source.rows = len(items)
-    source.bytes_read = source.size
     for row, value in enumerate(items):
+        source.bytes_read = source.size * (row + 1) // len(items)  # read whole: its share, for estimates
         yield Record(f"{source.path} item {row}", row + 1, value)
 
 
@@ -168,9 +169,9 @@ def _parquet_rows(source: RecordSource, handle) -> Iterator[Record]:
         row = 0
         for batch in parquet.iter_batches(batch_size=256):
             for value in batch.to_pylist():
-                yield Record(f"{source.path} row {row}", row + 1, value)
                 row += 1
-    source.bytes_read = source.size
+                source.bytes_read = source.size * row // max(source.rows, 1)  # its share, for estimates
+                yield Record(f"{source.path} row {row - 1}", row, value)
 
 
 def _dataset_rows(source: RecordSource) -> Iterator[Record]:

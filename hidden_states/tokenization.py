@@ -195,8 +195,7 @@ class ChatTokenizer:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise InputError(f"{record.where}: a conversation, but the model's tokenizer has no chat template")
             try:
-                made = self._boundary_rows(chat, record) if self.per_turn else \
-                    [self._whole_row(chat)]
+                made = self._boundary_rows(chat) if self.per_turn else [self._whole_row(chat)]
             except InputError:
                 raise
             except Exception as exc:  # a template raises whatever its author chose (TemplateError, ...)
@@ -255,7 +254,7 @@ class ChatTokenizer:
                     mask[position] = 1
         return list(encoded["input_ids"]), mask
 
-    def _boundary_rows(self, chat: Conversation, record: Record) -> list[tuple[list[int], list[int]]]:
+    def _boundary_rows(self, chat: Conversation) -> list[tuple[list[int], list[int]]]:
         """speculators-0.5: one row per assistant turn, masked from its render boundary."""
         made = []
         messages, limit = chat.messages, self.max_seq_len

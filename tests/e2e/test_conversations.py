@@ -230,7 +230,8 @@ def test_parquet_and_a_dataset_directory_read_as_the_jsonl_does(workspace):
     writer = ("import json, sys, datasets, pyarrow as pa, pyarrow.parquet as pq\n"
               "rows = [json.loads(line) for line in open(sys.argv[1])]\n"
               "pq.write_table(pa.Table.from_pylist(rows), sys.argv[2])\n"
-              "datasets.Dataset.from_list(rows).save_to_disk(sys.argv[3])\n")
+              "datasets.load_dataset('json', data_files=sys.argv[1], split='train', cache_dir=sys.argv[3] + '.cache')"
+              ".save_to_disk(sys.argv[3])\n")
     for kind in ("sharegpt", "messages"):
         parquet, directory = root / f"{kind}.parquet", root / f"{kind}-dataset"
         subprocess.run([sys.executable, "-c", writer, str(files[kind]), str(parquet), str(directory)], env=env,
