@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -245,3 +246,42 @@ def test_parquet_and_a_dataset_directory_read_as_the_jsonl_does(workspace):
             assert proc.returncode == 0, proc.stderr[-3000:]
             outputs.append(out.read_text())
         assert outputs[0] == outputs[1] == outputs[2] and outputs[0].count("\n") == 40
+
+
+@pytest.mark.vllm
+@pytest.mark.e2e
+def test_extract_takes_conversations_through_the_real_generator(workspace, tmp_path):
+    """``extract --data`` on the messages file, with the tiny Llama and a Qwen3 chat tokenizer, through
+    speculators 0.3.0's generator on vLLM: each file holds the row ``prepare`` made for that
+    conversation, and states for every one of its tokens."""
+    import torch
+
+    from tests.e2e.test_extractor import LAYERS, run_cli
+
+    root, files, tokenizers = workspace
+    model = tmp_path / "tiny-llama-qwen3-template"
+    shutil.copytree(harness.tiny_model("llama"), model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (model / name).unlink(missing_ok=True)
+        if (tokenizers["qwen3"] / name).exists():
+            shutil.copy(tokenizers["qwen3"] / name, model / name)
+    prepared = tmp_path / "prepared.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hidden_states", "prepare", "--model-path", str(model), "--data",
+                           str(files["messages"]), "--output", str(prepared), "--format", "speculators-0.3",
+                           "--max-seq-len", str(SEQ_LEN)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+
+    proc = run_cli("--model-path", str(model), "--data", str(files["messages"]), "--output-dir", str(out), "--preset",
+                   "cpu-tiny", "--format", "speculators-0.3", "--layer-ids", *LAYERS, "--max-seq-len", str(SEQ_LEN),
+                   "--max-samples", "8", env_extra={
+                       "PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), ROOT])})
+
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "conversations tokenized with the model's chat template for speculators-0.3" in proc.stderr
+    expected = read_rows(prepared)[:8]
+    for number, (ids, mask) in enumerate(expected):
+        saved = torch.load(out / f"data_{number}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == ids and saved["loss_mask"].tolist() == mask
+        assert all(state.shape[0] == len(ids) for state in saved["hidden_states"])
