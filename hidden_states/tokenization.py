@@ -3,17 +3,18 @@ from the template itself, truncation, and the token frequencies of what is train
 
 Two layouts, as the trainers of ``--format`` prepare them (docs/extractor.md compares them):
 
-``speculators-0.3`` (speculators 0.3/0.4, ``load_and_preprocess_dataset``): one row per conversation,
-the whole conversation rendered once. The mask is 1 on every assistant turn's reply:
+``speculators-0.3`` (speculators 0.3/0.4, ``load_and_preprocess_dataset``): one row per
+conversation, the whole conversation rendered once. The mask is 1 on every assistant turn's reply:
 
 * where the template has generation markers (``{% generation %}``, answered by
   ``apply_chat_template(..., return_assistant_tokens_mask=True)``), the tokens inside them;
 * otherwise, for each assistant turn, the span of the render that the turn's content makes: the
   conversation is rendered again with that turn's content replaced by a placeholder; the text the
-  template puts before and after the placeholder, matched against the real render from its start
-  and from its end, bounds the reply as the template placed it (trimmed, reasoning stripped or
-  kept, as the template does); every token overlapping that span is trained. Templates that rewrite earlier turns (Qwen3 drops the reasoning of turns
-  before the last user query) are handled because both renders are of the whole conversation.
+  template puts before and after the placeholder, matched against the real render from its start and
+  from its end, bounds the reply as the template placed it (trimmed, reasoning stripped or kept, as
+  the template does); every token overlapping that span is trained. Templates that rewrite earlier
+  turns (Qwen3 drops the reasoning of turns before the last user query) are handled because both
+  renders are of the whole conversation.
 
 ``speculators-0.5`` (speculators >= 0.5, ``prepare-data``): one row per assistant turn (not the
 first message), holding the conversation up to and including that turn, rendered as the model sees
@@ -23,9 +24,9 @@ turn: where the latter extends the former, else (a generation prompt that pre-fi
 their common start, provided the history's own render is a prefix of the turn's; otherwise the
 conversation is skipped (counted). A turn whose prompt alone fills ``max_seq_len`` is skipped.
 
-Truncation keeps the first ``max_seq_len`` tokens of a row (the trainers' right-side truncation);
-a row with no trained token is counted, and dropped for speculators-0.5 as its trainer does. ``text`` rows are tokenized as they are
-(with the tokenizer's special tokens) and trained on every token.
+Truncation keeps the first ``max_seq_len`` tokens of a row (the trainers' right-side truncation); a
+row with no trained token is counted, and dropped for speculators-0.5 as its trainer does. ``text``
+rows are tokenized as they are (with the tokenizer's special tokens) and trained on every token.
 """
 from __future__ import annotations
 

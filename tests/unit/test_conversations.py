@@ -91,7 +91,8 @@ def test_one_row_per_turn_holds_the_history_as_the_model_saw_it_at_that_turn(tok
     # turn 2 was the last reply when it was generated: its reasoning is in its row...
     assert "<think>\nthe capital\n</think>" in first
     # ...and dropped from the history of turn 4's row, as Qwen3's template renders it there
-    assert "the capital\n</think>" not in second and "<|im_start|>assistant\n Paris is the capital.\n<|im_end|>" in second
+    assert "the capital\n</think>" not in second
+    assert "<|im_start|>assistant\n Paris is the capital.\n<|im_end|>" in second
     assert [trained(tok, r.input_ids, r.loss_mask) for r in made] == [
         ["<think>\nthe capital\n</think>\n\n Paris is the capital.\n<|im_end|>\n"],
         ["<think>\ncheck the weather\n</think>\n\nSunny and warm.<|im_end|>\n"]]
@@ -120,7 +121,7 @@ def test_truncation_keeps_the_first_tokens_and_is_counted_or_refused_with_strict
     assert chat.counts.truncated == 1
     assert "1 truncated to --max-seq-len 40 (the first 40 tokens kept)" in chat.summary()
     strict = ChatTokenizer(tok, "speculators-0.3", 40, strict=True)
-    with pytest.raises(InputError, match=r"data.jsonl:1: \d+ tokens with the chat template, more than --max-seq-len 40"):
+    with pytest.raises(InputError, match=r"data.jsonl:1: \d+ tokens with the chat template, more than --max-seq-len"):
         strict.rows(Record("data.jsonl:1", 1, {"messages": CONVERSATION}), "messages")
 
 
