@@ -1,8 +1,9 @@
 """``python -m hidden_states`` / ``hidden-states``: turn tokenized data into hidden-state files.
 
-    python -m hidden_states extract --model-path M --prepared-data data.jsonl --output-dir OUT \\
+    python -m hidden_states extract --model-path M --data conversations.jsonl --output-dir OUT \\
         [--preset blackwell-tp8] [--batch-size 4] [--max-seq-len 2048] [--tp-size 8] \\
         [--gpu-memory-utilization 0.80] [--layer-ids 2 30 58 60] [--format speculators-0.5] ...
+    python -m hidden_states prepare --model-path M --data conversations.jsonl --output prepared.jsonl
     python -m hidden_states convert SRC DST --to speculators-0.5     # or back: --to speculators-0.3
     python -m hidden_states extract ... --data-parallel-size 2 [--ray-address auto]   # Ray replicas
     python -m hidden_states extract ... --shard 0/4                                   # static shard
@@ -63,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     extract = sub.add_parser("extract", help="extract hidden states for every sample of a tokenized dataset")
     extract.add_argument("--model-path", required=True, help="local checkpoint directory")
-    extract.add_argument("--prepared-data", required=True,
-                         help="tokenized JSONL (input_ids, loss_mask) or a saved dataset directory")
+    extract.add_argument("--data", "--prepared-data", dest="prepared_data", required=True, metavar="PATH",
+                         help="conversations (ShareGPT, OpenAI messages, text; tokenized with the model's chat "
+                              "template) or tokenized rows (input_ids, loss_mask): JSONL, JSON, Parquet or a saved "
+                              "dataset directory")
     extract.add_argument("--output-dir", required=True, help="where the sample files go (a rerun resumes)")
     extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
     # The tunable flags default to None here so that a preset's value stands unless a flag is given.
@@ -99,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--no-overlap", action="store_true",
                          help="one batch at a time: the next batch's forward does not run while this batch's "
                               "states are copied out (the speculators backend overlaps them by default)")
+    prepare = sub.add_parser("prepare", help="tokenize conversations as --format's trainer expects (no model "
+                                             "load) into a JSONL of input_ids and loss_mask, and token_freq.pt")
+    prepare.add_argument("--model-path", required=True, help="the checkpoint whose tokenizer and chat template to use")
+    prepare.add_argument("--data", required=True, metavar="PATH",
+                         help="conversations: JSONL, JSON, Parquet or a saved dataset directory")
+    prepare.add_argument("--output", required=True, metavar="FILE", help="the JSONL to write")
+    prepare.add_argument("--max-seq-len", type=at_least(1), default=default("max_seq_len"),
+                         help=f"rows are truncated to this many tokens (default {default('max_seq_len')})")
+    prepare.add_argument("--format", choices=sorted(FORMATS),
+                         help="the trainer: speculators-0.3 (0.3/0.4: one row per conversation) or speculators-0.5 "
+                              "(>= 0.5: one row per assistant turn); default: what the installed speculators reads")
+    prepare.add_argument("--token-freq", metavar="FILE", help="where token_freq.pt goes (default: beside --output)")
+    prepare.add_argument("--trust-remote-code", action="store_true", help="allow a tokenizer that needs remote code")
     convert = sub.add_parser("convert", help="convert an extraction to the other layout (no model, no GPU; a "
                                              "rerun resumes)")
     convert.add_argument("src", help="a finished extraction's output directory")
@@ -166,6 +182,15 @@ def _convert(args) -> int:
     return 0
 
 
+def _prepare(args) -> int:
+    from .layer_conventions import default_format
+    from .tokenization import ChatSettings, prepare
+
+    chat = ChatSettings(args.model_path, args.format or default_format(), args.max_seq_len, args.trust_remote_code)
+    prepare(chat, args.data, args.output, args.token_freq, log=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
 def _demo(args) -> int:
     from .fixtures.demo import run_demo
 
@@ -180,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(status(args.output_dir))
             return 0
-        return {"extract": _extract, "convert": _convert, "demo": _demo}[args.command](args)
+        return {"extract": _extract, "prepare": _prepare, "convert": _convert, "demo": _demo}[args.command](args)
     except ExtractError as exc:
         print(f"hidden-states: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -37,6 +37,7 @@ from . import backends, formats, layer_conventions, processes
 from .batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
+from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
 from .preflight import (ModelFacts, check_disk, check_first_samples, check_layer_ids, check_memory,
@@ -256,7 +257,9 @@ class Extraction:
         check_tensor_parallel(facts, settings.tp_size)
         self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
         self.summary.layer_ids = self.format_layer_ids
-        self.input = InputStream(settings.prepared_data, facts.vocab_size)
+        chat = ChatSettings(settings.model_path, self.format_name, settings.max_seq_len, settings.trust_remote_code,
+                            settings.strict)
+        self.input = InputStream(settings.prepared_data, facts.vocab_size, chat)
         self.bytes_per_token = check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
         if self.loads_model_here:  # last: asking the device imports vLLM (seconds)
             self.check_memory_here()
@@ -372,6 +375,8 @@ class Extraction:
             if self.pending.truncated:
                 self.log(f"warning: {self.pending.truncated} samples longer than --max-seq-len "
                          f"{self.settings.max_seq_len} were truncated (--strict refuses them)")
+            if self.input.tokenizer is not None:
+                self.log(self.input.tokenizer.summary())
         self.progress.close()
 
     def open_sink(self) -> None:

@@ -1,24 +1,26 @@
-"""Tokenized training samples, streamed (never loaded whole), each validated where it is read.
+"""Training samples, streamed (never loaded whole but for a JSON array), each validated where it is read.
 
-Two sources, both what speculators' preprocessing produces:
+The input is any container ``conversations.open_source`` reads (JSONL, a JSON array, Parquet, a
+dataset directory saved with ``datasets.Dataset.save_to_disk``), holding one kind of row:
 
-* a JSONL file, one sample per line: ``{"input_ids": [...], "loss_mask": [...]}`` (``loss_mask``
-  optional; blank lines are skipped but still counted for line numbers);
-* a dataset directory saved with ``datasets.Dataset.save_to_disk`` (memory-mapped Arrow; needs the
-  ``datasets`` package), with the same two columns.
+* tokenized: ``{"input_ids": [...], "loss_mask": [...]}`` (``loss_mask`` optional), what
+  speculators' preprocessing and ``hidden-states prepare`` produce, taken as they are;
+* conversations (ShareGPT ``conversations``, OpenAI ``messages``) or ``text``, tokenized here with
+  the model's chat template for the trainer's layout (``tokenization.ChatTokenizer``).
 
-Sample ``i`` is the ``i``-th sample of the source (0-based); the output format names its file by
-``i`` (``data_{i}.pt``), which is what makes a rerun skip finished work.
+Sample ``i`` is the ``i``-th sample of the source (0-based; with ``--format speculators-0.5`` a
+conversation gives one sample per assistant turn); the output format names its file by ``i``
+(``data_{i}.pt``), which is what makes a rerun skip finished work.
 """
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import conversations
 from .errors import InputError
+from .tokenization import ChatSettings, ChatTokenizer, tokenized_rows
 
 
 @dataclass(frozen=True)
@@ -66,39 +68,42 @@ def validate(record, where: str, index: int, line: int, vocab_size: int | None) 
     return Sample(index, line, ids, mask)
 
 
-def json_problem(exc: json.JSONDecodeError) -> str:
-    """What is wrong, placed in the file's line (the decoder counts the newline at its end as a
-    line of its own: "line 2 column 1" meant "the line ends too soon")."""
-    line = exc.doc.rstrip("\r\n")
-    if exc.pos >= len(line):
-        return f"{exc.msg} at the end of the line"
-    return f"{exc.msg} at column {exc.pos + 1}"
-
-
 class InputStream:
     """The input, opened once and read once, in order, validated as it is read.
 
     :meth:`peek` reads the first samples ahead (what the preflight checks before the model loads);
     iterating hands them out again, then reads on from where the peek stopped. How many samples the
-    input holds is learned while streaming (:meth:`expected_samples`): a saved dataset knows its
-    row count; a JSONL file's count is estimated from the bytes read so far, and exact at its end.
+    input holds is learned while streaming (:meth:`expected_samples`): a container that knows its
+    row count says it (exact while every row has made one sample); a JSONL file's count is
+    estimated from the bytes read so far, and exact at its end.
+
+    Args:
+        path: the input (any container ``conversations.open_source`` reads).
+        vocab_size: token ids must be below it (None: not checked).
+        chat: how conversations are tokenized; None: only tokenized rows are accepted.
 
     Attributes:
-        path: the JSONL file or dataset directory.
+        path: the file or dataset directory.
         samples_read: samples read so far (peeked ones included).
         bytes_read: bytes of the JSONL file read so far (0 for a dataset directory).
+        tokenizer: the ``ChatTokenizer`` once a conversation was met (its ``counts`` say what it did).
     """
 
-    def __init__(self, path: str | Path, vocab_size: int | None = None):
+    def __init__(self, path: str | Path, vocab_size: int | None = None, chat: ChatSettings | None = None):
         self.path = Path(path)
         self.vocab_size = vocab_size
+        self.chat = chat
+        self.tokenizer: ChatTokenizer | None = None
         self.samples_read = 0
-        self.bytes_read = 0
-        self._size: int | None = None  # bytes of the JSONL file
-        self._rows: int | None = None  # rows of a dataset directory
+        self.records_read = 0
+        self._source: conversations.RecordSource | None = None
         self._ended = False
         self._peeked: list[Sample] = []
         self._reader: Iterator[Sample] | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        return self._source.bytes_read if self._source is not None else 0
 
     def peek(self, count: int) -> list[Sample]:
         """The first ``count`` samples (fewer if the input is shorter), read now and handed out again
@@ -118,62 +123,43 @@ class InputStream:
         yield from reader
 
     def expected_samples(self) -> tuple[int, bool]:
-        """(samples in the input, whether that number is exact): exact for a dataset directory and at
-        the end of a JSONL file; before that, the samples read plus the bytes left at the mean size
-        of those read."""
-        if self._rows is not None:
-            return self._rows, True
-        if self._ended or not self.samples_read or not self.bytes_read:
+        """(samples in the input, whether that number is exact): exact at the end of the input, and
+        for a container that knows its row count while every row has made one sample; else the
+        samples read plus the rows (or bytes of a JSONL file) left at the rate of those read."""
+        source = self._source
+        if self._ended or source is None or not self.samples_read:
             return self.samples_read, self._ended
-        left = max(self._size - self.bytes_read, 0) * self.samples_read / self.bytes_read
+        if source.rows is not None:
+            if self.samples_read == self.records_read:
+                return source.rows, True
+            left = max(source.rows - self.records_read, 0) * self.samples_read / self.records_read
+        elif source.size and source.bytes_read:
+            left = max(source.size - source.bytes_read, 0) * self.samples_read / source.bytes_read
+        else:
+            return self.samples_read, False
         return self.samples_read + round(left), False
 
     def _open(self) -> Iterator[Sample]:
         if self._reader is None:
-            if not self.path.exists():
-                raise InputError(f"{self.path}: no such file or directory")
-            self._reader = self._dataset_dir() if self.path.is_dir() else self._jsonl()
+            self._source = conversations.open_source(self.path)
+            self._reader = self._samples(self._source)
         return self._reader
 
-    def _jsonl(self) -> Iterator[Sample]:
-        try:
-            handle = self.path.open("rb")
-        except OSError as exc:
-            raise InputError(f"{self.path}: cannot be read ({exc.strerror})") from None
-        with handle:
-            self._size = os.fstat(handle.fileno()).st_size
-            for line_number, raw in enumerate(handle, start=1):
-                self.bytes_read += len(raw)
-                if not raw.strip():
-                    continue
-                where = f"{self.path}:{line_number}"
-                try:
-                    record = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"{where}: not valid JSON ({json_problem(exc)})") from None
-                except UnicodeDecodeError as exc:
-                    raise InputError(f"{where}: not UTF-8 (byte {exc.start + 1} of the line)") from None
-                sample = validate(record, where, self.samples_read, line_number, self.vocab_size)
-                self.samples_read += 1
-                yield sample
-        self._ended = True
+    def _tokenizer(self) -> ChatTokenizer:
+        if self.chat is None:
+            raise InputError(f"{self.path}: conversations, which need the model's tokenizer to become samples "
+                             f"(hidden-states prepare or extract tokenize them)")
+        self.tokenizer = self.chat.tokenizer()
+        return self.tokenizer
 
-    def _dataset_dir(self) -> Iterator[Sample]:
-        try:
-            import datasets
-        except ImportError:
-            raise InputError(f"{self.path}: reading a saved dataset directory needs the 'datasets' package "
-                             f"(pip install datasets), or pass the JSONL file instead") from None
-        try:
-            dataset = datasets.load_from_disk(str(self.path))
-        except Exception as exc:  # datasets raises several types for a bad directory
-            raise InputError(f"{self.path}: not a dataset saved with save_to_disk ({type(exc).__name__}: {exc})") \
-                from None
-        if isinstance(dataset, datasets.DatasetDict):
-            raise InputError(f"{self.path}: a DatasetDict ({', '.join(dataset)}); point at one split's directory")
-        self._rows = len(dataset)
-        for row, record in enumerate(dataset):
-            sample = validate(record, f"{self.path} row {row}", row, row + 1, self.vocab_size)
+    def _samples(self, source: conversations.RecordSource) -> Iterator[Sample]:
+        last = None
+        for record, _, ids, mask in tokenized_rows(source, self._tokenizer):
+            if record is not last:
+                self.records_read += 1
+                last = record
+            sample = validate({"input_ids": ids, "loss_mask": mask}, record.where, self.samples_read, record.line,
+                              self.vocab_size)
             self.samples_read += 1
             yield sample
         self._ended = True

@@ -89,5 +89,5 @@ if __name__ == "__main__":
         print(f"[demo] the whole log, third-party lines included: {out / 'demo.log'} (or rerun with --verbose)")
     print("\nTo extract your own data in the same environment (docs/extractor.md):\n"
           f"  PYTHONPATH={speculators} HF_HUB_OFFLINE=1 {python} -m hidden_states extract \\\n"
-          "      --model-path MODEL_DIR --prepared-data DATA.jsonl --output-dir OUT_DIR")
+          "      --model-path MODEL_DIR --data CONVERSATIONS.jsonl --output-dir OUT_DIR")
     sys.exit(code)

@@ -34,7 +34,7 @@ GOOD = '{"input_ids": [5, 6, 7]}'
 @pytest.mark.parametrize("bad_line, message", [
     ('{"input_ids": [5, 6', "not valid JSON (Expecting ',' delimiter at the end of the line)"),
     ('{"input_ids": [5, 6,, 7]}', "not valid JSON (Expecting value at column 21)"),
-    ('{"tokens": [5, 6]}', "no 'input_ids' (keys: tokens)"),
+    ('{"tokens": [5, 6]}', "neither tokenized ('input_ids') nor a conversation ('conversations', 'messages' or 'text') (keys: tokens)"),
     ('{"input_ids": [5, 6.5]}', "input_ids[1] is 6.5, not an integer"),
     ('{"input_ids": [5, true]}', "input_ids[1] is True, not an integer"),
     ('{"input_ids": "5 6"}', "input_ids must be a list of integers, got str"),
@@ -42,7 +42,7 @@ GOOD = '{"input_ids": [5, 6, 7]}'
     ('{"input_ids": [-1]}', "input_ids[0] = -1 is outside the model's vocabulary"),
     ('{"input_ids": []}', "empty sample (input_ids is [])"),
     ('{"input_ids": [5, 6], "loss_mask": [1]}', "loss_mask has 1 entries for 2 input_ids"),
-    ('[5, 6]', "expected a JSON object with 'input_ids', got list"),
+    ('[5, 6]', "expected a JSON object, got list"),
 ])
 def test_bad_sample_names_file_and_line(model, tmp_path, capsys, bad_line, message):
     data = jsonl(tmp_path, GOOD, "", bad_line)
