@@ -2,7 +2,9 @@
 order, for tests/e2e/test_conversations.py (run in a subprocess with one speculators release on
 PYTHONPATH, and ``datasets``).
 
-    python speculators_prep_driver.py 0.4 TOKENIZER DATA.jsonl SEQ_LEN OUT_DIR
+    python speculators_prep_driver.py 0.4 JOBS.json    # [{"tokenizer", "data", "seq_len", "out"}, ...]
+
+(one process per release: importing speculators, transformers and datasets takes most of a run)
 
 0.3 / 0.4: ``load_and_preprocess_dataset`` as released (it shuffles with ``seed``; the rows are put
 back in the file's order by the permutation the same shuffle of the same file makes), ``token_freq.pt`` as
@@ -18,13 +20,18 @@ import sys
 from pathlib import Path
 
 
-def main(release: str, tokenizer_dir: str, data: str, seq_len: int, out: Path) -> None:
+def main(release: str, jobs: str) -> None:
     import vllm_compat
 
     vllm_compat.apply()  # speculators 0.3/0.4 import under transformers 5 only with the shim
     import datasets
 
     datasets.disable_progress_bars()
+    for job in json.loads(Path(jobs).read_text()):
+        run(release, job["tokenizer"], job["data"], job["seq_len"], Path(job["out"]))
+
+
+def run(release: str, tokenizer_dir: str, data: str, seq_len: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if release in ("0.3", "0.4"):
         from speculators.data_generation.preprocessing import load_and_preprocess_dataset, load_raw_dataset
@@ -67,4 +74,4 @@ def main(release: str, tokenizer_dir: str, data: str, seq_len: int, out: Path) -
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), Path(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2])

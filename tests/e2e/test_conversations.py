@@ -107,34 +107,39 @@ def workspace(tmp_path_factory):
 def ours(workspace, family: str, kind: str, layout: str) -> tuple[list, dict]:
     import torch
 
+    from hidden_states.tokenization import ChatSettings, prepare
+
     root, files, tokenizers = workspace
     out = root / "ours" / f"{family}-{kind}-{layout}.jsonl"
     freq = out.with_suffix(".token_freq.pt")
-    proc = subprocess.run([sys.executable, "-m", "hidden_states", "prepare", "--model-path", str(tokenizers[family]),
-                           "--data", str(files[kind]), "--output", str(out), "--format", layout, "--max-seq-len",
-                           str(SEQ_LEN), "--token-freq", str(freq)],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # in this process: the CLI around prepare() is the unit suite's (tests/unit/test_conversations.py)
+    prepare(ChatSettings(str(tokenizers[family]), layout, SEQ_LEN, False), str(files[kind]), str(out), str(freq),
+            log=lambda line: None)
     return read_rows(out), torch.load(freq, weights_only=True)
 
 
 def theirs(workspace, family: str, kind: str, release: str) -> tuple[list, dict]:
+    """speculators' rows for one family and file; the first call for a release runs every family and
+    file of it in one driver process."""
     import torch
 
     root, files, tokenizers = workspace
-    data = files["messages-for-speculators" if kind == "messages" else kind]
     out = root / "theirs" / f"{family}-{kind}-{release}"
-    if release == "0.9":
-        path = [str(speculators_09()), ROOT]
-    else:
-        path = [str(harness.speculators_path(f"{release}.0")), str(speculators_09()), ROOT]
-    proc = subprocess.run([sys.executable, str(DRIVER), release, str(tokenizers[family]), str(data), str(SEQ_LEN),
-                           str(out)],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1",
-                                         "HF_DATASETS_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if not (out / "rows.jsonl").is_file():
+        jobs = [{"tokenizer": str(tokenizers[f]), "data": str(files["messages-for-speculators" if k == "messages" else k]),
+                 "seq_len": SEQ_LEN, "out": str(root / "theirs" / f"{f}-{k}-{release}")}
+                for f in FAMILIES for k in ("sharegpt", "messages")]
+        listed = root / f"jobs-{release}.json"
+        listed.write_text(json.dumps(jobs))
+        if release == "0.9":
+            path = [str(speculators_09()), ROOT]
+        else:
+            path = [str(harness.speculators_path(f"{release}.0")), str(speculators_09()), ROOT]
+        proc = subprocess.run([sys.executable, str(DRIVER), release, str(listed)],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1",
+                                             "HF_DATASETS_OFFLINE": "1"},
+                              capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return read_rows(out / "rows.jsonl"), torch.load(out / "token_freq.pt", weights_only=True)
 
 
