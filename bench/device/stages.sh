@@ -76,6 +76,15 @@ timed() {
   tar czf "$OUT/steps-$name.tgz" -C /tmp/steps "$name"
 }
 export -f extract timed; export B M8 SPEC LENGTH
+# the first steps of a release's run (release-one, release-generator): the generator of speculators 0.3.0 and
+# its files against HF fp32; from 0.34.0 the same without extensible_kv_cache, the fault it prevents
+generator_steps() {
+    step 100 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
+    step 60 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT; rm -rf /tmp/r03"
+    if python3 -c "import sys, vllm; from packaging.version import Version; sys.exit(Version(vllm.__version__) < Version('0.34.0'))"; then
+      step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
+    fi
+}
 case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
     $B env 2>&1 | grep RESULT
@@ -217,11 +226,7 @@ case "${1:?stage}" in
     python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, torch.version.cuda, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     S04=${SPEC%/*}/0.4.0
-    step 100 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
-    step 60 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT; rm -rf /tmp/r03"
-    if python3 -c "import sys, vllm; from packaging.version import Version; sys.exit(Version(vllm.__version__) < Version('0.34.0'))"; then
-      step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
-    fi
+    generator_steps
     step 60 "$B prefill --model $M8 --samples 64 --length $LENGTH 2>&1 | grep RESULT | tail -1"
     step 80 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 64 --work /tmp/e8 | cut -c1-600"
     step 60 "$B check --model $M8 --samples 4 --work /tmp/e8 2>&1 | grep RESULT; rm -rf /tmp/e8"
@@ -229,9 +234,7 @@ case "${1:?stage}" in
     step 80 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 32 --samples 64 --work /tmp/s04 | cut -c1-600; rm -rf /tmp/s04"
     ;;
   release-generator)  # release-one's first steps alone: the generator (speculators 0.3.0) and its files vs HF, the fault
-    step 100 "rm -rf /tmp/r03 && extract --batch 32 --samples 64 --work /tmp/r03"
-    step 60 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/r03 2>&1 | grep RESULT; rm -rf /tmp/r03"
-    step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
+    generator_steps
     ;;
   release-8b)  # the release's eager prefill beside each way to extract, 128 x 2048 each, each one's files against HF fp32
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
