@@ -7,6 +7,7 @@ from pathlib import Path
 
 from . import formats
 from .inputs import InputStream
+from .tokenization import ChatSettings
 from .output import CONFIG, LEDGERS, TEMP_PREFIX, OutputDir, format_name, read_json
 
 
@@ -34,7 +35,10 @@ def status(path: str | Path) -> str:
              + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]
     source = config.get("prepared_data")
     if source and Path(source).exists():
-        total = sum(1 for _ in InputStream(source))
+        # conversations are counted as the run tokenized them: its model's template, format and length
+        chat = ChatSettings(config["model"], format_name(config), config["max_seq_len"]) \
+            if "model" in config and "max_seq_len" in config else None
+        total = sum(1 for _ in InputStream(source, chat=chat))
         missing = [index for index in range(total) if index not in whole]
         lines.append(f"input {source}: {total} samples; " + (
             f"{len(missing)} not finished: {_ranges(missing)}" if missing else "every one finished"))

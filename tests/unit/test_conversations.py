@@ -290,6 +290,10 @@ def test_extract_data_tokenizes_conversations_as_prepare_does(chat_model, tmp_pa
     assert [f["input_ids"].tolist() for f in files] == [r["input_ids"] for r in expected] == RecordingBackend.seen
     assert [f["loss_mask"].tolist() for f in files] == [r["loss_mask"] for r in expected]
     assert "conversations tokenized with the model's chat template for speculators-0.3" in capsys.readouterr().err
+    # status counts the input's samples the way the run tokenized it
+    from hidden_states.status import status
+
+    assert f"input {data}: 3 samples; every one finished" in status(tmp_path / "out")
 
 
 def test_conversations_without_a_model_tokenizer_are_refused_naming_the_input(tmp_path):
