@@ -187,7 +187,7 @@ def _prepare(args) -> int:
     from .tokenization import ChatSettings, prepare
 
     chat = ChatSettings(args.model_path, args.format or default_format(), args.max_seq_len, args.trust_remote_code)
-    prepare(chat, args.data, args.output, args.token_freq, log=lambda line: print(line, file=sys.stderr, flush=True))
+    prepare(chat, args.data, args.output, args.token_freq)
     return 0
 
 

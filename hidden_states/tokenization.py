@@ -38,7 +38,9 @@ from pathlib import Path
 
 from . import conversations
 from .conversations import Conversation, Record
-from .errors import InputError, UsageError
+from .errors import InputError, OutputError, UsageError
+from .output import TEMP_PREFIX, atomic_write_bytes, describe_os_error
+from .progress import log_to_stderr
 
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 # Stands in for a reply's content to find where the template puts it: no whitespace to trim, no
@@ -285,20 +287,26 @@ def token_frequencies(rows) -> dict[int, int]:
     within a row)."""
     counts: Counter = Counter()
     for ids, mask in rows:
-        counts.update(dict(sorted(Counter(t for t, m in zip(ids, mask) if m).items())))
+        count_trained(counts, ids, mask)
     return dict(counts)
 
 
+def count_trained(counts: Counter, ids: list[int], mask: list[int]) -> None:
+    """Add one row's trained tokens to ``counts`` in :func:`token_frequencies`' order."""
+    counts.update(dict(sorted(Counter(t for t, m in zip(ids, mask) if m).items())))
+
+
 def save_token_frequencies(freq: dict[int, int], path: str | Path) -> None:
+    import io
+
     import torch
 
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    torch.save(freq, tmp)
-    tmp.replace(path)
+    buffer = io.BytesIO()
+    torch.save(freq, buffer)
+    atomic_write_bytes(Path(path), buffer.getvalue())
 
 
-def tokenized_rows(source, tokenizer_of, log=None) -> Iterator[tuple[Record, str, list[int], list[int] | None]]:
+def tokenized_rows(source, tokenizer_of) -> Iterator[tuple[Record, str, list[int], list[int] | None]]:
     """(record, kind, input_ids, loss_mask) for every row of ``source`` (a ``RecordSource``),
     conversations tokenized by ``tokenizer_of()`` (called once, at the first conversation).
     ShareGPT, messages and text rows may mix; tokenized rows and conversations may not."""
@@ -312,7 +320,7 @@ def tokenized_rows(source, tokenizer_of, log=None) -> Iterator[tuple[Record, str
         elif tokenized != (first == conversations.TOKENIZED):
             raise InputError(f"{record.where}: a {kind} row in a file whose first row is {first}: tokenized rows "
                              f"and conversations do not mix in one input")
-        if kind == conversations.TOKENIZED:
+        if tokenized:
             yield record, kind, record.value.get("input_ids"), record.value.get("loss_mask")
             continue
         if chat is None:
@@ -322,7 +330,7 @@ def tokenized_rows(source, tokenizer_of, log=None) -> Iterator[tuple[Record, str
 
 
 def prepare(chat: ChatSettings, data: str | Path, output: str | Path, token_freq: str | Path | None = None,
-            log=print) -> Counts:
+            log=log_to_stderr) -> Counts:
     """``hidden-states prepare``: tokenize ``data`` into ``output`` (JSONL, ``input_ids`` and
     ``loss_mask`` per line) and write the trained tokens' frequencies (``token_freq.pt`` beside
     ``output`` unless ``token_freq`` names another path). No model is loaded; both files are
@@ -341,22 +349,29 @@ def prepare(chat: ChatSettings, data: str | Path, output: str | Path, token_freq
         raise UsageError(f"--output {output}: a directory; name the JSONL file to write")
     output.parent.mkdir(parents=True, exist_ok=True)
     stream = InputStream(data, chat=chat)
-    tmp = output.with_name(f".tmp-{output.name}")
-    rows = []
+    tmp = output.with_name(f"{TEMP_PREFIX}{output.name}")
+    freq: Counter = Counter()  # counted as the rows go by: the input is never held whole
+    rows = 0
     try:
         with tmp.open("w") as handle:
             for sample in stream:
                 mask = sample.loss_mask if sample.loss_mask is not None else [1] * len(sample.input_ids)
                 handle.write(json.dumps({"input_ids": sample.input_ids, "loss_mask": mask}) + "\n")
-                rows.append((sample.input_ids, mask))
+                count_trained(freq, sample.input_ids, mask)
+                rows += 1
+        tmp.replace(output)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(describe_os_error(exc, output)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    tmp.replace(output)
-    save_token_frequencies(token_frequencies(rows), token_freq)
-    counts = stream.tokenizer.counts if stream.tokenizer is not None else Counts(len(rows), len(rows))
-    said = stream.tokenizer.summary() if stream.tokenizer is not None else \
-        f"tokenized rows checked and copied: {len(rows)}"
-    log(f"[hidden-states] {said}")
-    log(f"[hidden-states] prepared: {len(rows)} rows in {output}, token frequencies in {token_freq}")
+    save_token_frequencies(dict(freq), token_freq)
+    if stream.tokenizer is not None:
+        counts = stream.tokenizer.counts
+        log(stream.tokenizer.summary())
+    else:
+        counts = Counts(rows, rows)
+        log(f"tokenized rows checked and copied: {rows}")
+    log(f"prepared: {rows} rows in {output}, token frequencies in {token_freq}")
     return counts
