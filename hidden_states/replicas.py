@@ -128,7 +128,8 @@ class Handle:
 class RayExtraction(Extraction):
     """An :class:`Extraction` whose batches run on ``settings.data_parallel_size`` Ray replicas."""
 
-    # the replicas load the model, each on its own node's GPUs: each checks its memory in its own plan()
+    # the replicas load the model, each on its own node's GPUs: each checks its memory as it loads
+    # (Replica.load, check_memory_here)
     loads_model_here = False
 
     def __init__(self, settings, **kwargs):

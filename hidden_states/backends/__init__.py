@@ -91,7 +91,7 @@ def create(name: str, settings: BackendSettings) -> Backend:
 
 def touchpoints() -> dict:
     """{backend name: its declared ``BackendTouchpoints``} for the backends that declare them, by name."""
-    declared = {name: getattr(_module(name), "TOUCHPOINTS", None) for name in sorted(MODULES)}
+    declared = {name: touchpoints_of(name) for name in sorted(MODULES)}
     return {name: touched for name, touched in declared.items() if touched is not None}
 
 

@@ -12,7 +12,7 @@ import ast
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..probes.static import Found
+from ..probes.static import Found, _call_name
 from .signatures import FUNCTIONS, VllmIndex, absolute_module
 
 MODULE, CLASS, FUNCTION, METHOD, INSTANCE = "module", "class", "function", "method", "instance"
@@ -430,6 +430,3 @@ def _module_level(body: list[ast.stmt]):
             stack.extend(ast.iter_child_nodes(node))
 
 
-def _call_name(call: ast.Call) -> str:
-    func = call.func
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
