@@ -68,8 +68,10 @@ class EngineBackend:
         return {"backend": self.name, **facts, "vllm_compat": report.to_dict(), **after}
 
     def _check_required(self, report) -> None:
-        """Refuse to start without an adapter the backend declared it requires."""
-        off = [r for r in report.by_status("disabled") if r.id in self.touchpoints.requires]
+        """Refuse to start without an adapter the backend declared it requires: disabled or failed, as
+        the shim's own ``Adapter.requires`` counts it missing."""
+        off = [r for status in ("disabled", "failed") for r in report.by_status(status)
+               if r.id in self.touchpoints.requires]
         if off:
             raise ExtractError(f"--backend {self.name} needs the adapter(s) {', '.join(r.id for r in off)}: "
                                + "; ".join(f"{r.id} {r.reason}" for r in off))

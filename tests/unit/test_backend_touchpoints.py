@@ -112,7 +112,7 @@ def test_preflight_of_vllm_native_needs_no_speculators(monkeypatch):
 
 
 def test_a_backend_refuses_to_start_without_an_adapter_it_requires():
-    """vllm-engine declares requires=("v2_batch_order",) beside its code: with that adapter disabled
+    """vllm-engine declares requires=("v2_batch_order",) beside its code: with that adapter disabled or failed
     its start stops before vLLM loads, naming it (negative: with it applied or not needed, no refusal)."""
     from hidden_states.backends import BackendSettings
     from hidden_states.backends.vllm_engine import VllmEngineBackend
@@ -125,5 +125,8 @@ def test_a_backend_refuses_to_start_without_an_adapter_it_requires():
     with pytest.raises(ExtractError, match="--backend vllm-engine needs the adapter.s. v2_batch_order: "
                                            "v2_batch_order disabled by VLLM_COMPAT_DISABLE"):
         backend._check_required(disabled)
+    failed = Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", "failed", "its patch raised"),))
+    with pytest.raises(ExtractError, match="needs the adapter.s. v2_batch_order: v2_batch_order its patch raised"):
+        backend._check_required(failed)
     for status in ("applied", "not_needed"):
         backend._check_required(Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", status, ""),)))
