@@ -9,6 +9,8 @@
 #   torch-T, vllm-R   install lane: wait for receive.sh's mark that every part is here, then install.sh
 #   8b                GPU lane: the Llama-3-8B-shaped checkpoint into /tmp/models/llama3-8b (the image's torch)
 #   R:STAGE           GPU lane: once vllm-R is installed, stages.sh STAGE (SITE=/tmp/site-R, TORCH_SITE if any)
+#   //                the GPU items after it form a second GPU lane, run beside the first (the tiny-model
+#                     suites take 0.02 of the GPU's memory: they fit beside an 8B stage)
 # The environment passes through (DEADLINE, K, VLLM_* ...).
 set -uo pipefail
 W=${W:-/tmp/vw}
@@ -21,14 +23,20 @@ if [ -z "${QUEUE_CHILD:-}" ]; then
   rm -rf /tmp/repo && mkdir -p /tmp/repo /tmp/out
   tar cf - --exclude=./.gpu --exclude=./.cache --exclude=./.git . | tar xf - -C /tmp/repo
   # two lanes: bundles install one after another on the CPUs while the GPU lane runs its stages in order
-  installs=() gpu=()
-  for item in "$@"; do case "$item" in torch-*|vllm-*|triton-*|ray) installs+=("$item") ;; *) gpu+=("$item") ;; esac; done
+  installs=() gpu=() gpu2=() second=""
+  for item in "$@"; do
+    case "$item" in
+      torch-*|vllm-*|triton-*|ray) installs+=("$item") ;;
+      //) second=1 ;;
+      *) if [ -n "$second" ]; then gpu2+=("$item"); else gpu+=("$item"); fi ;;
+    esac
+  done
   cd /tmp/repo
-  for lane in installs gpu; do
+  for lane in installs gpu gpu2; do
     declare -n items=$lane
     [ ${#items[@]} -gt 0 ] && QUEUE_CHILD=$lane setsid nohup bash bench/device/queue.sh "${items[@]}" >> /tmp/queue.log 2>&1 < /dev/null &
   done
-  echo "queue started: installs: ${installs[*]:-none}; gpu: ${gpu[*]:-none}"
+  echo "queue started: installs: ${installs[*]:-none}; gpu: ${gpu[*]:-none}; gpu2: ${gpu2[*]:-none}"
   exit 0
 fi
 say() { echo "[$QUEUE_CHILD $(date +%H:%M:%S)] $*"; }
