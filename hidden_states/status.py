@@ -7,7 +7,7 @@ from pathlib import Path
 
 from . import formats
 from .errors import InputError
-from .identity import describe_input, recorded, same_input
+from .identity import SHORT, describe_input, recorded, same_input
 from .inputs import InputStream
 from .output import CONFIG, LEDGERS, TEMP_PREFIX, OutputDir, format_name, read_json
 from .tokenization import ChatSettings
@@ -37,7 +37,8 @@ def status(path: str | Path) -> str:
              + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]
     recorded_input, tokenization = recorded(config)
     lines.append(f"made from {describe_input(recorded_input)}, "
-                 + ", ".join(f"{key} {value}" for key, value in sorted(tokenization.items()) if value is not None)
+                 + ", ".join(f"{key} {str(value)[:SHORT] if key.endswith('sha256') else value}"
+                             for key, value in sorted(tokenization.items()) if value is not None)
                  + (f"; the run stopped at {recorded_input['stopped_at']['where']} (a bad row)"
                     if recorded_input.get("stopped_at") else ""))
     source = recorded_input.get("resolved")
