@@ -40,8 +40,8 @@ from .errors import ExtractError, InputError, OutputError, PreflightError, Usage
 from .inputs import InputStream, Sample
 from .tokenization import ChatSettings
 from .interrupts import Interrupt
-from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, read_json
-from .identity import describe_input, stop_record
+from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
+from .identity import describe_input, difference, stop_record
 from .preflight import (ModelFacts, check_disk, check_first_samples, check_layer_ids, check_memory,
                         check_tensor_parallel, check_vllm, device_budget, estimate_memory, estimate_tokens, human_size,
                         model_facts)
@@ -368,7 +368,17 @@ class Extraction:
             self.log(check_forward(self.backend, self.facts.vocab_size))
         else:
             self.log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
+        self.check_still_ours()
         atomic_write_json(self.output.path / CONFIG, {**self.config, **info})
+
+    def check_still_ours(self) -> None:
+        """Refuse to write where another run (a shard given another input, say) took the directory
+        over while the model loaded: a directory with no finished sample goes to whoever claims it."""
+        held = read_json(self.output.path / CONFIG)
+        differs = difference({**held, "format": format_name(held)}, {**self.config, "format": self.format.name})
+        if differs is not None:
+            raise OutputError(f"{self.output.path}: another extraction took the directory over while the model "
+                              f"loaded ({differs}); nothing was written: use another --output-dir")
 
     def loop(self, batches) -> None:
         """Extract and hand to the writer every batch the source gives, until it stops or a signal asks."""

@@ -135,6 +135,24 @@ def test_a_run_that_failed_before_its_first_sample_does_not_block_the_corrected_
     assert any("replaced the extraction it held (no finished sample" in line for line in said)
 
 
+def test_a_run_whose_directory_another_took_over_while_it_loaded_writes_nothing(job, tmp_path, monkeypatch):
+    other = rows_file(tmp_path / "other.jsonl", [4, 4, 4])
+    start = FakeBackend.start
+
+    def taken_over_meanwhile(self):  # a shard given another input claims the empty directory
+        claimer = Extraction(replace(job, prepared_data=str(other)), log=quiet)
+        claimer.plan()
+        claimer.prepare()
+        return start(self)
+
+    monkeypatch.setattr(FakeBackend, "start", taken_over_meanwhile)
+    with pytest.raises(OutputError, match="another extraction took the directory over while the model loaded "
+                                          "\\(input "):
+        Extraction(job, log=quiet).run()
+    assert not list(Path(job.output_dir).glob("data_*.pt"))
+    assert config(job.output_dir)["input"]["resolved"] == str(other.resolve())
+
+
 def test_sample_files_without_a_config_are_refused(job):
     out = Path(job.output_dir)
     out.mkdir()
