@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "template) or tokenized rows (input_ids, loss_mask): JSONL, JSON, Parquet or a saved "
                               "dataset directory")
     extract.add_argument("--output-dir", required=True, help="where the sample files go (a rerun resumes)")
+    extract.add_argument("--start-over", action="store_true",
+                         help="when --output-dir holds another extraction (other model, layers, format, input or "
+                              "tokenization), remove its files and extract this one (refused otherwise)")
     extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
     # The tunable flags default to None here so that a preset's value stands unless a flag is given.
     extract.add_argument("--batch-size", type=at_least(1),
@@ -147,7 +150,7 @@ def settings_from(args) -> Settings:
                           format=args.format, progress_interval=args.progress_interval,
                           forward_check=not args.skip_forward_check, overlap=not args.no_overlap,
                           shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
-                          ray_address=args.ray_address)
+                          ray_address=args.ray_address, start_over=args.start_over)
 
 
 def _extract(args) -> int:

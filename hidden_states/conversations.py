@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import identity
 from .errors import InputError
 
 TOKENIZED, SHAREGPT, MESSAGES, TEXT = "tokenized", "sharegpt", "messages", "text"
@@ -61,8 +62,12 @@ class RecordSource:
     Attributes:
         path: the file or directory.
         container: ``jsonl``, ``json``, ``parquet`` or ``dataset``.
-        size: bytes of the file (None for a directory).
+        size: bytes of the file (of a directory: of its data files, once hashed).
         rows: how many rows it holds, where the container says so up front (JSONL: None).
+        sha256: the hash of its bytes (a directory's: of its data files in order), when asked for
+            (``open_source(..., digest=True)``); None otherwise.
+        files: a dataset directory's data files, those hashed (names in the directory).
+        line: the ``Record.line`` of the row read last (or being read: a line that is not JSON).
         bytes_read: bytes of a JSONL file read so far; of a JSON array or Parquet file, its size's
             share of the rows read (they are read whole or by row group); 0 for a directory.
     """
@@ -72,20 +77,27 @@ class RecordSource:
     size: int | None = None
     rows: int | None = None
     bytes_read: int = 0
+    sha256: str | None = None
+    files: list[str] = field(default_factory=list)
+    line: int = 0
     _records: Iterator[Record] | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[Record]:
         return self._records
 
 
-def open_source(path: str | Path) -> RecordSource:
+def open_source(path: str | Path, digest: bool = False) -> RecordSource:
     """The rows of ``path``, its container detected from its content; InputError naming the file
-    when it is none of JSONL, JSON, Parquet or a saved dataset directory."""
+    when it is none of JSONL, JSON, Parquet or a saved dataset directory. With ``digest``, the
+    hash of its bytes first (``sha256``): read in chunks through the handle the rows are then read
+    from, a dataset directory's data files one by one."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
     if path.is_dir():
         source = RecordSource(path, "dataset")
+        if digest:
+            _digest_dataset(source)
         source._records = _dataset_rows(source)
         return source
     try:  # opened once: the container is told from its first bytes, then read from the same handle
@@ -95,6 +107,10 @@ def open_source(path: str | Path) -> RecordSource:
     head = handle.read(4096)
     handle.seek(0)
     size = os.fstat(handle.fileno()).st_size
+    sha256 = None
+    if digest:
+        sha256 = identity.sha256_of([handle])
+        handle.seek(0)
     first = head.lstrip()[:1]
     if head.startswith(b"PAR1"):
         source = RecordSource(path, "parquet", size)
@@ -109,7 +125,33 @@ def open_source(path: str | Path) -> RecordSource:
         handle.close()
         raise InputError(f"{path}: not JSONL, a JSON array, Parquet or a saved dataset directory (it starts with "
                          f"{head[:16]!r})")
+    source.sha256 = sha256
     return source
+
+
+def dataset_files(path: Path) -> list[str]:
+    """The data files of a dataset directory saved with ``save_to_disk``: those its ``state.json``
+    lists, else every ``*.arrow`` file, by name."""
+    try:
+        listed = [entry["filename"] for entry in json.loads((path / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = []
+    return listed or sorted(p.name for p in path.glob("*.arrow"))
+
+
+def _digest_dataset(source: RecordSource) -> None:
+    source.files = dataset_files(source.path)
+    handles = []
+    try:
+        for name in source.files:
+            handles.append((source.path / name).open("rb"))
+        source.size = sum(os.fstat(h.fileno()).st_size for h in handles)
+        source.sha256 = identity.sha256_of(handles)
+    except OSError as exc:
+        raise InputError(f"{source.path}: its data file cannot be read ({exc})") from None
+    finally:
+        for handle in handles:
+            handle.close()
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:
@@ -125,6 +167,7 @@ def _jsonl_rows(source: RecordSource, handle) -> Iterator[Record]:
     with handle:
         for line_number, raw in enumerate(handle, start=1):
             source.bytes_read += len(raw)
+            source.line = line_number
             if not raw.strip():
                 continue
             where = f"{source.path}:{line_number}"
@@ -150,6 +193,7 @@ def _json_rows(source: RecordSource, handle) -> Iterator[Record]:
     source.rows = len(items)
     for row, value in enumerate(items):
         source.bytes_read = source.size * (row + 1) // len(items)  # read whole: its share, for estimates
+        source.line = row + 1
         yield Record(f"{source.path} item {row}", row + 1, value)
 
 
@@ -171,6 +215,7 @@ def _parquet_rows(source: RecordSource, handle) -> Iterator[Record]:
             for value in batch.to_pylist():
                 row += 1
                 source.bytes_read = source.size * row // max(source.rows, 1)  # its share, for estimates
+                source.line = row
                 yield Record(f"{source.path} row {row - 1}", row, value)
 
 
@@ -189,6 +234,7 @@ def _dataset_rows(source: RecordSource) -> Iterator[Record]:
         raise InputError(f"{source.path}: a DatasetDict ({', '.join(dataset)}); point at one split's directory")
     source.rows = len(dataset)
     for row, value in enumerate(dataset):
+        source.line = row + 1
         yield Record(f"{source.path} row {row}", row + 1, value)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import formats, layer_conventions
 from .errors import OutputError, UsageError
+from .identity import recorded
 from .inputs import Sample
 from .output import CONFIG, TEMP_PREFIX, BackgroundWriter, OutputDir, format_name, read_json
 from .progress import log_to_stderr
@@ -110,11 +111,17 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
     layout = formats.create(to, dst, layers, log=log)
     output = OutputDir(layout)
     dst_layer_ids = layer_conventions.from_extractor(to, dst_ids)
-    output.prepare({"model": config.get("model"), "layer_ids": dst_layer_ids}, {
+    source, tokenization = recorded(config)
+    identity = {"model": config.get("model"), "layer_ids": dst_layer_ids, "input": source,
+                "tokenization": tokenization}
+    output.create()
+    held = output.check(identity)
+    output.claim(identity, {
         **{key: value for key, value in config.items() if key not in ("format", "layer_ids", "layer_convention")},
         "format": layout.describe(), "layer_convention": layer_conventions.meaning(to),
         "converted_from": {"directory": str(src.resolve()), "format": name, "layer_ids": config["layer_ids"],
-                           "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}})
+                           "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}},
+                 formats.create(held.format, dst) if held else None)
     finished = output.finished()
     todo = [index for index in sorted(files) if index not in finished]
     log(f"convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "

@@ -3,8 +3,9 @@
 * :meth:`Extraction.plan`: what can be checked before anything is written or loaded (settings, the
   model's config, layer ids, tensor parallelism, the first samples of the input, read ahead, the
   memory the model needs per rank against the devices');
-* :meth:`Extraction.prepare`: the output directory (identity, config, finished samples, files cut
-  short), the disk estimate, the vLLM audit, the samples still to do;
+* :meth:`Extraction.prepare`: the output directory (what it holds against this run's model, layers,
+  input and tokenization; the config, written once every check passed; finished samples, files
+  cut short), the disk estimate, the vLLM audit, the samples still to do;
 * :meth:`Extraction.load`: the backend loads the model, then the forward check;
 * :meth:`Extraction.loop`: batches from the batch source -> backend -> the format's records -> the
   background writer;
@@ -35,13 +36,15 @@ from pathlib import Path
 
 from . import backends, formats, layer_conventions, processes
 from .batches import BatchSource, Pending, batch_source
-from .errors import ExtractError, OutputError, PreflightError, UsageError
+from .errors import ExtractError, InputError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
 from .tokenization import ChatSettings
 from .interrupts import Interrupt
-from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
+from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
+from .identity import describe_input, difference, stop_record
 from .preflight import (ModelFacts, check_disk, check_first_samples, check_layer_ids, check_memory,
-                        check_tensor_parallel, check_vllm, device_budget, estimate_memory, human_size, model_facts)
+                        check_tensor_parallel, check_vllm, device_budget, estimate_memory, estimate_tokens, human_size,
+                        model_facts)
 from .progress import Progress, log_to_stderr
 from .settings import Settings
 
@@ -175,7 +178,7 @@ class Extraction:
         self.facts = None
         self.layers: formats.Layers | None = None
         self.input: InputStream | None = None
-        self.bytes_per_token = 0.0
+        self.tokens_estimate = 0  # tokens the whole input makes, estimated from its first samples
         # prepare
         self.format = None
         self.output: OutputDir | None = None
@@ -208,6 +211,8 @@ class Extraction:
                 self.load()
                 self.loop(itertools.chain([first], batches))
             except Exception as exc:
+                if isinstance(exc, InputError):
+                    self.record_stop(exc)
                 died = self.process_died(exc)
                 if died is None:
                     raise
@@ -215,6 +220,18 @@ class Extraction:
             finally:
                 self.finish()
         return self.summary
+
+    def record_stop(self, error: InputError) -> None:
+        """Note in ``data_config.json`` the bad row that stopped the run (and the rows before it,
+        ``identity.stop_record``): the rerun on the input corrected there continues this extraction,
+        and ``status`` says where it stopped."""
+        try:
+            config = read_json(self.output.path / CONFIG)
+            where = str(error).split(": ", 1)[0]
+            config["input"] = {**config["input"], "stopped_at": stop_record(self.input.path, self.input.line, where)}
+            atomic_write_json(self.output.path / CONFIG, config)
+        except (ExtractError, OSError) as exc:  # the bad row is what the run reports
+            self.log(f"where the input stopped the run is not recorded: {exc}")
 
     def process_died(self, failure: Exception) -> ProcessDied | None:
         """When ``failure`` came with the death of one of vLLM's processes (vLLM's own error then
@@ -259,8 +276,9 @@ class Extraction:
         self.summary.layer_ids = self.format_layer_ids
         chat = ChatSettings(settings.model_path, self.format_name, settings.max_seq_len, settings.trust_remote_code,
                             settings.strict)
-        self.input = InputStream(settings.prepared_data, facts.vocab_size, chat)
-        self.bytes_per_token = check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
+        self.input = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
+        check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
+        self.tokens_estimate = estimate_tokens(self.input, settings.max_seq_len)
         if self.loads_model_here:  # last: asking the device imports vLLM (seconds)
             self.check_memory_here()
 
@@ -272,32 +290,39 @@ class Extraction:
                  if memory else f"memory: not estimated ({facts.path} holds no .safetensors files)")
 
     def prepare(self) -> None:
-        """The output directory, what it already holds, the disk estimate, the audit, what is left."""
+        """The output directory, what it already holds, the disk estimate, the audit, what is left.
+
+        Nothing is written into the directory until every check has passed: a run refused here
+        leaves at most the empty directory."""
         settings, layer_ids = self.settings, self.format_layer_ids
         self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log)
         self.output = OutputDir(self.format, tag=self.source.tag)
+        source, tokenization = self.input.identity(settings.max_seq_len)
+        identity = {"model": self.facts.path, "layer_ids": layer_ids, "input": source, "tokenization": tokenization}
         self.config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "prepared_data": str(Path(settings.prepared_data).resolve()),
+            "prepared_data": source["resolved"],
             "max_seq_len": settings.max_seq_len,
             "backend": settings.backend,
             "packages": package_versions(),
             "format": self.format.describe(),
-            "model": self.facts.path,
-            "layer_ids": layer_ids,
             "layer_convention": layer_conventions.meaning(self.format_name),
+            **identity,
         }
-        self.output.prepare({"model": self.facts.path, "layer_ids": layer_ids}, self.config)
+        self.output.create()
+        held = self.output.check(identity, settings.start_over)
+        estimate = check_disk(self.output.path, self.tokens_estimate, self.facts, layer_ids)
+        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
+            self.log(check_vllm(settings.backend, backends.touchpoints_of(settings.backend)))
+        removed = self.output.claim(identity, self.config,
+                                    formats.create(held.format, self.output.path) if held else None)
+        self.log(f"input {describe_input(source)}" + (f"; {self.output.path}: {held.line(removed)}" if held else ""))
         self.finished = self.output.finished()
         if self.output.cut_short:
             names = [self.format.sample_file(index) for index in sorted(self.output.cut_short)]
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
             self.log(f"{len(names)} files in {self.output.path} were cut short (a crash before they reached the "
                      f"disk?) and are redone: {shown}")
-        estimate = check_disk(self.output.path, settings.prepared_data, self.bytes_per_token, self.facts, layer_ids,
-                              settings.max_seq_len)
-        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            self.log(check_vllm(settings.backend, backends.touchpoints_of(settings.backend)))
         end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
         self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
                                max_seq_len=settings.max_seq_len, strict=settings.strict)
@@ -343,7 +368,17 @@ class Extraction:
             self.log(check_forward(self.backend, self.facts.vocab_size))
         else:
             self.log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
+        self.check_still_ours()
         atomic_write_json(self.output.path / CONFIG, {**self.config, **info})
+
+    def check_still_ours(self) -> None:
+        """Refuse to write where another run (a shard given another input, say) took the directory
+        over while the model loaded: a directory with no finished sample goes to whoever claims it."""
+        held = read_json(self.output.path / CONFIG)
+        differs = difference({**held, "format": format_name(held)}, {**self.config, "format": self.format.name})
+        if differs is not None:
+            raise OutputError(f"{self.output.path}: another extraction took the directory over while the model "
+                              f"loaded ({differs}); nothing was written: use another --output-dir")
 
     def loop(self, batches) -> None:
         """Extract and hand to the writer every batch the source gives, until it stops or a signal asks."""

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import conversations
+from . import conversations, identity
 from .errors import InputError
 from .tokenization import ChatSettings, ChatTokenizer, tokenized_rows
 
@@ -81,6 +81,7 @@ class InputStream:
         path: the input (any container ``conversations.open_source`` reads).
         vocab_size: token ids must be below it (None: not checked).
         chat: how conversations are tokenized; None: only tokenized rows are accepted.
+        digest: hash the input's bytes when it is opened (``identity``), before its rows are read.
 
     Attributes:
         path: the file or dataset directory.
@@ -89,10 +90,12 @@ class InputStream:
         tokenizer: the ``ChatTokenizer`` once a conversation was met (its ``counts`` say what it did).
     """
 
-    def __init__(self, path: str | Path, vocab_size: int | None = None, chat: ChatSettings | None = None):
+    def __init__(self, path: str | Path, vocab_size: int | None = None, chat: ChatSettings | None = None,
+                 digest: bool = False):
         self.path = Path(path)
         self.vocab_size = vocab_size
         self.chat = chat
+        self.digest = digest
         self.tokenizer: ChatTokenizer | None = None
         self.samples_read = 0
         self.records_read = 0
@@ -104,6 +107,18 @@ class InputStream:
     @property
     def bytes_read(self) -> int:
         return self._source.bytes_read if self._source is not None else 0
+
+    @property
+    def line(self) -> int:
+        """The line (or row) read last: where a bad row stopped the stream."""
+        return self._source.line if self._source is not None else 0
+
+    def identity(self, max_seq_len: int) -> tuple[dict, dict]:
+        """The ``input`` and ``tokenization`` records of this input (``identity``), once opened with
+        ``digest``: whether its rows are conversations is known from the first one read."""
+        self._open()
+        return (identity.input_record(self.path, self._source),
+                identity.tokenization_record(max_seq_len, self.chat if self.tokenizer is not None else None))
 
     def peek(self, count: int) -> list[Sample]:
         """The first ``count`` samples (fewer if the input is shorter), read now and handed out again
@@ -141,7 +156,7 @@ class InputStream:
 
     def _open(self) -> Iterator[Sample]:
         if self._reader is None:
-            self._source = conversations.open_source(self.path)
+            self._source = conversations.open_source(self.path, self.digest)
             self._reader = self._samples(self._source)
         return self._reader
 

@@ -6,7 +6,9 @@
   appends to a ledger of its own, so no two processes, maybe on two hosts, append to one file; a
   rerun reads them all, whatever mix of writers produced the files);
 * ``data_config.json``: model, layer ids, package versions, the vllm-compat adapters applied, the
-  format's own description;
+  format's own description, and what the samples were made from (``identity.py``: the input's
+  path, size and hash, the tokenization settings), written before the first sample; a run into a
+  directory holding another extraction with finished samples is refused (``OutputDir.check``);
 * whatever index files the format writes when a run ends (``sample_lengths.json``).
 
 Every file is written under a temporary name and renamed into place, so a final name always holds
@@ -22,20 +24,20 @@ import errno
 import json
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import OutputError
+from .identity import describe_input, difference, recorded
 from .settings import default
 
 TEMP_PREFIX = ".tmp-"
 LEDGER = "done.jsonl"
 LEDGERS = "done*.jsonl"  # every writer's ledger (see ledger_name)
 CONFIG = "data_config.json"
-# What must match for a rerun to continue in the same directory.
-IDENTITY_KEYS = ("model", "layer_ids")
 
 
 def ledger_name(tag: str | None) -> str:
@@ -96,6 +98,25 @@ def os_error_behind(exc: BaseException) -> OSError | None:
     return None
 
 
+@dataclass(frozen=True)
+class Held:
+    """Another extraction an output directory holds, which a run replaces (``OutputDir.check``).
+
+    Attributes:
+        format: its format's name (the files to remove are that format's).
+        finished: its whole sample files.
+        input: what it was made from, described (``identity.describe_input``).
+    """
+
+    format: str
+    finished: int
+    input: str
+
+    def line(self, removed: int) -> str:
+        done = f"{self.finished} finished samples" if self.finished else "no finished sample"
+        return f"replaced the extraction it held ({done}, input {self.input}): {removed} of its files removed"
+
+
 class OutputDir:
     """An output directory, checked for writability and for belonging to the same extraction.
 
@@ -111,8 +132,8 @@ class OutputDir:
         self.path = Path(format.directory)
         self.cut_short: list[int] = []  # samples whose file finished() found incomplete and removed
 
-    def prepare(self, identity: dict, config: dict) -> None:
-        """Create the directory, check it is writable, refuse another run's files, write the config."""
+    def create(self) -> None:
+        """Create the directory and check it is writable."""
         if self.path.exists() and not self.path.is_dir():
             raise OutputError(f"--output-dir {self.path}: is a file, not a directory")
         try:
@@ -122,19 +143,73 @@ class OutputDir:
             probe.unlink()
         except OSError as exc:
             raise OutputError(f"--output-dir {describe_os_error(exc, self.path)} (not writable)") from None
-        existing = self.path / CONFIG
-        if existing.exists():
-            previous = read_json(existing, hint="; remove it or use another --output-dir")
-            previous_format = format_name(previous)
-            for key, was, now in [*((key, previous.get(key), identity.get(key)) for key in IDENTITY_KEYS),
-                                  ("format", previous_format, self.format.name)]:
-                if was != now:
-                    raise OutputError(f"{self.path} holds another extraction ({key} {was!r}, this run {now!r}); "
-                                      f"use another --output-dir or remove that one")
+
+    def check(self, identity: dict, start_over: bool = False) -> Held | None:
+        """Whether this run may write here, given the extraction the directory holds; reads only.
+
+        Args:
+            identity: this run's ``model``, ``layer_ids``, ``input`` and ``tokenization``
+                (``identity.py``; its format is this directory's format's).
+            start_over: replace another extraction even if it has finished samples (``--start-over``).
+
+        Returns:
+            None when the directory holds this same extraction, or none: the run resumes it. Else
+            the other extraction, which the run replaces (:meth:`claim`): one with no finished
+            sample (a run refused or failed before its first), or any with ``start_over``.
+
+        Raises:
+            OutputError: another extraction with finished samples (and no ``start_over``), naming
+                both and the two ways on; sample files without a ``data_config.json``.
+        """
+        config = self.path / CONFIG
+        whole, _ = self.sample_files()
+        if not config.exists():
+            if whole:
+                raise OutputError(f"--output-dir {self.path} holds {len(whole)} sample files but no {CONFIG}: what "
+                                  f"they were made from is unknown; use another --output-dir")
+            return None
+        previous = read_json(config, hint="; remove it or use another --output-dir")
+        differs = difference({**previous, "format": format_name(previous)}, {**identity, "format": self.format.name})
+        if differs is None:
+            return None
+        if whole and not start_over:
+            raise OutputError(f"{self.path} holds another extraction ({differs}) with {len(whole)} finished samples: "
+                              f"use another --output-dir, or --start-over to remove its files and extract this one")
+        return Held(format_name(previous), len(whole), describe_input(recorded(previous)[0]))
+
+    def claim(self, identity: dict, config: dict, replaced=None) -> int:
+        """Make the directory this run's: remove the files of the extraction it replaces (``replaced``:
+        that extraction's format, writing here, after :meth:`check` returned it), this writer's
+        leftover temporary files, and write the config (``config`` with ``identity``). Returns the
+        files removed."""
+        removed = self.remove_extraction(replaced) if replaced is not None else 0
         for stale in self.path.glob(f"{temp_prefix(self.tag)}*"):
             stale.unlink(missing_ok=True)
         self.samples_dir.mkdir(exist_ok=True)
-        atomic_write_json(existing, {**config, **identity})
+        atomic_write_json(self.path / CONFIG, {**config, **identity})
+        return removed
+
+    def remove_extraction(self, written) -> int:
+        """Remove what an extraction in the format ``written`` wrote here, and nothing else: its
+        sample files, ledgers, temporary files and index files, then its ``data_config.json`` (last:
+        an interrupted removal is redone by the next run, which still finds it). Returns the count."""
+        samples = (self.path / written.sample_file(0)).parent
+        doomed = [Path(entry.path) for entry in (os.scandir(samples) if samples.is_dir() else ())
+                  if written.sample_index(entry.name) is not None]
+        doomed += sorted(self.path.glob(LEDGERS)) + sorted(self.path.glob(f"{TEMP_PREFIX}*"))
+        doomed += [self.path / name for name in written.index_files()]
+        for path in doomed:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if samples != self.path:
+            try:
+                samples.rmdir()  # only when nothing else is in it
+            except OSError:
+                pass
+        (self.path / CONFIG).unlink(missing_ok=True)
+        return len(doomed) + 1
 
     @property
     def samples_dir(self) -> Path:

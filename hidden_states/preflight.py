@@ -279,28 +279,35 @@ def check_layer_ids(layer_ids: list[int], num_layers: int, *, given: bool = True
         raise UsageError(f"--layer-ids: {outside} outside [0, {num_layers - 1}] (the model has {num_layers} layers)")
 
 
-def check_first_samples(stream: InputStream, strict_max_len: int | None = None) -> float:
+def check_first_samples(stream: InputStream, strict_max_len: int | None = None) -> None:
     """Read the first samples ahead and validate them (with ``strict_max_len``: their length too, as
-    ``--strict`` asks); return the input's bytes per token (for the size estimate; 0 when unknown)."""
+    ``--strict`` asks)."""
     samples = stream.peek(FIRST_LINES)
     if not samples:
         raise PreflightError(f"{stream.path}: no samples")
     for sample in samples:
         if strict_max_len is not None and len(sample.input_ids) > strict_max_len:
             raise InputError(too_long(str(stream.path), sample, strict_max_len))
-    return stream.bytes_read / max(sum(len(s.input_ids) for s in samples), 1)
 
 
 def too_long(path: str, sample: Sample, max_seq_len: int) -> str:
     return f"{path}:{sample.line}: {len(sample.input_ids)} tokens, more than --max-seq-len {max_seq_len} (--strict)"
 
 
-def check_disk(output_dir: Path, input_path: str, bytes_per_token: float, facts: ModelFacts,
-               layer_ids: list[int], max_seq_len: int) -> int:
-    """Estimated output bytes (tokens x layers x hidden x bytes); error when the disk lacks room."""
-    if not bytes_per_token:
+def estimate_tokens(stream: InputStream, max_seq_len: int) -> int:
+    """The tokens the whole input makes, as extracted (each sample cut to ``max_seq_len``): the
+    samples the input is expected to hold (``InputStream.expected_samples``: from its row count, or
+    a JSONL file's size, at the rate of the rows read so far; conversations as tokenized) times the
+    first samples' mean length."""
+    samples = stream.peek(FIRST_LINES)
+    if not samples:
         return 0
-    tokens = Path(input_path).stat().st_size / bytes_per_token
+    mean = sum(min(len(s.input_ids), max_seq_len) for s in samples) / len(samples)
+    return round(stream.expected_samples()[0] * mean)
+
+
+def check_disk(output_dir: Path, tokens: int, facts: ModelFacts, layer_ids: list[int]) -> int:
+    """Estimated output bytes for ``tokens`` (x layers x hidden x bytes); error when the disk lacks room."""
     estimate = int(tokens * len(layer_ids) * facts.hidden_size * facts.dtype_bytes * 1.05)
     free = shutil.disk_usage(output_dir).free
     if estimate > free:

@@ -33,6 +33,8 @@ class Settings:
         shard: this process's static shard (``shards.Shard``); None: every sample.
         data_parallel_size: replicas of the model, each a Ray actor (``replicas.py``); 1: this process.
         ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
+        start_over: replace another extraction the output directory holds, finished samples and
+            all (its files are removed); without it such a directory is refused.
     """
 
     model_path: str
@@ -57,6 +59,7 @@ class Settings:
     shard: Shard | None = None
     data_parallel_size: int = 1
     ray_address: str | None = None
+    start_over: bool = False
 
     def __post_init__(self):
         for name in BACKEND_DEPENDENT:

@@ -6,9 +6,11 @@ import os
 from pathlib import Path
 
 from . import formats
+from .errors import InputError
+from .identity import SHORT, describe_input, recorded, same_input
 from .inputs import InputStream
-from .tokenization import ChatSettings
 from .output import CONFIG, LEDGERS, TEMP_PREFIX, OutputDir, format_name, read_json
+from .tokenization import ChatSettings
 
 
 def _ranges(indices: list[int], shown: int = 8) -> str:
@@ -33,15 +35,15 @@ def status(path: str | Path) -> str:
     lines = [f"{directory}: {len(whole)} sample files whole"
              + (f", {len(cut_short)} cut short (redone by a rerun): {_ranges(sorted(cut_short))}" if cut_short else "")
              + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]
-    source = config.get("prepared_data")
+    recorded_input, tokenization = recorded(config)
+    lines.append(f"made from {describe_input(recorded_input)}, "
+                 + ", ".join(f"{key} {str(value)[:SHORT] if key.endswith('sha256') else value}"
+                             for key, value in sorted(tokenization.items()) if value is not None)
+                 + (f"; the run stopped at {recorded_input['stopped_at']['where']} (a bad row)"
+                    if recorded_input.get("stopped_at") else ""))
+    source = recorded_input.get("resolved")
     if source and Path(source).exists():
-        # conversations are counted as the run tokenized them: its model's template, format and length
-        chat = ChatSettings(config["model"], format_name(config), config["max_seq_len"]) \
-            if "model" in config and "max_seq_len" in config else None
-        total = sum(1 for _ in InputStream(source, chat=chat))
-        missing = [index for index in range(total) if index not in whole]
-        lines.append(f"input {source}: {total} samples; " + (
-            f"{len(missing)} not finished: {_ranges(missing)}" if missing else "every one finished"))
+        lines.append(_count(source, config, recorded_input, whole))
     elif source:
         lines.append(f"input {source}: not found here, so what is missing is unknown")
     for ledger in sorted(directory.glob(LEDGERS)):
@@ -49,3 +51,25 @@ def status(path: str | Path) -> str:
             count = sum(1 for line in handle if line.strip())
         lines.append(f"  {ledger.name}: {count} files written")
     return "\n".join(lines)
+
+
+def _count(source: str, config: dict, recorded_input: dict, whole: set[int]) -> str:
+    """The input's samples and which have no file: counted as the run tokenized them (conversations:
+    its model's template, format and length from the config), up to a bad row if one stops it."""
+    chat = ChatSettings(config["model"], format_name(config), config["max_seq_len"]) \
+        if "model" in config and "max_seq_len" in config else None
+    stream = InputStream(source, chat=chat, digest=recorded_input.get("sha256") is not None)
+    total, stopped = 0, ""
+    try:
+        for _ in stream:
+            if total == 0 and stream.digest:
+                now, _ = stream.identity(config["max_seq_len"])
+                if not same_input(recorded_input, now):
+                    return (f"input {source}: changed since the extraction (now {describe_input(now)}), so what is "
+                            f"missing is unknown")
+            total += 1
+    except InputError as exc:
+        stopped = f" before {exc}, where it stops"
+    missing = [index for index in range(total) if index not in whole]
+    return f"input {source}: {total} samples{stopped}; " + (
+        f"{len(missing)} not finished: {_ranges(missing)}" if missing else "every one finished")

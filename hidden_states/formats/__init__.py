@@ -2,7 +2,7 @@
 
 A format is a writer. It names each sample's file, turns one sample and its states into a record,
 saves a record into an open file, tells a whole file from one cut short, describes itself for
-``data_config.json`` and writes its index files when a run ends. Everything around that is shared
+``data_config.json``, writes its index files when a run ends and names them (for ``--start-over``). Everything around that is shared
 by every format (``output.py``): the temporary name and the rename, the background writer threads,
 the ``done.jsonl`` ledger, resume and the finished set.
 
@@ -65,6 +65,8 @@ class Format(Protocol):
     def read_length(self, path: Path) -> int: ...  # tokens of a whole sample file the ledger lacks
 
     def finish(self, lengths: dict[int, int]) -> None: ...  # every finished sample's length, at the end of a run
+
+    def index_files(self) -> list[str]: ...  # the files ``finish`` wrote in ``directory`` (names), those present
 
 
 # --format name -> module of this package holding the format's class (imported when used)

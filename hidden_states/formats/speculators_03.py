@@ -87,6 +87,9 @@ class Speculators03:
 
         return int(torch.load(path, weights_only=True, mmap=True)["input_ids"].shape[0])
 
+    def index_files(self) -> list[str]:
+        return [LENGTHS] if (self.directory / LENGTHS).exists() else []
+
     def finish(self, lengths: dict[int, int]) -> None:
         atomic_write_json(self.directory / LENGTHS, {str(index): length for index, length in sorted(lengths.items())})
 

@@ -170,6 +170,10 @@ class Speculators05:
             raise OutputError(f"{path}: not a whole safetensors file")
         return int(header["token_ids"]["shape"][0])
 
+    def index_files(self) -> list[str]:
+        return sorted(p.name for p in self.directory.iterdir() if DATASET_FILES.match(p.name)) \
+            if self.directory.is_dir() else []
+
     def finish(self, lengths: dict[int, int]) -> None:
         """Write the dataset over samples ``0 .. n-1`` when each has its file; otherwise say why not."""
         missing = sorted(set(range(max(lengths, default=-1) + 1)) - set(lengths))

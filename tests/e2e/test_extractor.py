@@ -145,6 +145,26 @@ def test_rerun_with_other_layers_is_refused(extracted, model):
     assert "holds another extraction (layer_ids [0, 2, 3, 5], this run [1, 2, 3, 5])" in proc.stderr
 
 
+def test_rerun_with_other_data_is_refused_naming_both_inputs(extracted, model):
+    """The reported mix: another --data into a directory with finished samples. Refused before the model
+    loads, naming both inputs and the two ways on; nothing in the directory changes."""
+    root, _, _ = extracted
+    before = {p.name: p.stat().st_mtime_ns for p in (root / "out").iterdir()}
+    write_jsonl(root / "other.jsonl", 20, seed=11)
+    proc = run_cli(*extract_args(model, root / "other.jsonl", root / "out"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"hidden-states: error: {root / 'out'} holds another extraction (input "
+                           f"{root / 'data.jsonl'} (")
+    assert f"; this run's {root / 'other.jsonl'} (" in last
+    assert last.endswith("with 50 finished samples: use another --output-dir, or --start-over to remove its files "
+                         "and extract this one")
+    assert {p.name: p.stat().st_mtime_ns for p in (root / "out").iterdir()} == before
+    config = json.loads((root / "out" / "data_config.json").read_text())
+    assert config["input"]["path"] == str(root / "data.jsonl") and len(config["input"]["sha256"]) == 64
+    assert config["tokenization"] == {"rows": "tokenized", "max_seq_len": 1024}
+
+
 def _descendants(pid: int) -> set[int]:
     found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").glob("*"):
@@ -355,6 +375,12 @@ def test_bad_line_mid_stream_keeps_what_came_before(model, tmp_path):
     assert proc.returncode == 2
     assert f"{tmp_path / 'data.jsonl'}:70: input_ids[2] is 'x', not an integer" in proc.stderr
     assert sorted(data_files(tmp_path / "out")) == list(range(69))
+    status = subprocess.run([sys.executable, "-m", "hidden_states", "status", str(tmp_path / "out")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=cli()[1])
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert f"the run stopped at {tmp_path / 'data.jsonl'}:70 (a bad row)" in status.stdout
+    assert f": 69 samples before {tmp_path / 'data.jsonl'}:70: input_ids[2] is 'x', not an integer, where it stops; " \
+           f"every one finished" in status.stdout
 
 
 @pytest.mark.faults

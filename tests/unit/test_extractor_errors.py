@@ -123,8 +123,11 @@ def test_output_dir_of_another_model_is_refused(model, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "data_config.json").write_text(json.dumps({"model": "/elsewhere", "layer_ids": [0, 2]}))
+    (out / "data_0.pt").write_bytes(b"x" * 8 + b"PK\x05\x06" + bytes(18))  # ends as a whole torch.save file does
     assert extract(model, jsonl(tmp_path, GOOD), out) == 2
-    assert "holds another extraction (model '/elsewhere'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "holds another extraction (model '/elsewhere'" in err
+    assert "with 1 finished samples: use another --output-dir, or --start-over" in err
 
 
 @pytest.mark.parametrize("flag, value, message", [
@@ -179,10 +182,8 @@ def test_disk_estimate_counts_16_bit_states_in_readable_units(model, tmp_path):
     """vLLM runs a float32 checkpoint in 16 bits: states are written in 2 bytes, not the config's 4."""
     from hidden_states.preflight import check_disk, human_size, model_facts
 
-    data = jsonl(tmp_path, *['{"input_ids": [5, 6, 7, 8]}'] * 10)
     facts = model_facts(str(model))
-    bytes_per_token = data.stat().st_size / 40
-    estimate = check_disk(tmp_path, str(data), bytes_per_token, facts, [0, 2], 2048)
+    estimate = check_disk(tmp_path, 40, facts, [0, 2])
     assert estimate == int(40 * 2 * 128 * 2 * 1.05)
     assert [human_size(n) for n in (512, 21_504, 3_400_000, 2.5e9)] == ["512 B", "21.5 kB", "3.4 MB", "2.5 GB"]
 
