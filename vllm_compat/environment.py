@@ -19,6 +19,8 @@ resolver (``--no-deps``), and may run.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -71,7 +73,7 @@ class Conflict:
     breaks: bool
 
     def install(self) -> str:
-        return f'pip install "{self.package}{self.wanted}"'
+        return f'{installer()} "{self.package}{self.wanted}"'
 
     def line(self) -> str:
         what = "cannot run with it" if self.breaks else "does not declare it (it may run)"
@@ -163,7 +165,15 @@ def install_command(*requirements: str, installed: Mapping[str, str | None] | No
     huggingface_hub past what transformers 4 imports with."""
     version_of = installed.get if installed is not None else installed_version
     held = [f"{name}=={version}" for name in HELD_BY_INSTALLS if (version := version_of(name))]
-    return "pip install " + " ".join(f'"{r}"' for r in (*requirements, *held))
+    return f"{installer()} " + " ".join(f'"{r}"' for r in (*requirements, *held))
+
+
+def installer() -> str:
+    """How to install into this interpreter's environment: ``pip install`` where it has pip; else
+    uv aimed at it (the venvs ``uv venv`` makes, the demo's among them, have no pip)."""
+    if importlib.util.find_spec("pip") is not None:
+        return "pip install"
+    return f"uv pip install --python {sys.executable}"
 
 
 def _normal(name: str) -> str:

@@ -21,6 +21,7 @@ from hidden_states.extraction import Extraction, ExtractionFailed  # noqa: E402
 from hidden_states.preflight import FIRST_LINES  # noqa: E402
 from tests.unit.test_extraction_stages import FakeBackend, job  # noqa: E402,F401  (job: a fixture)
 from tests.unit.test_replicas import FakeRay  # noqa: E402
+from vllm_compat.environment import installer  # noqa: E402
 
 LINE = json.dumps({"input_ids": [5] * 4}) + "\n"  # every line the same length: the estimate is exact
 
@@ -130,7 +131,7 @@ def test_convert_to_05_without_datasets_refuses_before_the_first_sample(job, mon
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
         "hidden-states: error: --to speculators-0.5 (its dataset index, which the trainer reads) needs the "
-        "'datasets' package, not installed here: pip install \"datasets>=4\" \"transformers=="), err
+        f"'datasets' package, not installed here: {installer()} \"datasets>=4\" \"transformers=="), err
     assert not dst.exists()
 
 
@@ -142,5 +143,5 @@ def test_a_parquet_input_without_pyarrow_names_what_to_install_before_the_load(j
     monkeypatch.setattr(backends, "create", lambda name, settings: pytest.fail("the model was loaded"))
     with pytest.raises(InputError) as refused:
         Extraction(replace(job, prepared_data=str(path)), log=lambda message: None).run()
-    assert "reading Parquet needs the 'pyarrow' package: pip install \"pyarrow\"" in str(refused.value)
+    assert f"reading Parquet needs the 'pyarrow' package: {installer()} \"pyarrow\"" in str(refused.value)
     assert not Path(job.output_dir).exists()

