@@ -159,8 +159,8 @@ def _parquet_rows(source: RecordSource, handle) -> Iterator[Record]:
         import pyarrow.parquet as pq
     except ImportError:
         handle.close()
-        raise InputError(f"{source.path}: reading Parquet needs the 'pyarrow' package: {extras.install_hint('pyarrow')}") \
-            from None
+        raise InputError(f"{source.path}: reading Parquet needs the 'pyarrow' package: "
+                         f"{extras.install_hint('pyarrow')}") from None
     with handle:
         try:
             parquet = pq.ParquetFile(handle)

@@ -200,7 +200,8 @@ def write_dataset(directory: Path, count: int) -> None:
         import datasets
     except ImportError:
         raise OutputError(f"{SPECULATORS_05} needs the 'datasets' package to write its dataset index "
-                          f"({extras.install_hint('datasets')}); the sample files are whole, rerun to write it") from None
+                          f"({extras.install_hint('datasets')}); the sample files are whole, rerun to write "
+                          f"it") from None
     datasets.disable_progress_bars()  # the run's own log says what happens; no bars in it
     temp = directory / DATASET_TEMP
     shutil.rmtree(temp, ignore_errors=True)
