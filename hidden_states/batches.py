@@ -67,13 +67,21 @@ class Pending:
     def todo(self) -> tuple[int, bool]:
         """(samples in range not finished before this run, whether exact): from the input's expected
         size, which a JSONL file learns while it streams."""
+        return self._left(self._finished_sorted)
+
+    def left(self, finished: Collection[int]) -> tuple[int, bool]:
+        """(samples in range not in ``finished``, whether exact): what a run that ends now leaves
+        undone, counted against the whole range (an estimate where the input was not read to its end)."""
+        return self._left(sorted(finished))
+
+    def _left(self, finished_sorted: list[int]) -> tuple[int, bool]:
         total, exact = self.stream.expected_samples()
         limit = min(total, self.end) if self.end is not None else total
         if self.end is not None and self.stream.samples_read >= self.end:
             exact = True  # the range ends inside what has been read
         if limit <= self.start:
             return 0, exact
-        done = bisect.bisect_left(self._finished_sorted, limit) - bisect.bisect_left(self._finished_sorted, self.start)
+        done = bisect.bisect_left(finished_sorted, limit) - bisect.bisect_left(finished_sorted, self.start)
         return limit - self.start - done, exact
 
     def _fit(self, sample: Sample) -> Sample:

@@ -171,7 +171,7 @@ def _extract(args) -> int:
         summary = Extraction(settings, log=log).run()
     log(summary.line())
     if summary.interrupted is not None:
-        log("rerun the same command to resume")
+        log(summary.next_step)
         return 128 + summary.interrupted
     return 0
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import identity
+from . import extras, identity
 from .errors import InputError
 
 TOKENIZED, SHAREGPT, MESSAGES, TEXT = "tokenized", "sharegpt", "messages", "text"
@@ -202,8 +202,8 @@ def _parquet_rows(source: RecordSource, handle) -> Iterator[Record]:
         import pyarrow.parquet as pq
     except ImportError:
         handle.close()
-        raise InputError(f"{source.path}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") \
-            from None
+        raise InputError(f"{source.path}: reading Parquet needs the 'pyarrow' package: "
+                         f"{extras.install_hint('pyarrow')}") from None
     with handle:
         try:
             parquet = pq.ParquetFile(handle)
@@ -223,8 +223,8 @@ def _dataset_rows(source: RecordSource) -> Iterator[Record]:
     try:
         import datasets
     except ImportError:
-        raise InputError(f"{source.path}: reading a saved dataset directory needs the 'datasets' package "
-                         f"(pip install datasets), or pass a JSONL file instead") from None
+        raise InputError(f"{source.path}: reading a saved dataset directory needs the 'datasets' package: "
+                         f"{extras.install_hint('datasets')}; or pass a JSONL file instead") from None
     try:
         dataset = datasets.load_from_disk(str(source.path))
     except Exception as exc:  # datasets raises several types for a bad directory

@@ -16,7 +16,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import formats, layer_conventions
+from . import extras, formats, layer_conventions
 from .errors import OutputError, UsageError
 from .identity import recorded
 from .inputs import Sample
@@ -102,6 +102,8 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
     if name == to:
         raise UsageError(f"{src} is already {to}")
     files = whole_samples(src, name)
+    if to == layer_conventions.SPECULATORS_05:  # its index is written last: checked before the first sample
+        extras.require("datasets", f"--to {to} (its dataset index, which the trainer reads)")
     # the model may not be here: its depth bounds nothing the source did not already hold
     src_ids = layer_conventions.to_extractor(name, config["layer_ids"], num_layers=max(config["layer_ids"]))
     dst_ids = sorted(set(src_ids))  # what both layouts can hold: each layer once, in the model's order

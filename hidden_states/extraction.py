@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import importlib.util
 import itertools
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, formats, layer_conventions, processes
+from . import backends, extras, formats, layer_conventions, processes
 from .batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, InputError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
@@ -42,8 +42,9 @@ from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
 from .identity import describe_input, difference, stop_record
-from .preflight import (ModelFacts, check_disk, check_first_samples, check_layer_ids, check_memory,
-                        check_tensor_parallel, check_vllm, device_budget, estimate_memory, estimate_tokens, human_size,
+from .preflight import (ModelFacts, check_disk, check_environment, check_first_samples, check_layer_ids,
+                        check_memory, check_tensor_parallel, check_vllm, device_budget, estimate_memory, estimate_tokens,
+                        human_size,
                         model_facts)
 from .progress import Progress, log_to_stderr
 from .settings import Settings
@@ -62,12 +63,19 @@ class Summary:
     stall_seconds: float = 0.0
     interrupted: int | None = None  # the signal that stopped the run after its batch in flight
     layer_ids: list[int] = field(default_factory=list)
+    # a run that ended early (a signal, bad input, a failure): what it left undone, what to do
+    stopped: bool = False
+    unfinished: int = 0  # samples in range no file holds (the whole range, not only the batches in flight)
+    unfinished_exact: bool = True
+    next_step: str = ""
 
     def line(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
         stall = 100 * self.stall_seconds / max(self.seconds, 1e-9)
-        state = "interrupted" if self.interrupted is not None else "done"
-        return (f"{state}: {self.extracted} samples extracted, {self.skipped} already finished, "
+        state = "interrupted" if self.interrupted is not None else "stopped" if self.stopped else "done"
+        left = (f", {'' if self.unfinished_exact else 'about '}{self.unfinished} samples not extracted"
+                if state != "done" else "")
+        return (f"{state}: {self.extracted} samples extracted, {self.skipped} already finished{left}, "
                 f"{self.tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s; model load "
                 f"{self.load_seconds:.1f} s, shutdown {self.shutdown_seconds:.1f} s), "
                 f"{self.bytes_written / 1e6:,.1f} MB written, writer stall {self.stall_seconds:.2f} s ({stall:.1f} %)"
@@ -206,19 +214,27 @@ class Extraction:
             self.summary.skipped = self.pending.skipped
             self.output.finish(self.finished)
             return self.summary
-        with processes.contained() as self.children, Interrupt(self.log) as self.interrupt:
-            try:
-                self.load()
-                self.loop(itertools.chain([first], batches))
-            except Exception as exc:
-                if isinstance(exc, InputError):
-                    self.record_stop(exc)
-                died = self.process_died(exc)
-                if died is None:
-                    raise
-                raise died from exc
-            finally:
-                self.finish()
+        try:
+            with processes.contained() as self.children, Interrupt(self.log) as self.interrupt:
+                try:
+                    self.load()
+                    self.loop(itertools.chain([first], batches))
+                except Exception as exc:
+                    if isinstance(exc, InputError):
+                        self.record_stop(exc)
+                    died = self.process_died(exc)
+                    if died is None:
+                        raise
+                    raise died from exc
+                finally:
+                    self.finish()
+        except BaseException as exc:  # the caller gets the error, not the summary: it is said here
+            self.ended_early(exc)
+            self.log(self.summary.line())
+            self.log(self.summary.next_step)
+            raise
+        if self.summary.interrupted is not None:
+            self.ended_early(None)
         return self.summary
 
     def record_stop(self, error: InputError) -> None:
@@ -232,6 +248,21 @@ class Extraction:
             atomic_write_json(self.output.path / CONFIG, config)
         except (ExtractError, OSError) as exc:  # the bad row is what the run reports
             self.log(f"where the input stopped the run is not recorded: {exc}")
+
+    def ended_early(self, failure: BaseException | None) -> None:
+        """The summary of a run that stopped before its range was done (``failure``: what stopped it;
+        None: a signal, after the batch in flight): every sample of the range no file holds, and what
+        to do. The same for every way a run stops early: a signal, bad input past the preflight's
+        samples, a dead worker, a lost replica."""
+        self.summary.stopped = True
+        self.summary.unfinished, self.summary.unfinished_exact = self.unfinished()
+        self.summary.next_step = next_step(failure)
+
+    def unfinished(self) -> tuple[int, bool]:
+        """(samples of this run's range, or its shard's share, that no file holds, whether exact)."""
+        left, exact = self.pending.left(self.finished)
+        share = self.source.expected(left)
+        return share, exact and share == left
 
     def process_died(self, failure: Exception) -> ProcessDied | None:
         """When ``failure`` came with the death of one of vLLM's processes (vLLM's own error then
@@ -256,6 +287,9 @@ class Extraction:
             raise UsageError(f"--max-seq-len {settings.max_seq_len}: must be at least 1")
         if settings.writer_threads < 1:  # no thread would ever write: files lost, or a hang on a full queue
             raise UsageError(f"--writer-threads {settings.writer_threads}: must be at least 1")
+        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
+            for line in check_environment():
+                self.log(line)
         facts = self.facts = model_facts(settings.model_path)
         if facts.remote_code and not settings.trust_remote_code:
             raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
@@ -268,9 +302,9 @@ class Extraction:
         self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
         layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
         check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
-        if self.format_name == layer_conventions.SPECULATORS_05 and importlib.util.find_spec("datasets") is None:
-            raise PreflightError(f"--format {self.format_name} writes a datasets index the trainer reads: install "
-                                 f"the 'datasets' package (pip install 'datasets>=4') in this environment")
+        if self.format_name == layer_conventions.SPECULATORS_05:
+            extras.require("datasets", f"--format {self.format_name} (its dataset index, which the trainer reads)",
+                           PreflightError)
         check_tensor_parallel(facts, settings.tp_size)
         self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
         self.summary.layer_ids = self.format_layer_ids
@@ -506,6 +540,18 @@ class Extraction:
                 # the one reported (once); a rerun rewrites the format's index files from the files
                 if failing is None:
                     raise
+
+
+def next_step(failure: BaseException | None) -> str:
+    """What to do after a run that stopped on ``failure`` (None: a signal): finished files are kept,
+    and the same command resumes; bad input is fixed first, where the error names it."""
+    if isinstance(failure, InputError):
+        where = re.match(r"(.+?:\d+|.+? (?:row|item) \d+)\b", str(failure))
+        return (f"fix {where.group(1) if where else 'the input'} (the error below) and rerun the same command: "
+                f"finished samples are kept and skipped")
+    if failure is None or isinstance(failure, KeyboardInterrupt):
+        return "rerun the same command to resume: finished samples are kept and skipped"
+    return "finished samples are kept: once the error below is dealt with, rerun the same command to resume"
 
 
 def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]:

@@ -316,6 +316,20 @@ def check_disk(output_dir: Path, tokens: int, facts: ModelFacts, layer_ids: list
     return estimate
 
 
+def check_environment(conflicts=None) -> list[str]:
+    """The installed transformers and torch against what the installed vLLM runs with
+    (``vllm_compat.environment``; ``conflicts``: those found, None: look now). One vLLM cannot run with
+    stops the run before the load, naming what to install: vLLM's workers would die with an error
+    that names neither. One vLLM only does not declare comes back as a warning line (it may run)."""
+    from vllm_compat.extractor_api import environment_conflicts
+
+    conflicts = environment_conflicts() if conflicts is None else conflicts
+    breaking = [c for c in conflicts if c.breaks]
+    if breaking:
+        raise PreflightError(" ".join(c.line() for c in breaking))
+    return [f"warning: {c.line()}" for c in conflicts]
+
+
 def check_vllm(backend: str, touched=None) -> str:
     """The vllm-compat audit of the installed vLLM (static, no import) for what ``backend`` relies on:
     speculators' generator under the shim (``speculators``; ``vllm-engine``, which runs its capture)

@@ -327,8 +327,9 @@ class RayExtraction(Extraction):
         if not left:
             return
         lines = "\n".join(f"samples {b.where()}:\n" + "\n".join(b.errors) for b in left)
-        raise ExtractionFailed(f"{sum(len(b.samples) - len(b.skip) for b in left)} samples were not extracted "
-                               f"(finished files are kept; a rerun retries these):\n{lines}")
+        unfinished, exact = self.unfinished()  # every sample of the range, not only the batches given up
+        raise ExtractionFailed(f"{'' if exact else 'about '}{unfinished} samples were not extracted (finished files "
+                               f"are kept; a rerun retries these). The batches given up:\n{lines}")
 
 
 def remote_traceback(exc: BaseException) -> str:

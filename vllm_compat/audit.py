@@ -18,7 +18,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import behaviour, callsites, versions, wheels
+from . import behaviour, callsites, environment, versions, wheels
 from .consumer import (IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints,
                        backend_touchpoints)
 from .errors import VllmCompatError
@@ -32,8 +32,8 @@ from .registry import adapters, newest_verified
 OK = "ok"
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
-JSON_SCHEMA_VERSION = 4  # 2: call_sites, consumer_source; 3: findings of kind "backend"; 4: engine_steps,
-#                          config_fields, config_baseline, behaviour_notes
+JSON_SCHEMA_VERSION = 5  # 2: call_sites, consumer_source; 3: findings of kind "backend"; 4: engine_steps,
+#                          config_fields, config_baseline, behaviour_notes; 5: environment
 
 
 class AuditError(VllmCompatError):
@@ -87,6 +87,8 @@ class AuditResult:
     config_fields: tuple[behaviour.FieldFinding, ...] = field(default=())  # added with a default: review
     config_baseline: str = ""  # the release the config fields are compared with ('' when none)
     behaviour_notes: tuple[str, ...] = field(default=())  # what the behaviour readings could not read
+    # the installed transformers/torch this vLLM cannot run with (None: not this environment's vLLM)
+    environment: tuple[environment.Conflict, ...] | None = None
 
     @property
     def unverified(self) -> list[Finding]:
@@ -125,8 +127,13 @@ class AuditResult:
         return [s for s in self.engine_steps if s.status == behaviour.PROBLEM]
 
     @property
+    def environment_problems(self) -> list[environment.Conflict]:
+        return [c for c in self.environment or () if c.breaks]
+
+    @property
     def exit_code(self) -> int:
-        bad = self.problems or self.call_site_problems or self.engine_step_problems or self.backend_problems()
+        bad = (self.problems or self.call_site_problems or self.engine_step_problems or self.backend_problems()
+               or self.environment_problems)
         return 1 if bad else 0
 
     def __getitem__(self, finding_id: str) -> Finding:
@@ -162,9 +169,13 @@ class AuditResult:
         lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
         for f in bad_touch:
             lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
-        lines += ["", *self._render_call_sites(), "", *self._render_behaviour(), "", *self._render_backends()]
+        lines += ["", *self._render_call_sites(), "", *self._render_behaviour(), "", *self._render_backends(),
+                  *self._render_environment()]
         problems = len(self.problems) + len(self.call_site_problems) + len(self.engine_step_problems)
         verdicts = [f"PROBLEMS: {problems} (the generator would break or be wrong)"] if problems else []
+        if self.environment_problems:
+            verdicts.append(f"PROBLEMS: {len(self.environment_problems)} in the installed packages (vLLM "
+                            f"{self.vllm_version} cannot run with them; install what they say)")
         broken = sorted({f.scope for f in self.backend_problems()})
         if broken:
             verdicts.append(f"PROBLEMS: {len(self.backend_problems())} in the extractor's "
@@ -204,6 +215,14 @@ class AuditResult:
         broken = [f"  {f.verdict}: {f.scope}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip()
                   for f in self.backend_problems()]
         return [f"extractor backends' touch points (hidden_states --backend): {'; '.join(parts)}", *broken]
+
+    def _render_environment(self) -> list[str]:
+        if self.environment is None:
+            return []
+        head = f"installed {' and '.join(environment.CHECKED)} against what vLLM {self.vllm_version} runs with"
+        if not self.environment:
+            return ["", f"{head}: ok"]
+        return ["", f"{head}:", *(f"  {'PROBLEM' if c.breaks else 'warning'}: {c.line()}" for c in self.environment)]
 
     def _render_call_sites(self) -> list[str]:
         counts = {status: sum(c.status == status for c in self.call_sites)
@@ -351,7 +370,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
                        f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
                        str(root) if root else "", newest_verified=str(newest_verified()),
                        engine_steps=drift.steps, config_fields=drift.fields, config_baseline=drift.baseline,
-                       behaviour_notes=drift.notes)
+                       behaviour_notes=drift.notes,
+                       environment=tuple(environment.installed_conflicts()) if vllm is None else None)
 
 
 def audit_backend(backend: str, touched: BackendTouchpoints) -> list[Finding]:

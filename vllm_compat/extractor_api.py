@@ -10,6 +10,9 @@ fails on any other import). Each name here is one of the shim's own, re-exported
   that are problems), and what a backend declares for the audit: :class:`BackendTouchpoints` with the
   checks of ``probes.shapes`` it is written in (``Attr``, ``Param``, ``Exists``, ``LiteralMember``,
   ``Dispatched``, ``Registered``, ``Branch``; ``PRESENT``, ``REQUIRED``, ``OPTIONAL``);
+* the installed packages: :func:`environment_conflicts` (a transformers or torch the installed vLLM
+  cannot run with, each with its ``line()``) and :func:`install_command` (a ``pip install`` that keeps
+  them where they are);
 * host facts, asked without touching CUDA: :func:`vllm_device_type`, :func:`device_total_memory`,
   :func:`host_memory`; installed releases, found without importing them: :func:`vllm_version`,
   :func:`base`, :func:`package_dir`; what each trainer line reads (``TRAINER_LAYOUTS``);
@@ -27,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 from . import wrapping
 from .batch_order import scheduled_in_row_order
 from .consumer import TRAINER_LAYOUTS, BackendTouchpoints
+from .environment import install_command
+from .environment import installed_conflicts as environment_conflicts
 from .host import device_total_memory, host_memory, vllm_device_type
 from .probes.shapes import (OPTIONAL, PRESENT, REQUIRED, Attr, Branch, Dispatched, Exists, LiteralMember, Param,
                             Registered)
@@ -41,6 +46,7 @@ __all__ = [
     "Attr", "Param", "Exists", "LiteralMember", "Dispatched", "Registered", "Branch", "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "host_memory", "vllm_version", "base", "package_dir",
     "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
+    "environment_conflicts", "install_command",
 ]
 
 

@@ -24,6 +24,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
+from .. import extras
 from ..errors import OutputError
 from ..inputs import Sample
 from ..layer_conventions import MEANING, SPECULATORS_05, from_extractor
@@ -203,7 +204,8 @@ def write_dataset(directory: Path, count: int) -> None:
         import datasets
     except ImportError:
         raise OutputError(f"{SPECULATORS_05} needs the 'datasets' package to write its dataset index "
-                          f"(pip install 'datasets>=4'); the sample files are whole, rerun to write it") from None
+                          f"({extras.install_hint('datasets')}); the sample files are whole, rerun to write "
+                          f"it") from None
     datasets.disable_progress_bars()  # the run's own log says what happens; no bars in it
     temp = directory / DATASET_TEMP
     shutil.rmtree(temp, ignore_errors=True)

@@ -20,6 +20,7 @@ ALLOWED = frozenset({
     "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "host_memory", "vllm_version", "base", "package_dir",
     "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
+    "environment_conflicts", "install_command",
 })
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from hidden_states.cli import main
+from vllm_compat.environment import installer
 
 CONFIG = {"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 512, "torch_dtype": "float32"}
 
@@ -81,7 +82,10 @@ def test_05_layout_without_datasets_is_refused_before_the_load(model, tmp_path, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else find_spec(name, *a))
     code = main(["extract", "--model-path", str(model), "--prepared-data", str(jsonl(tmp_path, GOOD)), "--output-dir",
                  str(tmp_path / "out"), "--format", "speculators-0.5", "--layer-ids", "1", "3"])
-    assert code == 2 and "install the 'datasets' package" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert ("--format speculators-0.5 (its dataset index, which the trainer reads) needs the 'datasets' package, "
+            f'not installed here: {installer()} "datasets>=4" "transformers==') in err  # the venv's own, held
     assert not (tmp_path / "out").exists()
 
 

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "vllm_compat"
 # Lowest first. A module's layer is found by its first name under vllm_compat (a subpackage counts
 # as one name); it may import from its own layer and the layers before it.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
-    ("foundation", {"errors", "report", "versions", "wheels"}),
+    ("foundation", {"errors", "report", "versions", "wheels", "environment"}),
     ("wrapping", {"wrapping"}),
     ("probes", {"probes"}),
     ("declarations", {"consumer", "adapter", "factories"}),
@@ -33,8 +33,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) 
 # The extractor's layers, the same way (lowest first).
 EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
     ("settings", {"__init__", "errors", "settings", "presets", "shards"}),
-    ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "layer_conventions", "output", "processes",
-                  "interrupts", "progress", "forward_check"}),
+    ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "layer_conventions", "output",
+                  "processes", "interrupts", "extras", "progress", "forward_check"}),
     ("plug-ins", {"formats", "batches", "backends"}),
     ("the run", {"extraction", "replicas", "convert", "status", "cli", "__main__"}),
     ("fixtures", {"fixtures"}),
