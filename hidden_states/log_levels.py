@@ -59,7 +59,7 @@ def level_of(args) -> int:
 def classify(text: str, *, cuda: bool = True) -> tuple[int | None, bool]:
     """``(level, ours)`` of one line (its process prefix included); level None: it continues the
     line before it."""
-    body = _PROCESS_PREFIX.sub("", text.rsplit("\r", 1)[-1])
+    body = _body(text)
     if not body.strip() or body[:1].isspace():
         return None, False
     ours = bool(_OURS.search(body))
@@ -76,6 +76,12 @@ def classify(text: str, *, cuda: bool = True) -> tuple[int | None, bool]:
     if level == logging.WARNING and not ours and not cuda and _CUDA_ONLY.search(body):
         level = logging.INFO  # a CUDA-only mechanism, on a host without CUDA: the log file only
     return level, ours
+
+
+def _body(text: str) -> str:
+    """What a terminal would show of the line (the last of its carriage-return redraws), less the
+    process prefix."""
+    return _PROCESS_PREFIX.sub("", text.rstrip("\r").rsplit("\r", 1)[-1])
 
 
 def _level_word(body: str) -> int | None:
@@ -107,7 +113,7 @@ class TerminalFilter:
     def shows(self, text: str) -> bool:
         level, ours = classify(text, cuda=self.cuda)
         if level is None:
-            blank = not _PROCESS_PREFIX.sub("", text).strip()
+            blank = not _body(text).strip()
             return self._showing and (self._error or not blank or self.level <= logging.DEBUG)
         self._showing = self._decide(text, level, ours)
         self._error = level >= logging.ERROR

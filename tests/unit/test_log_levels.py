@@ -29,7 +29,7 @@ RUN = [
     "  class MLPSpeculatorConfig(SpeculatorModelConfig):",
     "(Worker pid=201) (Worker pid=201) ",
     "(Worker pid=201) INFO 12-03 12:19:26 [cpu_worker.py:90] OMP threads binding of Process 201:",
-    "(Worker pid=201) INFO 12-03 12:19:26 [cpu_worker.py:90] \tOMP tid: 201, core 0",
+    "(Worker pid=201) INFO 12-03 12:19:26 [cpu_worker.py:90] \tOMP tid: 201, core 0\r",  # vLLM ends some with \r
     "[hidden-states] warning: 2 samples longer than --max-seq-len were truncated",
     "[hidden-states] 24/24 samples, 9,397 tokens, 35,976 tok/s, ETA 0:00:00",
     "(EngineCore_DP0 pid=300) ERROR 12-03 12:20:00 [core.py:700] EngineCore failed to start.",
@@ -133,3 +133,10 @@ print('after', file=sys.stderr)
         "[hidden-states] done: 1 samples extracted", "after"]
     assert proc.stdout == ""
     assert run_log.log_path("o", "shard-0-of-2").name == "hidden-states.shard-0-of-2.log"
+
+
+def test_a_line_ending_in_a_carriage_return_keeps_its_own_level():
+    """vLLM's CPU worker ends some INFO lines with '\\r': read as blank, they continued the warning before."""
+    lines = ["[W1203 12:23:08.507 utils.cpp:103] Warning: NUMA binding: Using MEMBIND policy",
+             "(Worker pid=810) INFO 12-03 12:23:08 [cpu_worker.py:90] OMP threads binding of Process 810:\r"]
+    assert shown(logging.INFO, lines=lines) == lines[:1]
