@@ -12,7 +12,8 @@ Levels: ``debug`` shows everything; ``info`` (the default) our lines and third-p
 errors; ``warning`` warnings and errors; ``error`` (``--quiet``) errors only. Errors are shown at
 every level, and so is the run's final summary. Our lines (``[hidden-states] ...``, vllm-compat's)
 are shown once each, whichever process printed them; so is a third-party warning that several
-processes print. On a host without a CUDA device, third-party warnings about CUDA-only mechanisms
+processes print, or that one place in a library's code prints in a loop (vLLM's "Attempted to load
+weight ..." once per weight): its first line stands for the rest. On a host without a CUDA device, third-party warnings about CUDA-only mechanisms
 (CUDA graphs, the CUDA runtime, Triton's GPU drivers, NCCL) go to the log file only.
 """
 from __future__ import annotations
@@ -37,6 +38,8 @@ _ERROR_TEXT = re.compile(r"^Traceback \(most recent call last\)|^During handling
                          r"^The above exception was the direct cause|^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception"
                          r"|Interrupt|Exit)(?:: |$)|Segmentation fault|core dumped|^terminate called|^Fatal Python error")
 _CUDA_ONLY = re.compile(r"CUDA|cudagraph|Triton|NCCL|cuDNN|NVML", re.IGNORECASE)
+# where in a library's code a line was logged: vLLM's "[utils.py:333]", glog's "utils.cpp:103]", Python warnings' "mlp.py:9:"
+_SOURCE_LINE = re.compile(r"[\w./-]+\.(?:py|cpp|cc|cu|h|hpp):\d+\b")
 # what differs between the same line from two processes: pids, ranks, timestamps
 _VARIES = re.compile(r"pid[= ]\d+|\d{2,4}-\d\d(?:-\d\d)?[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?|^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d\S*")
 
@@ -125,7 +128,9 @@ class TerminalFilter:
         threshold = self.level if ours or self.level <= logging.DEBUG else max(self.level, logging.WARNING)
         if level < threshold:
             return False
-        key = _VARIES.sub("", _PROCESS_PREFIX.sub("", text)).strip()
+        key = _VARIES.sub("", _body(text)).strip()
+        if not ours:  # a warning logged in a loop (one per weight, per layer): its first line stands for all
+            key = next((m.group(0) for m in _SOURCE_LINE.finditer(key[:80])), key)
         if (ours or self.level > logging.DEBUG) and key in self._seen:
             return False
         self._seen.add(key)

@@ -140,3 +140,12 @@ def test_a_line_ending_in_a_carriage_return_keeps_its_own_level():
     lines = ["[W1203 12:23:08.507 utils.cpp:103] Warning: NUMA binding: Using MEMBIND policy",
              "(Worker pid=810) INFO 12-03 12:23:08 [cpu_worker.py:90] OMP threads binding of Process 810:\r"]
     assert shown(logging.INFO, lines=lines) == lines[:1]
+
+
+def test_a_warning_logged_in_a_loop_is_shown_once():
+    """vLLM 0.32's CPU loader warns once per weight from one line of its code."""
+    loop = [f"(Worker pid=9) WARNING 12-03 12:25:55 [utils.py:333] Attempted to load weight layers.{i}.w with dtype "
+            f"torch.float32 into parameter with dtype torch.bfloat16" for i in range(6)]
+    other = "(Worker pid=9) WARNING 12-03 12:25:55 [cpu.py:159] VLLM_CPU_KVCACHE_SPACE not set."
+    assert shown(logging.INFO, lines=[*loop, other]) == [loop[0], other]
+    assert shown(logging.DEBUG, lines=loop) == loop
