@@ -52,13 +52,12 @@ def has_cuda_device() -> bool:
 
 @contextlib.contextmanager
 def captured(log_file: Path | None, level: int, *, cuda: bool | None = None):
-    """Everything printed in this block, by this process and its children, to ``log_file`` (appended;
-    None: no file) and, filtered at ``level``, to the terminal."""
+    """Everything printed in this block, by this process and its children, to ``log_file`` (appended,
+    from when its directory exists; None: no file) and, filtered at ``level``, to the terminal."""
     global _terminal
     restore_env = _set_env(level)
     restore_logger = _compat_logger()
     _start_resource_tracker()
-    log = _open_log(log_file)
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
@@ -66,13 +65,11 @@ def captured(log_file: Path | None, level: int, *, cuda: bool | None = None):
     for fd in (1, 2):
         os.dup2(write, fd)
     os.close(write)
-    reader = _Reader(read, log, saved[2], TerminalFilter(level, cuda=has_cuda_device() if cuda is None else cuda))
+    reader = _Reader(read, log_file, saved[2], TerminalFilter(level, cuda=has_cuda_device() if cuda is None else cuda))
     reader.start()
     if level <= logging.INFO and os.isatty(saved[2]):
         _terminal = os.fdopen(os.dup(saved[2]), "w", buffering=1)
     try:
-        if log is not None:
-            print(f"[hidden-states] full log: {log_file}", file=sys.stderr, flush=True)
         yield
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -137,27 +134,38 @@ def _start_resource_tracker() -> None:
         pass
 
 
-def _open_log(path: Path | None):
-    if path is None:
-        return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(path, "ab")
-    except OSError:  # the run reports a bad output directory itself
-        return None
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    log.write(f"=== {' '.join(sys.argv)} (pid {os.getpid()}, {started})\n".encode())
-    return log
-
-
 class _Reader(threading.Thread):
-    """Reads the pipe line by line: each to the log file, the filter's share to the terminal."""
+    """Reads the pipe line by line: each to the log file, the filter's share to the terminal.
 
-    def __init__(self, fd: int, log, terminal_fd: int, shown: TerminalFilter):
+    The log file is opened once its directory exists (the run creates the output directory only
+    after its checks: a refused run leaves none behind); the lines before are held until then.
+    """
+
+    def __init__(self, fd: int, path: Path | None, terminal_fd: int, shown: TerminalFilter):
         super().__init__(name="hidden-states-output", daemon=True)
-        self.fd, self.log, self.terminal_fd, self.filter = fd, log, terminal_fd, shown
+        self.fd, self.path, self.terminal_fd, self.filter = fd, path, terminal_fd, shown
+        self.log = None
+        self._held: list[bytes] | None = [] if path is not None else None  # lines before the file opened
         self._stopping = threading.Event()
         self._log_error: OSError | None = None
+        self._run_started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    def _open(self) -> None:
+        """The log file, once its directory exists; the held lines first, and its path to the terminal."""
+        if not self.path.parent.is_dir():
+            return
+        held, self._held = self._held, None
+        try:
+            self.log = open(self.path, "ab")
+            self.log.write(f"=== {' '.join(sys.argv)} (pid {os.getpid()}, {self._run_started})\n".encode())
+            self.log.writelines(line + b"\n" for line in held)
+        except OSError as exc:
+            self._log_error = exc
+            return
+        note = f"[hidden-states] full log: {self.path}".encode()
+        self._write(note)
+        if self.filter.shows(note.decode()):
+            self._to_terminal(note)
 
     def run(self) -> None:
         pending = b""
@@ -180,6 +188,8 @@ class _Reader(threading.Thread):
                 break
         if pending:
             self._line(pending)
+        if self._held:  # the run made its output directory after its last line
+            self._open()
         os.close(self.fd)
         if self.log is not None:
             self.log.close()
@@ -187,17 +197,25 @@ class _Reader(threading.Thread):
             self._to_terminal(f"[hidden-states] warning: the log file stopped: {self._log_error}".encode())
 
     def _line(self, line: bytes) -> None:
-        if self.log is not None:
-            try:
-                self.log.write(line + b"\n")
-                self.log.flush()
-            except OSError as exc:  # a full disk: the terminal still gets its share
-                self._log_error = exc
-                with contextlib.suppress(OSError):
-                    self.log.close()
-                self.log = None
+        if self._held is not None:
+            self._held.append(line)
+            self._open()
+        else:
+            self._write(line)
         if self.filter.shows(line.decode("utf-8", "replace")):
             self._to_terminal(line)
+
+    def _write(self, line: bytes) -> None:
+        if self.log is None:
+            return
+        try:
+            self.log.write(line + b"\n")
+            self.log.flush()
+        except OSError as exc:  # a full disk: the terminal still gets its share
+            self._log_error = exc
+            with contextlib.suppress(OSError):
+                self.log.close()
+            self.log = None
 
     def _to_terminal(self, line: bytes) -> None:
         with contextlib.suppress(OSError):

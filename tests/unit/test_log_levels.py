@@ -106,13 +106,17 @@ CHILD = ("import sys, os; print('[Gloo] Rank 0 is connected to 0 peer ranks', fl
 
 
 def test_the_log_file_has_everything_children_included_and_the_terminal_its_share(tmp_path):
-    """Run in a subprocess: the capture redirects this process's fds 1 and 2."""
+    """Run in a subprocess: the capture redirects this process's fds 1 and 2. The output directory is
+    made mid-run (as an extraction makes it after its checks): the lines before it are in the file too."""
     script = f"""
-import logging, subprocess, sys
+import logging, subprocess, sys, time
 from pathlib import Path
 from hidden_states import run_log
-with run_log.captured(Path({str(tmp_path / 'out')!r}) / 'hidden-states.log', logging.INFO, cuda=False):
-    print('[hidden-states] extracting', file=sys.stderr)
+out = Path({str(tmp_path / 'out')!r})
+with run_log.captured(out / 'hidden-states.log', logging.INFO, cuda=False):
+    print('[hidden-states] extracting', file=sys.stderr, flush=True)
+    time.sleep(0.2)  # read before the directory exists: held for the file
+    out.mkdir()
     print('INFO 12-03 12:00:00 [x.py:1] parent chatter')
     logging.getLogger('vllm_compat').debug('vllm-compat: a detail')
     logging.getLogger('vllm_compat').info('vllm-compat (parent, pid 1): summary')
@@ -127,8 +131,9 @@ print('after', file=sys.stderr)
     for line in ("[hidden-states] extracting", "parent chatter", "DEBUG [vllm-compat] vllm-compat: a detail",
                  "[Gloo] Rank 0", "from a child", "[hidden-states] done"):
         assert line in log, log
+    assert log.index("[hidden-states] extracting") < log.index("parent chatter")
     assert proc.stderr.splitlines() == [
-        f"[hidden-states] full log: {tmp_path / 'out' / 'hidden-states.log'}", "[hidden-states] extracting",
+        "[hidden-states] extracting", f"[hidden-states] full log: {tmp_path / 'out' / 'hidden-states.log'}",
         "INFO [vllm-compat] vllm-compat (parent, pid 1): summary", "WARNING 12-03 12:00:00 [x.py:1] from a child",
         "[hidden-states] done: 1 samples extracted", "after"]
     assert proc.stdout == ""
