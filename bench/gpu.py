@@ -292,7 +292,9 @@ def phase_extract(args) -> None:
         + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if os.environ.get("BENCH_LOG_DIR"):  # the whole log, workers' tracebacks included (RESULT keeps the tail)
-        Path(os.environ["BENCH_LOG_DIR"], f"extract-{work.name}.log").write_text(proc.stderr)
+        full = work / "out" / "hidden-states.log"  # the terminal's share is filtered (--log-level)
+        Path(os.environ["BENCH_LOG_DIR"], f"extract-{work.name}.log").write_text(
+            full.read_text(errors="replace") if full.exists() else proc.stderr)
     summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
     # "forward check ok: N kernel self-tests on the model's own layouts in X s", between the load and the run
     forward = next((l for l in proc.stderr.splitlines() if "] forward check" in l), "")

@@ -22,7 +22,7 @@ import signal
 import sys
 import traceback
 
-from . import shards
+from . import log_levels, shards
 from .backends import BACKENDS
 from .errors import ExtractError
 from .formats import FORMATS
@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--shard", metavar="I/N",
                          help="this process is static shard I of N (every N-th batch, its own ledger); default "
                               "from RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS when set")
+    log_levels.add_flags(extract)
+    log_levels.add_flags(convert)
     status = sub.add_parser("status", help="what an output directory holds, across shards and replicas")
     status.add_argument("output_dir")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
@@ -202,6 +204,30 @@ def _demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with _output_captured(args):
+        return _run(args)
+
+
+def _output_captured(args):
+    """extract and convert: the full output to a log file in the output directory, the terminal's
+    share at --log-level (hidden_states/run_log.py)."""
+    import contextlib
+
+    from . import run_log
+
+    if args.command == "extract":
+        try:
+            shard = shards.from_environment(args.shard)
+        except ExtractError:  # reported by the run itself
+            shard = None
+        return run_log.captured(run_log.log_path(args.output_dir, shard.tag if shard else None),
+                                log_levels.level_of(args))
+    if args.command == "convert":
+        return run_log.captured(run_log.log_path(args.dst), log_levels.level_of(args))
+    return contextlib.nullcontext()
+
+
+def _run(args) -> int:
     try:
         if args.command == "status":
             from .status import status

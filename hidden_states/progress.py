@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
+from . import run_log
 from .settings import default
 
 
@@ -34,7 +35,7 @@ class Progress:
         self.total = total_samples
         self.exact = exact
         self.log = log
-        self.stream = stream or sys.stderr
+        self.stream = stream or run_log.terminal() or sys.stderr
         self.interval = interval
         self.samples = 0
         self.tokens = 0

@@ -11,6 +11,7 @@ import logging
 import os
 
 logger = logging.getLogger("vllm_compat")
+ENV_LOG_LEVEL = "VLLM_COMPAT_LOG_LEVEL"  # the level of the report this logs in vLLM's processes (default INFO)
 
 
 def register() -> None:
@@ -20,10 +21,14 @@ def register() -> None:
         return
     if not logger.handlers and not logging.getLogger().handlers:
         # vLLM configures only its own "vllm" logger: without a handler our report would vanish.
+        # Ours alone prints it: a root handler added later (xgrammar's import adds one) would print
+        # every line a second time.
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s [vllm-compat] %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        level = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
+        logger.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")
+        logger.propagate = False
     try:
         from .adapter import Scope
         from .registry import apply

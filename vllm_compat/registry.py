@@ -188,7 +188,7 @@ def _on_import_decide(adapter: Adapter, vllm, generation: int):
         with _lock:
             if generation == _generation and _active:
                 _results[adapter.id] = result = _with_verification(adapter, _probe_and_activate(adapter, vllm), vllm)
-                logger.info("vllm-compat (%s, pid %d): %s", _role, os.getpid(), result)
+                logger.log(_level(result), "vllm-compat (%s, pid %d): %s", _role, os.getpid(), result)
 
     return hook
 
@@ -348,14 +348,18 @@ def _warn_if_other(arguments: dict[str, object]) -> None:
                        "; ".join(differences))
 
 
+def _level(result: AdapterResult) -> int:
+    """A result's log level: the one INFO line per process is the summary (docs/usage.md)."""
+    if result.status == FAILED:
+        return logging.ERROR
+    if result.status == UNKNOWN_DRIFT or result.unverified:
+        return logging.WARNING
+    return logging.DEBUG
+
+
 def _log(report: Report) -> None:
     for result in report.results:
-        if result.status == UNKNOWN_DRIFT or result.unverified:
-            logger.warning("vllm-compat: %s", result)
-        elif result.status == FAILED:
-            logger.error("vllm-compat: %s", result)
-        else:
-            logger.debug("vllm-compat: %s", result)
+        logger.log(_level(result), "vllm-compat: %s", result)
     # each name under its own status: "1 applied, 17 armed; applied: (18 names)" contradicted itself
     named = "".join(f"; {status}: {', '.join(r.id for r in report.by_status(status))}"
                     for status in (APPLIED, ARMED) if report.by_status(status))

@@ -79,6 +79,24 @@ def test_extracts_every_sample(extracted):
     assert "2 samples truncated to --max-seq-len" in proc.stderr  # samples 24 and 49 are 1100 tokens
 
 
+def test_the_terminal_gets_a_bounded_share_and_the_log_file_everything(extracted):
+    """The default --log-level: our lines (each once) and third-party warnings on the terminal; vLLM's
+    INFO lines, Gloo's, and vllm-compat's per-adapter lines from the worker in the log file only."""
+    root, _, proc = extracted
+    shown = proc.stderr.splitlines()
+    log = (root / "out" / "hidden-states.log").read_text()
+    assert proc.stdout == "" and all(line in log for line in shown), proc.stderr[-3000:]
+    progress = [line for line in shown if re.match(r"\[hidden-states\] \d+/~?\d+ samples", line)]
+    assert len(shown) - len(progress) <= 20, proc.stderr
+    ours = [re.sub(r"pid \d+", "pid", line) for line in shown if "vllm-compat" in line]
+    assert len(ours) == len(set(ours)) >= 2, ours  # the parent's summary and the worker's, once each
+    assert not [line for line in shown if "[Gloo]" in line or re.search(r"(^|\) )INFO \d", line)], proc.stderr
+    assert re.search(r"^\(\w+ pid=\d+\) INFO \d\d-\d\d ", log, re.M), log[-3000:]  # a worker's INFO line
+    # the worker's own adapter results, logged at DEBUG for the file; CUDA is not named on this CPU run
+    assert re.search(r"vllm-compat \(vllm process, pid \d+\): capture_transport: applied", log), log[-3000:]
+    assert "CUDA tensors" not in log
+
+
 def test_states_match_hf_and_masks_are_kept(extracted, model):
     import torch
 

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) 
 EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
     ("settings", {"__init__", "errors", "settings", "presets", "shards"}),
     ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "layer_conventions", "output",
-                  "processes", "interrupts", "extras", "progress", "forward_check"}),
+                  "processes", "interrupts", "extras", "progress", "log_levels", "run_log", "forward_check"}),
     ("plug-ins", {"formats", "batches", "backends"}),
     ("the run", {"extraction", "replicas", "convert", "status", "cli", "__main__"}),
     ("fixtures", {"fixtures"}),

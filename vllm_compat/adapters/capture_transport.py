@@ -38,8 +38,9 @@ def states_to_host(wrapped, worker, args, kwargs):
 
 ADAPTER = Adapter(
     id="capture_transport",
-    summary="ship captured states to the parent through shared memory, not pickled CUDA tensors",
-    drift="collective_rpc pickles CUDA tensors in-band and rebuilds them on the parent's GPU",
+    summary="ship captured states to the parent through shared memory, not pickled into the RPC reply",
+    # said on every host: the CUDA-only cost (states rebuilt on the parent's GPU) is in the docstring
+    drift="collective_rpc pickles every captured tensor in-band into the worker's reply",
     scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.10.0"),
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
