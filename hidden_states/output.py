@@ -122,6 +122,15 @@ class OutputDir:
             probe.unlink()
         except OSError as exc:
             raise OutputError(f"--output-dir {describe_os_error(exc, self.path)} (not writable)") from None
+        self.refuse_another(identity)
+        existing = self.path / CONFIG
+        for stale in self.path.glob(f"{temp_prefix(self.tag)}*"):
+            stale.unlink(missing_ok=True)
+        self.samples_dir.mkdir(exist_ok=True)
+        atomic_write_json(existing, {**config, **identity})
+
+    def refuse_another(self, identity: dict) -> None:
+        """Refuse a directory that holds another extraction (its ``data_config.json``); reads only."""
         existing = self.path / CONFIG
         if existing.exists():
             previous = read_json(existing, hint="; remove it or use another --output-dir")
@@ -131,10 +140,6 @@ class OutputDir:
                 if was != now:
                     raise OutputError(f"{self.path} holds another extraction ({key} {was!r}, this run {now!r}); "
                                       f"use another --output-dir or remove that one")
-        for stale in self.path.glob(f"{temp_prefix(self.tag)}*"):
-            stale.unlink(missing_ok=True)
-        self.samples_dir.mkdir(exist_ok=True)
-        atomic_write_json(existing, {**config, **identity})
 
     @property
     def samples_dir(self) -> Path:

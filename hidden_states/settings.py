@@ -33,6 +33,8 @@ class Settings:
         shard: this process's static shard (``shards.Shard``); None: every sample.
         data_parallel_size: replicas of the model, each a Ray actor (``replicas.py``); 1: this process.
         ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
+        config_file: the TOML file the CLI read settings from (flags over it; ``config_file.py``);
+            recorded with the rest in ``data_config.json``.
     """
 
     model_path: str
@@ -57,11 +59,18 @@ class Settings:
     shard: Shard | None = None
     data_parallel_size: int = 1
     ray_address: str | None = None
+    config_file: str | None = None
 
     def __post_init__(self):
         for name in BACKEND_DEPENDENT:
             if getattr(self, name) is None:
                 setattr(self, name, default(name, self.backend))
+
+    def record(self) -> dict:
+        """Every setting as the run used it (defaults applied), for ``data_config.json``."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        record["shard"] = f"{self.shard.index}/{self.shard.count}" if self.shard is not None else None
+        return record
 
     @classmethod
     def tuned(cls, backend: str, preset: dict | None = None, given: dict | None = None, **fields_) -> Settings:

@@ -203,19 +203,22 @@ def tiny(tmp_path):
 
 
 @pytest.mark.vllm
-def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_path):
+def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_path, monkeypatch):
     from safetensors import safe_open
 
-    from hidden_states.extraction import Extraction
+    from hidden_states import extraction
     from hidden_states.settings import Settings
     from vllm_compat.host import vllm_device_type
 
     model, data = tiny
     with safe_open(str(model / "model.safetensors"), "pt") as stored:
         stored_bytes = sum(stored.get_tensor(name).nbytes for name in stored.keys())
-    lines = []
-    Extraction(Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
-                        format="speculators-0.3", batch_size=2, max_seq_len=64), log=lines.append).plan()
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched: "not run (no speculators here)")
+    planned = extraction.Extraction(Settings(model_path=str(model), prepared_data=str(data),
+                                             output_dir=str(tmp_path / "out"), format="speculators-0.3", batch_size=2,
+                                             max_seq_len=64))
+    planned.plan()
+    lines = planned.plan_lines
     memory = [line for line in lines if line.startswith("memory: ")]
     assert len(memory) == 1, lines
     estimate = estimate_memory(model_facts(str(model)), 1, 2, 64)
