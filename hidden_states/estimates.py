@@ -79,14 +79,15 @@ class TimeEstimate:
     rate: Rate
     basis: str  # how the rate relates to this device
 
-    def line(self) -> str:
+    def lines(self) -> list[str]:
         about = "" if self.tokens_exact else "about "
-        return (f"time: about {duration(self.load_s + self.run_s)}: model load about {duration(self.load_s)}, then "
-                f"{about}{self.tokens:,} tokens at about {self.tokens_per_s:,.0f} tokens/s = {duration(self.run_s)} "
-                f"(an estimate: {self.rate.tokens_per_s:,.0f} tokens/s and a {self.rate.load_s:.0f} s load of "
-                f"{human_size(self.rate.checkpoint_bytes)}, {self.rate.measured}; {self.basis}; scaled by the "
-                f"parameters a token runs through, {self.rate.token_parameters:,.0f} there, and by ranks and "
-                f"replicas as if they added up)")
+        rate = self.rate
+        return [f"time: about {duration(self.load_s + self.run_s)}: model load about {duration(self.load_s)}, then "
+                f"{about}{self.tokens:,} tokens at about {self.tokens_per_s:,.0f} tokens/s = {duration(self.run_s)}",
+                f"time estimated from {rate.tokens_per_s:,.0f} tokens/s and a {rate.load_s:.0f} s load of "
+                f"{human_size(rate.checkpoint_bytes)} ({rate.measured}; {self.basis}), scaled by the parameters a "
+                f"token runs through ({rate.token_parameters:,.0f} there), and by ranks and replicas as if they "
+                f"added up"]
 
 
 def estimate_time(rate: Rate, basis: str, tokens: int, tokens_exact: bool, token_parameters: int,

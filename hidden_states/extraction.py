@@ -364,7 +364,7 @@ class Extraction:
             return lines + ["time: not estimated (the model's size is read from .safetensors files)"]
         estimate = estimate_time(rate, basis, tokens, exact, self.memory.token_parameters, self.memory.weights,
                                  settings.tp_size, settings.data_parallel_size)
-        return lines + [estimate.line()]
+        return lines + estimate.lines()
 
     def prepare(self) -> None:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""
