@@ -42,7 +42,7 @@ from .inputs import InputStream, Sample
 from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json
-from .estimates import estimate_time, rate_for
+from .estimates import TimeEstimate, duration, estimate_time, rate_for
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_first_samples,
                         check_layer_ids, check_memory, check_tensor_parallel, check_vllm, cpu_kv_cache_space,
                         device_budget, estimate_memory, human_size, model_facts)
@@ -185,6 +185,7 @@ class Extraction:
         self.cpu_kv_cache: int | None = None  # GiB for CPU_KV_CACHE_ENV, set before the load (None: leave it)
         self.plan_lines: list[str] = []  # what the plan found, said before anything is written or loaded
         self.finished_before: set[int] = set()  # whole sample files the plan found in the output directory
+        self.time_estimate: TimeEstimate | None = None
         # prepare
         self.format = None
         self.output: OutputDir | None = None
@@ -364,9 +365,9 @@ class Extraction:
             return lines + [f"time: not estimated ({basis})"]
         if self.memory is None:
             return lines + ["time: not estimated (the model's size is read from .safetensors files)"]
-        estimate = estimate_time(rate, basis, tokens, exact, self.memory.token_parameters, self.memory.weights,
-                                 settings.tp_size, settings.data_parallel_size)
-        return lines + estimate.lines()
+        self.time_estimate = estimate_time(rate, basis, tokens, exact, self.memory.token_parameters,
+                                           self.memory.weights, settings.tp_size, settings.data_parallel_size)
+        return lines + self.time_estimate.lines()
 
     def prepare(self) -> None:
         """The output directory, what it already holds, the disk estimate, the audit, what is left."""
@@ -429,8 +430,9 @@ class Extraction:
         # Backends capture each layer once, in the model's order; the files list them as asked.
         self._layer_order = [backend_settings.layer_ids.index(layer) for layer in self.layers.ids]
         started = time.monotonic()
-        self.log(f"starting the {settings.backend} backend: vLLM loads the model (tens of seconds; Ctrl-C stops "
-                 f"at once)")
+        expected = f"about {duration(self.time_estimate.load_s)}, the plan's estimate" if self.time_estimate else \
+            "tens of seconds"
+        self.log(f"starting the {settings.backend} backend: vLLM loads the model ({expected}; Ctrl-C stops at once)")
         info = self.backend.start()
         self.summary.load_seconds = time.monotonic() - started
         self.log(f"model loaded in {self.summary.load_seconds:.0f} s")

@@ -96,6 +96,8 @@ def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_st
         run.run()
     assert seen["env"] == "1"
     assert said[:len(run.plan_lines)] == run.plan_lines
+    assert any(f"vLLM loads the model (about {round(run.time_estimate.load_s)} s, the plan's estimate;" in line
+               for line in said)
     assert any(line.startswith(f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB") for line in run.plan_lines)
 
 
@@ -131,7 +133,7 @@ def test_rates_are_per_device_and_backend_and_a_gpu_not_measured_gets_the_h200s_
     rate, basis = rate_for("NVIDIA RTX PRO 6000 Blackwell Server Edition", "speculators")
     assert rate.device == "H200" and "not on NVIDIA RTX PRO 6000" in basis
     assert rate_for("cpu", "vllm-engine")[0].tokens_per_s == 46_483
-    assert rate_for("xpu", "speculators") == (None, "no rate measured for --backend speculators on xpu")
+    assert rate_for("cpu", "fake") == (None, "no rate measured for --backend fake on cpu")
     assert rate_for(None, "speculators")[0] is None
 
 
@@ -176,6 +178,9 @@ def test_config_file_flags_override_it_and_the_run_records_the_effective_setting
     recorded = json.loads((tmp_path / "out" / "data_config.json").read_text())["settings"]
     assert recorded["batch_size"] == 2 and recorded["layer_ids"] == [1, 3] and recorded["strict"] is True
     assert recorded["config_file"] == str(config.resolve()) and recorded["max_seq_len"] == 2048
+    again = extraction.Extraction(settings)
+    again.plan()  # a rerun's plan: what the directory already holds
+    assert f"samples: 0 to extract, 3 already finished in {tmp_path / 'out'}" in again.plan_lines
 
 
 @pytest.mark.parametrize("text, message", [
