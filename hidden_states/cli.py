@@ -1,7 +1,8 @@
 """``python -m hidden_states`` / ``hidden-states``: turn tokenized data into hidden-state files.
 
+    python -m hidden_states plan --model-path M --data conversations.jsonl --output-dir OUT   # seconds
     python -m hidden_states extract --model-path M --data conversations.jsonl --output-dir OUT \\
-        [--preset blackwell-tp8] [--batch-size 4] [--max-seq-len 2048] [--tp-size 8] \\
+        [--config run.toml] [--preset blackwell-tp8] [--batch-size 4] [--max-seq-len 2048] [--tp-size 8] \\
         [--gpu-memory-utilization 0.80] [--layer-ids 2 30 58 60] [--format speculators-0.5] ...
     python -m hidden_states prepare --model-path M --data conversations.jsonl --output prepared.jsonl
     python -m hidden_states convert SRC DST --to speculators-0.5     # or back: --to speculators-0.3
@@ -21,15 +22,18 @@ import argparse
 import signal
 import sys
 import traceback
+from pathlib import Path
 
-from . import log_levels, shards
+from . import log_levels, model_ids, shards
 from .backends import BACKENDS
+from .config_file import config_path, flags_from
 from .errors import ExtractError
 from .formats import FORMATS
 from .presets import PRESETS
 from .settings import Settings, default
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads")
+RUN_COMMANDS = ("extract", "plan")
 
 
 def at_least(minimum: int):
@@ -59,55 +63,107 @@ def share(text: str) -> float:
     return value
 
 
+EXAMPLES = """examples:
+  hidden-states plan --model-path /models/llama-8b --data chats.jsonl --output-dir out   # seconds, no model load
+  hidden-states extract --model-path /models/llama-8b --data chats.jsonl --output-dir out
+  hidden-states extract --model-path meta-llama/Llama-3.1-8B-Instruct --data rows.jsonl --output-dir out --preset h200
+  hidden-states extract --config run.toml --batch-size 16      # flags over the file's settings
+  hidden-states extract --config run.toml --data-parallel-size 2 --ray-address auto
+
+run.toml holds the same flags without their dashes:
+  model-path = "/models/llama-8b"
+  data = "chats.jsonl"
+  output-dir = "out"
+  layer-ids = [2, 16, 29, 31]
+  strict = true
+"""
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``extract`` and ``plan``, in groups."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="a TOML file of these flags (names without the dashes); flags given here override it")
+    given = parser.add_argument_group("input")
+    given.add_argument("--data", "--prepared-data", dest="prepared_data", required=True, metavar="PATH",
+                       help="conversations (ShareGPT, OpenAI messages, text; tokenized with the model's chat "
+                            "template) or tokenized rows (input_ids, loss_mask): JSONL, JSON, Parquet or a saved "
+                            "dataset directory")
+    given.add_argument("--max-samples", type=at_least(1), metavar="N", help="extract at most this many samples")
+    given.add_argument("--start-index", type=at_least(0), metavar="N", default=default("start_index"),
+                       help="skip samples before this index")
+    given.add_argument("--max-seq-len", type=at_least(1), metavar="TOKENS",
+                       help=f"longer samples are truncated (or refused with --strict) "
+                            f"(default {default('max_seq_len')})")
+    given.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-path", required=True, metavar="DIR_OR_ID",
+                       help="a local checkpoint directory, or a model id (org/name[@revision]) already in the "
+                            "local Hugging Face cache (nothing is downloaded)")
+    model.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
+    model.add_argument("--backend", choices=BACKENDS, default=default("backend"),
+                       help="how states are computed: speculators (the unmodified speculators generator, the "
+                            "default), vllm-engine (speculators' capture on vLLM's own engine; the fastest on a "
+                            "GPU), vllm-native (vLLM's own extract_hidden_states)")
+    model.add_argument("--layer-ids", type=int, nargs="+", metavar="ID",
+                       help="layers to capture, counted as --format's trainer counts them: speculators-0.3 "
+                            "the output of layer L (default 2, N/2, N-3, N-1), speculators-0.5 the state "
+                            "after k layers (default 2, N/2, N-3, N)")
+    model.add_argument("--skip-forward-check", action="store_true",
+                       help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--output-dir", required=True, metavar="DIR",
+                        help="where the sample files go (a rerun resumes)")
+    output.add_argument("--start-over", action="store_true",
+                        help="when --output-dir holds another extraction (other model, layers, format, input or "
+                             "tokenization), remove its files and extract this one (refused otherwise)")
+    output.add_argument("--format", choices=sorted(FORMATS),
+                        help="output format: what the installed speculators trains on (speculators-0.3 for "
+                             "0.3/0.4, speculators-0.5 for 0.5 and later or none installed)")
+    output.add_argument("--progress-interval", type=float, metavar="SECONDS", default=default("progress_interval"),
+                        help="seconds between log lines")
+    # The tunable flags default to None here so that a preset's value stands unless a flag is given.
+    speed = parser.add_argument_group("performance")
+    speed.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
+    speed.add_argument("--batch-size", type=at_least(1), metavar="N",
+                       help=f"sequences per batch: one generator call with --backend speculators; the engine backends "
+                            f"run a batch in groups of one engine step (default {default('batch_size')})")
+    speed.add_argument("--tp-size", type=at_least(1), metavar="N",
+                       help=f"tensor parallel size (default {default('tp_size')})")
+    speed.add_argument("--gpu-memory-utilization", type=share, metavar="SHARE",
+                       help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')}; on "
+                            f"CPU the KV cache is sized from the plan's estimate unless VLLM_CPU_KVCACHE_SPACE is set)")
+    speed.add_argument("--writer-threads", type=at_least(1), metavar="N",
+                       help=f"threads writing files (default {default('writer_threads')}; "
+                            f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
+    speed.add_argument("--no-overlap", action="store_true",
+                       help="one batch at a time: the next batch's forward does not run while this batch's "
+                            "states are copied out (the speculators backend overlaps them by default)")
+    scale = parser.add_argument_group("scale-out")
+    scale.add_argument("--data-parallel-size", type=at_least(1), metavar="N", default=default("data_parallel_size"),
+                       help="replicas of the model, each a Ray actor owning --tp-size devices; batches go to "
+                            "whichever is free (needs vllm-compat[ray])")
+    scale.add_argument("--ray-address", metavar="ADDRESS", default=default("ray_address"),
+                       help="the Ray cluster to start the replicas on ('auto', or host:port); default: a local one")
+    scale.add_argument("--shard", metavar="I/N",
+                       help="this process is static shard I of N (every N-th batch, its own ledger); default "
+                            "from RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS when set")
+    log_levels.add_flags(parser.add_argument_group("log"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hidden-states", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    extract = sub.add_parser("extract", help="extract hidden states for every sample of a tokenized dataset")
-    extract.add_argument("--model-path", required=True, help="local checkpoint directory")
-    extract.add_argument("--data", "--prepared-data", dest="prepared_data", required=True, metavar="PATH",
-                         help="conversations (ShareGPT, OpenAI messages, text; tokenized with the model's chat "
-                              "template) or tokenized rows (input_ids, loss_mask): JSONL, JSON, Parquet or a saved "
-                              "dataset directory")
-    extract.add_argument("--output-dir", required=True, help="where the sample files go (a rerun resumes)")
-    extract.add_argument("--start-over", action="store_true",
-                         help="when --output-dir holds another extraction (other model, layers, format, input or "
-                              "tokenization), remove its files and extract this one (refused otherwise)")
-    extract.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
-    # The tunable flags default to None here so that a preset's value stands unless a flag is given.
-    extract.add_argument("--batch-size", type=at_least(1),
-                         help=f"sequences per batch: one generator call with --backend speculators; the engine backends "
-                              f"run a batch in groups of one engine step (default {default('batch_size')})")
-    extract.add_argument("--max-seq-len", type=at_least(1),
-                         help=f"longer samples are truncated (or refused with --strict) (default {default('max_seq_len')})")
-    extract.add_argument("--tp-size", type=at_least(1), help=f"tensor parallel size (default {default('tp_size')})")
-    extract.add_argument("--gpu-memory-utilization", type=share,
-                         help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')})")
-    extract.add_argument("--layer-ids", type=int, nargs="+",
-                         help="layers to capture, counted as --format's trainer counts them: speculators-0.3 "
-                              "the output of layer L (default 2, N/2, N-3, N-1), speculators-0.5 the state "
-                              "after k layers (default 2, N/2, N-3, N)")
-    extract.add_argument("--backend", choices=BACKENDS, default=default("backend"))
-    extract.add_argument("--format", choices=sorted(FORMATS),
-                         help="output format: what the installed speculators trains on (speculators-0.3 for "
-                              "0.3/0.4, speculators-0.5 for 0.5 and later or none installed)")
-    extract.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
-    extract.add_argument("--max-samples", type=at_least(1), help="extract at most this many samples")
-    extract.add_argument("--start-index", type=at_least(0), default=default("start_index"),
-                         help="skip samples before this index")
-    extract.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
-    extract.add_argument("--progress-interval", type=float, default=default("progress_interval"),
-                         help="seconds between log lines")
-    extract.add_argument("--skip-forward-check", action="store_true",
-                         help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
-    extract.add_argument("--writer-threads", type=at_least(1),
-                         help=f"threads writing files (default {default('writer_threads')}; "
-                              f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
-    extract.add_argument("--no-overlap", action="store_true",
-                         help="one batch at a time: the next batch's forward does not run while this batch's "
-                              "states are copied out (the speculators backend overlaps them by default)")
+    for name, help_ in (("extract", "extract hidden states for every sample of a tokenized dataset (prints the "
+                                    "plan first)"),
+                        ("plan", "what extract would do, checked and estimated in seconds, without loading the "
+                                 "model or writing anything: audit, memory per rank, disk, layer ids, time")):
+        add_run_arguments(sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter))
     prepare = sub.add_parser("prepare", help="tokenize conversations as --format's trainer expects (no model "
                                              "load) into a JSONL of input_ids and loss_mask, and token_freq.pt")
-    prepare.add_argument("--model-path", required=True, help="the checkpoint whose tokenizer and chat template to use")
+    prepare.add_argument("--model-path", required=True,
+                         help="the checkpoint whose tokenizer and chat template to use (a directory, or a model id "
+                              "in the local Hugging Face cache)")
     prepare.add_argument("--data", required=True, metavar="PATH",
                          help="conversations: JSONL, JSON, Parquet or a saved dataset directory")
     prepare.add_argument("--output", required=True, metavar="FILE", help="the JSONL to write")
@@ -123,15 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", help="a finished extraction's output directory")
     convert.add_argument("dst", help="where the converted extraction goes")
     convert.add_argument("--to", required=True, choices=sorted(FORMATS), help="the layout to write")
-    extract.add_argument("--data-parallel-size", type=at_least(1), default=default("data_parallel_size"),
-                         help="replicas of the model, each a Ray actor owning --tp-size devices; batches go to "
-                              "whichever is free (needs vllm-compat[ray])")
-    extract.add_argument("--ray-address", default=default("ray_address"),
-                         help="the Ray cluster to start the replicas on ('auto', or host:port); default: a local one")
-    extract.add_argument("--shard", metavar="I/N",
-                         help="this process is static shard I of N (every N-th batch, its own ledger); default "
-                              "from RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS when set")
-    log_levels.add_flags(extract)
     log_levels.add_flags(convert)
     status = sub.add_parser("status", help="what an output directory holds, across shards and replicas")
     status.add_argument("output_dir")
@@ -141,22 +188,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, a ``--config`` file's flags (extract, plan) first so that the command line's win."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    path = config_path(argv)
+    if argv and argv[0] in RUN_COMMANDS and path is not None:
+        checker = argparse.ArgumentParser(add_help=False)
+        add_run_arguments(checker)
+        flags = flags_from(path, checker)
+        argv = [argv[0], *flags, *argv[1:]]
+    return parser.parse_args(argv)
+
+
 def settings_from(args) -> Settings:
     """Settings from parsed flags: each tunable from its flag, else the backend's own setting, else
-    the preset, else its default."""
+    the preset, else its default; a model id resolved to its directory in the local cache."""
     given = {name: getattr(args, name) for name in TUNABLE if getattr(args, name) is not None}
     return Settings.tuned(args.backend, PRESETS.get(args.preset), given,
-                          model_path=args.model_path, prepared_data=args.prepared_data, output_dir=args.output_dir,
+                          model_path=model_ids.resolve(args.model_path), prepared_data=args.prepared_data,
+                          output_dir=args.output_dir,
                           layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
                           max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
                           format=args.format, progress_interval=args.progress_interval,
                           forward_check=not args.skip_forward_check, overlap=not args.no_overlap,
                           shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
-                          ray_address=args.ray_address, start_over=args.start_over)
+                          ray_address=args.ray_address, start_over=args.start_over,
+                          config_file=str(Path(args.config).resolve()) if args.config else None)
+
+
+def extraction_for(settings: Settings, **kwargs):
+    """The run ``settings`` ask for: on Ray replicas, or in this process."""
+    if settings.data_parallel_size > 1 or settings.ray_address:
+        from .replicas import RayExtraction
+
+        return RayExtraction(settings, **kwargs)
+    from .extraction import Extraction
+
+    return Extraction(settings, **kwargs)
+
+
+def _plan(args) -> int:
+    planned = extraction_for(settings_from(args))
+    planned.plan()
+    print("plan (no model loaded, nothing written):\n  " + "\n  ".join(planned.plan_lines))
+    return 0
 
 
 def _extract(args) -> int:
-    from .extraction import Extraction
     from .progress import log_to_stderr as log
 
     settings = settings_from(args)
@@ -165,12 +244,7 @@ def _extract(args) -> int:
         devices = shards.leave_torchrun(tp_size=settings.tp_size)
         if devices is not None:
             log(f"torchrun rank: devices {devices}")
-    if settings.data_parallel_size > 1 or settings.ray_address:
-        from .replicas import RayExtraction
-
-        summary = RayExtraction(settings, log=log).run()
-    else:
-        summary = Extraction(settings, log=log).run()
+    summary = extraction_for(settings, log=log).run()
     log(summary.line())
     if summary.interrupted is not None:
         log(summary.next_step)
@@ -191,7 +265,8 @@ def _prepare(args) -> int:
     from .layer_conventions import default_format
     from .tokenization import ChatSettings, prepare
 
-    chat = ChatSettings(args.model_path, args.format or default_format(), args.max_seq_len, args.trust_remote_code)
+    chat = ChatSettings(model_ids.resolve(args.model_path), args.format or default_format(), args.max_seq_len,
+                        args.trust_remote_code)
     prepare(chat, args.data, args.output, args.token_freq)
     return 0
 
@@ -203,7 +278,11 @@ def _demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse(argv)
+    except ExtractError as exc:  # a --config file's bad key or value
+        print(f"hidden-states: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     with _output_captured(args):
         return _run(args)
 
@@ -234,7 +313,8 @@ def _run(args) -> int:
 
             print(status(args.output_dir))
             return 0
-        return {"extract": _extract, "prepare": _prepare, "convert": _convert, "demo": _demo}[args.command](args)
+        return {"extract": _extract, "plan": _plan, "prepare": _prepare, "convert": _convert,
+                "demo": _demo}[args.command](args)
     except ExtractError as exc:
         print(f"hidden-states: error: {exc}", file=sys.stderr)
         return exc.exit_code

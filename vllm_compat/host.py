@@ -38,6 +38,22 @@ def device_total_memory() -> int | None:
     return int(current_platform.get_device_total_memory(0))
 
 
+def device_name() -> str | None:
+    """The name of the first device vLLM would use (``"NVIDIA H200"``), where vLLM's NVIDIA platform
+    answers through NVML; ``"cpu"`` on its CPU backend; None elsewhere (as :func:`device_total_memory`)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "cpu":
+        return "cpu"
+    if not current_platform.is_cuda():
+        return None
+    from vllm.platforms.cuda import NvmlCudaPlatform
+
+    if not isinstance(current_platform, NvmlCudaPlatform):
+        return None
+    return str(current_platform.get_device_name(0))
+
+
 def host_memory() -> tuple[int, int]:
     """(available, total) bytes of host memory: ``MemAvailable`` and ``MemTotal`` of /proc/meminfo,
     else the physical pages ``sysconf`` counts."""

@@ -35,16 +35,20 @@ def write_jsonl(path: Path, n: int, seed: int = 3, long_every: int = 0) -> list[
     return rows
 
 
-def cli(*args, env_extra=None):
+def cli(*args, env_extra=None, kv_cache=True):
+    """The extract command and its environment; ``kv_cache`` False: without VLLM_CPU_KVCACHE_SPACE, which
+    the extractor then sets from its estimate (as for the command the demo prints)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(harness.speculators_path(SPECULATORS)), ROOT,
                                                                    os.environ.get("PYTHONPATH", "")] if p),
            "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env_extra or {})}
     env.pop("VLLM_COMPAT_APPLY", None)
+    if not kv_cache:
+        env.pop("VLLM_CPU_KVCACHE_SPACE")
     return [sys.executable, "-m", "hidden_states", "extract", *args], env
 
 
-def run_cli(*args, env_extra=None, timeout=900):
-    command, env = cli(*args, env_extra=env_extra)
+def run_cli(*args, env_extra=None, timeout=900, kv_cache=True):
+    command, env = cli(*args, env_extra=env_extra, kv_cache=kv_cache)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -67,13 +71,17 @@ def model():
 def extracted(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("extract")
     rows = write_jsonl(root / "data.jsonl", 50, long_every=25)
-    proc = run_cli(*extract_args(model, root / "data.jsonl", root / "out", "--batch-size", "8"))
+    proc = run_cli(*extract_args(model, root / "data.jsonl", root / "out", "--batch-size", "8"), kv_cache=False)
     return root, rows, proc
 
 
 def test_extracts_every_sample(extracted):
     root, rows, proc = extracted
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # the plan first, the KV cache sized from its estimate (vLLM 0.17 would take half the host's memory)
+    plan = proc.stderr.index("[hidden-states] settings: --backend speculators --batch-size 8")
+    assert plan < proc.stderr.index("[hidden-states] time: about ") < proc.stderr.index("starting the speculators")
+    assert "[hidden-states] KV cache: VLLM_CPU_KVCACHE_SPACE=1 GiB per rank, from the estimate" in proc.stderr
     assert sorted(data_files(root / "out")) == list(range(50))
     assert "done: 50 samples extracted" in proc.stderr
     assert "2 samples truncated to --max-seq-len" in proc.stderr  # samples 24 and 49 are 1100 tokens
@@ -119,6 +127,7 @@ def test_config_and_lengths_describe_the_run(extracted, model):
     config = json.loads((root / "out" / "data_config.json").read_text())
     assert config["layer_ids"] == [int(x) for x in LAYERS] and config["model"] == str(Path(model).resolve())
     assert config["packages"]["speculators"] == SPECULATORS and config["packages"]["vllm-compat"]
+    assert config["settings"]["batch_size"] == 8 and config["settings"]["max_seq_len"] == 1024  # flag, preset
     applied = [r["id"] for r in config["vllm_compat"]["results"] if r["status"] in ("applied", "armed")]
     assert "capture_attribution" in applied
     lengths = json.loads((root / "out" / "sample_lengths.json").read_text())

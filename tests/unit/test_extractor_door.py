@@ -18,7 +18,7 @@ ALLOWED = frozenset({
     "apply", "audit", "audit_backend", "AuditError", "BAD",
     "BackendTouchpoints", "Attr", "Param", "Exists", "LiteralMember", "Dispatched", "Registered", "Branch",
     "PRESENT", "REQUIRED", "OPTIONAL",
-    "vllm_device_type", "device_total_memory", "host_memory", "vllm_version", "base", "package_dir",
+    "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
     "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
     "environment_conflicts", "install_command",
 })

@@ -2,7 +2,6 @@
 size, sharded or not), a KV reserve, refused against the device budget with the numbers."""
 import json
 import types
-from pathlib import Path
 
 import pytest
 
@@ -191,31 +190,23 @@ def test_device_memory_is_asked_of_vllm_only_where_nvml_answers(monkeypatch):
 
 # -- the extractor's own path, on a real tiny checkpoint and vLLM's CPU platform
 
-@pytest.fixture
-def tiny(tmp_path):
-    from hidden_states.fixtures.tiny_model import build
-    from tests.conftest import CACHE
-
-    model = build("llama", Path(CACHE) / "models" / "llama")
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"input_ids": [5, 6, 7]}\n')
-    return model, data
-
-
 @pytest.mark.vllm
-def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_path):
+def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_path, monkeypatch):
     from safetensors import safe_open
 
-    from hidden_states.extraction import Extraction
+    from hidden_states import extraction
     from hidden_states.settings import Settings
     from vllm_compat.host import vllm_device_type
 
     model, data = tiny
     with safe_open(str(model / "model.safetensors"), "pt") as stored:
         stored_bytes = sum(stored.get_tensor(name).nbytes for name in stored.keys())
-    lines = []
-    Extraction(Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
-                        format="speculators-0.3", batch_size=2, max_seq_len=64), log=lines.append).plan()
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched: "not run (no speculators here)")
+    planned = extraction.Extraction(Settings(model_path=str(model), prepared_data=str(data),
+                                             output_dir=str(tmp_path / "out"), format="speculators-0.3", batch_size=2,
+                                             max_seq_len=64))
+    planned.plan()
+    lines = planned.plan_lines
     memory = [line for line in lines if line.startswith("memory: ")]
     assert len(memory) == 1, lines
     estimate = estimate_memory(model_facts(str(model)), 1, 2, 64)
@@ -250,3 +241,17 @@ def test_the_extractor_refuses_a_model_the_host_cannot_hold_before_anything_is_w
            in err, err
     assert "per rank at --tp-size 2" in err and "1.0 MB" in err
     assert not out.exists()
+
+
+def test_token_parameters_count_routed_experts_at_their_share_and_packed_int4_at_eight_per_int32(tmp_path):
+    """What the plan's time estimate scales with: the decoder layers' values one token runs through."""
+    tensors = {**dense(), **int4_expert(),
+               "model.layers.1.mlp.shared_experts.down_proj.weight": torch.zeros(64, 32, dtype=torch.bfloat16)}
+    facts = checkpoint(tmp_path / "m", {"model.safetensors": tensors},
+                       config={**CONFIG, "n_routed_experts": 4, "num_experts_per_tok": 1})
+    assert facts.expert_share == 0.25
+    estimate = estimate_memory(facts, tp_size=1, batch_size=1, max_seq_len=1)
+    # layer 0: q_proj 32 x 32 + its norm 32; layer 1: the shared expert whole (64 x 32), the routed one
+    # (64 x 4 int32 = 2048 INT4 values, 64 scales, a 2-value shape) at a quarter; embeddings and the
+    # final norm are no decoder layer's
+    assert estimate.token_parameters == int(1024 + 32 + 64 * 32 + (2048 + 64 + 2) / 4)

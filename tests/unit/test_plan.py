@@ -1,0 +1,288 @@
+"""The plan before the load (``hidden-states plan``, and ``extract`` printing it first), ``--config``
+files, model ids from the local Hugging Face cache, the grouped help, vLLM's CPU KV cache sized from
+the estimate, and the demo's printed commands. No model is loaded here."""
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hidden_states import backends, cli, extraction
+from hidden_states.errors import UsageError
+from hidden_states.estimates import RATES, estimate_time, rate_for
+from hidden_states.model_ids import hub_cache, resolve
+from hidden_states.preflight import CPU_KV_CACHE_ENV, MemoryEstimate, cpu_kv_cache_space, estimate_memory, model_facts
+from tests.conftest import CACHE, ROOT
+
+AUDIT = "audit ok (a stand-in: no speculators on this path)"
+
+
+@pytest.fixture
+def no_audit(monkeypatch):
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched: AUDIT)
+
+
+def rows(path: Path, lengths) -> Path:
+    path.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in lengths))
+    return path
+
+
+# -- hidden-states plan
+
+@pytest.mark.vllm
+def test_plan_says_everything_before_the_load_in_seconds_and_writes_nothing(tiny, tmp_path, no_audit, capsys,
+                                                                            monkeypatch):
+    monkeypatch.delenv(CPU_KV_CACHE_ENV, raising=False)
+    monkeypatch.setattr(backends, "create", lambda name, settings: pytest.fail("plan loaded the model"))
+    model, _ = tiny
+    data = rows(tmp_path / "rows.jsonl", [10, 20, 3000])
+    out = tmp_path / "out"
+    started = time.monotonic()
+    assert cli.main(["plan", "--model-path", str(model), "--data", str(data), "--output-dir", str(out),
+                     "--format", "speculators-0.3", "--max-seq-len", "1024"]) == 0
+    assert time.monotonic() - started < 60
+    said = capsys.readouterr().out
+    assert not out.exists()
+    assert "settings: --backend speculators --batch-size 4 --max-seq-len 1024" in said
+    assert "layers: [2, 3, 3, 5] for --format speculators-0.3 (its trainer's default): id L = the output of decoder " \
+           "layer L" in said
+    assert "memory: weights 4.1 MB as stored in 1 file" in said
+    assert "disk: about " in said and f"audit: {AUDIT}" in said
+    assert "samples: 3 to extract" in said  # the whole input was read ahead: exact
+    assert "then 1,054 tokens at about" in said  # 10 + 20 + 1024 (truncated to --max-seq-len)
+    assert "time estimated from" in said and "docs/performance.md" in said
+    if "of host memory available" in said:  # vLLM's CPU backend
+        assert f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB per rank, from the estimate" in said
+
+
+@pytest.mark.vllm
+def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_starts(tiny, tmp_path, no_audit,
+                                                                                     monkeypatch, capsys):
+    """The same lines as the plan, before anything else; the variable vLLM's CPU backend reads is set
+    in this process before the backend starts (unset, vLLM 0.17 takes half the host's memory)."""
+    from hidden_states.extraction import Extraction
+    from hidden_states.settings import Settings
+    from vllm_compat.extractor_api import vllm_device_type
+
+    if vllm_device_type() != "cpu":
+        pytest.skip("vLLM's CPU backend only")
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    class Backend:
+        def __init__(self, settings):
+            pass
+
+        def start(self):
+            seen["env"] = os.environ.get(CPU_KV_CACHE_ENV)
+            raise Started
+
+        def close(self):
+            pass
+
+    monkeypatch.delenv(CPU_KV_CACHE_ENV, raising=False)
+    monkeypatch.setattr(backends, "create", lambda name, settings: Backend(settings))
+    model, data = tiny
+    said = []
+    run = Extraction(Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+                              format="speculators-0.3"), log=said.append)
+    with pytest.raises(Started):
+        run.run()
+    assert seen["env"] == "1"
+    assert said[:len(run.plan_lines)] == run.plan_lines
+    assert any(f"vLLM loads the model (about {round(run.time_estimate.load_s)} s, the plan's estimate;" in line
+               for line in said)
+    assert any(line.startswith(f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB") for line in run.plan_lines)
+
+
+@pytest.mark.vllm
+def test_a_kv_cache_size_the_user_set_is_kept(tiny, tmp_path, no_audit, monkeypatch):
+    from hidden_states.extraction import Extraction
+    from hidden_states.settings import Settings
+
+    monkeypatch.setenv(CPU_KV_CACHE_ENV, "3")
+    model, data = tiny
+    run = Extraction(Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+                              format="speculators-0.3"))
+    run.plan()
+    assert run.cpu_kv_cache is None
+    if any("of host memory available" in line for line in run.plan_lines):
+        assert f"KV cache: {CPU_KV_CACHE_ENV}=3 GiB per rank, as set in the environment" in run.plan_lines
+
+
+def test_the_cpu_kv_cache_is_twice_the_estimate_in_whole_gib():
+    def kv(size):
+        return MemoryEstimate(1, 0, 0, size, 1, 4, 2048)
+
+    assert cpu_kv_cache_space(kv(12_600_000)) == 1  # the tiny model: at least 1
+    assert cpu_kv_cache_space(kv(2**30)) == 2  # an 8B model's 4 x 2048 tokens (8 KV heads of 128, 32 layers)
+    assert cpu_kv_cache_space(kv(int(1.6 * 2**30))) == 4
+
+
+# -- the time estimate
+
+def test_rates_are_per_device_and_backend_and_a_gpu_not_measured_gets_the_h200s_said_so():
+    rate, basis = rate_for("NVIDIA H200", "vllm-engine")
+    assert rate.tokens_per_s == 40_521 and basis == "measured on this kind of device"
+    rate, basis = rate_for("NVIDIA RTX PRO 6000 Blackwell Server Edition", "speculators")
+    assert rate.device == "H200" and "not on NVIDIA RTX PRO 6000" in basis
+    assert rate_for("cpu", "vllm-engine")[0].tokens_per_s == 46_483
+    assert rate_for("cpu", "fake") == (None, "no rate measured for --backend fake on cpu")
+    assert rate_for(None, "speculators")[0] is None
+
+
+def test_the_estimate_scales_with_the_parameters_a_token_runs_through_and_the_ranks():
+    rate, basis = rate_for("NVIDIA H200", "vllm-engine")
+    same = estimate_time(rate, basis, 40_521 * 60, True, int(rate.token_parameters), int(rate.checkpoint_bytes), 1, 1)
+    assert round(same.run_s) == 60 and same.load_s == rate.load_s
+    # a Kimi-K2-class INT4 MoE at TP 8: about 32 B parameters a token, 594 GB of checkpoint
+    kimi = estimate_time(rate, basis, 10**9, False, 32 * 10**9, 594 * 10**9, 8, 1)
+    assert kimi.tokens_per_s == pytest.approx(40_521 * 6.98 / 32 * 8, rel=1e-3)
+    assert 15 * 60 < kimi.load_s < 40 * 60  # the load seen on the target: about 18 minutes
+    assert kimi.lines()[0].startswith("time: about ") and "about 1,000,000,000 tokens" in kimi.lines()[0]
+
+
+@pytest.mark.vllm
+def test_the_cpu_rates_model_is_the_tiny_llama(tiny):
+    model, _ = tiny
+    measured = estimate_memory(model_facts(str(model)), 1, 1, 1)
+    for rate in RATES:
+        if rate.device == "cpu":
+            assert rate.token_parameters == measured.token_parameters
+            assert rate.checkpoint_bytes == pytest.approx(measured.weights, rel=0.01)
+
+
+# -- --config FILE
+
+def test_config_file_flags_override_it_and_the_run_records_the_effective_settings(fake_model, tmp_path, no_audit,
+                                                                                  monkeypatch):
+    from tests.unit.test_extraction_stages import FakeBackend
+
+    monkeypatch.setattr(backends, "create", lambda name, settings: FakeBackend(settings))
+    data = rows(tmp_path / "rows.jsonl", [3, 4, 5])
+    config = tmp_path / "run.toml"
+    config.write_text(f'model-path = "{fake_model}"\ndata = "{data}"\noutput_dir = "{tmp_path / "out"}"\n'
+                      'batch-size = 8\nlayer-ids = [1, 3]\nformat = "speculators-0.3"\nstrict = true\n')
+    args = cli.parse(["extract", "--config", str(config), "--batch-size", "2"])
+    settings = cli.settings_from(args)
+    assert (settings.batch_size, settings.layer_ids, settings.strict) == (2, [1, 3], True)  # the flag wins
+    assert settings.config_file == str(config.resolve())
+    settings.backend = "fake"
+    extraction.Extraction(settings, log=lambda line: None).run()
+    recorded = json.loads((tmp_path / "out" / "data_config.json").read_text())["settings"]
+    assert recorded["batch_size"] == 2 and recorded["layer_ids"] == [1, 3] and recorded["strict"] is True
+    assert recorded["config_file"] == str(config.resolve()) and recorded["max_seq_len"] == 2048
+    again = extraction.Extraction(settings)
+    again.plan()  # a rerun's plan: what the directory already holds
+    assert f"samples: 0 to extract, 3 already finished in {tmp_path / 'out'}" in again.plan_lines
+
+
+@pytest.mark.parametrize("text, message", [
+    ("batch-size = 0", "run.toml: batch-size = 0: 0: must be at least 1"),
+    ('backend = "fast"', "run.toml: backend = 'fast': one of speculators, vllm-native, vllm-engine"),
+    ("batch_sise = 4", "run.toml: 'batch_sise' is not a setting (known: backend, batch-size,"),
+    ("strict = 1", "run.toml: strict = 1: true or false"),
+    ("layer-ids = [1, 'x']", "run.toml: layer-ids = [1, 'x']: invalid literal for int()"),
+    ("batch-size = [1, 2]", "run.toml: batch-size = [1, 2]: one value, not a list"),
+    ("batch-size = ", "not TOML (Invalid value (at line 1, column 14))"),
+])
+def test_a_bad_config_file_is_one_line_naming_it_and_the_key(tmp_path, capsys, text, message):
+    config = tmp_path / "run.toml"
+    config.write_text(text + "\n")
+    assert cli.main(["plan", "--config", str(config), "--model-path", "m", "--data", "d", "--output-dir", "o"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_missing_config_file_is_named(tmp_path, capsys):
+    assert cli.main(["extract", f"--config={tmp_path / 'none.toml'}"]) == 2
+    assert f"--config {tmp_path / 'none.toml'}: No such file or directory" in capsys.readouterr().err
+
+
+# -- model ids from the local Hugging Face cache
+
+def fake_hub(root: Path, repo: str, commit: str = "0123abcd") -> Path:
+    """huggingface_hub's cache layout holding ``repo`` at ``commit``, which refs/main names."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit + "\n")
+    return snapshot
+
+
+def test_a_model_id_is_its_snapshot_in_the_local_cache(tmp_path):
+    snapshot = fake_hub(tmp_path / "hub", "org/model-1.5B")
+    environ = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    assert resolve("org/model-1.5B", environ=environ) == str(snapshot)
+    assert resolve("org/model-1.5B@0123abcd", environ=environ) == str(snapshot)
+    assert hub_cache({"HF_HOME": "/h"}) == Path("/h/hub")
+    assert hub_cache({"XDG_CACHE_HOME": "/x"}) == Path("/x/huggingface/hub")
+    assert resolve(str(tmp_path), environ=environ) == str(tmp_path)  # a directory is taken as it is
+
+
+def test_a_model_id_not_in_the_cache_is_one_error_naming_it_and_where_it_looked(tmp_path, capsys, monkeypatch):
+    fake_hub(tmp_path / "hub", "org/there")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UsageError, match="it holds snapshots 0123abcd but no revision 'v2'"):
+        resolve("org/there@v2")
+    assert cli.main(["plan", "--model-path", "org/missing", "--data", "d", "--output-dir", "o"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hidden-states: error: --model-path org/missing: no such directory, and no model org/missing in "
+                   f"the local Hugging Face cache {tmp_path / 'hub' / 'models--org--missing'}; download it first "
+                   f"(huggingface-cli download org/missing) or give a local directory\n")
+
+
+# -- the help
+
+def test_extract_help_is_grouped_with_examples_and_every_flag_says_what_it_does(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["extract", "--help"])
+    text = capsys.readouterr().out
+    headings = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings[:8] == ["options:", "input:", "model:", "output:", "performance:", "scale-out:", "log:",
+                            "examples:"]
+    assert "hidden-states plan --model-path" in text and "--config run.toml" in text
+    parser = cli.argparse.ArgumentParser(add_help=False)
+    cli.add_run_arguments(parser)
+    assert [a.dest for a in parser._actions if not a.help] == []
+
+
+# -- the demo's printed commands, run as printed
+
+@pytest.mark.vllm
+def test_the_demos_printed_plan_command_works_as_printed(tiny, tmp_path):
+    """The names filled in, nothing added (no VLLM_CPU_KVCACHE_SPACE, no preset): the plan runs, audit
+    included, and sizes the KV cache itself. (tests/e2e/test_extractor.py runs extract so.)"""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_script", f"{ROOT}/scripts/demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    model, _ = tiny
+    data = rows(tmp_path / "rows.jsonl", [30, 40])
+    speculators = Path(CACHE) / "speculators" / "0.3.0"  # what the demo puts on the path (tests/e2e/harness.py)
+    if not (speculators / ".complete").exists():
+        pytest.skip("speculators 0.3.0 is not built in the cache (python scripts/vllm_venv.py --speculators-only 0.3.0)")
+    printed = demo.own_data_commands(sys.executable, speculators).splitlines()
+    plan, extract = [line.strip() for line in printed if " -m hidden_states " in line]
+    assert extract == plan.replace(" plan ", " extract ")
+    words = shlex.split(plan.replace("MODEL_DIR", str(model)).replace("CONVERSATIONS.jsonl", str(data))
+                        .replace("OUT_DIR", str(tmp_path / "out")))
+    assignments = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    command = [w for w in words if not ("=" in w and not w.startswith("-"))]
+    env = {k: v for k, v in os.environ.items() if k != CPU_KV_CACHE_ENV}
+    env.update(assignments, PYTHONPATH=os.pathsep.join([ROOT, assignments["PYTHONPATH"]]))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "audit: vLLM" in done.stdout and "audit ok for --backend speculators" in done.stdout
+    if "of host memory available" in done.stdout:
+        assert f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB per rank, from the estimate" in done.stdout
+    assert not (tmp_path / "out").exists()
