@@ -112,6 +112,9 @@ class ProcessDied(RuntimeError):
 
 # How long a failed run waits for one of vLLM's processes to exit before it shuts vLLM down: the
 # engine core of ``vllm.LLM`` reports its death to this process before it exits.
+# plan lines that `extract` leaves to the log file (`--log-level debug` shows them): how a setting was
+# chosen, the model's shape, the estimate's basis (`hidden-states plan` prints every line)
+PLAN_DETAILS = ("settings:", "model:", "KV cache:", "time estimated from")
 EXIT_WAIT = 5.0
 # Writer threads, at most, for the files queued when a run ends (the last batch: its files are the run's
 # tail): one thread alone writes the page cache well below a disk's rate (docs/performance.md,
@@ -216,8 +219,8 @@ class Extraction:
 
     def run(self) -> Summary:
         self.plan()
-        for line in self.plan_lines:
-            self.log(line)
+        for line in self.plan_lines:  # the plan's details go to the log file; `hidden-states plan` shows them
+            self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
         self.prepare()
         batches = self.source.batches(self.pending, self.settings.batch_size)
         first = next(batches, None)  # streams up to the first sample to do: no model load when none is left
@@ -447,7 +450,8 @@ class Extraction:
         held = self.output.check(identity, settings.start_over)
         removed = self.output.claim(identity, self.config,
                                     formats.create(held.format, self.output.path) if held else None)
-        self.log(f"input {describe_input(source)}" + (f"; {self.output.path}: {held.line(removed)}" if held else ""))
+        self.log(f"input {describe_input(source)}; {self.output.path}: {held.line(removed)}" if held
+                 else f"debug: input {describe_input(source)}")
         self.finished = self.output.finished()
         if self.output.cut_short:
             names = [self.format.sample_file(index) for index in sorted(self.output.cut_short)]
@@ -462,7 +466,7 @@ class Extraction:
         todo, exact = self.pending.todo()
         done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
         about = "" if exact else "about "
-        self.log(f"{about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract")
+        self.log(f"debug: {about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract")
 
     @classmethod
     def executing(cls, plan: RunPlan, *, log=None) -> Extraction:
@@ -622,7 +626,7 @@ class Extraction:
             # (seconds, whatever the run's length) is reported on its own
             self.summary.seconds = time.monotonic() - started
             if self.backend is not None:
-                self.log("shutting vLLM down")
+                self.log("debug: shutting vLLM down")
                 self.backend.close()
             self.summary.shutdown_seconds = time.monotonic() - started - self.summary.seconds
             if self.writer is not None:

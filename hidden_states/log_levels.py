@@ -27,7 +27,7 @@ DEFAULT = "info"
 # a vLLM process's prefix on each line of its output, once or more: "(Worker pid=12) (Worker pid=12) "
 _PROCESS_PREFIX = re.compile(r"^(?:\((?:[\w.:-]+ )*(?:pid|rank)=\d+[^)]*\)\s?)+")
 _OURS = re.compile(r"^\[hidden-states\] |^hidden-states: |vllm-compat[ :(]")
-_OUR_LEVEL = re.compile(r"^\[hidden-states\] (warning|error):|^hidden-states: (error|failed|aborted)")
+_OUR_LEVEL = re.compile(r"^\[hidden-states\] (debug|warning|error):|^hidden-states: (error|failed|aborted)")
 # the run's last line: the summary an extraction or a conversion ends with
 SUMMARY = re.compile(r"^\[hidden-states\] (done|interrupted|stopped|converted): |rerun the same command to resume")
 _LEVEL_WORD = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b")
@@ -70,7 +70,7 @@ def classify(text: str, *, cuda: bool = True) -> tuple[int | None, bool]:
         found = _OUR_LEVEL.match(body)
         if found is None:
             return logging.INFO, True
-        return (logging.WARNING if found.group(1) == "warning" else logging.ERROR), True
+        return {"debug": logging.DEBUG, "warning": logging.WARNING}.get(found.group(1), logging.ERROR), True
     level = _level_word(body)
     if level is None and _ERROR_TEXT.search(body):
         level = logging.ERROR

@@ -154,3 +154,11 @@ def test_a_warning_logged_in_a_loop_is_shown_once():
     other = "(Worker pid=9) WARNING 12-03 12:25:55 [cpu.py:159] VLLM_CPU_KVCACHE_SPACE not set."
     assert shown(logging.INFO, lines=[*loop, other]) == [loop[0], other]
     assert shown(logging.DEBUG, lines=loop) == loop
+
+
+def test_our_debug_lines_go_to_the_file_unless_debug_is_asked():
+    detail = "[hidden-states] debug: settings: --backend speculators --batch-size 8"
+    assert log_levels.classify(detail) == (logging.DEBUG, True)
+    assert not TerminalFilter(logging.INFO).shows(detail)
+    assert TerminalFilter(logging.DEBUG).shows(detail)
+    assert TerminalFilter(logging.INFO).shows("[hidden-states] time: about 72 s")

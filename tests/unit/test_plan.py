@@ -14,6 +14,7 @@ import pytest
 from hidden_states import backends, cli, extraction
 from hidden_states.errors import UsageError
 from hidden_states.estimates import RATES, estimate_time, rate_for
+from hidden_states.extraction import PLAN_DETAILS
 from hidden_states.model_ids import hub_cache, resolve
 from hidden_states.preflight import CPU_KV_CACHE_ENV, MemoryEstimate, cpu_kv_cache_space, estimate_memory, model_facts
 from tests.conftest import CACHE, ROOT
@@ -95,7 +96,11 @@ def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_st
     with pytest.raises(Started):
         run.run()
     assert seen["env"] == "1"
-    assert said[:len(run.plan_lines)] == run.plan_lines
+    # every plan line first; its details marked for the log file only
+    assert [line.removeprefix("debug: ") for line in said[:len(run.plan_lines)]] == run.plan_lines
+    assert [line.startswith("debug: ") for line in said[:len(run.plan_lines)]] == \
+        [line.startswith(PLAN_DETAILS) for line in run.plan_lines]
+    assert any(line.startswith("debug: settings:") for line in said)
     assert any(f"vLLM loads the model (about {round(run.time_estimate.load_s)} s, the plan's estimate;" in line
                for line in said)
     assert any(line.startswith(f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB") for line in run.plan_lines)
