@@ -16,7 +16,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import extras, formats, layer_conventions
+from . import extras, formats, layer_conventions, run_log
 from .errors import OutputError, UsageError
 from .identity import recorded
 from .inputs import Sample
@@ -124,6 +124,7 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
         "converted_from": {"directory": str(src.resolve()), "format": name, "layer_ids": config["layer_ids"],
                            "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}},
                  formats.create(held.format, dst) if held else None)
+    run_log.directory_claimed()  # the log file may go there now
     finished = output.finished()
     todo = [index for index in sorted(files) if index not in finished]
     log(f"convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, extras, formats, layer_conventions, processes
+from . import backends, extras, formats, layer_conventions, processes, run_log
 from .batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, InputError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
@@ -450,6 +450,7 @@ class Extraction:
         held = self.output.check(identity, settings.start_over)
         removed = self.output.claim(identity, self.config,
                                     formats.create(held.format, self.output.path) if held else None)
+        run_log.directory_claimed()  # the log file may go there now
         self.log(f"input {describe_input(source)}; {self.output.path}: {held.line(removed)}" if held
                  else f"debug: input {describe_input(source)}")
         self.finished = self.output.finished()

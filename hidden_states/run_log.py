@@ -32,6 +32,14 @@ COMPAT_FORMAT = "%(levelname)s [vllm-compat] %(message)s"
 COMPAT_LEVEL_ENV = "VLLM_COMPAT_LOG_LEVEL"
 
 _terminal = None  # the terminal while captured, when it is one: for a progress bar
+# set by the run once the output directory is its own (claimed): until then the log file is not
+# opened, so a refused run adds nothing to a directory that holds another run's files
+_claimed = threading.Event()
+
+
+def directory_claimed() -> None:
+    """The run owns its output directory now: the log file may be opened there (a no-op uncaptured)."""
+    _claimed.set()
 
 
 def terminal():
@@ -55,6 +63,7 @@ def captured(log_file: Path | None, level: int, *, cuda: bool | None = None):
     """Everything printed in this block, by this process and its children, to ``log_file`` (appended,
     from when its directory exists; None: no file) and, filtered at ``level``, to the terminal."""
     global _terminal
+    _claimed.clear()
     restore_env = _set_env(level)
     restore_logger = _compat_logger()
     _start_resource_tracker()
@@ -137,8 +146,9 @@ def _start_resource_tracker() -> None:
 class _Reader(threading.Thread):
     """Reads the pipe line by line: each to the log file, the filter's share to the terminal.
 
-    The log file is opened once its directory exists (the run creates the output directory only
-    after its checks: a refused run leaves none behind); the lines before are held until then.
+    The log file is opened once the run has claimed its output directory (:func:`directory_claimed`,
+    after every check: a refused run leaves nothing there, not even in another run's log); the lines
+    before are held until then.
     """
 
     def __init__(self, fd: int, path: Path | None, terminal_fd: int, shown: TerminalFilter):
@@ -151,8 +161,8 @@ class _Reader(threading.Thread):
         self._run_started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     def _open(self) -> None:
-        """The log file, once its directory exists; the held lines first, and its path to the terminal."""
-        if not self.path.parent.is_dir():
+        """The log file, once the run claimed its directory; the held lines first, and its path to the terminal."""
+        if not _claimed.is_set() or not self.path.parent.is_dir():
             return
         held, self._held = self._held, None
         try:
@@ -188,7 +198,7 @@ class _Reader(threading.Thread):
                 break
         if pending:
             self._line(pending)
-        if self._held:  # the run made its output directory after its last line
+        if self._held:  # the run claimed its output directory after its last line
             self._open()
         os.close(self.fd)
         if self.log is not None:

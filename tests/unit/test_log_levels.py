@@ -107,7 +107,7 @@ CHILD = ("import sys, os; print('[Gloo] Rank 0 is connected to 0 peer ranks', fl
 
 def test_the_log_file_has_everything_children_included_and_the_terminal_its_share(tmp_path):
     """Run in a subprocess: the capture redirects this process's fds 1 and 2. The output directory is
-    made mid-run (as an extraction makes it after its checks): the lines before it are in the file too."""
+    claimed mid-run (as an extraction claims it after its checks): the lines before it are in the file too."""
     script = f"""
 import logging, subprocess, sys, time
 from pathlib import Path
@@ -115,8 +115,9 @@ from hidden_states import run_log
 out = Path({str(tmp_path / 'out')!r})
 with run_log.captured(out / 'hidden-states.log', logging.INFO, cuda=False):
     print('[hidden-states] extracting', file=sys.stderr, flush=True)
-    time.sleep(0.2)  # read before the directory exists: held for the file
+    time.sleep(0.2)  # read before the run claimed the directory: held for the file
     out.mkdir()
+    run_log.directory_claimed()
     print('INFO 12-03 12:00:00 [x.py:1] parent chatter')
     logging.getLogger('vllm_compat').debug('vllm-compat: a detail')
     logging.getLogger('vllm_compat').info('vllm-compat (parent, pid 1): summary')
@@ -162,3 +163,22 @@ def test_our_debug_lines_go_to_the_file_unless_debug_is_asked():
     assert not TerminalFilter(logging.INFO).shows(detail)
     assert TerminalFilter(logging.DEBUG).shows(detail)
     assert TerminalFilter(logging.INFO).shows("[hidden-states] time: about 72 s")
+
+
+def test_a_run_that_never_claims_the_directory_writes_no_log_there(tmp_path):
+    """A run refused before it owns the directory (another extraction's, which it must not touch)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "hidden-states.log").write_text("the other run's log\n")
+    script = f"""
+import logging, sys
+from pathlib import Path
+from hidden_states import run_log
+with run_log.captured(Path({str(out / 'hidden-states.log')!r}), logging.INFO, cuda=False):
+    print('hidden-states: error: holds another extraction', file=sys.stderr, flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=str(__import__("tests.conftest").conftest.ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["hidden-states: error: holds another extraction"]
+    assert (out / "hidden-states.log").read_text() == "the other run's log\n"
