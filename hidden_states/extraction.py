@@ -110,11 +110,11 @@ class ProcessDied(RuntimeError):
         self.exits = exits
 
 
+# Plan lines that `extract` leaves to the log file (`--log-level debug` shows them): how a setting was
+# chosen, the model's shape, the estimate's basis (`hidden-states plan` prints every line).
+PLAN_DETAILS = ("settings:", "model:", "KV cache:", "time estimated from")
 # How long a failed run waits for one of vLLM's processes to exit before it shuts vLLM down: the
 # engine core of ``vllm.LLM`` reports its death to this process before it exits.
-# plan lines that `extract` leaves to the log file (`--log-level debug` shows them): how a setting was
-# chosen, the model's shape, the estimate's basis (`hidden-states plan` prints every line)
-PLAN_DETAILS = ("settings:", "model:", "KV cache:", "time estimated from")
 EXIT_WAIT = 5.0
 # Writer threads, at most, for the files queued when a run ends (the last batch: its files are the run's
 # tail): one thread alone writes the page cache well below a disk's rate (docs/performance.md,
