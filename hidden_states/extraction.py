@@ -349,7 +349,8 @@ class Extraction:
         self.plan_lines.append(f"disk: about {human_size(disk)} of hidden states for the whole input"
                                if disk else "disk: not estimated (the input's size per token is not known)")
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            self.plan_lines.append("audit: " + check_vllm(settings.backend, backends.touchpoints_of(settings.backend)))
+            self.plan_lines.append("audit: " + check_vllm(settings.backend, backends.touchpoints_of(settings.backend),
+                                                          backends.needs_speculators(settings.backend)))
         self.plan_lines += self._work_and_time()
 
     def _check_output_dir(self) -> set[int]:

@@ -343,15 +343,15 @@ def check_environment(conflicts=None) -> list[str]:
     return [f"warning: {c.line()}" for c in conflicts]
 
 
-def check_vllm(backend: str, touched=None) -> str:
+def check_vllm(backend: str, touched=None, speculators: bool = True) -> str:
     """The vllm-compat audit of the installed vLLM (static, no import) for what ``backend`` relies on:
-    speculators' generator under the shim (``speculators``; ``vllm-engine``, which runs its capture)
-    and the touch points of vLLM the backend declares (``touched``, its ``BackendTouchpoints``;
-    None: none of its own). Problems stop the run."""
+    speculators' generator under the shim where the backend runs speculators' code (``speculators``:
+    the generator; ``vllm-engine`` with speculators' capture) and the touch points of vLLM the backend
+    declares (``touched``, its ``BackendTouchpoints``; None: none of its own). Problems stop the run."""
     from vllm_compat.extractor_api import BAD, AuditError, audit, audit_backend, vllm_version
 
     try:
-        if backend == "vllm-native":  # vLLM's own path: no generator, no speculators
+        if not speculators:  # vLLM's own path, or vllm-engine's own capture: no generator to audit
             problems = [f for f in audit_backend(backend, touched) if f.verdict in BAD]
             version, consumer = vllm_version(), "no generator"
         else:

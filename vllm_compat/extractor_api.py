@@ -15,7 +15,9 @@ fails on any other import). Each name here is one of the shim's own, re-exported
   them where they are);
 * host facts, asked without touching CUDA: :func:`vllm_device_type`, :func:`device_total_memory`,
   :func:`device_name`, :func:`host_memory`; installed releases, found without importing them: :func:`vllm_version`,
-  :func:`base`, :func:`package_dir`; what each trainer line reads (``TRAINER_LAYOUTS``);
+  :func:`base`, :func:`package_dir`, :func:`speculators_version`, and the speculators releases with an
+  in-process generator (``IN_PROCESS_SPECULATORS``: ``vllm-engine`` runs their capture where one is
+  installed); what each trainer line reads (``TRAINER_LAYOUTS``);
 * inside vLLM's workers: :func:`pin_host_memory` (page-lock a shared segment, as the shim's
   transport does) and :func:`scheduled_in_row_order` (a forward's requests in row order, under
   Model Runner V1 or V2; needs the ``v2_batch_order`` adapter, which a backend using it lists in
@@ -29,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import wrapping
 from .batch_order import scheduled_in_row_order
-from .consumer import TRAINER_LAYOUTS, BackendTouchpoints
+from .consumer import IN_PROCESS_SPECULATORS, TRAINER_LAYOUTS, BackendTouchpoints
 from .environment import install_command
 from .environment import installed_conflicts as environment_conflicts
 from .host import device_name, device_total_memory, host_memory, vllm_device_type
 from .probes.shapes import (OPTIONAL, PRESENT, REQUIRED, Attr, Branch, Dispatched, Exists, LiteralMember, Param,
                             Registered)
 from .transport import pin_host_memory
-from .versions import base, package_dir, vllm_version
+from .versions import base, package_dir, speculators_version, vllm_version
 
 if TYPE_CHECKING:
     from .report import Report
@@ -45,7 +47,7 @@ __all__ = [
     "apply", "audit", "audit_backend", "AuditError", "BAD", "BackendTouchpoints",
     "Attr", "Param", "Exists", "LiteralMember", "Dispatched", "Registered", "Branch", "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
-    "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
+    "speculators_version", "IN_PROCESS_SPECULATORS", "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
     "environment_conflicts", "install_command",
 ]
 

@@ -34,6 +34,8 @@
 #   ... stages.sh release-8b                # that release's eager prefill beside both generators, vllm-engine, vllm-native; each vs HF
 #   ... stages.sh release-tiny              # the e2e suite's generator and backend tests on the tiny models (every family)
 #   bash bench/device/stages.sh engine9     # ... vllm-native's new defaults (store on disk, 1 writer thread) against the native path alone, twice
+#   bash bench/device/stages.sh own-capture # issue 31 item 3: vllm-engine's own capture (no speculators 0.3/0.4 on the path)
+#                                           against vLLM's eager prefill, its files vs HF, speculators' capture beside it
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -232,6 +234,23 @@ case "${1:?stage}" in
     step 60 "$B check --model $M8 --samples 4 --work /tmp/e8 2>&1 | grep RESULT; rm -rf /tmp/e8"
     step 90 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 64 --work /tmp/n8 | cut -c1-600; rm -rf /tmp/n8"
     step 80 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 32 --samples 64 --work /tmp/s04 | cut -c1-600; rm -rf /tmp/s04"
+    ;;
+  own-capture)  # issue 31 item 3: --backend vllm-engine without speculators 0.3/0.4 on the path (a speculators 0.9
+                # user: SPEC09, a folder holding speculators 0.9, where one was carried; else none), so its own capture,
+                # alternating with vLLM's eager prefill over the same 256 x $LENGTH tokens; its files against HF fp32;
+                # speculators 0.3.0's capture beside it (VLLM_COMPAT_ENGINE_CAPTURE=speculators, SPEC on the path)
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    OWN_PATH=${SPEC09:+$SPEC09:}$PYTHONPATH
+    capture() { python3 -c "import json, sys; c = json.load(open(sys.argv[1])); print('capture:', c.get('capture'), '-', c.get('capture_chosen_because'))" "$1/out/data_config.json"; }
+    export -f capture; export OWN_PATH
+    for round in 1 2; do
+      step 70 "$B prefill --model $M8 --samples 256 --length $LENGTH 2>&1 | grep RESULT | tail -1"
+      step 90 "rm -rf /tmp/o8 && PYTHONPATH=$OWN_PATH $B extract --model $M8 --backend vllm-engine --batch 8 --samples 256 --length $LENGTH --work /tmp/o8 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-600; capture /tmp/o8"
+      [ $round = 1 ] && step 60 "PYTHONPATH=$OWN_PATH $B check --model $M8 --samples 4 --work /tmp/o8 2>&1 | grep RESULT"
+      rm -rf /tmp/o8
+    done
+    step 90 "rm -rf /tmp/o32 && PYTHONPATH=$OWN_PATH $B extract --model $M8 --backend vllm-engine --batch 32 --samples 256 --length $LENGTH --work /tmp/o32 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-600; capture /tmp/o32; rm -rf /tmp/o32"
+    step 90 "rm -rf /tmp/s8 && VLLM_COMPAT_ENGINE_CAPTURE=speculators extract --backend vllm-engine --batch 8 --samples 256 --work /tmp/s8 | cut -c1-600; capture /tmp/s8; rm -rf /tmp/s8"
     ;;
   release-generator)  # release-one's first steps alone: the generator (speculators 0.3.0) and its files vs HF, the fault
     generator_steps

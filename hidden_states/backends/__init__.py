@@ -1,6 +1,8 @@
 """Extraction backends behind one interface (:class:`Backend`), selected with ``--backend``.
 
-A backend is a module here named in :data:`MODULES`, holding its class (``BACKEND``) and, when it
+A backend is a module here named in :data:`MODULES`, holding its class (``BACKEND``), whether it runs
+speculators 0.3/0.4's code (``NEEDS_SPECULATORS``, or ``needs_speculators()`` where that depends on
+what is installed) and, when it
 touches vLLM beyond speculators' generator, its touch points (``TOUCHPOINTS``, a
 ``BackendTouchpoints``: the first vLLM release, the checks, the adapters it requires), which the
 shim's audit and the extractor's preflight read through :func:`touchpoints`.
@@ -98,3 +100,10 @@ def touchpoints() -> dict:
 def touchpoints_of(name: str):
     """The touch points ``name`` declares, or None (``speculators``: the generator's, which the audit reads)."""
     return getattr(_module(name), "TOUCHPOINTS", None)
+
+
+def needs_speculators(name: str) -> bool:
+    """Whether ``name`` runs speculators 0.3/0.4's code here (its module's ``needs_speculators()``;
+    ``NEEDS_SPECULATORS`` where that does not change): the preflight audits the generator then."""
+    module = _module(name)
+    return module.needs_speculators() if hasattr(module, "needs_speculators") else module.NEEDS_SPECULATORS

@@ -1,11 +1,13 @@
-"""Worker side of ``--backend vllm-engine``: speculators' capture, streamed per step into regions of
-a shared segment that the parent reserved for each request.
+"""Worker side of ``--backend vllm-engine``: a capture's rows streamed per step into regions of a
+shared segment that the parent reserved for each request.
 
-The capture itself is speculators' (``HiddenStatesWorkerExtension``: its patched ``forward``, kept
-working across vLLM releases by the shim's adapters, hands every step's target-layer outputs to
-``_store_captured_states``). What changes is where they go: instead of accumulating on the GPU until
-the generator asks for them, each request's rows are copied, as soon as the step that computed them
-has run, into that request's region of a page-locked ``/dev/shm`` segment shared with the parent.
+Two captures hand their rows here (``StreamingStates._store_captured_states``: one tensor per
+layer, the forward's rows in the runner's batch order): speculators' (``speculators_capture``: its
+``HiddenStatesWorkerExtension``, whose patched ``forward`` the shim's adapters keep working across
+vLLM releases) and the extractor's own (``own_capture``: hooks on vLLM's own decoder layers). What
+this module does is the same for both: instead of accumulating on the GPU until someone asks for
+them, each request's rows are copied, as soon as the step that computed them has run, into that
+request's region of a page-locked ``/dev/shm`` segment shared with the parent.
 
 * A region belongs to one request: the parent names it in the request's sampling parameters
   (``extra_args[REGION]``: offset and prompt length), so it reaches this worker with the request,
@@ -33,8 +35,6 @@ import mmap
 import os
 import queue
 import threading
-
-from speculators.data_generation.custom_worker import HiddenStatesWorkerExtension
 
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
@@ -127,16 +127,33 @@ class CopiesDone:
                 self._host[offset:offset + 8].view(torch.int64)[0] = count
 
 
-class StreamingCapture(HiddenStatesWorkerExtension):
-    """``worker_extension_cls`` of the ``vllm-engine`` backend (its methods run in every worker;
-    only tensor-parallel rank 0 captures, as in speculators)."""
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (only rank 0 captures: every rank computes the same states)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().rank_in_group
+
+
+def base_model(model):
+    """The decoder stack of a model vLLM loaded (the module holding ``layers``), where both captures
+    act: a vision-language model's language model, else ``model.model``."""
+    if hasattr(model, "get_language_model"):
+        return model.get_language_model().model
+    if hasattr(model, "model") and hasattr(model.model, "layers"):
+        return model.model
+    raise RuntimeError(f"hidden-states vllm-engine capture: no decoder stack ('layers') in {type(model).__name__}")
+
+
+class StreamingStates:
+    """The streaming half of a ``worker_extension_cls`` of the ``vllm-engine`` backend (its methods
+    run in every worker; only tensor-parallel rank 0 captures). A capture class comes after it among
+    the bases and brings ``_setup_hidden_states_capture(layer_ids)``, which makes every forward of
+    the model hand its target layers' rows to ``_store_captured_states``."""
 
     def _hidden_states_stream_setup(self, layer_ids: list[int]) -> dict | None:
-        """Install speculators' capture; the capturing rank says how its rows look."""
-        from vllm.distributed import get_tp_group
-
+        """Install the capture; the capturing rank says how its rows look."""
         self._setup_hidden_states_capture(layer_ids)
-        if get_tp_group().rank_in_group != 0:  # speculators' forward captures on TP rank 0 alone
+        if tp_rank() != 0:  # both captures capture on TP rank 0 alone
             return None
         config = self.model_config
         return {"dtype": str(config.dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size()}
@@ -145,9 +162,8 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         """Map the parent's region file (page-locked where the model runs on a GPU) and start noting
         each step's requests. Returns whether the file is page-locked (None: not the capturing rank)."""
         import torch
-        from vllm.distributed import get_tp_group
 
-        if get_tp_group().rank_in_group != 0:
+        if tp_rank() != 0:
             return None
         fd = os.open(path, os.O_RDWR)
         try:
@@ -160,9 +176,9 @@ class StreamingCapture(HiddenStatesWorkerExtension):
         self._hidden_states_prompts: dict[str, list[int]] = {}
         self._hidden_states_input_ids = self._hidden_states_positions = None
         wrap_method(self, "execute_model", note_step)
-        base_model = self.model_runner.model.model  # the model whose forward speculators replaced
-        base_model._hidden_states_extension = self
-        wrap_method(base_model, "forward", note_input_ids)
+        stack = base_model(self.model_runner.model)  # the forward the capture hooked or replaced
+        stack._hidden_states_extension = self
+        wrap_method(stack, "forward", note_input_ids)
         on_gpu = getattr(self.model_runner, "device", torch.device("cpu")).type == "cuda"
         self._hidden_states_copies = torch.cuda.Stream() if on_gpu else None
         self._hidden_states_done = CopiesDone(self._hidden_states_host) if on_gpu else None

@@ -63,3 +63,4 @@ class SpeculatorsBackend:
 
 
 BACKEND = SpeculatorsBackend
+NEEDS_SPECULATORS = True  # the generator is speculators 0.3/0.4's

@@ -1,4 +1,4 @@
-"""A loop of our own on vLLM's engine, with speculators' capture: no generator, nothing per batch.
+"""A loop of our own on vLLM's engine, with a capture in its workers: no generator, nothing per batch.
 
 The ``speculators`` backend runs the generator's loop, which drives vLLM one call at a time: every
 call ends with all of its states copied out before the next begins (overlapped two at a time, still
@@ -7,7 +7,10 @@ vLLM's own engine (``vllm.LLM``'s ``LLMEngine``: its scheduler, its async schedu
 process) runs continuously, and the states stream:
 
 * each request gets a region of a shared segment (``RegionPool``) when it is submitted; the worker
-  (``engine_capture.StreamingCapture``) copies the request's rows there as each step computes them;
+  (``engine_capture.StreamingStates``) copies the request's rows there as each step computes them;
+* the rows come from speculators 0.3/0.4's capture where it is installed (``speculators_capture``:
+  the shim's adapters stay exercised), else from the extractor's own (``own_capture``: hooks on vLLM's
+  decoder layers); ``VLLM_COMPAT_ENGINE_CAPTURE`` (``own`` / ``speculators``) chooses one outright;
 * a request that the engine reports finished has all its states in its region already: the batch
   it belongs to resolves with tensors that *are* those regions (one per layer, no copy), which the
   extraction hands to the writer, and the region returns to the pool when the last of them is gone;
@@ -21,11 +24,15 @@ token at that position (never another request's rows). A request failing one fai
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
+from packaging.specifiers import SpecifierSet
+
 from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 
+from ..errors import UsageError
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
 from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes
@@ -51,10 +58,44 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
              "num_computed_tokens"),
     *present(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
     (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
+    # the own capture (own_capture.py) hooks the decoder layers and wraps the decoder stack's forward,
+    # whose input ids and positions both captures' rows are checked with (vLLM's Llama stands for the
+    # decoder models: a stack's `layers` and `start_layer`/`end_layer` are set in __init__, which the
+    # end-to-end runs prove)
+    *[(Param("vllm.model_executor.models.llama:LlamaModel.forward", name), GIVEN)
+      for name in ("input_ids", "positions")],
 ]), requires=("v2_batch_order",))
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
 # The worker side, named to vLLM (worker_extension_cls): its workers import it, this process need not.
-EXTENSION = f"{__package__}.engine_capture.StreamingCapture"
+OWN, SPECULATORS = "own", "speculators"
+EXTENSIONS = {SPECULATORS: f"{__package__}.speculators_capture.StreamingCapture",
+              OWN: f"{__package__}.own_capture.OwnStreamingCapture"}
+CAPTURE_ENV = "VLLM_COMPAT_ENGINE_CAPTURE"  # own or speculators; unset: speculators' where 0.3/0.4 is installed
+
+
+def chosen_capture(environ=os.environ) -> tuple[str, str]:
+    """(which capture the workers run, why): ``CAPTURE_ENV`` where set, else speculators' when an
+    in-process speculators release (0.3/0.4) is installed, else the extractor's own."""
+    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, base, speculators_version
+
+    installed = speculators_version()
+    has_capture = installed is not None and SpecifierSet(IN_PROCESS_SPECULATORS).contains(base(installed))
+    asked = environ.get(CAPTURE_ENV, "")
+    if asked:
+        if asked not in EXTENSIONS:
+            raise UsageError(f"{CAPTURE_ENV}={asked}: expected {' or '.join(EXTENSIONS)}")
+        if asked == SPECULATORS and not has_capture:
+            raise UsageError(f"{CAPTURE_ENV}={asked}: speculators' capture needs speculators {IN_PROCESS_SPECULATORS}, "
+                             f"{f'found {installed}' if installed else 'it is not installed'}")
+        return asked, f"{CAPTURE_ENV}={asked}"
+    if has_capture:
+        return SPECULATORS, f"speculators {installed} is installed"
+    return OWN, f"speculators {installed} has no in-process capture" if installed else "speculators is not installed"
+
+
+def needs_speculators() -> bool:
+    """Whether this backend runs speculators' capture here (the preflight audits its generator then)."""
+    return chosen_capture()[0] == SPECULATORS
 
 
 class _RegionBatch(Batch):
@@ -72,9 +113,15 @@ class VllmEngineBackend(EngineBackend):
         self._pool: RegionPool | None = None
         self._layout: dict | None = None
         self.rows_timeout = ROWS_TIMEOUT
+        self.capture = SPECULATORS
+
+    def prepare(self, version) -> dict:
+        """Choose the capture (before ``apply()``: speculators' needs its adapters armed)."""
+        self.capture, why = chosen_capture()
+        return {"capture": self.capture, "capture_chosen_because": why}
 
     def llm_keywords(self) -> dict:
-        return {"worker_extension_cls": EXTENSION}
+        return {"worker_extension_cls": EXTENSIONS[self.capture]}
 
     def started(self) -> dict:
         """Install the capture in the workers and map them the region pool."""

@@ -210,3 +210,4 @@ def _wait_until_written(path: str, timeout: float = 300.0) -> str:
 
 
 BACKEND = VllmNativeBackend
+NEEDS_SPECULATORS = False  # vLLM's own path

@@ -1,7 +1,7 @@
 """The extractor's backends on the same tiny model and samples: vllm-native (vLLM's own
 extract_hidden_states, layer ids translated) and vllm-engine (our loop on vLLM's engine, speculators'
-capture streamed per step) must find the same hidden states as the speculators generator through the
-shim, and all must match HF. Where the installed vLLM cannot run vllm-native, the extractor must say
+capture streamed per step; its own capture where speculators 0.3/0.4 is not installed) must find the
+same hidden states as the speculators generator through the shim, and all must match HF. Where the installed vLLM cannot run vllm-native, the extractor must say
 so clearly (exit 2), never hang or crash."""
 import json
 import re
@@ -81,6 +81,8 @@ def test_engine_backend_finds_the_generators_states(both):
     assert runs["vllm-engine"].returncode == 0, runs["vllm-engine"].stderr[-3000:]
     assert runs["speculators"].returncode == 0, runs["speculators"].stderr[-3000:]
     assert sorted(data_files(root / "vllm-engine")) == list(range(24))
+    # speculators 0.3.0 is on the path: its capture, so the shim's worker adapters stay exercised
+    assert json.loads((root / "vllm-engine" / "data_config.json").read_text())["capture"] == "speculators"
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
 
     reference = decoder_layer_outputs(load_model(model), [r["input_ids"] for r in rows], [0, 2, 3, 5])
@@ -96,14 +98,17 @@ def test_engine_backend_finds_the_generators_states(both):
 
 def test_engine_backend_places_prompts_split_over_steps(tmp_path):
     """Batches of long prompts, more tokens than one engine step takes: each prompt's chunks land
-    in its own region at their positions (the states of a prompt run in pieces are still HF's)."""
+    in its own region at their positions (the states of a prompt run in pieces are still HF's).
+    With the extractor's own capture (chosen by its variable: speculators 0.3.0 is on the path), so
+    that it runs on every release this suite does; ``both`` runs speculators' capture."""
     model = harness.tiny_model("llama")
     rng = __import__("random").Random(19)
     rows = [[rng.randrange(4, 512) for _ in range(rng.randrange(900, 1024))] for _ in range(16)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in rows))
     proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--backend", "vllm-engine",
-                                 "--batch-size", "16"))
+                                 "--batch-size", "16"), env_extra={"VLLM_COMPAT_ENGINE_CAPTURE": "own"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "data_config.json").read_text())["capture"] == "own"
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
 
     reference = decoder_layer_outputs(load_model(model), rows, [0, 2, 3, 5])
@@ -111,6 +116,37 @@ def test_engine_backend_places_prompts_split_over_steps(tmp_path):
         saved = torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True)
         assert saved["input_ids"].tolist() == ids
         for layer, ref in zip(saved["hidden_states"], reference[i], strict=True):
+            assert float(relative_errors(layer, ref).max()) < harness.TOLERANCE
+
+
+@pytest.mark.formats  # speculators 0.9.0 needs Python >= 3.11 and transformers >= 5: the matrix's 0.32.0 lane
+def test_engine_backend_captures_with_its_own_beside_speculators_0_9(tmp_path):
+    """A speculators 0.9 user (0.9 cannot be installed beside 0.4): no in-process speculators, so
+    vllm-engine's own capture, chosen without being asked; every layer of every token is HF's, and
+    the preflight audited the backend's own touch points (no generator to audit)."""
+    from tests.conftest import ROOT
+    from tests.e2e.test_formats import speculators_09
+
+    model = harness.tiny_model("llama")
+    rows = write_jsonl(tmp_path / "data.jsonl", 24, seed=23)
+    env = {"PYTHONPATH": __import__("os").pathsep.join([str(speculators_09()), ROOT])}
+    proc = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--backend", "vllm-engine",
+                                 "--batch-size", "8"), env_extra=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no generator: audit ok for --backend vllm-engine" in (tmp_path / "out" / "hidden-states.log").read_text()
+    config = json.loads((tmp_path / "out" / "data_config.json").read_text())
+    assert (config["capture"], config["capture_chosen_because"]) == (
+        "own", "speculators 0.9.0 has no in-process capture")
+    assert config["vllm_compat"]["speculators_version"] == "0.9.0"
+    assert sorted(data_files(tmp_path / "out")) == list(range(24))
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+
+    reference = decoder_layer_outputs(load_model(model), [r["input_ids"] for r in rows], [0, 2, 3, 5])
+    for i in range(24):
+        saved = torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == rows[i]["input_ids"]
+        for layer, ref in zip(saved["hidden_states"], reference[i], strict=True):
+            assert layer.shape == ref.shape
             assert float(relative_errors(layer, ref).max()) < harness.TOLERANCE
 
 

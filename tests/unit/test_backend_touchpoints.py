@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from hidden_states import preflight
 from hidden_states.errors import PreflightError
@@ -18,7 +19,8 @@ from hidden_states.backends import touchpoints, touchpoints_of
 
 BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_states/backends)
 
-MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py", "engine_feed.py", "engine_base.py"],
+MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py", "speculators_capture.py", "own_capture.py",
+                           "engine_feed.py", "engine_base.py"],
            "vllm-native": ["vllm_native.py", "engine_feed.py", "engine_base.py"]}
 
 
@@ -104,11 +106,29 @@ def test_preflight_of_vllm_native_needs_no_speculators(monkeypatch):
     monkeypatch.setattr(audit_module, "audit", lambda: pytest.fail("vllm-native has no generator to audit"))
     monkeypatch.setattr("vllm_compat.extractor_api.vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(audit_module, "audit_backend", lambda backend, touched: [])
-    assert preflight.check_vllm("vllm-native", touchpoints_of("vllm-native")) == "vLLM 0.33.0, no generator: audit ok for --backend vllm-native"
+    assert preflight.check_vllm("vllm-native", touchpoints_of("vllm-native"), speculators=False) == "vLLM 0.33.0, no generator: audit ok for --backend vllm-native"
     broken = dataclasses.replace(BROKEN_ENGINE, id="vllm.inputs:TokensPrompt", scope="vllm-native")
     monkeypatch.setattr(audit_module, "audit_backend", lambda backend, touched: [broken])
     with pytest.raises(PreflightError, match="problems for --backend vllm-native:\n  vllm.inputs:TokensPrompt: missing"):
-        preflight.check_vllm("vllm-native", touchpoints_of("vllm-native"))
+        preflight.check_vllm("vllm-native", touchpoints_of("vllm-native"), speculators=False)
+
+
+def test_preflight_of_vllm_engine_with_its_own_capture_needs_no_speculators(monkeypatch):
+    """Without speculators 0.3/0.4, vllm-engine's own capture is audited as vllm-native is: its own touch
+    points, no generator (the full audit would refuse: speculators 0.9 has no in-process generator)."""
+    from hidden_states import backends
+
+    monkeypatch.delenv("VLLM_COMPAT_ENGINE_CAPTURE", raising=False)
+    monkeypatch.setattr(audit_module, "audit", lambda: pytest.fail("the own capture has no generator to audit"))
+    monkeypatch.setattr("vllm_compat.extractor_api.vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr("vllm_compat.extractor_api.speculators_version", lambda: Version("0.9.0"))
+    monkeypatch.setattr(audit_module, "audit_backend", lambda backend, touched: [BROKEN_ENGINE])
+    assert backends.needs_speculators("vllm-engine") is False
+    with pytest.raises(PreflightError, match="problems for --backend vllm-engine:\n  vllm.v1.core.sched.output:"):
+        preflight.check_vllm("vllm-engine", touchpoints_of("vllm-engine"), backends.needs_speculators("vllm-engine"))
+    monkeypatch.setattr(audit_module, "audit_backend", lambda backend, touched: [])
+    assert preflight.check_vllm("vllm-engine", touchpoints_of("vllm-engine"), speculators=False) == \
+        "vLLM 0.33.0, no generator: audit ok for --backend vllm-engine"
 
 
 def test_a_backend_refuses_to_start_without_an_adapter_it_requires():

@@ -277,7 +277,7 @@ def test_extract_data_tokenizes_conversations_as_prepare_does(chat_model, tmp_pa
     assert main(["prepare", "--model-path", str(chat_model), "--data", str(data), "--output", str(prepared),
                  "--format", "speculators-0.3"]) == 0
     monkeypatch.setattr(backends, "create", lambda name, settings: RecordingBackend(settings))
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched=None: "audit: not run (a fake backend)")
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched=None, speculators=True: "audit: not run (a fake backend)")
     RecordingBackend.seen = []
 
     code = main(["extract", "--model-path", str(chat_model), "--data", str(data), "--output-dir",

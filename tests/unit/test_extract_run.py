@@ -135,7 +135,7 @@ def test_a_full_disk_is_one_message_naming_the_file_and_keeps_finished_samples(j
     data = Path(job.prepared_data)
     data.write_text("".join(json.dumps({"input_ids": [5] * 2}) + "\n" for _ in range(12)))
     monkeypatch.setattr(backends, "create", lambda name, settings: BigStatesBackend(settings))
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched: "audit: not run (a fake backend)")
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched, speculators: "audit: not run (a fake backend)")
     out = small_disk / "out"
 
     code = main(["extract", "--model-path", job.model_path, "--prepared-data", str(data), "--output-dir", str(out),

@@ -19,7 +19,7 @@ ALLOWED = frozenset({
     "BackendTouchpoints", "Attr", "Param", "Exists", "LiteralMember", "Dispatched", "Registered", "Branch",
     "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
-    "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
+    "speculators_version", "IN_PROCESS_SPECULATORS", "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
     "environment_conflicts", "install_command",
 })
 

@@ -24,7 +24,7 @@ AUDIT = "audit ok (a stand-in: no speculators on this path)"
 
 @pytest.fixture
 def no_audit(monkeypatch):
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched: AUDIT)
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched, speculators: AUDIT)
 
 
 def rows(path: Path, lengths) -> Path:

@@ -201,7 +201,7 @@ def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_pat
     model, data = tiny
     with safe_open(str(model / "model.safetensors"), "pt") as stored:
         stored_bytes = sum(stored.get_tensor(name).nbytes for name in stored.keys())
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched: "not run (no speculators here)")
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched, speculators: "not run (no speculators here)")
     planned = extraction.Extraction(Settings(model_path=str(model), prepared_data=str(data),
                                              output_dir=str(tmp_path / "out"), format="speculators-0.3", batch_size=2,
                                              max_seq_len=64))

@@ -3,10 +3,8 @@
 Real vLLM and speculators run it in tests/e2e/test_backends.py, compared with HF."""
 import gc
 import importlib
-import sys
 import threading
 import time
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -23,20 +21,14 @@ WAIT = 120  # seconds for a batch: the feed's first import of vllm takes a while
 
 
 @pytest.fixture
-def capture(monkeypatch):
-    """engine_capture with a stand-in for speculators' worker extension (its base class)."""
-    fake = types.ModuleType("speculators.data_generation.custom_worker")
-    fake.HiddenStatesWorkerExtension = type("HiddenStatesWorkerExtension", (), {})
-    monkeypatch.setitem(sys.modules, "speculators.data_generation.custom_worker", fake)
-    monkeypatch.delitem(sys.modules, "hidden_states.backends.engine_capture", raising=False)
-    module = importlib.import_module("hidden_states.backends.engine_capture")
-    yield module
-    sys.modules.pop("hidden_states.backends.engine_capture", None)
+def capture():
+    """engine_capture: the streaming half both captures share (it imports neither speculators nor vLLM)."""
+    return importlib.import_module("hidden_states.backends.engine_capture")
 
 
 def worker(capture, regions, order, size=1 << 16):
     """A capturing worker after ``_hidden_states_stream_to``: its segment, regions, batch order."""
-    extension = object.__new__(capture.StreamingCapture)
+    extension = object.__new__(capture.StreamingStates)
     extension._hidden_states_host = torch.zeros(size, dtype=torch.uint8)
     extension._hidden_states_regions = dict(regions)
     extension._hidden_states_step = None

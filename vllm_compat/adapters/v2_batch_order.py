@@ -9,7 +9,9 @@ forward come in that order. speculators 0.4.0 reads ``model_runner.input_batch.r
 
 What it does: wraps V2's ``prepare_inputs`` to note the request ids of the batch it returns, in row
 order, for the worker-side adapters that attribute captured rows (``capture_attribution``,
-``input_batch_view``). It changes nothing about the batch. Works with either runner active; do not
+``input_batch_view``) and for the extractor's ``--backend vllm-engine``, whose worker reads it with
+either capture (speculators' or its own, which runs without speculators): so for any consumer, not
+only speculators 0.3/0.4. It changes nothing about the batch. Works with either runner active; do not
 rely on forcing the old runner (``VLLM_USE_V2_MODEL_RUNNER=0`` is deprecated in 0.32).
 
 Scope: worker. Disable: ``VLLM_COMPAT_DISABLE=v2_batch_order``.
@@ -18,7 +20,6 @@ from packaging.specifiers import SpecifierSet
 
 from ..adapter import Adapter, Expect, Patch, Scope
 from ..batch_order import remember_v2_batch
-from ..consumer import IN_PROCESS_SPECULATORS
 from ..probes.shapes import MISSING, PRESENT, Exists
 from ..wrapping import function_wrapper
 
@@ -31,7 +32,6 @@ ADAPTER = Adapter(
     scope=Scope.WORKER,
     vllm=SpecifierSet(">=0.12.0"),
     expect=Expect(Exists(TARGET), old={MISSING}, new={PRESENT}),
-    speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     deferred=True,
     patches=(Patch(TARGET, function_wrapper(remember_v2_batch)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
