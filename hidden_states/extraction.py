@@ -315,6 +315,11 @@ class Extraction:
         self.format_name = settings.format or layer_conventions.default_format()
         if self.format_name not in formats.FORMATS:
             raise UsageError(f"--format {self.format_name}: unknown (known: {', '.join(formats.FORMATS)})")
+        stored_as = formats.state_dtypes(self.format_name)
+        if settings.state_dtype not in stored_as:
+            raise UsageError(f"--state-dtype {settings.state_dtype}: --format {self.format_name}'s trainer reads "
+                             f"{' or '.join(stored_as)} states only (speculators 0.3/0.4 have no FP8 reader); use "
+                             f"--format speculators-0.5 (speculators >= 0.9, --hidden-states-backend fp8)")
         given = list(settings.layer_ids) if settings.layer_ids else None
         self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
         layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
@@ -335,8 +340,8 @@ class Extraction:
         self.input = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
         check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
         source, tokenization = self.input.identity(settings.max_seq_len)
-        self.identity = {"model": facts.path, "layer_ids": self.format_layer_ids, "input": source,
-                         "tokenization": tokenization}
+        self.identity = {"model": facts.path, "layer_ids": self.format_layer_ids, "state_dtype": settings.state_dtype,
+                         "input": source, "tokenization": tokenization}
         self.finished_before = self._check_output_dir()
         self.tokens_estimate = estimate_tokens(self.input, settings.max_seq_len)
         self.memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
@@ -364,7 +369,8 @@ class Extraction:
             raise OutputError(f"--output-dir {path}: cannot be made ({parent} is not {why})")
         if not path.is_dir():
             return set()
-        output = OutputDir(formats.create(self.format_name, path, self.layers, log=self.log))
+        output = OutputDir(formats.create(self.format_name, path, self.layers, log=self.log,
+                                                 state_dtype=self.settings.state_dtype))
         if output.check(self.identity, self.settings.start_over) is not None:
             return set()  # another extraction, which this run replaces (prepare): nothing of it counts
         return output.sample_files()[0]
@@ -432,7 +438,8 @@ class Extraction:
         Nothing is written into the directory until every check (the plan's too) has passed: a run refused here
         leaves at most the empty directory."""
         settings, layer_ids = self.settings, self.format_layer_ids
-        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log)
+        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log,
+                                     state_dtype=settings.state_dtype)
         self.output = OutputDir(self.format, tag=self.source.tag)
         identity, source = self.identity, self.identity["input"]
         self.config = {
@@ -481,7 +488,8 @@ class Extraction:
         self.run_plan, self.facts, self.layers = plan, plan.facts, plan.layers
         self.format_name, self.format_layer_ids = plan.format_name, list(plan.format_layer_ids)
         self.summary.layer_ids = self.format_layer_ids
-        self.format = formats.create(plan.format_name, Path(plan.settings.output_dir), plan.layers, log=self.log)
+        self.format = formats.create(plan.format_name, Path(plan.settings.output_dir), plan.layers, log=self.log,
+                                     state_dtype=plan.settings.state_dtype)
         self.output = OutputDir(self.format, tag=plan.tag)
         self.config = dict(plan.config)
 
@@ -604,8 +612,10 @@ class Extraction:
         tokens = 0
         for sample, layers in zip(batch, states, strict=True):
             if sample.index not in skip:
+                # the states as the backend hands them, on its device: the format copies them to the
+                # host (FP8 quantized first, so half the bytes cross)
                 self.writer.submit(sample.index,
-                                   self.format.record(sample, [layers[k].cpu() for k in self._layer_order]))
+                                   self.format.record(sample, [layers[k] for k in self._layer_order]))
             tokens += len(sample.input_ids)
         return tokens
 
