@@ -44,6 +44,7 @@ from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
 from .estimates import TimeEstimate, duration, estimate_time, rate_for
+from . import fp8_states
 from .identity import describe_input, difference, stop_record
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_environment,
                         check_first_samples, check_layer_ids, check_memory, check_tensor_parallel, check_vllm,
@@ -615,7 +616,7 @@ class Extraction:
                 # the states as the backend hands them, on its device: the format copies them to the
                 # host (FP8 quantized first, so half the bytes cross)
                 self.writer.submit(sample.index,
-                                   self.format.record(sample, [layers[k] for k in self._layer_order]))
+                                   self.format.record(sample, fp8_states.pick(layers, self._layer_order)))
             tokens += len(sample.input_ids)
         return tokens
 

@@ -21,6 +21,23 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SMALLEST_SCALE = 1e-12  # an all-zero token's scale (0.9's clamp): its states stay 0 and divide safely
 
 
+class Quantized(list):
+    """One sequence's FP8 states, one ``[T, hidden]`` per layer, with their per-token ``scales``
+    ``[T, 1, 1]``: what a backend that quantizes where the states are computed hands over (the
+    format writes them as they are)."""
+
+    def __init__(self, layers, scales):
+        super().__init__(layers)
+        self.scales = scales
+
+
+def pick(layers: list, order: list[int]) -> list:
+    """``layers[k]`` for each ``k`` of ``order``, a :class:`Quantized` sequence's scales kept (a
+    token's scale covers every layer captured, so it covers any of them)."""
+    picked = [layers[k] for k in order]
+    return Quantized(picked, layers.scales) if isinstance(layers, Quantized) else picked
+
+
 def fp8_dtype():
     import torch
 
@@ -41,7 +58,9 @@ def token_scales(layers: list):
 
 def quantize(layers: list) -> tuple[list, object]:
     """``layers`` (each ``[T, hidden]``, any float dtype and device) as FP8 ``[T, hidden]`` each and
-    their per-token scales ``[T, 1, 1]``, on the same device."""
+    their per-token scales ``[T, 1, 1]``, on the same device (already quantized: as they are)."""
+    if isinstance(layers, Quantized):
+        return list(layers), layers.scales
     scales = token_scales(layers)
     per_row = scales.view(-1, 1)
     dtype = fp8_dtype()

@@ -37,6 +37,7 @@ STATES_DIR = "hidden_states"
 SAMPLE_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 DATASET_FILES = re.compile(r"^(data-\d{5}-of-\d{5}\.arrow|dataset_info\.json|state\.json)$")
 DATASET_TEMP = ".tmp-dataset"
+UNQUANTIZED = "unquantized states"  # a record's host states that its writer thread quantizes (FP8)
 # torch dtype -> safetensors' name for it: the dtypes a sample file holds (states in the model's dtype)
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64",
                       "float8_e4m3fn": "F8_E4M3"}
@@ -106,17 +107,25 @@ def stacked_states(states: list):
 
 
 def sample_tensors(input_ids, loss_mask, states, state_dtype: str = "model") -> dict:
-    """One sample file's tensors from its per-layer states (on any device: FP8's are quantized there,
-    then copied to the host)."""
+    """One sample file's tensors from its per-layer states (see :func:`state_tensors`)."""
+    return {**state_tensors(states, state_dtype), **id_tensors(input_ids, loss_mask)}
+
+
+def id_tensors(input_ids, loss_mask) -> dict:
     import torch
 
-    ids = {"token_ids": torch.as_tensor(input_ids, dtype=torch.long),
-           "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long)}
+    return {"token_ids": torch.as_tensor(input_ids, dtype=torch.long),
+            "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long)}
+
+
+def state_tensors(states: list, state_dtype: str) -> dict:
+    """``hidden_states`` (and FP8's ``hidden_states_scales``) on the host from per-layer states on any
+    device: FP8's quantized there first, then copied; a backend's already quantized ones
+    (``fp8_states.Quantized``) as they are."""
     if state_dtype == "fp8":
         quantized, scales = fp8_states.quantize(states)
-        return {"hidden_states": stacked_states([layer.cpu() for layer in quantized]),
-                fp8_states.SCALES: scales.cpu(), **ids}
-    return {"hidden_states": stacked_states([layer.cpu() for layer in states]), **ids}
+        return {"hidden_states": stacked_states([layer.cpu() for layer in quantized]), fp8_states.SCALES: scales.cpu()}
+    return {"hidden_states": stacked_states([layer.cpu() for layer in states])}
 
 
 def read_sample(path: Path) -> dict:
@@ -178,10 +187,17 @@ class Speculators05:
 
     def record(self, sample: Sample, states: list) -> dict:
         n = len(sample.input_ids)
-        return sample_tensors(sample.input_ids, sample.loss_mask if sample.loss_mask is not None else [1] * n, states,
-                              self.state_dtype)
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+        if self.state_dtype == "fp8" and not isinstance(states, fp8_states.Quantized) and states[0].device.type == "cpu":
+            # already on the host: quantized on a writer thread (save), not on the extraction loop's
+            return {**id_tensors(sample.input_ids, mask), UNQUANTIZED: list(states)}
+        return sample_tensors(sample.input_ids, mask, states, self.state_dtype)
 
     def save(self, record: dict, handle: BinaryIO) -> None:
+        if UNQUANTIZED in record:
+            states = record[UNQUANTIZED]
+            record = {**{key: value for key, value in record.items() if key != UNQUANTIZED},
+                      **state_tensors(states, "fp8")}
         write_safetensors(record, handle)
 
     def length(self, record: dict) -> int:

@@ -162,3 +162,29 @@ def test_a_rerun_in_the_other_state_dtype_is_another_extraction():
     now = {**recorded, "state_dtype": "fp8"}
     assert difference(recorded, now) == "state_dtype 'model', this run 'fp8'"
     assert difference({**recorded, "state_dtype": "fp8"}, now) is None
+
+
+def test_states_a_backend_quantized_are_written_as_they_are(tmp_path):
+    """vllm-engine's worker quantizes on the device: the format neither quantizes them again nor
+    defers them to the writer thread; the extraction's layer pick keeps their scales."""
+    from safetensors.torch import load_file
+
+    layout = formats.create("speculators-0.5", tmp_path, formats.Layers([0, 1], 6, 8), log=lambda line: None,
+                            state_dtype="fp8")
+    quantized, scales = fp8_states.quantize(layers_of(4, 8, 2))
+    states = fp8_states.pick(fp8_states.Quantized(quantized, scales), [0, 1])
+    record = layout.record(Sample(0, 1, [1, 2, 3, 4], None), states)
+    assert set(record) == {"hidden_states", "hidden_states_scales", "token_ids", "loss_mask"}
+    with open(tmp_path / "q.safetensors", "wb") as handle:
+        layout.save(record, handle)
+    written = load_file(str(tmp_path / "q.safetensors"))
+    assert torch.equal(written["hidden_states"].view(torch.uint8), torch.stack(quantized, dim=1).view(torch.uint8))
+    assert torch.equal(written["hidden_states_scales"], scales)
+
+
+def test_host_states_are_quantized_on_the_writer_thread_not_in_record(tmp_path):
+    layout = formats.create("speculators-0.5", tmp_path, formats.Layers([0, 1], 6, 8), log=lambda line: None,
+                            state_dtype="fp8")
+    layers = layers_of(4, 8, 2)
+    record = layout.record(Sample(0, 1, [1, 2, 3, 4], None), layers)
+    assert "hidden_states" not in record and layout.length(record) == 4
