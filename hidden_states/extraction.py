@@ -351,7 +351,8 @@ class Extraction:
         elif self.memory is not None:
             self.plan_lines.append(f"memory: {self.memory.line()}; each replica checks it against its own node's "
                                    f"devices as it loads")
-        disk = check_disk(existing_parent(Path(settings.output_dir)), self.tokens_estimate, facts, layer_ids)
+        disk = check_disk(existing_parent(Path(settings.output_dir)), self.tokens_estimate, facts, layer_ids,
+                          settings.state_dtype)
         self.plan_lines.append(f"disk: about {human_size(disk)} of hidden states for the whole input"
                                if disk else "disk: not estimated (the input's size per token is not known)")
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
@@ -692,6 +693,7 @@ def settings_line(settings: Settings) -> str:
             f"{settings.max_seq_len} --tp-size {settings.tp_size} --gpu-memory-utilization "
             f"{settings.gpu_memory_utilization:g} --writer-threads {settings.writer_threads}"
             + (f" --data-parallel-size {settings.data_parallel_size}" if settings.data_parallel_size > 1 else "")
+            + (f" --state-dtype {settings.state_dtype}" if settings.state_dtype != "model" else "")
             + (f" --shard {settings.shard.index}/{settings.shard.count}" if settings.shard is not None else "")
             + (f" (--config {settings.config_file}, flags over it)" if settings.config_file else ""))
 

@@ -188,3 +188,11 @@ def test_host_states_are_quantized_on_the_writer_thread_not_in_record(tmp_path):
     layers = layers_of(4, 8, 2)
     record = layout.record(Sample(0, 1, [1, 2, 3, 4], None), layers)
     assert "hidden_states" not in record and layout.length(record) == 4
+
+
+def test_the_plans_disk_estimate_counts_one_byte_a_state_and_a_scale_a_token(model, tmp_path):
+    from hidden_states.preflight import check_disk, model_facts
+
+    facts = model_facts(str(model))
+    assert check_disk(tmp_path, 40, facts, [0, 2], "fp8") == int(40 * (2 * 128 + 4) * 1.05)
+    assert check_disk(tmp_path, 40, facts, [0, 2]) == int(40 * 2 * 128 * 2 * 1.05)
