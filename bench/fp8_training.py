@@ -32,16 +32,11 @@ TRAINER = "0.9.0"  # the one whose trainer reads FP8
 
 
 def write_samples(path: Path, count: int, seed: int) -> None:
-    """Random-token samples of 64-320 tokens, every other one with a loss mask (as tests/e2e/test_formats.py)."""
+    """Random-token samples of 64-320 tokens; the loss on each one's last two thirds (a reply after a prompt)."""
     rng = random.Random(seed)
-    rows = []
-    for index in range(count):
-        length = rng.randrange(64, 320)
-        row = {"input_ids": [rng.randrange(4, 512) for _ in range(length)]}
-        if index % 2 == 0:
-            row["loss_mask"] = [0] * (length // 3) + [1] * (length - length // 3)
-        rows.append(row)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lengths = [rng.randrange(64, 320) for _ in range(count)]
+    path.write_text("".join(json.dumps({"input_ids": [rng.randrange(4, 512) for _ in range(n)],
+                                        "loss_mask": [int(i >= n // 3) for i in range(n)]}) + "\n" for n in lengths))
 
 
 def extract(model: Path, data: Path, out: Path, state_dtype: str) -> float:
