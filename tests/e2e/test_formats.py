@@ -86,13 +86,13 @@ def with_datasets() -> dict:
 
 @pytest.fixture(scope="module")
 def both(model, tmp_path_factory):
-    """The same samples extracted into each layout, and into the 0.5 layout with FP8 states
-    (speculators 0.3.0 runs the generator; the 0.9.0 folder, after it on the path, brings
-    ``datasets`` for the 0.5 layout's dataset index)."""
+    """The same samples extracted into each layout (speculators 0.3.0 runs the generator; the 0.9.0
+    folder, after it on the path, brings ``datasets`` for the 0.5 layout's dataset index), and into
+    the 0.5 layout with FP8 states by ``--backend vllm-engine``, which quantizes in vLLM's worker."""
     root = tmp_path_factory.mktemp("formats")
     rows = write_jsonl(root / "data.jsonl", SAMPLES, seed=21)
     for fmt, ids, out, extra in (("speculators-0.3", IDS_03, "out03", ()), ("speculators-0.5", IDS_05, "out05", ()),
-                                 ("speculators-0.5", IDS_05, "fp8", ("--state-dtype", "fp8"))):
+                                 ("speculators-0.5", IDS_05, "fp8", ("--state-dtype", "fp8", "--backend", "vllm-engine"))):
         proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), *extra,
                        env_extra=with_datasets())
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -314,31 +314,30 @@ def test_the_native_backend_writes_the_05_layout_too(both, model, tmp_path):
 FP8_STEP = 2.0 ** -4
 
 
-def test_fp8_files_are_the_bf16_states_quantized_per_token(both):
-    """The same samples in the same batches: each FP8 file is exactly the bf16 file's states through
-    the per-token quantizer, with speculators 0.9's layout and its FP8 quantizer's bytes."""
+def test_fp8_files_hold_speculators_09s_fp8_layout_quantized_in_the_worker(both):
+    """vllm-engine's worker quantized each row (one scale per token over its layers): speculators
+    0.9's layout, each token's largest state at e4m3fn's largest value, the ids and masks of the bf16
+    run, and the bf16 run's states (the generator's) within the two backends' bf16 difference (2 %,
+    tests/e2e/test_backends.py) plus e4m3's step."""
     import torch
-
-    sys.path.insert(0, str(speculators_09()))
-    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
 
     from hidden_states import fp8_states
 
     root, rows = both
     config = json.loads((root / "fp8" / "data_config.json").read_text())
     assert config["state_dtype"] == "fp8" and config["format"]["state_dtype"] == "fp8"
-    assert config["format"]["train_with"].endswith("--hidden-states-backend fp8")
+    assert config["backend"] == "vllm-engine" and config["format"]["train_with"].endswith("--hidden-states-backend fp8")
     for i in range(SAMPLES):
         fp8, bf16 = load_05(root / "fp8", i), load_05(root / "out05", i)
+        n = len(rows[i]["input_ids"])
         assert fp8["hidden_states"].dtype == torch.float8_e4m3fn and fp8["hidden_states_scales"].dtype == torch.float32
-        assert tuple(fp8["hidden_states_scales"].shape) == (len(rows[i]["input_ids"]), 1, 1)
+        assert tuple(fp8["hidden_states"].shape) == (n, len(IDS_05), 128)
+        assert tuple(fp8["hidden_states_scales"].shape) == (n, 1, 1)
         assert torch.equal(fp8["token_ids"], bf16["token_ids"]) and torch.equal(fp8["loss_mask"], bf16["loss_mask"])
-        theirs, their_scales = quantize_tensor_to_fp8(bf16["hidden_states"])
-        assert torch.equal(fp8["hidden_states"].view(torch.uint8), theirs.view(torch.uint8)), f"sample {i}"
-        assert torch.equal(fp8["hidden_states_scales"], their_scales), f"sample {i}"
+        assert torch.equal(fp8["hidden_states"].float().abs().amax(dim=(1, 2)), torch.full((n,), fp8_states.FP8_MAX))
         restored = fp8_states.dequantize(fp8["hidden_states"], fp8["hidden_states_scales"])
-        assert float((restored - bf16["hidden_states"].float()).norm(dim=-1).div(
-            bf16["hidden_states"].float().norm(dim=-1)).max()) <= FP8_STEP
+        want = bf16["hidden_states"].float()
+        assert float(((restored - want).norm(dim=-1) / want.norm(dim=-1)).max()) <= 0.02 + FP8_STEP, f"sample {i}"
     sizes = {name: sum(p.stat().st_size for p in (root / name / "hidden_states").iterdir()) for name in ("fp8", "out05")}
     # hidden 128 over 4 layers: 512 bytes of FP8 + 4 of scale + 16 of ids against 1024 + 16 per token
     assert sizes["fp8"] / sizes["out05"] <= 0.52, sizes

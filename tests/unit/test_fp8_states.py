@@ -196,3 +196,23 @@ def test_the_plans_disk_estimate_counts_one_byte_a_state_and_a_scale_a_token(mod
     facts = model_facts(str(model))
     assert check_disk(tmp_path, 40, facts, [0, 2], "fp8") == int(40 * (2 * 128 + 4) * 1.05)
     assert check_disk(tmp_path, 40, facts, [0, 2]) == int(40 * 2 * 128 * 2 * 1.05)
+
+
+def test_the_bytes_are_speculators_09s_quantizers():
+    """The same bytes and scales as speculators 0.9's own FP8 quantizer (hs_connectors.fp8_utils),
+    where its release folder is cached (the formats e2e suite builds it)."""
+    import sys
+
+    from tests.conftest import CACHE
+
+    folder = f"{CACHE}/speculators/0.9.0"
+    sys.path.insert(0, folder)
+    try:
+        fp8_utils = pytest.importorskip("hs_connectors.fp8_utils")
+    finally:
+        sys.path.remove(folder)
+    layers = layers_of()
+    ours, scales = fp8_states.quantize(layers)
+    theirs, their_scales = fp8_utils.quantize_tensor_to_fp8(torch.stack(layers, dim=1))
+    assert torch.equal(torch.stack(ours, dim=1).view(torch.uint8), theirs.view(torch.uint8))
+    assert torch.equal(scales, their_scales)
