@@ -274,6 +274,38 @@ def write_jsonl(path: Path, seqs) -> None:
     path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
 
 
+def format_layers(args) -> list[int]:
+    """The default layers (speculators 0.3's count) as ``--format`` counts them."""
+    from hidden_states import layer_conventions
+
+    return layer_conventions.from_extractor(args.format, default_layers(args.model))
+
+
+def saved_samples(work: Path, count: int) -> list[dict]:
+    """The first ``count`` samples of an extraction in ``work/out``, either layout: ``input_ids`` and
+    the per-layer states in the extractor's layer order (speculators-0.5's FP8 ones dequantized to
+    float32, the values its trainer reads)."""
+    import torch
+
+    from hidden_states import fp8_states
+
+    if (work / "out" / "hidden_states").is_dir():
+        from safetensors.torch import load_file
+
+        files = sorted((work / "out" / "hidden_states").glob("hs_*.safetensors"), key=lambda p: int(p.stem[3:]))
+        samples = []
+        for path in files[:count]:
+            tensors = load_file(str(path))
+            states = tensors["hidden_states"]
+            if fp8_states.SCALES in tensors:
+                states = fp8_states.dequantize(states, tensors[fp8_states.SCALES])
+            samples.append({"input_ids": tensors["token_ids"], "hidden_states": list(states.unbind(dim=1)),
+                            "file_dtype": str(tensors["hidden_states"].dtype)})
+        return samples
+    files = sorted((work / "out").glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[:count]
+    return [{**torch.load(f, weights_only=True), "file_dtype": None} for f in files]
+
+
 def phase_extract(args) -> None:
     import shutil
 
@@ -285,7 +317,8 @@ def phase_extract(args) -> None:
                "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
                "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
-               "--format", args.format, "--layer-ids", *map(str, default_layers(args.model)), "--backend", args.backend] \
+               "--format", args.format, "--layer-ids", *map(str, format_layers(args)), "--backend", args.backend,
+               "--state-dtype", args.state_dtype] \
         + (["--writer-threads", str(args.writer_threads)] if args.writer_threads else []) \
         + (["--skip-forward-check"] if args.skip_forward_check else []) \
         + (["--no-overlap"] if args.no_overlap else []) \
@@ -305,7 +338,8 @@ def phase_extract(args) -> None:
     numbers = dict(tokens=r"([\d,]+) tokens in", seconds=r"in ([\d.]+) s", rate=r"\(([\d,]+) tok/s",
                    load=r"model load ([\d.]+) s", shutdown=r"shutdown ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
     found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
-    emit("extract", model=Path(args.model).name, backend=args.backend, format=args.format, batch=args.batch, tp=args.tp,
+    emit("extract", model=Path(args.model).name, backend=args.backend, format=args.format, state_dtype=args.state_dtype,
+         batch=args.batch, tp=args.tp, bytes_per_token=round(found["mb"] * 1e6 / found["tokens"]),
          overlap=not args.no_overlap, data_parallel_size=args.data_parallel_size, tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
          shutdown_seconds=found["shutdown"],
@@ -349,9 +383,7 @@ def phase_check(args) -> None:
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
     from hidden_states.fixtures.tiny_model import reference_checkpoint
 
-    work = Path(args.work)
-    files = sorted((work / "out").glob("data_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[: args.samples]
-    saved = [torch.load(f, weights_only=True) for f in files]
+    saved = saved_samples(Path(args.work), args.samples)
     ids = [s["input_ids"].tolist() for s in saved]
     layers = default_layers(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -367,7 +399,8 @@ def phase_check(args) -> None:
                      for j in range(len(layers))]
         emit("check", model=Path(args.model).name, reference=checkpoint.name, candidate=name, samples=len(saved),
              tokens=sum(len(i) for i in ids), layers=layers,
-             state_dtype=str(states[0][0].dtype) if name == "extractor" else "torch.bfloat16 (HF forward)",
+             state_dtype=(saved[0]["file_dtype"] or str(states[0][0].dtype)) if name == "extractor"
+             else "torch.bfloat16 (HF forward)",
              max_relative_error=[round(float(e.max()), 4) for e in per_layer],
              mean_relative_error=[round(float(e.mean()), 4) for e in per_layer],
              p99_relative_error=[round(float(e.quantile(0.99)), 4) for e in per_layer],
@@ -403,7 +436,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-forward-check", action="store_true", help="extract: pass --skip-forward-check")
     parser.add_argument("--no-overlap", action="store_true", help="extract: pass --no-overlap (one batch at a time)")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="extract: replicas (Ray), each --tp GPUs")
-    parser.add_argument("--format", default="speculators-0.3", help="extract: the output format (check reads speculators-0.3)")
+    parser.add_argument("--format", default="speculators-0.3", help="extract: the output format (check reads either)")
+    parser.add_argument("--state-dtype", default="model", choices=["model", "fp8"], help="extract: --state-dtype")
     parser.add_argument("--compiled", action="store_true", help="prefill: vLLM's compiled mode (default: eager)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from .backends import BACKENDS
 from .config_file import config_path, flags_from
 from .errors import ExtractError
 from .formats import FORMATS
+from .fp8_states import STATE_DTYPES
 from .presets import PRESETS
 from .settings import Settings, default
 
@@ -119,6 +120,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--format", choices=sorted(FORMATS),
                         help="output format: what the installed speculators trains on (speculators-0.3 for "
                              "0.3/0.4, speculators-0.5 for 0.5 and later or none installed)")
+    output.add_argument("--state-dtype", choices=STATE_DTYPES, default=default("state_dtype"),
+                        help="how states are stored: model (as the model computes them, the default) or fp8 "
+                             "(float8_e4m3fn with one scale per token, as speculators 0.9's FP8 hs-connector "
+                             "writes them: about half the bytes; speculators-0.5 only, trained with "
+                             "--hidden-states-backend fp8)")
     output.add_argument("--progress-interval", type=float, metavar="SECONDS", default=default("progress_interval"),
                         help="seconds between log lines")
     # The tunable flags default to None here so that a preset's value stands unless a flag is given.
@@ -210,7 +216,7 @@ def settings_from(args) -> Settings:
                           output_dir=args.output_dir,
                           layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
                           max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
-                          format=args.format, progress_interval=args.progress_interval,
+                          format=args.format, state_dtype=args.state_dtype, progress_interval=args.progress_interval,
                           forward_check=not args.skip_forward_check, overlap=not args.no_overlap,
                           shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
                           ray_address=args.ray_address, start_over=args.start_over,

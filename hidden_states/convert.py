@@ -7,6 +7,9 @@ where it stopped and ``DST`` only ever holds whole files. Layer ids are translat
 extraction listing a layer twice (speculators 0.3's default on a 6-layer model, ``[2, 3, 3, 5]``)
 converts to its distinct layers.
 
+FP8 states (``--state-dtype fp8``) are not converted to speculators-0.3: its trainer has no FP8
+reader, and dequantized files would pass FP8's rounding off as the model's states.
+
 ``SRC`` must be one whole extraction: its ``data_config.json``, one layout only, and a whole file
 for every sample ``0 .. n-1``. Anything else is refused, naming what is wrong; ``SRC`` is only read.
 """
@@ -101,6 +104,11 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
     name, config = source_format(src)
     if name == to:
         raise UsageError(f"{src} is already {to}")
+    stored_as = (config.get("format") or {}).get("state_dtype", "model")
+    if stored_as not in formats.state_dtypes(to):
+        # dequantized, the files would look like the model's states while carrying FP8's error
+        raise UsageError(f"{src} holds {stored_as} states, which {to}'s trainer cannot read; dequantizing them would "
+                         f"pass FP8's rounding off as the model's states: extract again with --format {to}")
     files = whole_samples(src, name)
     if to == layer_conventions.SPECULATORS_05:  # its index is written last: checked before the first sample
         extras.require("datasets", f"--to {to} (its dataset index, which the trainer reads)")

@@ -44,6 +44,7 @@ from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
 from .estimates import TimeEstimate, duration, estimate_time, rate_for
+from . import fp8_states
 from .identity import describe_input, difference, stop_record
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_environment,
                         check_first_samples, check_layer_ids, check_memory, check_tensor_parallel, check_vllm,
@@ -315,6 +316,11 @@ class Extraction:
         self.format_name = settings.format or layer_conventions.default_format()
         if self.format_name not in formats.FORMATS:
             raise UsageError(f"--format {self.format_name}: unknown (known: {', '.join(formats.FORMATS)})")
+        stored_as = formats.state_dtypes(self.format_name)
+        if settings.state_dtype not in stored_as:
+            raise UsageError(f"--state-dtype {settings.state_dtype}: --format {self.format_name}'s trainer reads "
+                             f"{' or '.join(stored_as)} states only (speculators 0.3/0.4 have no FP8 reader); use "
+                             f"--format speculators-0.5 (speculators >= 0.9, --hidden-states-backend fp8)")
         given = list(settings.layer_ids) if settings.layer_ids else None
         self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
         layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
@@ -335,8 +341,8 @@ class Extraction:
         self.input = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
         check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
         source, tokenization = self.input.identity(settings.max_seq_len)
-        self.identity = {"model": facts.path, "layer_ids": self.format_layer_ids, "input": source,
-                         "tokenization": tokenization}
+        self.identity = {"model": facts.path, "layer_ids": self.format_layer_ids, "state_dtype": settings.state_dtype,
+                         "input": source, "tokenization": tokenization}
         self.finished_before = self._check_output_dir()
         self.tokens_estimate = estimate_tokens(self.input, settings.max_seq_len)
         self.memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
@@ -345,7 +351,8 @@ class Extraction:
         elif self.memory is not None:
             self.plan_lines.append(f"memory: {self.memory.line()}; each replica checks it against its own node's "
                                    f"devices as it loads")
-        disk = check_disk(existing_parent(Path(settings.output_dir)), self.tokens_estimate, facts, layer_ids)
+        disk = check_disk(existing_parent(Path(settings.output_dir)), self.tokens_estimate, facts, layer_ids,
+                          settings.state_dtype)
         self.plan_lines.append(f"disk: about {human_size(disk)} of hidden states for the whole input"
                                if disk else "disk: not estimated (the input's size per token is not known)")
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
@@ -365,7 +372,8 @@ class Extraction:
             raise OutputError(f"--output-dir {path}: cannot be made ({parent} is not {why})")
         if not path.is_dir():
             return set()
-        output = OutputDir(formats.create(self.format_name, path, self.layers, log=self.log))
+        output = OutputDir(formats.create(self.format_name, path, self.layers, log=self.log,
+                                                 state_dtype=self.settings.state_dtype))
         if output.check(self.identity, self.settings.start_over) is not None:
             return set()  # another extraction, which this run replaces (prepare): nothing of it counts
         return output.sample_files()[0]
@@ -433,7 +441,8 @@ class Extraction:
         Nothing is written into the directory until every check (the plan's too) has passed: a run refused here
         leaves at most the empty directory."""
         settings, layer_ids = self.settings, self.format_layer_ids
-        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log)
+        self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log,
+                                     state_dtype=settings.state_dtype)
         self.output = OutputDir(self.format, tag=self.source.tag)
         identity, source = self.identity, self.identity["input"]
         self.config = {
@@ -483,7 +492,8 @@ class Extraction:
         self.run_plan, self.facts, self.layers = plan, plan.facts, plan.layers
         self.format_name, self.format_layer_ids = plan.format_name, list(plan.format_layer_ids)
         self.summary.layer_ids = self.format_layer_ids
-        self.format = formats.create(plan.format_name, Path(plan.settings.output_dir), plan.layers, log=self.log)
+        self.format = formats.create(plan.format_name, Path(plan.settings.output_dir), plan.layers, log=self.log,
+                                     state_dtype=plan.settings.state_dtype)
         self.output = OutputDir(self.format, tag=plan.tag)
         self.config = dict(plan.config)
 
@@ -606,8 +616,10 @@ class Extraction:
         tokens = 0
         for sample, layers in zip(batch, states, strict=True):
             if sample.index not in skip:
+                # the states as the backend hands them, on its device: the format copies them to the
+                # host (FP8 quantized first, so half the bytes cross)
                 self.writer.submit(sample.index,
-                                   self.format.record(sample, [layers[k].cpu() for k in self._layer_order]))
+                                   self.format.record(sample, fp8_states.pick(layers, self._layer_order)))
             tokens += len(sample.input_ids)
         return tokens
 
@@ -683,6 +695,7 @@ def settings_line(settings: Settings) -> str:
             f"{settings.max_seq_len} --tp-size {settings.tp_size} --gpu-memory-utilization "
             f"{settings.gpu_memory_utilization:g} --writer-threads {settings.writer_threads}"
             + (f" --data-parallel-size {settings.data_parallel_size}" if settings.data_parallel_size > 1 else "")
+            + (f" --state-dtype {settings.state_dtype}" if settings.state_dtype != "model" else "")
             + (f" --shard {settings.shard.index}/{settings.shard.count}" if settings.shard is not None else "")
             + (f" (--config {settings.config_file}, flags over it)" if settings.config_file else ""))
 

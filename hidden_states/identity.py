@@ -127,10 +127,12 @@ def tokenization_change(was: dict, now: dict) -> str | None:
 
 def difference(previous: dict, now: dict) -> str | None:
     """What makes the extraction recorded in ``previous`` (a ``data_config.json``, its ``format``
-    given by name) another one than ``now`` (``model``, ``layer_ids``, ``format``, ``input``,
-    ``tokenization``), said in one clause; None when it is the same."""
-    for key in ("model", "layer_ids", "format"):
-        was, is_now = previous.get(key), now[key]
+    given by name) another one than ``now`` (``model``, ``layer_ids``, ``format``, ``state_dtype``,
+    ``input``, ``tokenization``), said in one clause; None when it is the same. A record without a
+    state dtype (written before FP8 states, or by ``convert``) holds the model's."""
+    for key in ("model", "layer_ids", "format", "state_dtype"):
+        was = previous.get(key, "model") if key == "state_dtype" else previous.get(key)
+        is_now = now.get(key, "model") if key == "state_dtype" else now[key]
         if was != is_now:
             return f"{key} {was!r}, this run {is_now!r}"
     was_input, was_tokenization = recorded(previous)

@@ -319,9 +319,13 @@ def estimate_tokens(stream: InputStream, max_seq_len: int) -> int:
     return round(stream.expected_samples()[0] * mean)
 
 
-def check_disk(output_dir: Path, tokens: int, facts: ModelFacts, layer_ids: list[int]) -> int:
-    """Estimated output bytes for ``tokens`` (x layers x hidden x bytes); error when the disk lacks room."""
-    estimate = int(tokens * len(layer_ids) * facts.hidden_size * facts.dtype_bytes * 1.05)
+def check_disk(output_dir: Path, tokens: int, facts: ModelFacts, layer_ids: list[int], state_dtype: str = "model"
+               ) -> int:
+    """Estimated output bytes for ``tokens`` (x layers x hidden x bytes; FP8: 1 byte a state and a
+    4-byte scale a token); error when the disk lacks room."""
+    fp8 = state_dtype == "fp8"
+    per_token = len(layer_ids) * facts.hidden_size * (1 if fp8 else facts.dtype_bytes) + (4 if fp8 else 0)
+    estimate = int(tokens * per_token * 1.05)
     free = shutil.disk_usage(output_dir).free
     if estimate > free:
         raise PreflightError(f"--output-dir {output_dir}: about {human_size(estimate)} of hidden states expected, "

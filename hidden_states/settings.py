@@ -23,6 +23,8 @@ class Settings:
         max_samples, start_index: the range of sample indices to extract.
         backend: ``backends.BACKENDS``; format: ``formats.FORMATS``, None: what the installed
             speculators trains on (``layer_conventions.default_format``).
+        state_dtype: how states are stored (``fp8_states.STATE_DTYPES``): ``model``, as the model
+            computes them; ``fp8``, float8_e4m3fn with one scale per token (speculators-0.5 only).
         writer_queue: samples allowed to wait for the disk before the loop blocks.
         writer_threads: threads writing files; None: the backend's own number
             (``BACKEND_DEFAULTS``), else ``BACKEND_DEPENDENT``'s.
@@ -53,6 +55,7 @@ class Settings:
     strict: bool = False
     backend: str = "speculators"
     format: str | None = None
+    state_dtype: str = "model"
     writer_queue: int = 64
     writer_threads: int | None = None
     progress_interval: float = 10.0

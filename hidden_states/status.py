@@ -32,7 +32,10 @@ def status(path: str | Path) -> str:
     # the format's own folder of sample files (speculators-0.5 keeps them in hidden_states/)
     whole, cut_short = OutputDir(formats.create(format_name(config), directory)).sample_files()
     temporary = sum(1 for entry in os.scandir(directory) if entry.name.startswith(TEMP_PREFIX))
+    stored_as = (config.get("format") or {}).get("state_dtype", "model")
     lines = [f"{directory}: {len(whole)} sample files whole"
+             + (" (FP8 states with per-token scales: train with --hidden-states-backend fp8)"
+                if stored_as == "fp8" else "")
              + (f", {len(cut_short)} cut short (redone by a rerun): {_ranges(sorted(cut_short))}" if cut_short else "")
              + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]
     recorded_input, tokenization = recorded(config)

@@ -36,6 +36,8 @@
 #   bash bench/device/stages.sh engine9     # ... vllm-native's new defaults (store on disk, 1 writer thread) against the native path alone, twice
 #   bash bench/device/stages.sh own-capture # issue 31 item 3: vllm-engine's own capture (no speculators 0.3/0.4 on the path)
 #                                           against vLLM's eager prefill, its files vs HF, speculators' capture beside it
+#   bash bench/device/stages.sh fp8         # issue 31 item 2: vllm-engine b32 into speculators-0.5, model dtype vs --state-dtype fp8:
+#                                           tokens/s and bytes per token (alternating, twice), each against HF fp32
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -381,5 +383,18 @@ case "${1:?stage}" in
     [ -f $M/config.json ] || $B build --family llama3-8b --path $M 2>&1 | grep RESULT
     PYTHONPATH=$SPEC:$PYTHONPATH timeout 420 python3 bench/timeline.py --model $M --configs 8x2048,32x2048 \
       --samples 64 --length 2048 2>&1 | tee "$OUT/timeline-full.log" | grep -vE "INFO|WARNING|Warning|^ +(class|if|wrapper)" | tee "$OUT/timeline.txt"
+    ;;
+  fp8)  # issue 31 item 2: FP8 states (quantized in vllm-engine's worker) against the model's bf16, same 64 x $LENGTH
+    $B env 2>&1 | grep RESULT
+    [ -f $M8/config.json ] || step 120 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    for dtype in model fp8; do
+      step 150 "extract --backend vllm-engine --batch 32 --format speculators-0.5 --state-dtype $dtype --work /tmp/fp8-$dtype"
+    done
+    for dtype in model fp8; do  # HF fp32 on the GPU against each (FP8 dequantized as its trainer does)
+      step 90 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/fp8-$dtype 2>&1 | grep RESULT"
+    done
+    for dtype in model fp8; do  # the pair again, while time is left: the second of each is the steadier
+      step 150 "extract --backend vllm-engine --batch 32 --format speculators-0.5 --state-dtype $dtype --work /tmp/fp8-$dtype"
+    done
     ;;
 esac

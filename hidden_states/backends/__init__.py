@@ -27,6 +27,7 @@ class BackendSettings:
     trust_remote_code: bool = False
     overlap: bool = True  # a backend that can may run the next batch's forward while this one's states are copied
     sequences_in_flight: int = 16  # most sequences whose states are submitted and not yet written (vllm-engine's pool)
+    state_dtype: str = "model"  # fp8: a backend that can quantizes where the states are (vllm-engine's worker)
 
 
 class Backend(Protocol):

@@ -16,7 +16,10 @@ request's region of a page-locked ``/dev/shm`` segment shared with the parent.
   stored so far; the token id of every stored row (int32), taken from the same forward rows as its
   states, which the parent compares with the prompt (a row attributed to the wrong request cannot
   pass); then the layers one after the other, each ``[prompt_len, hidden]`` contiguous: a request's
-  layer is one run of bytes, which the parent hands to the writer without a copy.
+  layer is one run of bytes, which the parent hands to the writer without a copy. With FP8 states
+  (``--state-dtype fp8``) the layers are quantized here, where they were computed (``fp8_states``:
+  one scale per row over its layers), and each row's scale is stored after the token ids: half the
+  bytes cross to the host.
 * Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
   prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
   of requests without a region (warm-up, profiling) are not stored.
@@ -38,7 +41,8 @@ import threading
 
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
-from .regions import HEADER, REGION, layer_start
+from .. import fp8_states
+from .regions import HEADER, REGION, layer_start, scales_start
 
 logger = logging.getLogger(__name__)
 
@@ -150,13 +154,19 @@ class StreamingStates:
     the bases and brings ``_setup_hidden_states_capture(layer_ids)``, which makes every forward of
     the model hand its target layers' rows to ``_store_captured_states``."""
 
-    def _hidden_states_stream_setup(self, layer_ids: list[int]) -> dict | None:
-        """Install the capture; the capturing rank says how its rows look."""
+    _hidden_states_fp8 = False  # --state-dtype fp8 (set up by _hidden_states_stream_setup)
+
+    def _hidden_states_stream_setup(self, layer_ids: list[int], state_dtype: str = "model") -> dict | None:
+        """Install the capture; the capturing rank says how its rows look (``state_dtype`` ``fp8``:
+        quantized, with a scale per row)."""
         self._setup_hidden_states_capture(layer_ids)
+        self._hidden_states_fp8 = state_dtype == "fp8"
         if tp_rank() != 0:  # both captures capture on TP rank 0 alone
             return None
         config = self.model_config
-        return {"dtype": str(config.dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size()}
+        dtype = fp8_states.fp8_dtype() if self._hidden_states_fp8 else config.dtype
+        return {"dtype": str(dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size(),
+                "scales": self._hidden_states_fp8}
 
     def _hidden_states_stream_to(self, path: str) -> bool | None:
         """Map the parent's region file (page-locked where the model runs on a GPU) and start noting
@@ -205,13 +215,18 @@ class StreamingStates:
             order = order_by_rows(order, tokens, starts, self._hidden_states_prompts, input_ids.tolist(),
                                   self._hidden_states_positions.tolist())
         host, row, counts = self._hidden_states_host, 0, []
-        hidden = aux_hidden_states[0].shape[1]
-        row_bytes = hidden * aux_hidden_states[0].element_size()
         stream = self._hidden_states_copies
         if stream is not None:  # the copies wait for the forward, on their own stream
             stream.wait_stream(torch.cuda.current_stream())
             for layer in aux_hidden_states:  # not reused by the allocator before the copy has read it
                 layer.record_stream(stream)
+        scales = None
+        if self._hidden_states_fp8:  # on the copies' stream too: after the forward, beside the next one
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                aux_hidden_states, scales = fp8_states.quantize(aux_hidden_states)
+                scales = scales.view(-1)
+        hidden = aux_hidden_states[0].shape[1]
+        row_bytes = hidden * aux_hidden_states[0].element_size()
         for request_id in order:
             count = tokens[request_id]
             region, start = self._hidden_states_regions.get(request_id), starts.get(request_id)
@@ -222,8 +237,13 @@ class StreamingStates:
                     first = offset + HEADER + 4 * start
                     host[first:first + 4 * take].view(torch.int32).copy_(input_ids[row:row + take], non_blocking=True)
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        if scales is not None:
+                            first = offset + scales_start(length) + 4 * start
+                            host[first:first + 4 * take].view(torch.float32).copy_(scales[row:row + take],
+                                                                                   non_blocking=True)
                         for index, layer in enumerate(aux_hidden_states):
-                            first = offset + layer_start(length, index, row_bytes) + start * row_bytes
+                            first = offset + layer_start(length, index, row_bytes, scales is not None) \
+                                + start * row_bytes
                             target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
                             target.copy_(layer[row:row + take], non_blocking=True)
                     counts.append((offset, start + take))

@@ -3,7 +3,8 @@ request, and the layout of a region, which this process (``vllm_engine``) and th
 (``engine_capture``) both follow.
 
 A region: a 64-byte header whose first int64 is the number of prompt rows stored so far; the token
-id of every stored row (int32), padded to 64 bytes; then the layers one after the other, each
+id of every stored row (int32), padded to 64 bytes; with FP8 states (``--state-dtype fp8``), each
+row's scale (float32), padded to 64 bytes; then the layers one after the other, each
 ``[prompt_len, hidden]`` contiguous.
 """
 from __future__ import annotations
@@ -24,14 +25,24 @@ HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what f
 SHM = "/dev/shm"
 
 
-def layer_start(length: int, index: int, row_bytes: int) -> int:
+def _per_row(length: int) -> int:
+    """Bytes of one 4-byte value per row (a token id, a scale), padded to 64."""
+    return (4 * length + 63) // 64 * 64
+
+
+def scales_start(length: int) -> int:
+    """Where a ``length``-token region's row scales start (FP8 states), after the token ids."""
+    return HEADER + _per_row(length)
+
+
+def layer_start(length: int, index: int, row_bytes: int, scales: bool = False) -> int:
     """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
-    header and the token ids, int32, padded to 64 bytes)."""
-    return HEADER + (4 * length + 63) // 64 * 64 + index * length * row_bytes
+    header, the token ids and, with ``scales``, the row scales)."""
+    return HEADER + _per_row(length) * (2 if scales else 1) + index * length * row_bytes
 
 
-def region_bytes(length: int, layers: int, row_bytes: int) -> int:
-    return layer_start(length, layers, row_bytes)
+def region_bytes(length: int, layers: int, row_bytes: int, scales: bool = False) -> int:
+    return layer_start(length, layers, row_bytes, scales)
 
 
 def regions_root(needed_bytes: int) -> str | None:

@@ -35,7 +35,8 @@ from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 from ..errors import UsageError
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
-from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes
+from .. import fp8_states
+from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -112,6 +113,7 @@ class VllmEngineBackend(EngineBackend):
         super().__init__(settings)
         self._pool: RegionPool | None = None
         self._layout: dict | None = None
+        self._scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
         self.rows_timeout = ROWS_TIMEOUT
         self.capture = SPECULATORS
 
@@ -128,8 +130,10 @@ class VllmEngineBackend(EngineBackend):
         import torch
 
         settings = self.settings
-        replies = self._llm.collective_rpc("_hidden_states_stream_setup", args=(settings.layer_ids,))
+        replies = self._llm.collective_rpc("_hidden_states_stream_setup",
+                                           args=(settings.layer_ids, settings.state_dtype))
         self._layout = next(reply for reply in replies if reply is not None)
+        self._scales = bool(self._layout.get("scales"))
         self._row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len)
@@ -140,7 +144,7 @@ class VllmEngineBackend(EngineBackend):
         return {"states_page_locked": pinned}
 
     def _region_bytes(self, length: int) -> int:
-        return region_bytes(length, len(self.settings.layer_ids), self._row_bytes)
+        return region_bytes(length, len(self.settings.layer_ids), self._row_bytes, self._scales)
 
     def new_batch(self, batch: list[list[int]]) -> _RegionBatch:
         """Reserve each sequence's region (waits while the writer still holds too many states)."""
@@ -150,8 +154,11 @@ class VllmEngineBackend(EngineBackend):
         return _RegionBatch(batch, offsets)
 
     def extract(self, batch: list[list[int]]) -> list[list]:
-        """``submit`` for callers that keep what they get: copies, and the regions back at once."""
-        return [[layer.clone() for layer in layers] for layers in self.submit(batch).result()]
+        """``submit`` for callers that keep what they get: copies (FP8 ones dequantized), and the
+        regions back at once."""
+        return [[fp8_states.dequantize(layer.unsqueeze(1), layers.scales)[:, 0] for layer in layers]
+                if isinstance(layers, fp8_states.Quantized) else [layer.clone() for layer in layers]
+                for layers in self.submit(batch).result()]
 
     def params(self, work: _RegionBatch, position: int):
         from vllm import SamplingParams
@@ -193,12 +200,16 @@ class VllmEngineBackend(EngineBackend):
             raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
                                f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
-        layers = [self._pool.view(offset + layer_start(len(ids), index, self._row_bytes), dtype,
+        layers = [self._pool.view(offset + layer_start(len(ids), index, self._row_bytes, self._scales), dtype,
                                   len(ids) * hidden).view(len(ids), hidden)
                   for index in range(len(self.settings.layer_ids))]
-        release = _Countdown(len(layers), self._pool.release, offset)
-        for layer in layers:
-            weakref.finalize(layer, release)
+        views = list(layers)
+        if self._scales:
+            scales = self._pool.view(offset + scales_start(len(ids)), torch.float32, len(ids)).view(-1, 1, 1)
+            layers, views = fp8_states.Quantized(layers, scales), views + [scales]
+        release = _Countdown(len(views), self._pool.release, offset)
+        for view in views:
+            weakref.finalize(view, release)
         return layers
 
     def release(self) -> None:

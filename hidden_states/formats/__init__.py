@@ -56,7 +56,10 @@ class Format(Protocol):
 
     def ends_whole(self, path: Path) -> bool: ...  # False: cut short (a crash before it reached the disk)
 
-    def record(self, sample: Sample, states: list) -> object: ...  # states: one [n, hidden] per layers.ids entry
+    state_dtypes: tuple[str, ...]  # the --state-dtype values its trainer reads (fp8_states.STATE_DTYPES)
+    state_dtype: str  # this writer's
+
+    def record(self, sample: Sample, states: list) -> object: ...  # states: one [n, hidden] per layers.ids entry, on any device
 
     def save(self, record, handle: BinaryIO) -> None: ...
 
@@ -73,8 +76,13 @@ class Format(Protocol):
 FORMATS = {"speculators-0.3": "speculators_03", "speculators-0.5": "speculators_05"}
 
 
-def create(name: str, directory: Path, layers: Layers | None = None, *, log: Callable[[str], None] | None = None
-           ) -> Format:
+def state_dtypes(name: str) -> tuple[str, ...]:
+    """The ``--state-dtype`` values format ``name``'s trainer reads."""
+    return importlib.import_module(f"{__name__}.{FORMATS[name]}").FORMAT.state_dtypes
+
+
+def create(name: str, directory: Path, layers: Layers | None = None, *, log: Callable[[str], None] | None = None,
+           state_dtype: str = "model") -> Format:
     """The format ``name`` writing into ``directory``.
 
     Args:
@@ -83,10 +91,16 @@ def create(name: str, directory: Path, layers: Layers | None = None, *, log: Cal
         layers: the captured layers; None for a format that only names and reads files, or a bare writer.
         log: the run's logger, through which the format says what it does at the end of a run
             (``finish``); needed with ``layers``.
+        state_dtype: how the states are stored (``fp8_states.STATE_DTYPES``); refused where the
+            format's trainer cannot read it.
     """
     if name not in FORMATS:
         raise ValueError(f"unknown format {name!r} (known: {', '.join(FORMATS)})")
     if layers is not None and log is None:
         raise ValueError(f"format {name!r} writing a run needs the run's logger (log=)")
     module = importlib.import_module(f"{__name__}.{FORMATS[name]}")
-    return module.FORMAT(Path(directory), layers, log)
+    if state_dtype not in module.FORMAT.state_dtypes:
+        raise ValueError(f"format {name!r} stores states as {', '.join(module.FORMAT.state_dtypes)}, not {state_dtype}")
+    layout = module.FORMAT(Path(directory), layers, log)
+    layout.state_dtype = state_dtype
+    return layout

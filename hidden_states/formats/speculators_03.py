@@ -24,6 +24,8 @@ ZIP_END = b"PK\x05\x06"  # torch.save writes a zip: its end-of-central-directory
 
 class Speculators03:
     name = "speculators-0.3"
+    state_dtypes = ("model",)  # its trainer reads states as they are: no FP8 scales in this layout
+    state_dtype = "model"
 
     def __init__(self, directory: Path, layers: Layers | None, log=None):
         self.directory = directory
@@ -61,7 +63,8 @@ class Speculators03:
 
         n = len(sample.input_ids)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
-        return {"input_ids": torch.tensor(sample.input_ids, dtype=torch.long), "hidden_states": states,
+        return {"input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
+                "hidden_states": [layer.cpu() for layer in states],
                 "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
     def save(self, record: dict, handle: BinaryIO) -> None:

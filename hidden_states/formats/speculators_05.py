@@ -9,6 +9,9 @@ backend (``speculators/train/data.py``, ``hs_connectors/transfer.py:FileTransfer
   last and takes the last as the verifier's final state) and ``token_ids`` int64 [T], which the
   trainer compares with the row's ``input_ids``; plus ``loss_mask`` int64 [T], which the trainer
   does not read: it lets the dataset be rebuilt from the files alone (resume, ``convert``).
+* with ``--state-dtype fp8``: ``hidden_states`` float8_e4m3fn and ``hidden_states_scales`` float32
+  [T, 1, 1], as speculators 0.9's FP8 hs-connector writes them (``fp8_states``); its trainer reads
+  them with ``--hidden-states-backend fp8``, which dequantizes.
 
 Layer ids count decoder layers done (``layer_conventions``): this format's ``k`` is the extractor's
 ``k - 1``. The dataset is written when a run ends, over samples ``0 .. n-1``, and only when every one
@@ -24,7 +27,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import extras
+from .. import extras, fp8_states
 from ..errors import OutputError
 from ..inputs import Sample
 from ..layer_conventions import MEANING, SPECULATORS_05, from_extractor
@@ -34,8 +37,10 @@ STATES_DIR = "hidden_states"
 SAMPLE_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 DATASET_FILES = re.compile(r"^(data-\d{5}-of-\d{5}\.arrow|dataset_info\.json|state\.json)$")
 DATASET_TEMP = ".tmp-dataset"
+UNQUANTIZED = "unquantized states"  # a record's host states that its writer thread quantizes (FP8)
 # torch dtype -> safetensors' name for it: the dtypes a sample file holds (states in the model's dtype)
-SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64"}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64",
+                      "float8_e4m3fn": "F8_E4M3"}
 
 
 def safetensors_header(path: Path) -> dict | None:
@@ -101,16 +106,31 @@ def stacked_states(states: list):
     return torch.stack(list(states), dim=1).contiguous()
 
 
-def sample_tensors(input_ids, loss_mask, states) -> dict:
+def sample_tensors(input_ids, loss_mask, states, state_dtype: str = "model") -> dict:
+    """One sample file's tensors from its per-layer states (see :func:`state_tensors`)."""
+    return {**state_tensors(states, state_dtype), **id_tensors(input_ids, loss_mask)}
+
+
+def id_tensors(input_ids, loss_mask) -> dict:
     import torch
 
-    return {"hidden_states": stacked_states(states),
-            "token_ids": torch.as_tensor(input_ids, dtype=torch.long),
+    return {"token_ids": torch.as_tensor(input_ids, dtype=torch.long),
             "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long)}
 
 
+def state_tensors(states: list, state_dtype: str) -> dict:
+    """``hidden_states`` (and FP8's ``hidden_states_scales``) on the host from per-layer states on any
+    device: FP8's quantized there first, then copied; a backend's already quantized ones
+    (``fp8_states.Quantized``) as they are."""
+    if state_dtype == "fp8":
+        quantized, scales = fp8_states.quantize(states)
+        return {"hidden_states": stacked_states([layer.cpu() for layer in quantized]), fp8_states.SCALES: scales.cpu()}
+    return {"hidden_states": stacked_states([layer.cpu() for layer in states])}
+
+
 def read_sample(path: Path) -> dict:
-    """``hidden_states``, ``token_ids`` and ``loss_mask`` of one sample file."""
+    """``hidden_states``, ``token_ids`` and ``loss_mask`` of one sample file (and an FP8 file's
+    ``hidden_states_scales``)."""
     from safetensors.torch import load_file
 
     return load_file(str(path))
@@ -118,6 +138,8 @@ def read_sample(path: Path) -> dict:
 
 class Speculators05:
     name = SPECULATORS_05
+    state_dtypes = fp8_states.STATE_DTYPES
+    state_dtype = "model"
 
     def __init__(self, directory: Path, layers: Layers | None, log=None):
         self.directory = directory
@@ -133,17 +155,25 @@ class Speculators05:
 
     def describe(self) -> dict:
         ids = self.layer_ids
-        return {
+        fp8 = self.state_dtype == "fp8"
+        states = f"[seq_len, {len(ids)}, {self.layers.hidden_size}] (layers {ids} in this order)"
+        described = {
             "name": self.name,
+            "state_dtype": self.state_dtype,
             "layer_ids": ids,
             "layer_convention": MEANING[self.name],
             "file_pattern": f"{STATES_DIR}/hs_{{idx}}.safetensors",
-            "hidden_states": f"[seq_len, {len(ids)}, {self.layers.hidden_size}] (layers {ids} in this order)",
+            "hidden_states": f"float8_e4m3fn {states}" if fp8 else states,
             "token_ids": "int64 [seq_len]",
             "loss_mask": "int64 [seq_len] (all ones when the input has none; the dataset's column too)",
             "dataset": "datasets.save_to_disk in the output directory: input_ids, loss_mask, seq_len",
-            "train_with": f"--data-path <this directory> --target-layer-ids {' '.join(map(str, ids[:-1]))}",
+            "train_with": f"--data-path <this directory> --target-layer-ids {' '.join(map(str, ids[:-1]))}"
+                          + (" --hidden-states-backend fp8" if fp8 else ""),
         }
+        if fp8:
+            described[fp8_states.SCALES] = ("float32 [seq_len, 1, 1]: state = fp8 * scale, scale = the token's "
+                                           "max |state| over its layers / 448")
+        return described
 
     def sample_file(self, index: int) -> str:
         return f"{STATES_DIR}/hs_{index}.safetensors"
@@ -157,9 +187,17 @@ class Speculators05:
 
     def record(self, sample: Sample, states: list) -> dict:
         n = len(sample.input_ids)
-        return sample_tensors(sample.input_ids, sample.loss_mask if sample.loss_mask is not None else [1] * n, states)
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+        if self.state_dtype == "fp8" and not isinstance(states, fp8_states.Quantized) and states[0].device.type == "cpu":
+            # already on the host: quantized on a writer thread (save), not on the extraction loop's
+            return {**id_tensors(sample.input_ids, mask), UNQUANTIZED: list(states)}
+        return sample_tensors(sample.input_ids, mask, states, self.state_dtype)
 
     def save(self, record: dict, handle: BinaryIO) -> None:
+        if UNQUANTIZED in record:
+            states = record[UNQUANTIZED]
+            record = {**{key: value for key, value in record.items() if key != UNQUANTIZED},
+                      **state_tensors(states, "fp8")}
         write_safetensors(record, handle)
 
     def length(self, record: dict) -> int:

@@ -4,7 +4,9 @@ One tiny extraction per layout (same samples, same layers: speculators-0.3 ids 0
 speculators-0.5 ids 1 3 4 6), then: the 0.5 layout's layer k against HF's state after k layers;
 the two layouts tensor for tensor; ``convert`` both ways against the directly written ones;
 speculators 0.9.0's own ``ArrowDataset`` and trainer on the 0.5 layout, speculators 0.3.0's own
-dataset and trainer on the 0.3 layout, each for a few EAGLE-3 steps with a falling loss.
+dataset and trainer on the 0.3 layout, each for a few EAGLE-3 steps with a falling loss; the 0.5
+layout with FP8 states (``--state-dtype fp8``) against the bf16 files and HF, read by speculators
+0.9.0's own FP8 transfer, dataset and collate.
 
 speculators 0.9.0 needs Python >= 3.11 and transformers >= 5 (the vLLM 0.32.0 venv); 0.3.0's trainer
 builds pydantic configs that transformers 5 cannot (``'Eagle3SpeculatorConfig' object has no
@@ -85,11 +87,14 @@ def with_datasets() -> dict:
 @pytest.fixture(scope="module")
 def both(model, tmp_path_factory):
     """The same samples extracted into each layout (speculators 0.3.0 runs the generator; the 0.9.0
-    folder, after it on the path, brings ``datasets`` for the 0.5 layout's dataset index)."""
+    folder, after it on the path, brings ``datasets`` for the 0.5 layout's dataset index), and into
+    the 0.5 layout with FP8 states by ``--backend vllm-engine``, which quantizes in vLLM's worker."""
     root = tmp_path_factory.mktemp("formats")
     rows = write_jsonl(root / "data.jsonl", SAMPLES, seed=21)
-    for fmt, ids, out in (("speculators-0.3", IDS_03, "out03"), ("speculators-0.5", IDS_05, "out05")):
-        proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), env_extra=with_datasets())
+    for fmt, ids, out, extra in (("speculators-0.3", IDS_03, "out03", ()), ("speculators-0.5", IDS_05, "out05", ()),
+                                 ("speculators-0.5", IDS_05, "fp8", ("--state-dtype", "fp8", "--backend", "vllm-engine"))):
+        proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), *extra,
+                       env_extra=with_datasets())
         assert proc.returncode == 0, proc.stderr[-4000:]
     return root, rows
 
@@ -300,3 +305,112 @@ def test_the_native_backend_writes_the_05_layout_too(both, model, tmp_path):
         assert native["hidden_states"].shape == generator["hidden_states"].shape
         assert float(relative_errors(native["hidden_states"], generator["hidden_states"]).max()) < 0.02
     assert (tmp_path / "native" / "state.json").is_file()  # the dataset index the trainer opens
+
+
+# FP8 states (``--state-dtype fp8``). e4m3fn keeps 3 mantissa bits: a value rounds to within 2^-4 of
+# itself (6.25 %), so a token's relative L2 error grows by at most that over bf16's; below 2^-6 of
+# its token's scale a value is subnormal and is off by up to 2^-10 of the scale instead, which the
+# per-token bound covers as long as a token's layers are of one magnitude (this model's are).
+FP8_STEP = 2.0 ** -4
+
+
+def test_fp8_files_hold_speculators_09s_fp8_layout_quantized_in_the_worker(both):
+    """vllm-engine's worker quantized each row (one scale per token over its layers): speculators
+    0.9's layout, each token's largest state at e4m3fn's largest value, the ids and masks of the bf16
+    run, and the bf16 run's states (the generator's) within the two backends' bf16 difference (2 %,
+    tests/e2e/test_backends.py) plus e4m3's step."""
+    import torch
+
+    from hidden_states import fp8_states
+
+    root, rows = both
+    config = json.loads((root / "fp8" / "data_config.json").read_text())
+    assert config["state_dtype"] == "fp8" and config["format"]["state_dtype"] == "fp8"
+    assert config["backend"] == "vllm-engine" and config["format"]["train_with"].endswith("--hidden-states-backend fp8")
+    for i in range(SAMPLES):
+        fp8, bf16 = load_05(root / "fp8", i), load_05(root / "out05", i)
+        n = len(rows[i]["input_ids"])
+        assert fp8["hidden_states"].dtype == torch.float8_e4m3fn and fp8["hidden_states_scales"].dtype == torch.float32
+        assert tuple(fp8["hidden_states"].shape) == (n, len(IDS_05), 128)
+        assert tuple(fp8["hidden_states_scales"].shape) == (n, 1, 1)
+        assert torch.equal(fp8["token_ids"], bf16["token_ids"]) and torch.equal(fp8["loss_mask"], bf16["loss_mask"])
+        assert torch.equal(fp8["hidden_states"].float().abs().amax(dim=(1, 2)), torch.full((n,), fp8_states.FP8_MAX))
+        restored = fp8_states.dequantize(fp8["hidden_states"], fp8["hidden_states_scales"])
+        want = bf16["hidden_states"].float()
+        assert float(((restored - want).norm(dim=-1) / want.norm(dim=-1)).max()) <= 0.02 + FP8_STEP, f"sample {i}"
+    sizes = {name: sum(p.stat().st_size for p in (root / name / "hidden_states").iterdir()) for name in ("fp8", "out05")}
+    # hidden 128 over 4 layers: 512 bytes of FP8 + 4 of scale + 16 of ids against 1024 + 16 per token
+    assert sizes["fp8"] / sizes["out05"] <= 0.52, sizes
+
+
+def test_fp8_states_against_hf_within_bf16s_tolerance_plus_e4m3s_step(both, model):
+    """Against HF fp32, token by token, layer by layer: within bf16's bound plus FP8's rounding
+    (2^-4 per token), each layer's mean within bf16's mean bound plus e4m3's rms rounding (2^-4/sqrt 3)."""
+    import torch
+
+    from hidden_states import fp8_states
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+
+    root, rows = both
+    hf = load_model(model)
+    n_layers = hf.config.num_hidden_layers
+    last = decoder_layer_outputs(hf, [r["input_ids"] for r in rows], [n_layers - 1])
+    worst = {"fp8": [0.0] * len(IDS_05), "out05": [0.0] * len(IDS_05)}
+    errors = {"fp8": [[] for _ in IDS_05], "out05": [[] for _ in IDS_05]}
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            after = hf(torch.tensor([row["input_ids"]]), output_hidden_states=True).hidden_states
+        for name in worst:
+            sample = load_05(root / name, i)
+            got = sample["hidden_states"] if name == "out05" else fp8_states.dequantize(
+                sample["hidden_states"], sample["hidden_states_scales"])
+            for j, k in enumerate(IDS_05):
+                token_errors = relative_errors(got[:, j], last[i][0] if k == n_layers else after[k][0])
+                worst[name][j] = max(worst[name][j], float(token_errors.max()))
+                errors[name][j].append(token_errors)
+    means = {name: [float(torch.cat(e).mean()) for e in per_layer] for name, per_layer in errors.items()}
+    print(f"worst per layer {IDS_05}: fp8 {worst['fp8']}, bf16 {worst['out05']}; mean: fp8 {means['fp8']}, "
+          f"bf16 {means['out05']}")
+    assert max(worst["fp8"]) < harness.TOLERANCE + FP8_STEP, worst
+    assert max(means["fp8"]) < harness.MEAN_TOLERANCE + FP8_STEP / 3 ** 0.5, means
+
+
+def test_speculators_09s_fp8_transfer_dataset_and_collate_read_the_fp8_files(both):
+    """speculators 0.9.0's own ``FP8Transfer`` (its ``--hidden-states-backend fp8``), ``ArrowDataset``
+    and ``CollateFn`` over the FP8 output: the batch it trains on holds the bf16 files' states within
+    e4m3's step (the dequantized values, cast to bf16 by 0.9's transfer)."""
+    root, rows = both
+    script = (
+        "import json, sys, torch\n"
+        "from pathlib import Path\n"
+        "from hs_connectors.transfer import FP8Transfer\n"
+        "from speculators.train.data import ArrowDataset, CollateFn\n"
+        "fp8, bf16 = sys.argv[1], sys.argv[2]\n"
+        "a = ArrowDataset(max_len=2048, datapath=fp8, on_missing='raise',\n"
+        "                 transfer=FP8Transfer(Path(fp8) / 'hidden_states'))\n"
+        "b = ArrowDataset(max_len=2048, datapath=bf16, on_missing='raise')\n"
+        "collate = CollateFn(max_len=2048, hidden_size=128, num_target_layers=3)\n"
+        "got, want = collate([a[i] for i in range(len(a))]), collate([b[i] for i in range(len(b))])\n"
+        "out = {'n': len(a), 'keys': sorted(got), 'dtype': str(got['hidden_states'].dtype)}\n"
+        "for key in ('hidden_states', 'verifier_last_hidden_states'):\n"
+        "    g, w = got[key][0].float(), want[key][0].float()\n"
+        "    rows = w.norm(dim=-1) > 0\n"
+        "    out[key] = float(((g - w).norm(dim=-1)[rows] / w.norm(dim=-1)[rows]).max())\n"
+        "for key in ('input_ids', 'loss_mask', 'position_ids'):\n"
+        "    out[key + '_equal'] = bool(torch.equal(got[key], want[key])) if key in got else None\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(root / "fp8"), str(root / "out05")], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(speculators_09())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["n"] == SAMPLES and seen["dtype"] == "torch.bfloat16"
+    assert seen["input_ids_equal"] and seen["loss_mask_equal"], seen
+    # e4m3's step, plus bf16's rounding of the dequantized value (2^-9) in 0.9's transfer
+    assert 0 < seen["hidden_states"] <= FP8_STEP + 2.0 ** -8 and 0 < seen["verifier_last_hidden_states"] <= FP8_STEP + 2.0 ** -8, seen
+
+
+def test_convert_refuses_fp8_states_to_the_03_layout(both, tmp_path):
+    root, _ = both
+    proc = convert(root / "fp8", tmp_path / "to03", "speculators-0.3")
+    assert proc.returncode == 2 and "holds fp8 states, which speculators-0.3's trainer cannot read" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "to03").exists()

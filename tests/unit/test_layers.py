@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) 
 EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
     ("settings", {"__init__", "errors", "settings", "presets", "shards", "config_file", "model_ids"}),
     ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "estimates", "layer_conventions", "output",
-                  "processes", "interrupts", "extras", "progress", "log_levels", "run_log", "forward_check"}),
+                  "processes", "interrupts", "extras", "progress", "log_levels", "run_log", "forward_check",
+                  "fp8_states"}),
     ("plug-ins", {"formats", "batches", "backends"}),
     ("the run", {"extraction", "replicas", "convert", "status", "cli", "__main__"}),
     ("fixtures", {"fixtures"}),

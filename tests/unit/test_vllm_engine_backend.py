@@ -329,3 +329,37 @@ def test_a_batch_put_after_the_loop_stopped_fails_and_gives_its_regions_back(cap
         assert backend._pool._free == [(0, backend._pool.capacity)]
     finally:
         backend.close()
+
+
+def test_fp8_states_are_quantized_in_the_worker_and_read_with_their_scales(capture):
+    """--state-dtype fp8: the worker quantizes each step's rows (a scale per row over its layers)
+    and stores one byte per state and the row scales; the parent hands them over as
+    ``fp8_states.Quantized`` views of the region, which the format writes as they are."""
+    from hidden_states import fp8_states
+
+    length = 5
+    pool = RegionPool(1 << 16)
+    try:
+        offset = pool.reserve(region_bytes(length, LAYERS, HIDDEN, scales=True), timeout=1)
+        extension = worker(capture, {"r1": (offset, length)}, order=["r1"])
+        extension._hidden_states_host = torch.frombuffer(memoryview(pool.mapping), dtype=torch.uint8)
+        extension._hidden_states_fp8 = True
+        run_step(extension, ["r1"], {"r1": 3}, {"r1": 0})
+        run_step(extension, ["r1"], {"r1": 2}, {"r1": 3})
+        backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=16, tp_size=1,
+                                                    gpu_memory_utilization=0.1, state_dtype="fp8"))
+        backend._pool, backend._scales, backend._row_bytes = pool, True, HIDDEN
+        backend._layout = {"dtype": "float8_e4m3fn", "hidden_size": HIDDEN, "scales": True}
+        work = _RegionBatch([[token(1, p) for p in range(length)]], [offset])
+        work.finished[0] = SimpleNamespace(prompt_token_ids=work.ids[0])
+        states = backend._states(work, 0)
+        assert isinstance(states, fp8_states.Quantized) and all(l.dtype == torch.float8_e4m3fn for l in states)
+        want, want_scales = fp8_states.quantize(list(expected(1, length)))
+        assert torch.equal(states.scales, want_scales)
+        assert all(torch.equal(got.view(torch.uint8), layer.view(torch.uint8)) for got, layer in zip(states, want))
+        restored = fp8_states.dequantize(torch.stack(list(states), dim=1), states.scales)
+        original = expected(1, length).transpose(0, 1)
+        assert bool(((restored - original).abs() <= original.abs() / 16).all())
+        del states, restored
+    finally:
+        pool.close()
