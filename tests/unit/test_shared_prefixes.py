@@ -1,0 +1,141 @@
+"""Rows served from a longer row's states (hidden_states/prefixes.py): which rows run, and that every
+row's file is what extracting it alone writes, across batches, resume and shards. A fake backend whose
+states are causal (a token's state depends on the tokens up to it only) stands in for vLLM; the real
+one runs in tests/e2e/test_formats.py."""
+import json
+from pathlib import Path
+
+import pytest
+
+from hidden_states import backends
+from hidden_states.extraction import Extraction
+from hidden_states.inputs import Sample
+from hidden_states.prefixes import share
+from hidden_states.settings import Settings
+from hidden_states.shards import Shard
+
+torch = pytest.importorskip("torch")
+
+
+def rows(*ids_lists) -> list[Sample]:
+    return [Sample(i, i + 1, list(ids), None) for i, ids in enumerate(ids_lists)]
+
+
+def test_each_row_is_served_by_the_longest_row_it_begins():
+    batch = rows([1, 2], [1, 2, 3, 4], [9], [1, 2, 3], [1, 2, 5], [9], [1, 2, 3, 4, 6])
+    shared = share(batch)
+    # [1, 2] begins three rows: it goes with one of them; [1, 2, 5] branches off and runs itself
+    assert [s.index for s in shared.carriers] == [4, 5, 6]
+    served = {carrier: [s.index for s in rows_] for carrier, rows_ in shared.served.items()}
+    assert served == {4: [0], 5: [2], 6: [1, 3]} or served == {6: [0, 1, 3], 5: [2]}
+    assert shared.served_rows == 4
+
+
+def test_rows_that_only_share_a_beginning_all_run():
+    shared = share(rows([7, 1, 2], [7, 1, 3], [7, 1]))
+    assert [s.index for s in shared.carriers] == [0, 1]
+    assert shared.served_rows == 1
+
+
+class CausalBackend(backends.OneBatchAtATime):
+    """States of token t: the sum of the ids up to t, per layer and hidden unit; records what ran."""
+
+    name = "fake"
+    ran: list[list[int]] = []
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    def start(self):
+        return {"backend": self.name}
+
+    def extract(self, batch):
+        CausalBackend.ran.extend(batch)
+        out = []
+        for ids in batch:
+            running = torch.tensor(ids, dtype=torch.float64).cumsum(0)[:, None]
+            out.append([running * (layer + 1) + torch.arange(8) for layer in self.settings.layer_ids])
+        return out
+
+    def check_forward(self, probe):
+        return []
+
+    def close(self):
+        pass
+
+
+def conversation(first: int, turns: int) -> list[list[int]]:
+    """Per-turn rows: each the one before with one more exchange."""
+    return [[3, 4] + [first + k for k in range(4 * turn)] for turn in range(1, turns + 1)]
+
+
+@pytest.fixture
+def job(fake_model, tmp_path, monkeypatch):
+    """Three conversations of 3, 2 and 3 turns (8 rows) and settings for the causal fake backend."""
+    data = tmp_path / "data.jsonl"
+    lines = conversation(10, 3) + conversation(30, 2) + conversation(40, 3)
+    data.write_text("".join(json.dumps({"input_ids": ids, "loss_mask": [0] * (len(ids) - 1) + [1]}) + "\n"
+                            for ids in lines))
+    CausalBackend.ran = []
+    monkeypatch.setattr(backends, "create", lambda name, settings: CausalBackend(settings))
+    return Settings(model_path=str(fake_model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+                    batch_size=4, layer_ids=[1, 3], backend="fake", format="speculators-0.3")
+
+
+def files(settings) -> dict[int, dict]:
+    return {int(p.stem.split("_")[1]): torch.load(p, weights_only=True)
+            for p in Path(settings.output_dir).glob("data_*.pt")}
+
+
+def alone(settings, tmp_path, name="alone") -> dict[int, dict]:
+    whole = Settings(**{**settings.__dict__, "output_dir": str(tmp_path / name), "share_prefixes": False})
+    Extraction(whole, log=lambda line: None).run()
+    return files(whole)
+
+
+def assert_same(got: dict[int, dict], want: dict[int, dict]):
+    assert sorted(got) == sorted(want)
+    for index, record in want.items():
+        assert torch.equal(got[index]["input_ids"], record["input_ids"])
+        assert torch.equal(got[index]["loss_mask"], record["loss_mask"])
+        for mine, theirs in zip(got[index]["hidden_states"], record["hidden_states"], strict=True):
+            assert torch.equal(mine, theirs), index
+            # its own storage: torch.save would have written the carrier's whole tensor
+            assert mine.untyped_storage().nbytes() == mine.numel() * mine.element_size()
+
+
+def test_only_the_longest_row_of_each_batch_runs_and_every_file_equals_extracting_alone(job, tmp_path):
+    said = []
+    summary = Extraction(job, log=said.append).run()
+    ran = list(CausalBackend.ran)
+
+    # batches of 4: rows 0-3 (conversation one's three turns, conversation two's first), rows 4-7
+    # (conversation two's second turn, conversation three's three): the window is the batch
+    assert [len(ids) for ids in ran] == [14, 6, 10, 14]
+    assert (summary.extracted, summary.shared_rows) == (8, 4)
+    lengths = [6, 10, 14, 6, 10, 6, 10, 14]
+    assert (summary.tokens, summary.computed_tokens) == (sum(lengths), 44)
+    assert "shared prefixes: 4 of 8 rows served from a longer row's states, 44 tokens computed for 76 row tokens" \
+        in summary.shared_line()
+    assert_same(files(job), alone(job, tmp_path))
+    assert len(CausalBackend.ran) == len(ran) + 8  # --no-shared-prefix: every row ran
+
+
+def test_resume_redoes_only_the_rows_missing_and_serves_them_again(job, tmp_path):
+    Extraction(job, log=lambda line: None).run()
+    for index in (0, 1):  # a crash after the carrier's file, before the rows served from it
+        (Path(job.output_dir) / f"data_{index}.pt").unlink()
+    CausalBackend.ran = []
+
+    summary = Extraction(job, log=lambda line: None).run()
+
+    assert (summary.extracted, summary.skipped, summary.shared_rows) == (2, 6, 1)
+    assert CausalBackend.ran == [[3, 4] + list(range(10, 18))]  # row 1 runs, row 0 is served from it
+    assert_same(files(job), alone(job, tmp_path))
+
+
+def test_static_shards_together_write_every_row_as_extracting_alone(job, tmp_path):
+    for index in range(2):
+        sharded = Settings(**{**job.__dict__, "shard": Shard(index, 2, "--shard")})
+        Extraction(sharded, log=lambda line: None).run()
+    assert_same(files(job), alone(job, tmp_path))
