@@ -139,3 +139,74 @@ def test_static_shards_together_write_every_row_as_extracting_alone(job, tmp_pat
         sharded = Settings(**{**job.__dict__, "shard": Shard(index, 2, "--shard")})
         Extraction(sharded, log=lambda line: None).run()
     assert_same(files(job), alone(job, tmp_path))
+
+
+def test_ray_replicas_serve_rows_in_their_batches_and_the_driver_counts_them(job, tmp_path, monkeypatch):
+    from hidden_states import replicas
+    from tests.unit.test_replicas import FakeRay
+
+    monkeypatch.setattr(replicas, "import_ray", lambda: FakeRay({}))
+    driven = Settings(**{**job.__dict__, "data_parallel_size": 2})
+    summary = replicas.RayExtraction(driven, log=lambda line: None).run()
+
+    assert (summary.extracted, summary.shared_rows, summary.computed_tokens) == (8, 4, 44)
+    assert_same(files(job), alone(job, tmp_path))
+
+
+def chat(think: bool) -> dict:
+    messages = [{"role": "system", "content": "Be brief."}]
+    for k in range(3):
+        reply = f"answer {k} is sunny and warm"
+        messages += [{"role": "user", "content": f"question {k} about the weather"},
+                     {"role": "assistant", "content": f"<think>\nreason {k}\n</think>\n\n{reply}" if think else reply}]
+    return {"messages": messages}
+
+
+@pytest.mark.parametrize("family, served", [("llama3", 2), ("llama3_generation", 2), ("deepseek_r1", 2), ("qwen3", 0)])
+@pytest.mark.parametrize("think", [False, True], ids=["plain", "reasoning"])
+def test_per_turn_rows_are_prefixes_where_the_template_keeps_earlier_turns(tmp_path, family, served, think):
+    """speculators 0.5's rows (one per assistant turn) of a three-exchange conversation: Llama-3 keeps
+    earlier turns as they were, DeepSeek-R1 drops every turn's reasoning alike, so each row begins the
+    next; Qwen3 gives only the last turn a ``<think>`` block (empty without reasoning): no row begins
+    another, and all run whole."""
+    from hidden_states.fixtures.chat_templates import build_tokenizer
+    from hidden_states.inputs import InputStream
+    from hidden_states.tokenization import ChatSettings
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(chat(think)) + "\n")
+    tokenizer = build_tokenizer(family, tmp_path / family)
+    batch = list(InputStream(data, chat=ChatSettings(str(tokenizer), "speculators-0.5", 4096)))
+
+    assert len(batch) == 3 and share(batch).served_rows == served
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-shared-prefix"]], ids=["default", "no-shared-prefix"])
+def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, monkeypatch, capsys, flag):
+    from hidden_states import extraction
+    from hidden_states.cli import main
+    from hidden_states.fixtures.chat_templates import build_tokenizer
+
+    model = build_tokenizer("llama3", tmp_path / "model")
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 512}))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(chat(think)) + "\n" for think in (False, True)))
+    monkeypatch.setattr(backends, "create", lambda name, settings: CausalBackend(settings))
+    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched=None: "audit: not run (a fake backend)")
+    CausalBackend.ran = []
+
+    rows = tmp_path / "rows.jsonl"  # speculators 0.5's rows (its layout's index needs `datasets`, absent here)
+    assert main(["prepare", "--model-path", str(model), "--data", str(data), "--output", str(rows),
+                 "--format", "speculators-0.5"]) == 0
+    code = main(["extract", "--model-path", str(model), "--prepared-data", str(rows), "--output-dir",
+                 str(tmp_path / "out"), "--format", "speculators-0.3", "--layer-ids", "1", "3", "--backend",
+                 "speculators", "--batch-size", "6", "--skip-forward-check", *flag])
+
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert len(list((tmp_path / "out").glob("data_*.pt"))) == 6
+    if flag:
+        assert len(CausalBackend.ran) == 6 and "shared prefixes" not in err
+    else:  # each conversation's last turn runs; its two earlier turns are served from it
+        assert len(CausalBackend.ran) == 2
+        assert "shared prefixes: 4 of 6 rows served from a longer row's states" in err, err
