@@ -250,7 +250,7 @@ def _extract(args) -> int:
             log(f"torchrun rank: devices {devices}")
     summary = extraction_for(settings, log=log).run()
     log(summary.line())
-    if summary.shared_rows:
+    if summary.shared_rows or summary.cached_tokens:
         log(summary.shared_line())
     if summary.interrupted is not None:
         log(summary.next_step)

@@ -59,6 +59,7 @@ class Summary:
     tokens: int = 0  # the rows' tokens (what the trainer reads)
     computed_tokens: int = 0  # the tokens the backend ran: the rows' less those served from a shared prefix
     shared_rows: int = 0  # rows written from a longer row's states (prefixes.py)
+    cached_tokens: int = 0  # tokens vLLM's prefix cache held, their states taken from another row (cached_rows.py)
     truncated: int = 0
     load_seconds: float = 0.0  # model load (backend start)
     seconds: float = 0.0  # extraction, after the load, until the last file is written
@@ -89,7 +90,8 @@ class Summary:
         """What the shared prefixes saved: rows served from a longer row's states, tokens run."""
         return (f"shared prefixes: {self.shared_rows} of {self.extracted} rows served from a longer row's states, "
                 f"{self.computed_tokens:,} tokens computed for {self.tokens:,} row tokens "
-                f"({self.tokens / max(self.computed_tokens, 1):.2f}x)")
+                f"({self.tokens / max(self.computed_tokens, 1):.2f}x"
+                + (f"; {self.cached_tokens:,} from vLLM's prefix cache" if self.cached_tokens else "") + ")")
 
 
 def package_versions() -> dict[str, str | None]:
@@ -623,6 +625,10 @@ class Extraction:
             where = ", ".join(f"{s.index} ({s.where})" for s in batch)
             raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "
                                    f"{exc or '(no message)'}") from exc
+        # the rows vLLM's prefix cache spared (the backend counts them as it resolves batches)
+        cached = getattr(self.backend, "cached_tokens", 0) - self.summary.cached_tokens
+        self.summary.cached_tokens += cached
+        self.summary.computed_tokens -= cached
         tokens = 0
         for sample, layers in zip(batch, states, strict=True):
             layers = [layers[k].cpu() for k in self._layer_order]
