@@ -227,12 +227,14 @@ case "${1:?stage}" in
   prefix)  # issue 31 item 1, one call: vLLM's eager prefill of the per-turn rows in conversation order, without and
            # with its prefix cache (which computes no states for the tokens it caches), then the extractor on the
            # same rows: rows that begin a longer row of their batch are written from its states (batch 32: eight whole
-           # conversations a batch); its files against HF fp32 (rows 0-2 served from row 3); then --no-shared-prefix
+           # conversations a batch), the system prompt's rows taken from vLLM's prefix cache once per submitted group;
+           # its files against HF fp32 (rows 0-7: 0-2 served from 3, 4-6 from 7, whose system prompt came from the cache);
+           # then --no-shared-prefix
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 70 "$B prefill --model $M8 $MT 2>&1 | grep RESULT | tail -1"
     step 70 "$B prefill --model $M8 $MT --prefix-caching 2>&1 | grep RESULT | tail -1"
     step 100 "rm -rf /tmp/p32 && extract --backend vllm-engine --batch 32 $MT --work /tmp/p32"
-    step 60 "$B check --model $M8 --samples 4 --work /tmp/p32 2>&1 | grep RESULT; rm -rf /tmp/p32"
+    step 90 "$B check --model $M8 --samples 8 --work /tmp/p32 2>&1 | grep RESULT; rm -rf /tmp/p32"
     step 100 "rm -rf /tmp/p32n && extract --backend vllm-engine --batch 32 $MT --no-shared-prefix --work /tmp/p32n; rm -rf /tmp/p32n"
     ;;
   release-one)  # one call for a release (most important first): the generator with the shim and its files vs HF,
