@@ -183,7 +183,8 @@ def phase_prefill(args) -> None:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
     seconds = time.perf_counter() - started
     tokens = sum(map(len, seqs))
-    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
+    # vLLM's count of prefix-cache hits (None where its request stats are off, as LLM's default leaves them)
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs) or None
     note_timed_span(span_start, seconds, tokens)
     emit("prefill", model=Path(args.model).name, mode="compiled" if args.compiled else "eager", rows=args.rows,
          prefix_caching=args.prefix_caching, load_seconds=round(load, 1), tp=args.tp, tokens=tokens,
