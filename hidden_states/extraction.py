@@ -622,7 +622,8 @@ class Extraction:
         try:
             states = submitted.result()
         except Exception as exc:
-            where = ", ".join(f"{s.index} ({s.where})" for s in batch)
+            held = [row for s in batch for row in (s, *self._served.get(s.index, ()))]  # rows served from them too
+            where = ", ".join(f"{s.index} ({s.where})" for s in sorted(held, key=lambda s: s.index))
             raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "
                                    f"{exc or '(no message)'}") from exc
         # the rows vLLM's prefix cache spared (the backend counts them as it resolves batches)
