@@ -210,3 +210,14 @@ def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, m
     else:  # each conversation's last turn runs; its two earlier turns are served from it
         assert len(CausalBackend.ran) == 2
         assert "shared prefixes: 4 of 6 rows served from a longer row's states" in err, err
+
+
+def test_a_failed_batch_names_the_rows_served_from_it_too(job, monkeypatch):
+    from hidden_states.extraction import ExtractionFailed
+
+    def fail(self, batch):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(CausalBackend, "extract", fail)
+    with pytest.raises(ExtractionFailed, match=r"extracting samples 0 \(line 1\), 1 \(line 2\), 2 \(line 3\), 3 "):
+        Extraction(job, log=lambda line: None).run()
