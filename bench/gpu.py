@@ -8,16 +8,21 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py build --family kimi-k2-small-int4 --path /tmp/models/kimi-k2-small-int4  # + its -dequantized twin
     python bench/gpu.py matmul
     python bench/gpu.py prefill   --model M --samples 64 --length 2048          # vLLM alone
+    python bench/gpu.py prefill   --model M --rows multiturn [--prefix-caching]  # ... on per-turn rows (issue 31)
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
     python bench/gpu.py extract   --model M --samples 64 --length 2048 --batch 32 [--backend B] [--format F] [--writer-threads N] [--skip-forward-check] [--no-overlap]
+    python bench/gpu.py extract   --model M --rows multiturn --batch 32 [--no-shared-prefix]  # per-turn rows
     python bench/gpu.py forward-check --model M                                  # the extractor's preflight alone
     python bench/gpu.py check     --model M --samples 4 [--bf16-floor]           # extractor (and HF bf16) vs HF fp32
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
     python bench/gpu.py table
 
 Layers: speculators' default for the model (2, N/2, N-3, N-1). Token ids: uniform random, seeded.
+``--rows multiturn``: speculators 0.9's rows of multi-turn conversations instead (``multiturn_rows``:
+``--conversations`` of one system prompt shared by all and ``--turns`` exchanges, one row per
+assistant turn holding the whole history, in conversation order).
 """
 from __future__ import annotations
 
@@ -60,6 +65,30 @@ def sequences(model: str, samples: int, length: int, seed: int = 0) -> list[list
     vocab = int(model_config(model)["vocab_size"])
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(samples)]
+
+
+def multiturn_rows(model: str, conversations: int, system: int, user: int, assistant: int, turns: int,
+                   seed: int = 0) -> list[list[int]]:
+    """Per-turn rows as speculators 0.9 writes them (issue 31's shape at 64, 500, 100, 300, 4):
+    every conversation begins with the same ``system`` tokens, then ``turns`` exchanges of ``user``
+    and ``assistant`` tokens; row k of a conversation is its first k exchanges, in conversation order."""
+    vocab = int(model_config(model)["vocab_size"])
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4, vocab) for _ in range(system)]
+    rows = []
+    for _ in range(conversations):
+        history = list(prompt)
+        for _ in range(turns):
+            history += [rng.randrange(4, vocab) for _ in range(user + assistant)]
+            rows.append(list(history))
+    return rows
+
+
+def workload(args, samples: int | None = None, length: int | None = None, seed: int = 0) -> list[list[int]]:
+    """The rows a phase runs: ``--rows multiturn``'s, or ``samples`` x ``length`` random tokens."""
+    if args.rows == "multiturn":
+        return multiturn_rows(args.model, args.conversations, args.system, args.user, args.assistant, args.turns)
+    return sequences(args.model, samples or args.samples, length or args.length, seed)
 
 
 def params(model: str) -> float:
@@ -140,21 +169,26 @@ def phase_prefill(args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    seqs = sequences(args.model, args.samples, args.length)
+    seqs = workload(args)
+    longest = max(map(len, seqs))
     started = time.perf_counter()
-    llm = LLM(model=args.model, enforce_eager=not args.compiled, max_model_len=args.length + 1,
-              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+    llm = LLM(model=args.model, enforce_eager=not args.compiled, max_model_len=longest + 1,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,
               tensor_parallel_size=args.tp, disable_custom_all_reduce=args.tp > 1)
     load = time.perf_counter() - started
     params_ = SamplingParams(max_tokens=1)
-    llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences(args.model, 4, args.length, seed=1)], params_)
+    # the warm-up's random tokens share no block with the rows (its prefix cache holds nothing of theirs)
+    llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences(args.model, 4, longest, seed=1)], params_)
     started, span_start = time.perf_counter(), time.monotonic()
-    llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params_)
     seconds = time.perf_counter() - started
-    note_timed_span(span_start, seconds, len(seqs) * args.length)
-    emit("prefill", model=Path(args.model).name, mode="compiled" if args.compiled else "eager",
-         load_seconds=round(load, 1), tp=args.tp, tokens=len(seqs) * args.length,
-         seconds=round(seconds, 2), tokens_per_s=round(len(seqs) * args.length / seconds))
+    tokens = sum(map(len, seqs))
+    # vLLM's count of prefix-cache hits (None where its request stats are off, as LLM's default leaves them)
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs) or None
+    note_timed_span(span_start, seconds, tokens)
+    emit("prefill", model=Path(args.model).name, mode="compiled" if args.compiled else "eager", rows=args.rows,
+         prefix_caching=args.prefix_caching, load_seconds=round(load, 1), tp=args.tp, tokens=tokens,
+         cached_tokens=cached, seconds=round(seconds, 2), tokens_per_s=round(tokens / seconds))
 
 
 def phase_hf(args) -> None:
@@ -312,16 +346,18 @@ def phase_extract(args) -> None:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    write_jsonl(work / "data.jsonl", sequences(args.model, args.samples, args.length))
+    seqs = workload(args)
+    write_jsonl(work / "data.jsonl", seqs)
     command = [sys.executable, "-m", "hidden_states", "extract", "--model-path", args.model,
                "--prepared-data", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
-               "--batch-size", str(args.batch), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
+               "--batch-size", str(args.batch), "--max-seq-len", str(max(map(len, seqs))), "--tp-size", str(args.tp),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--progress-interval", "30",
                "--format", args.format, "--layer-ids", *map(str, format_layers(args)), "--backend", args.backend,
                "--state-dtype", args.state_dtype] \
         + (["--writer-threads", str(args.writer_threads)] if args.writer_threads else []) \
         + (["--skip-forward-check"] if args.skip_forward_check else []) \
         + (["--no-overlap"] if args.no_overlap else []) \
+        + (["--no-shared-prefix"] if args.no_shared_prefix else []) \
         + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if os.environ.get("BENCH_LOG_DIR"):  # the whole log, workers' tracebacks included (RESULT keeps the tail)
@@ -338,9 +374,15 @@ def phase_extract(args) -> None:
     numbers = dict(tokens=r"([\d,]+) tokens in", seconds=r"in ([\d.]+) s", rate=r"\(([\d,]+) tok/s",
                    load=r"model load ([\d.]+) s", shutdown=r"shutdown ([\d.]+) s", mb=r"([\d,.]+) MB written", stall=r"stall [\d.]+ s \(([\d.]+) %\)")
     found = {k: float(re.search(p, summary).group(1).replace(",", "")) for k, p in numbers.items()}
+    # "shared prefixes: R of N rows served from a longer row's states, C tokens computed for T row tokens"
+    shared = next((l for l in proc.stderr.splitlines() if "] shared prefixes:" in l), "")
+    computed = re.search(r"([\d,]+) tokens computed", shared)
     emit("extract", model=Path(args.model).name, backend=args.backend, format=args.format, state_dtype=args.state_dtype,
          batch=args.batch, tp=args.tp, bytes_per_token=round(found["mb"] * 1e6 / found["tokens"]),
-         overlap=not args.no_overlap, data_parallel_size=args.data_parallel_size, tokens=int(found["tokens"]),
+         overlap=not args.no_overlap, data_parallel_size=args.data_parallel_size, rows=args.rows,
+         shared_prefix=not args.no_shared_prefix, shared=shared.split("] ", 1)[-1],
+         computed_tokens=int(computed.group(1).replace(",", "")) if computed else int(found["tokens"]),
+         tokens=int(found["tokens"]),
          seconds=found["seconds"], tokens_per_s=round(found["rate"]), load_seconds=found["load"],
          shutdown_seconds=found["shutdown"],
          gb_written=round(found["mb"] / 1000, 2), writer_stall_percent=found["stall"],
@@ -439,6 +481,15 @@ def main(argv=None) -> int:
     parser.add_argument("--format", default="speculators-0.3", help="extract: the output format (check reads either)")
     parser.add_argument("--state-dtype", default="model", choices=["model", "fp8"], help="extract: --state-dtype")
     parser.add_argument("--compiled", action="store_true", help="prefill: vLLM's compiled mode (default: eager)")
+    parser.add_argument("--prefix-caching", action="store_true", help="prefill: vLLM's prefix cache on (default: off)")
+    parser.add_argument("--no-shared-prefix", action="store_true", help="extract: pass --no-shared-prefix")
+    parser.add_argument("--rows", choices=["random", "multiturn"], default="random",
+                        help="prefill, extract: --samples x --length random tokens, or multiturn_rows")
+    parser.add_argument("--conversations", type=int, default=64, help="multiturn: conversations")
+    parser.add_argument("--system", type=int, default=500, help="multiturn: system prompt tokens, shared by all")
+    parser.add_argument("--user", type=int, default=100, help="multiturn: tokens of a user turn")
+    parser.add_argument("--assistant", type=int, default=300, help="multiturn: tokens of an assistant turn")
+    parser.add_argument("--turns", type=int, default=4, help="multiturn: exchanges per conversation (rows each)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
     try:

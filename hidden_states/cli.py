@@ -144,6 +144,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--no-overlap", action="store_true",
                        help="one batch at a time: the next batch's forward does not run while this batch's "
                             "states are copied out (the speculators backend overlaps them by default)")
+    speed.add_argument("--no-shared-prefix", action="store_true",
+                       help="extract every row whole: by default a row that is an exact prefix of another row of "
+                            "its batch (per-turn rows of one conversation) is written from that row's states")
     scale = parser.add_argument_group("scale-out")
     scale.add_argument("--data-parallel-size", type=at_least(1), metavar="N", default=default("data_parallel_size"),
                        help="replicas of the model, each a Ray actor owning --tp-size devices; batches go to "
@@ -218,6 +221,7 @@ def settings_from(args) -> Settings:
                           max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
                           format=args.format, state_dtype=args.state_dtype, progress_interval=args.progress_interval,
                           forward_check=not args.skip_forward_check, overlap=not args.no_overlap,
+                          share_prefixes=not args.no_shared_prefix,
                           shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
                           ray_address=args.ray_address, start_over=args.start_over,
                           config_file=str(Path(args.config).resolve()) if args.config else None)
@@ -252,6 +256,8 @@ def _extract(args) -> int:
             log(f"torchrun rank: devices {devices}")
     summary = extraction_for(settings, log=log).run()
     log(summary.line())
+    if summary.shared_rows or summary.cached_tokens:
+        log(summary.shared_line())
     if summary.interrupted is not None:
         log(summary.next_step)
         return 128 + summary.interrupted

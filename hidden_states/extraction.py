@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, extras, formats, layer_conventions, processes, run_log
+from . import backends, extras, formats, layer_conventions, prefixes, processes, run_log
 from .batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, InputError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
@@ -57,7 +57,10 @@ from .settings import Settings
 class Summary:
     extracted: int = 0
     skipped: int = 0  # finished samples the input stream passed over
-    tokens: int = 0
+    tokens: int = 0  # the rows' tokens (what the trainer reads)
+    computed_tokens: int = 0  # the tokens the backend ran: the rows' less those served from a shared prefix
+    shared_rows: int = 0  # rows written from a longer row's states (prefixes.py)
+    cached_tokens: int = 0  # tokens vLLM's prefix cache held, their states taken from another row (cached_rows.py)
     truncated: int = 0
     load_seconds: float = 0.0  # model load (backend start)
     seconds: float = 0.0  # extraction, after the load, until the last file is written
@@ -83,6 +86,13 @@ class Summary:
                 f"{self.load_seconds:.1f} s, shutdown {self.shutdown_seconds:.1f} s), "
                 f"{self.bytes_written / 1e6:,.1f} MB written, writer stall {self.stall_seconds:.2f} s ({stall:.1f} %)"
                 + (f", {self.truncated} samples truncated to --max-seq-len" if self.truncated else ""))
+
+    def shared_line(self) -> str:
+        """What the shared prefixes saved: rows served from a longer row's states, tokens run."""
+        return (f"shared prefixes: {self.shared_rows} of {self.extracted} rows served from a longer row's states, "
+                f"{self.computed_tokens:,} tokens computed for {self.tokens:,} row tokens "
+                f"({self.tokens / max(self.computed_tokens, 1):.2f}x"
+                + (f"; {self.cached_tokens:,} from vLLM's prefix cache" if self.cached_tokens else "") + ")")
 
 
 def package_versions() -> dict[str, str | None]:
@@ -215,6 +225,8 @@ class Extraction:
         self.writer: BackgroundWriter | None = None
         # (batch, future, tokens): submitted to the backend, not yet written, oldest first
         self._in_flight: deque[tuple] = deque()
+        # by a submitted row's sample index: the rows written from its states (prefixes.py)
+        self._served: dict[int, list[Sample]] = {}
         self.progress: Progress | None = None
         self._started = 0.0
 
@@ -578,7 +590,7 @@ class Extraction:
         the oldest one's states are copied out and written (the ``speculators`` backend overlaps two
         calls; the engine backends want three engine steps queued, whatever the batches' lengths)."""
         ahead = self.backend.tokens_ahead
-        for group in submit_groups(batch, self.backend.tokens_per_submit):
+        for group in submit_groups(self._carriers(batch), self.backend.tokens_per_submit):
             self._in_flight.append((group, self._submit(group), sum(len(s.input_ids) for s in group)))
             while len(self._in_flight) > 1 and sum(tokens for *_, tokens in itertools.islice(self._in_flight, 1, None)) >= ahead:
                 self._write(*self._in_flight.popleft()[:2])
@@ -588,39 +600,58 @@ class Extraction:
             self._write(*self._in_flight.popleft()[:2])
 
     def _write(self, batch: list[Sample], submitted) -> None:
+        rows = len(batch) + sum(len(self._served.get(s.index, ())) for s in batch)
         tokens = self.write_batch(batch, submitted)
-        self.summary.extracted += len(batch)
+        self.summary.extracted += rows
         self.summary.tokens += tokens
         todo, exact = self.pending.todo()
         self.progress.retotal(self.source.expected(todo), exact)
-        self.progress.update(len(batch), tokens)
+        self.progress.update(rows, tokens)
+
+    def _carriers(self, batch: list[Sample]) -> list[Sample]:
+        """The rows of ``batch`` to extract; the others, prefixes of one of them, are kept to be written
+        from its states (``prefixes.share``; every row with ``--no-shared-prefix``)."""
+        shared = prefixes.share(batch) if self.settings.share_prefixes else prefixes.whole(batch)
+        self._served.update(shared.served)
+        self.summary.shared_rows += shared.served_rows
+        return shared.carriers
 
     def extract_batch(self, batch: list[Sample], skip: frozenset[int] = frozenset()) -> int:
         """One batch, start to end: backend -> the format's records -> the writer, except the samples
         in ``skip`` (extracted with the batch, not written: a data-parallel retry of a batch some of
         whose files are already whole). Returns the batch's tokens. A data-parallel replica runs this
         alone."""
-        return self.write_batch(batch, self._submit(batch), skip)
+        carriers = self._carriers(batch)
+        return self.write_batch(carriers, self._submit(carriers), skip)
 
     def _submit(self, batch: list[Sample]):
         return self.backend.submit([s.input_ids for s in batch])
 
     def write_batch(self, batch: list[Sample], submitted, skip: frozenset[int] = frozenset()) -> int:
-        """Wait for a submitted batch's states and hand them to the writer (see :meth:`extract_batch`)."""
+        """Wait for a submitted batch's states and hand them to the writer, with the rows served from
+        them (see :meth:`extract_batch`); returns the tokens of the rows handed over and served."""
         try:
             states = submitted.result()
         except Exception as exc:
-            where = ", ".join(f"{s.index} ({s.where})" for s in batch)
+            held = [row for s in batch for row in (s, *self._served.get(s.index, ()))]  # rows served from them too
+            where = ", ".join(f"{s.index} ({s.where})" for s in sorted(held, key=lambda s: s.index))
             raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "
                                    f"{exc or '(no message)'}") from exc
+        # the rows vLLM's prefix cache spared (the backend counts them as it resolves batches)
+        cached = getattr(self.backend, "cached_tokens", 0) - self.summary.cached_tokens
+        self.summary.cached_tokens += cached
+        self.summary.computed_tokens -= cached
         tokens = 0
         for sample, layers in zip(batch, states, strict=True):
-            if sample.index not in skip:
-                # the states as the backend hands them, on its device: the format copies them to the
-                # host (FP8 quantized first, so half the bytes cross)
-                self.writer.submit(sample.index,
-                                   self.format.record(sample, fp8_states.pick(layers, self._layer_order)))
-            tokens += len(sample.input_ids)
+            layers = fp8_states.pick(layers, self._layer_order)
+            self.summary.computed_tokens += len(sample.input_ids)
+            for row in [sample, *self._served.pop(sample.index, ())]:
+                if row.index not in skip:
+                    # the states as the backend hands them, on its device: the format copies them to
+                    # the host (FP8 quantized first, so half the bytes cross); a served row's are its
+                    # carrier's first rows, a view the format makes its own storage where it must
+                    self.writer.submit(row.index, self.format.record(row, fp8_states.first_rows(layers, len(row.input_ids))))
+                tokens += len(row.input_ids)
         return tokens
 
     def finish(self) -> None:

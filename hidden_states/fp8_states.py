@@ -38,6 +38,13 @@ def pick(layers: list, order: list[int]) -> list:
     return Quantized(picked, layers.scales) if isinstance(layers, Quantized) else picked
 
 
+def first_rows(layers: list, count: int) -> list:
+    """The first ``count`` tokens of each layer (views), a :class:`Quantized` sequence's scales cut to
+    match (a token's scale is its own: a prefix's are the prefix's)."""
+    heads = [layer[:count] for layer in layers]
+    return Quantized(heads, layers.scales[:count]) if isinstance(layers, Quantized) else heads
+
+
 def fp8_dtype():
     import torch
 

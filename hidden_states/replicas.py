@@ -84,9 +84,13 @@ class Replica:
                 "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def extract(self, batch: list[Sample], skip: frozenset[int]) -> dict:
-        """One batch; returns its tokens and what the writer has finished since the last call."""
+        """One batch; returns its tokens, what the writer has finished since the last call, and the
+        batch's rows served from a shared prefix and tokens run (the driver's summary counts them)."""
+        summary = self.extraction.summary
+        shared, computed, cached = summary.shared_rows, summary.computed_tokens, summary.cached_tokens
         tokens = self.extraction.extract_batch(batch, skip)
-        return {"tokens": tokens, "written": self._written()}
+        return {"tokens": tokens, "written": self._written(), "shared_rows": summary.shared_rows - shared,
+                "computed_tokens": summary.computed_tokens - computed, "cached_tokens": summary.cached_tokens - cached}
 
     def finish(self) -> dict:
         """Drain the writer (raises its first error), shut vLLM down; the last files written."""
@@ -224,6 +228,9 @@ class RayExtraction(Extraction):
             tokens = sum(len(s.input_ids) for s in extracted)
             self.summary.extracted += len(extracted)
             self.summary.tokens += tokens
+            self.summary.shared_rows += result["shared_rows"]
+            self.summary.computed_tokens += result["computed_tokens"]
+            self.summary.cached_tokens += result["cached_tokens"]
             todo, exact = self.pending.todo()
             self.progress.retotal(self.source.expected(todo), exact)
             self.progress.update(len(extracted), tokens)

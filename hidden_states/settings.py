@@ -32,6 +32,8 @@ class Settings:
         forward_check: self-test the model's kernels after the load.
         overlap: run the next batch's forward while this batch's states are copied out of vLLM
             (the ``speculators`` backend; ``backends/overlap.py``); False: one batch at a time.
+        share_prefixes: a row that is an exact prefix of another row of its batch is written from
+            that row's states, not extracted (``prefixes.py``); False: every row extracted whole.
         shard: this process's static shard (``shards.Shard``); None: every sample.
         data_parallel_size: replicas of the model, each a Ray actor (``replicas.py``); 1: this process.
         ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
@@ -61,6 +63,7 @@ class Settings:
     progress_interval: float = 10.0
     forward_check: bool = True
     overlap: bool = True
+    share_prefixes: bool = True
     shard: Shard | None = None
     data_parallel_size: int = 1
     ray_address: str | None = None

@@ -38,6 +38,8 @@
 #                                           against vLLM's eager prefill, its files vs HF, speculators' capture beside it
 #   bash bench/device/stages.sh fp8         # issue 31 item 2: vllm-engine b32 into speculators-0.5, model dtype vs --state-dtype fp8:
 #                                           tokens/s and bytes per token (alternating, twice), each against HF fp32
+#   bash bench/device/stages.sh prefix      # issue 31: per-turn rows sharing prefixes: eager prefill without and with vLLM's prefix
+#                                           cache, the extractor (vllm-engine) serving rows from longer rows (vs HF), and without
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -80,6 +82,9 @@ timed() {
   tar czf "$OUT/steps-$name.tgz" -C /tmp/steps "$name"
 }
 export -f extract timed; export B M8 SPEC LENGTH
+# issue 31's rows (bench/gpu.py multiturn_rows): 64 conversations, a 500-token system prompt shared by all,
+# 4 exchanges of 100 user + 300 assistant tokens, one row per assistant turn (384,000 row tokens)
+MT="--rows multiturn --conversations ${CONVERSATIONS:-64} --system ${SYSTEM_TOKENS:-500} --user ${USER_TOKENS:-100} --assistant ${ASSISTANT_TOKENS:-300} --turns 4"
 # the first steps of a release's run (release-one, release-generator): the generator of speculators 0.3.0 and
 # its files against HF fp32; from 0.34.0 the same without extensible_kv_cache, the fault it prevents
 generator_steps() {
@@ -222,6 +227,19 @@ case "${1:?stage}" in
       step 100 "timed native-b8-$round 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
     done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  prefix)  # issue 31 item 1, one call: vLLM's eager prefill of the per-turn rows in conversation order, without and
+           # with its prefix cache (which computes no states for the tokens it caches), then the extractor on the
+           # same rows: rows that begin a longer row of their batch are written from its states (batch 32: eight whole
+           # conversations a batch), the system prompt's rows taken from vLLM's prefix cache once per submitted group;
+           # its files against HF fp32 (rows 0-7: 0-2 served from 3, 4-6 from 7, whose system prompt came from the cache);
+           # then --no-shared-prefix
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 70 "$B prefill --model $M8 $MT 2>&1 | grep RESULT | tail -1"
+    step 70 "$B prefill --model $M8 $MT --prefix-caching 2>&1 | grep RESULT | tail -1"
+    step 100 "rm -rf /tmp/p32 && extract --backend vllm-engine --batch 32 $MT --work /tmp/p32"
+    step 90 "$B check --model $M8 --samples 8 --work /tmp/p32 2>&1 | grep RESULT; rm -rf /tmp/p32"
+    step 100 "rm -rf /tmp/p32n && extract --backend vllm-engine --batch 32 $MT --no-shared-prefix --work /tmp/p32n; rm -rf /tmp/p32n"
     ;;
   release-one)  # one call for a release (most important first): the generator with the shim and its files vs HF,
                 # from 0.34.0 the same without extensible_kv_cache (the fault), eager prefill, vllm-engine (vs HF),

@@ -26,6 +26,7 @@ class BackendSettings:
     gpu_memory_utilization: float
     trust_remote_code: bool = False
     overlap: bool = True  # a backend that can may run the next batch's forward while this one's states are copied
+    share_prefixes: bool = True  # rows may share their first tokens' states (vllm-engine: vLLM's prefix cache on)
     sequences_in_flight: int = 16  # most sequences whose states are submitted and not yet written (vllm-engine's pool)
     state_dtype: str = "model"  # fp8: a backend that can quantizes where the states are (vllm-engine's worker)
 

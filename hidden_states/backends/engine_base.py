@@ -36,6 +36,10 @@ class EngineBackend:
     touchpoints: extractor_api.BackendTouchpoints
     gate_reason = ""  # what the first release brought, said when an older vLLM is refused
 
+    # vLLM's prefix cache: off, since a cached token gets no forward and so no states; a backend that
+    # fills those rows itself (vllm-engine, cached_rows.py) turns it on
+    prefix_caching = False
+
     def __init__(self, settings: BackendSettings):
         self.settings = settings
         self._llm = None
@@ -59,7 +63,8 @@ class EngineBackend:
         settings = self.settings
         self._llm = LLM(
             model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=True, enable_prefix_caching=False,
+            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=True,
+            enable_prefix_caching=self.prefix_caching,
             trust_remote_code=settings.trust_remote_code, **self.llm_keywords())
         self.tokens_ahead = steps_of_tokens_ahead(self._llm)
         self.tokens_per_submit = step_tokens(self._llm)

@@ -22,7 +22,9 @@ request's region of a page-locked ``/dev/shm`` segment shared with the parent.
   bytes cross to the host.
 * Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
   prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
-  of requests without a region (warm-up, profiling) are not stored.
+  of requests without a region (warm-up, profiling) are not stored. A request whose first tokens
+  vLLM's prefix cache held starts past them: the header's second int64 says where (the lowest
+  position stored at), and the parent fills the rows before it from the request that computed them.
 * On a GPU the states' copies run on a stream of their own, into pinned memory, after the step's
   forward: they overlap the next step's forward instead of adding to its time. A region's row count is written only once its copies are
   done (:class:`CopiesDone`, a thread waiting on each step's event), and the parent waits for the
@@ -42,7 +44,7 @@ import threading
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
 from .. import fp8_states
-from .regions import HEADER, REGION, layer_start, scales_start
+from .regions import FIRST_ROW, HEADER, REGION, layer_start, scales_start
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ def note_step(wrapped, worker, args, kwargs):
     for request_id in scheduler_output.finished_req_ids:
         worker._hidden_states_regions.pop(request_id, None)
         worker._hidden_states_prompts.pop(request_id, None)
+        worker._hidden_states_first.pop(request_id, None)
     for new in scheduler_output.scheduled_new_reqs:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
         if REGION in extra:
@@ -184,6 +187,7 @@ class StreamingStates:
         self._hidden_states_regions: dict[str, tuple[int, int]] = {}
         self._hidden_states_step = None
         self._hidden_states_prompts: dict[str, list[int]] = {}
+        self._hidden_states_first: dict[str, int] = {}  # request id -> the lowest position stored at
         self._hidden_states_input_ids = self._hidden_states_positions = None
         wrap_method(self, "execute_model", note_step)
         stack = base_model(self.model_runner.model)  # the forward the capture hooked or replaced
@@ -234,6 +238,10 @@ class StreamingStates:
                 offset, length = region
                 take = min(count, length - start)
                 if take > 0:
+                    lowest = min(start, self._hidden_states_first.get(request_id, start))
+                    if self._hidden_states_first.get(request_id) != lowest:
+                        self._hidden_states_first[request_id] = lowest
+                        host[offset + FIRST_ROW:offset + FIRST_ROW + 8].view(torch.int64)[0] = lowest
                     first = offset + HEADER + 4 * start
                     host[first:first + 4 * take].view(torch.int32).copy_(input_ids[row:row + take], non_blocking=True)
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

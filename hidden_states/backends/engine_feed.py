@@ -58,8 +58,9 @@ def steps_of_tokens_ahead(llm) -> int:
 class Batch:
     """A batch of prompts in the engine: its future, and each finished request's output by position."""
 
-    def __init__(self, ids: list[list[int]]):
+    def __init__(self, ids: list[list[int]], cache_salt: str | None = None):
         self.ids = ids
+        self.cache_salt = cache_salt  # vLLM's prefix cache shares blocks only among requests of one salt
         self.future: Future = Future()
         self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
         self.failed = False
@@ -122,8 +123,10 @@ class EngineFeed:
                     number = next(self._numbers)
                     for position, ids in enumerate(batch.ids):
                         request_id = f"hs-{number}-{position}"
-                        engine.add_request(request_id=request_id, prompt=TokensPrompt(prompt_token_ids=ids),
-                                           params=self._params(batch, position))
+                        prompt = TokensPrompt(prompt_token_ids=ids)
+                        if batch.cache_salt is not None:
+                            prompt["cache_salt"] = batch.cache_salt
+                        engine.add_request(request_id=request_id, prompt=prompt, params=self._params(batch, position))
                         running[request_id] = (batch, position)
                     batch = self._next_nowait()
                 if not engine.has_unfinished_requests():

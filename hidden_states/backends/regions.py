@@ -2,9 +2,11 @@
 request, and the layout of a region, which this process (``vllm_engine``) and the worker
 (``engine_capture``) both follow.
 
-A region: a 64-byte header whose first int64 is the number of prompt rows stored so far; the token
-id of every stored row (int32), padded to 64 bytes; with FP8 states (``--state-dtype fp8``), each
-row's scale (float32), padded to 64 bytes; then the layers one after the other, each
+A region: a 64-byte header whose first int64 is the number of prompt rows stored so far and whose
+second is the first prompt position the worker stored a row at (0 unless vLLM's prefix cache gave the
+request its first tokens: those rows are left to this process, ``cached_rows.py``); the token id of
+every stored row (int32), padded to 64 bytes; with FP8 states (``--state-dtype fp8``), each row's
+scale (float32), padded to 64 bytes; then the layers one after the other, each
 ``[prompt_len, hidden]`` contiguous.
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ from ..errors import ExtractError
 ALIGN = 64
 # A request's region, shared by this process and the worker (engine_capture).
 REGION = "hidden_states_region"  # the sampling parameters' extra_args key: (offset, prompt length)
-HEADER = 64  # a region's first bytes: int64 rows stored, padding to keep what follows aligned
+HEADER = 64  # a region's first bytes: int64 rows stored, int64 first row stored, padding to keep what follows aligned
+FIRST_ROW = 8  # where in the header the first row stored is
 SHM = "/dev/shm"
 
 
@@ -88,7 +91,7 @@ class RegionPool:
             else:
                 self._free[index] = (offset + nbytes, size - nbytes)
             self._reserved[offset] = nbytes
-            struct.pack_into("<q", self.mapping, offset, 0)  # no rows stored yet
+            struct.pack_into("<qq", self.mapping, offset, 0, 0)  # no rows stored yet, none taken from a cache
             return offset
 
     def release(self, offset: int) -> None:
@@ -116,6 +119,11 @@ class RegionPool:
         while (stored := struct.unpack_from("<q", self.mapping, offset)[0]) != expected and time.monotonic() < deadline:
             time.sleep(0.0005)
         return stored
+
+    def first_row(self, offset: int) -> int:
+        """The first prompt position the worker stored a row at in the region at ``offset`` (read once
+        its rows are all stored)."""
+        return struct.unpack_from("<q", self.mapping, offset + FIRST_ROW)[0]
 
     def view(self, offset: int, dtype, count: int):
         """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy).

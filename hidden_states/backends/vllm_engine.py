@@ -17,6 +17,11 @@ process) runs continuously, and the states stream:
 * the feed (``engine_feed.EngineFeed``) keeps the engine fed: the next batch's requests are in the
   engine while the previous batch's last ones still run, so the GPU does not wait between batches.
 
+With shared prefixes (the default; ``--no-shared-prefix`` turns it off) vLLM's prefix cache is on:
+a request whose first blocks another request of its batch computed runs only past them, and its
+first rows are copied from that request's region before the batch resolves (``cached_rows``; each
+batch under a cache salt of its own, so that its requests share blocks only with one another).
+
 Correctness guards, before any tensor leaves the backend: the engine's prompt ids must be the
 submitted ones; the region's row count must be the prompt's length (never stale rows); and the token
 id the worker stored beside every row, from the same forward row as its states, must be the prompt's
@@ -24,6 +29,7 @@ token at that position (never another request's rows). A request failing one fai
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
@@ -32,10 +38,11 @@ from packaging.specifiers import SpecifierSet
 
 from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 
+from .. import fp8_states
 from ..errors import UsageError
+from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
-from .. import fp8_states
 from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
@@ -100,8 +107,8 @@ def needs_speculators() -> bool:
 
 
 class _RegionBatch(Batch):
-    def __init__(self, ids: list[list[int]], offsets: list[int]):
-        super().__init__(ids)
+    def __init__(self, ids: list[list[int]], offsets: list[int], cache_salt: str | None = None):
+        super().__init__(ids, cache_salt)
         self.offsets = offsets  # each sequence's region
 
 
@@ -111,6 +118,9 @@ class VllmEngineBackend(EngineBackend):
 
     def __init__(self, settings):
         super().__init__(settings)
+        self.prefix_caching = settings.share_prefixes
+        self._salts = itertools.count()
+        self.cached_tokens = 0  # prompt tokens vLLM's prefix cache held, their rows copied from another request
         self._pool: RegionPool | None = None
         self._layout: dict | None = None
         self._scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
@@ -151,7 +161,7 @@ class VllmEngineBackend(EngineBackend):
         if self._feed.failure is not None:
             raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
         offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in batch]
-        return _RegionBatch(batch, offsets)
+        return _RegionBatch(batch, offsets, f"hs-{next(self._salts)}" if self.prefix_caching else None)
 
     def extract(self, batch: list[list[int]]) -> list[list]:
         """``submit`` for callers that keep what they get: copies (FP8 ones dequantized), and the
@@ -172,6 +182,8 @@ class VllmEngineBackend(EngineBackend):
     def finished(self, work: _RegionBatch) -> None:
         states: list = []
         try:
+            if self.prefix_caching:
+                self._fill_cached_rows(work)
             for position in range(len(work.ids)):
                 states.append(self._states(work, position))
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
@@ -181,6 +193,30 @@ class VllmEngineBackend(EngineBackend):
             work.future.set_exception(exc)
         else:
             work.future.set_result(states)
+
+    def _fill_cached_rows(self, work: _RegionBatch) -> None:
+        """Copy into each region the first rows vLLM's prefix cache spared its request, from the region
+        of the request of the batch that computed them (``cached_rows.fill_order``). A region whose rows
+        are not all stored is left to ``_states``, which names it."""
+        import torch
+
+        lengths = [len(ids) for ids in work.ids]
+        stored = [self._pool.rows_stored(offset, length, timeout=self.rows_timeout) == length
+                  for offset, length in zip(work.offsets, lengths)]
+        first = [self._pool.first_row(offset) if whole else 0 for offset, whole in zip(work.offsets, stored)]
+        for position, source in fill_order(work.ids, first):
+            rows, into, source_offset = first[position], work.offsets[position], work.offsets[source]
+            self._pool.view(into + HEADER, torch.int32, rows).copy_(self._pool.view(source_offset + HEADER, torch.int32, rows))
+            if self._scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
+                self._pool.view(into + scales_start(lengths[position]), torch.float32, rows).copy_(
+                    self._pool.view(source_offset + scales_start(lengths[source]), torch.float32, rows))
+            for index in range(len(self.settings.layer_ids)):
+                size = rows * self._row_bytes
+                self._pool.view(into + layer_start(lengths[position], index, self._row_bytes, self._scales),
+                                torch.uint8, size).copy_(
+                    self._pool.view(source_offset + layer_start(lengths[source], index, self._row_bytes, self._scales),
+                                    torch.uint8, size))
+            self.cached_tokens += rows
 
     def _states(self, work: _RegionBatch, position: int) -> list:
         """The request's layers as tensors over its region, once its rows are checked; the region is

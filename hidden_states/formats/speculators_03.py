@@ -75,9 +75,10 @@ class Speculators03:
             # zip CRCs cost a pass over every byte on one core; torch.load does not check them
             config.save.compute_crc32 = False
         # A layer handed over as a view (vllm-native's are columns of vLLM's [tokens, layers, hidden]
-        # file) is made its own storage here, on a writer thread: torch.save writes a view's whole
-        # storage, and the trainer's tensors would load as views of it.
-        record = {**record, "hidden_states": [layer.contiguous() for layer in record["hidden_states"]]}
+        # file; a row served from a longer row's states is its first rows) is made its own storage
+        # here, on a writer thread: torch.save writes a view's whole storage, and the trainer's
+        # tensors would load as views of it.
+        record = {**record, "hidden_states": [own_storage(layer) for layer in record["hidden_states"]]}
         # into a Python file: torch's own C++ writer reports a full disk as a RuntimeError
         # ("basic_ios::clear", "unexpected pos") that names neither the cause nor the file
         torch.save(record, handle)
@@ -98,3 +99,12 @@ class Speculators03:
 
 
 FORMAT = Speculators03
+
+
+def own_storage(tensor):
+    """``tensor`` if it is the whole of its storage, else a contiguous copy of it."""
+    import torch
+
+    whole = (tensor.is_contiguous() and tensor.storage_offset() == 0
+             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)

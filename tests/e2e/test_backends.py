@@ -1,8 +1,13 @@
 """The extractor's backends on the same tiny model and samples: vllm-native (vLLM's own
 extract_hidden_states, layer ids translated) and vllm-engine (our loop on vLLM's engine, speculators'
 capture streamed per step; its own capture where speculators 0.3/0.4 is not installed) must find the
-same hidden states as the speculators generator through the shim, and all must match HF. Where the installed vLLM cannot run vllm-native, the extractor must say
-so clearly (exit 2), never hang or crash."""
+same hidden states as the speculators generator through the shim, and all must match HF. Where the
+installed vLLM cannot run vllm-native, the extractor must say so clearly (exit 2), never hang or
+crash. Three rows are the first tokens of the row after them (per-turn rows of one conversation):
+each backend runs only the longer row, and the shorter one's file, cut from its states, must match HF
+as every other row's does. Two rows of one batch begin with the same 300 tokens (a shared system
+prompt): vllm-engine runs with vLLM's prefix cache on, and the second one's first rows, which its
+forward skips, are copied from the first's."""
 import json
 import re
 
@@ -20,11 +25,28 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.m
 VERSION = base(vllm_version())
 
 
+SERVED = (1, 9, 17)  # each the first half of the row after it, in the same batch of 8
+SYSTEM = (16, 18)  # the batch's first two rows to run (17 is served): they begin with the same 300 tokens
+
+
+def with_prefixes(path, rows: list[dict]) -> list[dict]:
+    """``rows`` with those of ``SYSTEM`` given a common beginning and each row of ``SERVED`` made the
+    first half of the next row's tokens, rewritten to ``path``."""
+    system = rows[0]["input_ids"][:300] + list(range(4, 4 + 300 - len(rows[0]["input_ids"][:300])))
+    for i in SYSTEM:
+        rows[i] = {"input_ids": system + rows[i]["input_ids"][:200]}
+    for i in SERVED:
+        longer = rows[i + 1]["input_ids"]
+        rows[i] = {"input_ids": longer[: max(1, len(longer) // 2)]}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
     model = harness.tiny_model("llama")
     root = tmp_path_factory.mktemp("backends")
-    rows = write_jsonl(root / "data.jsonl", 24, seed=11)
+    rows = with_prefixes(root / "data.jsonl", write_jsonl(root / "data.jsonl", 24, seed=11))
     (root / "native-store").mkdir()
     runs = {backend: run_cli(*extract_args(model, root / "data.jsonl", root / backend, "--backend", backend),
                              env_extra={"VLLM_COMPAT_NATIVE_STORE": str(root / "native-store")})
@@ -61,6 +83,19 @@ def test_same_states_from_both_backends(both):
         for a, b, ref in zip(native["hidden_states"], generator["hidden_states"], reference[i]):
             assert float(relative_errors(a, b).max()) < 0.02  # the same model, the same bf16 kernels
             assert float(relative_errors(a, ref).max()) < harness.TOLERANCE
+
+
+def test_rows_that_begin_a_longer_row_are_served_from_its_states(both):
+    """The rows' states against HF are checked with every row's above and below; here, that each
+    backend that ran served them (the run's summary line)."""
+    _, _, _, runs = both
+    for backend, run in runs.items():
+        if run.returncode == 0:
+            assert f"shared prefixes: {len(SERVED)} of 24 rows served from a longer row's states" in run.stderr, backend
+    assert runs["vllm-engine"].returncode == 0 and runs["speculators"].returncode == 0
+    # the second SYSTEM row's first blocks (all of the 300 shared tokens a block holds) from vLLM's prefix cache
+    cached = re.search(r"; ([\d,]+) from vLLM's prefix cache\)", runs["vllm-engine"].stderr)
+    assert cached and 0 < int(cached.group(1).replace(",", "")) <= 300, runs["vllm-engine"].stderr[-2000:]
 
 
 def test_native_store_is_the_named_one_and_left_empty(both, tmp_path):

@@ -326,12 +326,13 @@ class StepSizedBackend(OverlappingBackend):
 
 def test_a_batch_goes_to_an_engine_backend_in_groups_of_one_step(job, monkeypatch):
     """The run's last states written after its last forward are one step's, whatever --batch-size:
-    a batch of six samples (3..8 tokens) is submitted as five groups of at most 8 tokens."""
+    a batch of six samples (3..8 tokens) is submitted as five groups of at most 8 tokens (each would be
+    served from the longest without --no-shared-prefix: their ids are all 5)."""
     backends_made = []
     monkeypatch.setattr(backends, "create", lambda name, settings: backends_made.append(
         StepSizedBackend(settings)) or backends_made[-1])
 
-    summary = Extraction(dataclasses.replace(job, batch_size=6), log=quiet).run()
+    summary = Extraction(dataclasses.replace(job, batch_size=6, share_prefixes=False), log=quiet).run()
 
     assert backends_made[0].submitted == [[3, 4], [5], [6], [7], [8]]
     assert summary.extracted == 6 and summary.tokens == sum(range(3, 9))

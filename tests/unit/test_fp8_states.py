@@ -216,3 +216,16 @@ def test_the_bytes_are_speculators_09s_quantizers():
     theirs, their_scales = fp8_utils.quantize_tensor_to_fp8(torch.stack(layers, dim=1))
     assert torch.equal(torch.stack(ours, dim=1).view(torch.uint8), theirs.view(torch.uint8))
     assert torch.equal(scales, their_scales)
+
+
+def test_a_served_rows_fp8_states_are_its_carriers_first_rows_with_their_scales():
+    """A row served from a longer row's states (shared prefixes) takes its first tokens' FP8 values
+    and their scales: the same as quantizing that row alone (a token's scale is its own)."""
+    torch.manual_seed(0)
+    layers = [torch.randn(6, 8) for _ in range(3)]
+    carrier = fp8_states.Quantized(*fp8_states.quantize(layers))
+    served = fp8_states.first_rows(carrier, 4)
+    alone, alone_scales = fp8_states.quantize([layer[:4] for layer in layers])
+    assert isinstance(served, fp8_states.Quantized) and torch.equal(served.scales, alone_scales)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(served, alone))
+    assert [l.shape for l in fp8_states.first_rows(layers, 2)] == [(2, 8)] * 3

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) 
 # The extractor's layers, the same way (lowest first).
 EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
     ("settings", {"__init__", "errors", "settings", "presets", "shards", "config_file", "model_ids"}),
-    ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "estimates", "layer_conventions", "output",
+    ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "estimates", "layer_conventions", "output", "prefixes",
                   "processes", "interrupts", "extras", "progress", "log_levels", "run_log", "forward_check",
                   "fp8_states"}),
     ("plug-ins", {"formats", "batches", "backends"}),

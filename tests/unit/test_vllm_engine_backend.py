@@ -12,7 +12,7 @@ import torch
 
 from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.regions import HEADER, REGION, RegionPool, layer_start, region_bytes
+from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 from hidden_states.backends.vllm_engine import VllmEngineBackend, _RegionBatch
 
 HIDDEN = 4
@@ -33,6 +33,7 @@ def worker(capture, regions, order, size=1 << 16):
     extension._hidden_states_regions = dict(regions)
     extension._hidden_states_step = None
     extension._hidden_states_prompts = {}
+    extension._hidden_states_first = {}
     extension._hidden_states_copies = extension._hidden_states_done = None  # a CPU worker: copies done on return
     extension.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))
     return extension
@@ -180,14 +181,18 @@ class FakeEngine:
     """vLLM's LLMEngine in miniature: each step finishes one request; the 'worker' writes that
     request's rows into its region (value = first token id + layer) and its stored-row count."""
 
-    def __init__(self, pool, row_bytes, fail_after=None, store_short=(), misattribute=(), count_delay=0.0):
+    def __init__(self, pool, row_bytes, fail_after=None, store_short=(), misattribute=(), count_delay=0.0, cached=None,
+                 scales=False):
         self.pool, self.row_bytes, self.count_delay = pool, row_bytes, count_delay
-        self.queue, self.steps = [], 0
+        self.scales = scales  # FP8's layout: a scale per row (here first token id + 0.5) before the layers
+        self.cached = cached or {}  # prompt ids -> tokens its request found in the prefix cache
+        self.queue, self.steps, self.salts = [], 0, []
         self.fail_after, self.store_short, self.misattribute = fail_after, set(store_short), set(misattribute)
         self.running = threading.Event()  # cleared: steps wait (lets a test submit several batches first)
         self.running.set()
 
     def add_request(self, request_id, prompt, params):
+        self.salts.append(prompt.get("cache_salt"))
         self.queue.append((request_id, prompt["prompt_token_ids"], params.extra_args[REGION]))
 
     def has_unfinished_requests(self):
@@ -199,14 +204,22 @@ class FakeEngine:
         if self.fail_after is not None and self.steps > self.fail_after:
             raise RuntimeError("EngineCore died")
         request_id, ids, (offset, length) = self.queue.pop(0)
+        skipped = self.cached.get(tuple(ids), 0)  # rows a prefix-cache hit leaves unwritten (stale here: -1)
         stored_ids = self.pool.view(offset + HEADER, torch.int32, length)
-        stored_ids.copy_(torch.tensor(ids))
+        stored_ids.fill_(-1)
+        stored_ids[skipped:] = torch.tensor(ids[skipped:])
         if ids[0] in self.misattribute:
             stored_ids[-1] += 1
-        rows = self.pool.view(offset + layer_start(length, 0, self.row_bytes), torch.float32,
+        if self.scales:
+            row_scales = self.pool.view(offset + scales_start(length), torch.float32, length)
+            row_scales.fill_(-1.0)
+            row_scales[skipped:] = ids[0] + 0.5
+        rows = self.pool.view(offset + layer_start(length, 0, self.row_bytes, self.scales), torch.float32,
                               LAYERS * length * HIDDEN).view(LAYERS, length, HIDDEN)
         for layer in range(LAYERS):
-            rows[layer] = ids[0] + layer
+            rows[layer] = -1.0
+            rows[layer, skipped:] = ids[0] + layer
+        self.pool.view(offset + FIRST_ROW, torch.int64, 1).fill_(skipped)
         stored = length - 1 if ids[0] in self.store_short else length
         count = self.pool.view(offset, torch.int64, 1)
         threading.Timer(self.count_delay, count.fill_, (stored,)).start()  # a GPU worker's count comes late
@@ -216,7 +229,8 @@ class FakeEngine:
 def started_backend(capture, sequences_in_flight=4, **engine_options):
     backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=16, tp_size=1,
                                                 gpu_memory_utilization=0.1, sequences_in_flight=sequences_in_flight))
-    backend._layout = {"dtype": "float32", "hidden_size": HIDDEN}
+    backend._scales = engine_options.get("scales", False)
+    backend._layout = {"dtype": "float32", "hidden_size": HIDDEN, "scales": backend._scales}
     backend.rows_timeout = 1.0
     backend._row_bytes = HIDDEN * 4
     backend._pool = RegionPool(sequences_in_flight * backend._region_bytes(16))
@@ -363,3 +377,54 @@ def test_fp8_states_are_quantized_in_the_worker_and_read_with_their_scales(captu
         del states, restored
     finally:
         pool.close()
+
+
+def test_rows_the_prefix_cache_held_are_copied_from_the_request_that_computed_them(capture):
+    """[10, 1, 2, 7, 8] finds its first 3 tokens in vLLM's prefix cache (its worker stores rows from
+    position 3 on, the rows before stale): they come from [10, 1, 2, 3]'s region, in the same batch
+    (one cache salt per batch). Cached tokens no request of the batch computed fail the batch."""
+    backend = started_backend(capture, cached={(10, 1, 2, 7, 8): 3})
+    engine = backend._llm.llm_engine
+    try:
+        first, second = backend.submit([[10, 1, 2, 3], [10, 1, 2, 7, 8]]).result(timeout=WAIT)
+        assert [layer[:, 0].tolist() for layer in second] == [[10.0] * 5, [11.0] * 5]
+        assert backend.cached_tokens == 3 and engine.salts == ["hs-0", "hs-0"]
+        with pytest.raises(RuntimeError, match="its first 3 tokens, and no request of its batch computed them"):
+            backend.submit([[10, 1, 2, 7, 8]]).result(timeout=WAIT)
+        assert engine.salts[-1] == "hs-1"
+    finally:
+        backend.close()
+
+
+def test_rows_the_prefix_cache_held_bring_their_fp8_scales(capture):
+    """With FP8 states a region holds a scale per row: the rows copied from the request that computed
+    them bring their scales (a token's scale is its own), the request's own rows keep theirs."""
+    from hidden_states import fp8_states
+
+    backend = started_backend(capture, cached={(10, 1, 2, 7, 8): 3}, scales=True)
+    try:
+        _, second = backend.submit([[10, 1, 2, 3], [10, 1, 2, 7, 8]]).result(timeout=WAIT)
+        assert isinstance(second, fp8_states.Quantized)
+        assert second.scales.view(-1).tolist() == [10.5] * 5
+        assert [layer[:, 0].tolist() for layer in second] == [[10.0] * 5, [11.0] * 5]
+    finally:
+        backend.close()
+
+
+def test_a_request_whose_first_tokens_were_cached_says_where_its_rows_begin(capture):
+    extension = worker(capture, {"r1": (0, 5)}, order=["r1"])
+    run_step(extension, ["r1"], {"r1": 2}, {"r1": 3})
+    assert int(extension._hidden_states_host[FIRST_ROW:FIRST_ROW + 8].view(torch.int64)[0]) == 3
+    stored, ids, _ = rows_of(extension, capture, 0, 5)
+    assert stored == 5 and ids[3:] == [token(1, 3), token(1, 4)]
+
+
+def test_rows_the_prefix_cache_held_come_from_their_batch(capture):
+    from hidden_states.backends.cached_rows import fill_order
+
+    # a request whose first 3 tokens were cached is filled from a whole one that begins the same way
+    assert fill_order([[5, 1, 2, 3], [5, 1, 2, 7, 8], [6, 1]], [0, 3, 0]) == [(1, 0)]
+    # a chain: 2 took 4 tokens from 1, which took 2 from 0
+    assert fill_order([[5, 1, 9, 9], [5, 1, 2, 7, 8], [5, 1, 2, 7, 4]], [0, 2, 4]) == [(1, 0), (2, 1)]
+    with pytest.raises(RuntimeError, match="gave batch position 1 its first 2 tokens, and no request of its batch"):
+        fill_order([[5, 1, 2], [6, 1, 2]], [0, 2])
