@@ -9,8 +9,10 @@
 #   torch-T, vllm-R   install lane: wait for receive.sh's mark that every part is here, then install.sh
 #   8b                GPU lane: the Llama-3-8B-shaped checkpoint into /tmp/models/llama3-8b (the image's torch)
 #   R:STAGE           GPU lane: once vllm-R is installed, stages.sh STAGE (SITE=/tmp/site-R, TORCH_SITE if any)
-#   //                the GPU items after it form a second GPU lane, run beside the first (the tiny-model
-#                     suites take 0.02 of the GPU's memory: they fit beside an 8B stage)
+#   //                the GPU items after it form another GPU lane, run beside the others (the tiny-model
+#                     suites take 0.02 of the GPU's memory: several fit beside an 8B stage)
+#   VAR=VALUE         sets VAR for the items after it in its lane (e.g. K=... before R:release-tiny;
+#                     TAG=...: the stage's folder is /tmp/out/R-STAGE-TAG)
 # The environment passes through (DEADLINE, K, VLLM_* ...).
 set -uo pipefail
 W=${W:-/tmp/vw}
@@ -23,33 +25,39 @@ if [ -z "${QUEUE_CHILD:-}" ]; then
   rm -rf /tmp/repo && mkdir -p /tmp/repo /tmp/out
   tar cf - --exclude=./.gpu --exclude=./.cache --exclude=./.git . | tar xf - -C /tmp/repo
   # two lanes: bundles install one after another on the CPUs while the GPU lane runs its stages in order
-  installs=() gpu=() gpu2=() second=""
+  installs=() gpu1=() gpu2=() gpu3=() gpu4=() lane=1
   for item in "$@"; do
     case "$item" in
+      *=*) declare -n items=gpu$lane; items+=("$item") ;;
       torch-*|vllm-*|triton-*|ray) installs+=("$item") ;;
-      //) second=1 ;;
-      *) if [ -n "$second" ]; then gpu2+=("$item"); else gpu+=("$item"); fi ;;
+      //) lane=$((lane + 1)); [ $lane -le 4 ] || { echo "queue.sh: at most 4 GPU lanes" >&2; exit 2; } ;;
+      *) declare -n items=gpu$lane; items+=("$item") ;;
     esac
   done
   cd /tmp/repo
-  for lane in installs gpu gpu2; do
-    declare -n items=$lane
-    [ ${#items[@]} -gt 0 ] && QUEUE_CHILD=$lane setsid nohup bash bench/device/queue.sh "${items[@]}" >> /tmp/queue.log 2>&1 < /dev/null &
+  started=""
+  for name in installs gpu1 gpu2 gpu3 gpu4; do
+    declare -n items=$name
+    [ ${#items[@]} -gt 0 ] || continue
+    QUEUE_CHILD=$name setsid nohup bash bench/device/queue.sh "${items[@]}" >> /tmp/queue.log 2>&1 < /dev/null &
+    started+="$name: ${items[*]}; "
   done
-  echo "queue started: installs: ${installs[*]:-none}; gpu: ${gpu[*]:-none}; gpu2: ${gpu2[*]:-none}"
+  echo "queue started: $started"
   exit 0
 fi
 say() { echo "[$QUEUE_CHILD $(date +%H:%M:%S)] $*"; }
 for item in "$@"; do
   case "$item" in
+    *=*) export "$item"; say "set $item" ;;
     *:*)
       release=${item%%:*} stage=${item#*:}
       until [ -f "$W/vllm-$release/.installed" ] || [ -f "$W/vllm-$release/.failed" ]; do sleep 2; done
       [ -f "$W/vllm-$release/.installed" ] || { say "SKIPPED $item: vLLM $release did not install"; continue; }
       torch_site=""; [ -d /tmp/torch-site/torch ] && torch_site=/tmp/torch-site
       say "start $item"
-      OUT=/tmp/out/$release-$stage SITE=/tmp/site-$release TORCH_SITE=$torch_site bash bench/device/stages.sh "$stage" 2>&1 \
-        | tee "/tmp/out/$release-$stage.log" | grep -E "^## |RESULT|SKIPPED|FAILED|passed|failed|Error" | cut -c1-600
+      out=$release-$stage${TAG:+-$TAG}  # TAG=...: two lanes running one stage keep apart
+      OUT=/tmp/out/$out SITE=/tmp/site-$release TORCH_SITE=$torch_site bash bench/device/stages.sh "$stage" 2>&1 \
+        | tee "/tmp/out/$out.log" | grep -E "^## |RESULT|SKIPPED|FAILED|passed|failed|Error" | cut -c1-600
       say "done $item" ;;
     8b)
       say "build the 8B checkpoint"
