@@ -53,8 +53,18 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export BENCH_LOG_DIR=${BENCH_LOG_DIR:-$OUT}  # bench/gpu.py extract keeps each run's whole log there
-# this checkout's vllm-compat, with its vLLM plugin entry point, next to vLLM
-[ -n "${DRY_RUN:-}${NO_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . 2>&1 | grep -v WARNING
+# this checkout's vllm-compat, with its vLLM plugin entry point, next to vLLM: once per checkout and site
+# (stages in other GPU lanes import from the same site: a reinstall under them would pull their files away)
+if [ -z "${DRY_RUN:-}${NO_INSTALL:-}" ]; then
+  (
+    flock 9
+    stamp=$(find pyproject.toml vllm_compat hidden_states -type f ! -path '*__pycache__*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+    if [ "$(cat "$SITE/.vllm-compat-stamp" 2>/dev/null)" != "$stamp" ]; then
+      python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target "$SITE" . 2>&1 | grep -v WARNING
+      echo "$stamp" > "$SITE/.vllm-compat-stamp"
+    fi
+  ) 9> "$SITE.install-lock"
+fi
 SPEC=${SPEC:-/tmp/vcache/speculators/0.3.0}
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 B="python3 bench/gpu.py"
