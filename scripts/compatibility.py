@@ -43,10 +43,22 @@ FIRST = "0.11.0"
 CUDA_ONLY = ("0.33.0", "0.34.0")
 # what ran of a release with no CPU build on the lent GPU, per (release, speculators, family) (its paragraph)
 ON_THE_GPU = {
-    ("0.33.0", "0.3.0", "llama"): "no CPU build; H200, 8B shape: ok (0.086)",
+    ("0.33.0", "0.3.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ok (0.086)",
+    ("0.33.0", "0.4.0", "llama"): "no CPU build; H200: tiny model = HF",
+    ("0.33.0", "0.3.0", "deepseek"): "no CPU build; H200: **vLLM found no MLA prefill backend for the tiny model's "
+                                     "head dims** (since changed to DeepSeek-V3's; not run again)",
+    ("0.33.0", "0.4.0", "deepseek"): "no CPU build; H200: **vLLM found no MLA prefill backend for the tiny model's "
+                                     "head dims** (since changed to DeepSeek-V3's; not run again)",
+    ("0.33.0", "0.4.0", "qwen3"): "no CPU build; H200: tiny model = HF",
+    ("0.33.0", "0.4.0", "qwen3_hd128"): "no CPU build; H200: tiny model = HF",
     ("0.34.0", "0.3.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ok (0.086)",
-    ("0.34.0", "0.4.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ran, not compared",
-    ("0.34.0", "0.4.0", "qwen3"): "no CPU build; H200: tiny model ran (= HF with speculators 0.3.0)",
+    ("0.34.0", "0.4.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ok (0.086)",
+    ("0.34.0", "0.3.0", "deepseek"): "no CPU build; H200: **failed** (report lost; as on 0.33.0, most likely the "
+                                     "tiny model's MLA head dims; not run again)",
+    ("0.34.0", "0.4.0", "deepseek"): "no CPU build; H200: **failed** (report lost; as on 0.33.0, most likely the "
+                                     "tiny model's MLA head dims; not run again)",
+    ("0.34.0", "0.4.0", "qwen3"): "no CPU build; H200: tiny model = HF",
+    ("0.34.0", "0.4.0", "qwen3_hd128"): "no CPU build; H200: tiny model = HF",
 }
 
 
