@@ -31,9 +31,9 @@ from .errors import ExtractError
 from .formats import FORMATS
 from .fp8_states import STATE_DTYPES
 from .presets import PRESETS
-from .settings import Settings, default
+from .settings import WRITER_THREADS_CAP, Settings, default
 
-TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads")
+TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
 RUN_COMMANDS = ("extract", "plan")
 
 
@@ -141,6 +141,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--writer-threads", type=at_least(1), metavar="N",
                        help=f"threads writing files (default {default('writer_threads')}; "
                             f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
+    speed.add_argument("--max-writer-threads", type=at_least(1), metavar="N",
+                       help=f"threads the writer may grow to while the run waits on it (default: half the cores, "
+                            f"at most {WRITER_THREADS_CAP}; 1 with --backend vllm-native; --writer-threads N "
+                            f"--max-writer-threads N: a fixed number)")
     speed.add_argument("--no-overlap", action="store_true",
                        help="one batch at a time: the next batch's forward does not run while this batch's "
                             "states are copied out (the speculators backend overlaps them by default)")
