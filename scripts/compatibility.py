@@ -42,23 +42,24 @@ FIRST = "0.11.0"
 # an engine in a venv holding that wheel (scripts/vllm_venv.py --cuda); the page says what ran.
 CUDA_ONLY = ("0.33.0", "0.34.0")
 # what ran of a release with no CPU build on the lent GPU, per (release, speculators, family) (its paragraph)
+_HF = "no CPU build; H200: tiny model = HF"
+_MLA_DIMS = ("no CPU build; H200: **vLLM found no MLA prefill backend for the tiny model's head dims** "
+             "(since changed to DeepSeek-V3's; not run again)")
+_LOST = ("no CPU build; H200: **failed** (report lost; as on 0.33.0, most likely the tiny model's MLA head "
+         "dims; not run again)")
 ON_THE_GPU = {
-    ("0.33.0", "0.3.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ok (0.086)",
-    ("0.33.0", "0.4.0", "llama"): "no CPU build; H200: tiny model = HF",
-    ("0.33.0", "0.3.0", "deepseek"): "no CPU build; H200: **vLLM found no MLA prefill backend for the tiny model's "
-                                     "head dims** (since changed to DeepSeek-V3's; not run again)",
-    ("0.33.0", "0.4.0", "deepseek"): "no CPU build; H200: **vLLM found no MLA prefill backend for the tiny model's "
-                                     "head dims** (since changed to DeepSeek-V3's; not run again)",
-    ("0.33.0", "0.4.0", "qwen3"): "no CPU build; H200: tiny model = HF",
-    ("0.33.0", "0.4.0", "qwen3_hd128"): "no CPU build; H200: tiny model = HF",
-    ("0.34.0", "0.3.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ok (0.086)",
-    ("0.34.0", "0.4.0", "llama"): "no CPU build; H200: tiny model = HF; 8B shape: ok (0.086)",
-    ("0.34.0", "0.3.0", "deepseek"): "no CPU build; H200: **failed** (report lost; as on 0.33.0, most likely the "
-                                     "tiny model's MLA head dims; not run again)",
-    ("0.34.0", "0.4.0", "deepseek"): "no CPU build; H200: **failed** (report lost; as on 0.33.0, most likely the "
-                                     "tiny model's MLA head dims; not run again)",
-    ("0.34.0", "0.4.0", "qwen3"): "no CPU build; H200: tiny model = HF",
-    ("0.34.0", "0.4.0", "qwen3_hd128"): "no CPU build; H200: tiny model = HF",
+    ("0.33.0", "0.3.0", "llama"): _HF + "; 8B shape: ok (0.086)",
+    ("0.33.0", "0.4.0", "llama"): _HF,
+    ("0.33.0", "0.3.0", "deepseek"): _MLA_DIMS,
+    ("0.33.0", "0.4.0", "deepseek"): _MLA_DIMS,
+    ("0.33.0", "0.4.0", "qwen3"): _HF,
+    ("0.33.0", "0.4.0", "qwen3_hd128"): _HF,
+    ("0.34.0", "0.3.0", "llama"): _HF + "; 8B shape: ok (0.086)",
+    ("0.34.0", "0.4.0", "llama"): _HF + "; 8B shape: ok (0.086)",
+    ("0.34.0", "0.3.0", "deepseek"): _LOST,
+    ("0.34.0", "0.4.0", "deepseek"): _LOST,
+    ("0.34.0", "0.4.0", "qwen3"): _HF,
+    ("0.34.0", "0.4.0", "qwen3_hd128"): _HF,
 }
 
 
