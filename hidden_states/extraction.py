@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, extras, formats, layer_conventions, prefixes, processes, run_log
+from . import backends, extras, formats, fp8_states, layer_conventions, prefixes, processes, run_log
 from .batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, InputError, OutputError, PreflightError, UsageError
 from .inputs import InputStream, Sample
@@ -44,7 +44,6 @@ from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
 from .estimates import TimeEstimate, duration, estimate_time, rate_for
-from . import fp8_states
 from .identity import describe_input, difference, stop_record
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_environment,
                         check_first_samples, check_layer_ids, check_memory, check_tensor_parallel, check_vllm,
