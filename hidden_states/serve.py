@@ -181,14 +181,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: HTTPStatus, reply: dict, close: bool = False) -> None:
         data = json.dumps(reply).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if close:
-            self.send_header("Connection", "close")
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: a file made for it waits for the sweep
             self.close_connection = True
-        self.end_headers()
-        self.wfile.write(data)
+            self.server.log(f"a client disconnected before its reply to {self.command} {self.path}")
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
         """One line per request is noise at thousands a second: errors only (``_fail`` counts them)."""

@@ -49,6 +49,8 @@ SPECULATORS = GENERATOR_RELEASES
 #            conversations' tokenization against speculators 0.3.0/0.4.0/0.9.0's own preprocessing
 #            (tests/e2e/test_conversations.py, about 3 minutes: one driver process per speculators release),
 #            which needs ``datasets``: the 0.9.0 folder brings it, nothing is added to a venv.
+#            And ``hidden-states serve`` with speculators 0.9.0's real client and trainer (tests/e2e/test_serve.py,
+#            three engine starts).
 #   tp8: the blackwell-tp8 preset at eight tensor-parallel ranks (tests/e2e/test_tensor_parallel_8.py):
 #        eight worker processes on two cores, about 4 minutes a run; the shim's code is the same at
 #        any rank count, so one release.

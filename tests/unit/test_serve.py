@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -283,3 +284,20 @@ def test_sigterm_answers_the_requests_taken_then_stops(tmp_path):
     assert status == 200 and os.path.isfile(reply["kv_transfer_params"]["hidden_states_path"])
     with pytest.raises(ConnectionRefusedError):
         http.client.HTTPConnection(*address, timeout=5).request("GET", "/v1/models")
+
+
+def test_a_client_gone_before_its_reply_leaves_a_file_for_the_sweep_and_the_server_serving(served, tmp_path):
+    server, _, backend = served(FakeBackend(delay=0.5))
+    body = json.dumps(completion([8, 9, 10])).encode()
+    with socket.create_connection(server.server_address[:2]) as gone:
+        gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    for _ in range(100):  # the request runs on: its file is made
+        if list((tmp_path / "states").glob("served-*.safetensors")):
+            break
+        time.sleep(0.05)
+    left = list((tmp_path / "states").glob("served-*.safetensors"))
+    assert len(left) == 1
+    assert call(server, "POST", "/v1/completions", completion([1, 2]))[0] == 200
+    files = StateFiles(tmp_path / "states", "model", sweep_after=60)
+    assert files.sweep(now=time.time() + 61) == 2 and not left[0].exists()
