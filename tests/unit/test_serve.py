@@ -301,3 +301,34 @@ def test_a_client_gone_before_its_reply_leaves_a_file_for_the_sweep_and_the_serv
     assert call(server, "POST", "/v1/completions", completion([1, 2]))[0] == 200
     files = StateFiles(tmp_path / "states", "model", sweep_after=60)
     assert files.sweep(now=time.time() + 61) == 2 and not left[0].exists()
+
+
+def test_serve_flags_the_servers_defaults_under_a_preset_and_the_flags(tmp_path):
+    from hidden_states.cli import parse, serve_settings_from
+
+    given = str(tmp_path)
+    settings, options = serve_settings_from(parse(["serve", "--model-path", given]))
+    assert (settings.backend, settings.batch_size, settings.writer_threads) == ("vllm-engine", 32, 4)
+    assert options.served_model_name == given and options.port == 8000 and options.states_dir == "/tmp/hidden_states"
+    settings, options = serve_settings_from(parse(["serve", "--model-path", given, "--preset", "h200",
+                                                   "--served-model-name", "org/m", "--gather-ms", "20"]))
+    assert settings.batch_size == 8 and options.served_model_name == "org/m" and options.gather_window == 0.02
+    settings, _ = serve_settings_from(parse(["serve", "--model-path", given, "--preset", "h200", "--batch-size", "64",
+                                             "--state-dtype", "fp8", "--layer-ids", "1", "3"]))
+    assert settings.batch_size == 64 and settings.state_dtype == "fp8" and settings.layer_ids == [1, 3]
+
+
+def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path, capsys, monkeypatch):
+    """A port taken is said at once (exit 2), before the model load (the plan, which reads the model, faked)."""
+    from hidden_states import serve_model
+    from hidden_states.cli import main
+
+    monkeypatch.setattr(serve_model.ServedModel, "plan", lambda self: setattr(self, "vocab_size", VOCAB) or [])
+    monkeypatch.setattr(serve_model.ServedModel, "load", lambda self: pytest.fail("the model was loaded"))
+    taken = StatesServer(("127.0.0.1", 0), model_id=MODEL, vocab_size=VOCAB, max_seq_len=64, log=lambda line: None)
+    port = taken.server_address[1]
+    try:
+        code = main(["serve", "--model-path", str(tmp_path), "--port", str(port), "--states-dir", str(tmp_path / "s")])
+    finally:
+        taken.server_close()
+    assert code == 2 and f"--port {port}: Address already in use" in capsys.readouterr().err
