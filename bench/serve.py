@@ -53,13 +53,8 @@ def prepared(args, work: Path) -> Path:
     """The rows as speculators 0.9's ``prepare-data`` leaves them, written with the client's ``datasets``."""
     rows = work / "rows.json"
     rows.write_text(json.dumps(sequences(args.model, args.samples, args.length)))
-    script = ("import json, sys, datasets\n"
-              "rows = json.load(open(sys.argv[1]))\n"
-              "ds = datasets.Dataset.from_dict({'input_ids': rows, 'loss_mask': [[1] * len(r) for r in rows],\n"
-              "                                 'seq_len': [len(r) for r in rows]})\n"
-              "ds.set_format('torch')\n"
-              "ds.save_to_disk(sys.argv[2])\n")
-    subprocess.run([sys.executable, "-c", script, str(rows), str(work / "prepared")], check=True,
+    driver = ROOT / "tests" / "e2e" / "prepared_driver.py"
+    subprocess.run([sys.executable, str(driver), str(rows), str(work / "prepared")], check=True,
                    env=client_env(args.spec09))
     return work / "prepared"
 

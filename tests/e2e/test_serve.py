@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.formats]
 
 IDS_05 = [1, 3, 4, 6]  # harness.LAYER_IDS (0 2 3 5), counted as layers done
 START_TIMEOUT = 600
+PREPARED = Path(__file__).with_name("prepared_driver.py")
 
 
 def free_port() -> int:
@@ -109,14 +110,8 @@ def rows(count: int, seed: int) -> list[list[int]]:
 def prepared(root: Path, name: str, ids: list[list[int]]) -> Path:
     """A speculators 0.9 prepared dataset (``input_ids``, ``loss_mask``, ``seq_len``, torch format), as its
     ``prepare-data`` leaves it; written with the client's own ``datasets``."""
-    script = ("import json, sys, datasets\n"
-              "rows = json.load(open(sys.argv[1]))\n"
-              "ds = datasets.Dataset.from_dict({'input_ids': rows, 'loss_mask': [[1] * len(r) for r in rows],\n"
-              "                                 'seq_len': [len(r) for r in rows]})\n"
-              "ds.set_format('torch')\n"
-              "ds.save_to_disk(sys.argv[2])\n")
     (root / f"{name}.json").write_text(json.dumps(ids))
-    subprocess.run([sys.executable, "-c", script, str(root / f"{name}.json"), str(root / name)], check=True,
+    subprocess.run([sys.executable, str(PREPARED), str(root / f"{name}.json"), str(root / name)], check=True,
                    env=client_env(), capture_output=True, timeout=300)
     return root / name
 
