@@ -36,6 +36,11 @@ from .state_files import StateFiles
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request's JSON: far above any row's token ids
 # How long a request may wait for its file: past the client's own 120 s per attempt, a request is lost anyway.
 REQUEST_TIMEOUT = 900.0
+PROGRESS_INTERVAL = 30.0  # seconds between the server's progress lines
+
+
+class ServeFailed(RuntimeError):
+    """The backend's engine stopped while serving (the server drained what it could and stopped)."""
 
 
 class BadRequest(Exception):
@@ -199,9 +204,12 @@ class Handler(BaseHTTPRequestHandler):
         """One line per request is noise at thousands a second: errors only (``_fail`` counts them)."""
 
 
-def serve_until_signal(server: StatesServer, gatherer: Gatherer, log, drain_timeout: float = REQUEST_TIMEOUT) -> int:
-    """Serve until SIGTERM or SIGINT, then stop taking connections, answer every request taken, and
-    return the signal's number. Runs on the main thread (signals are delivered there)."""
+def serve_until_signal(server: StatesServer, gatherer: Gatherer, log, drain_timeout: float = REQUEST_TIMEOUT,
+                       report_every: float = PROGRESS_INTERVAL) -> int | None:
+    """Serve until SIGTERM or SIGINT (or until the backend refuses batches: its engine is gone), then
+    stop taking connections, answer every request taken, and return the signal's number (None: the
+    engine's failure, ``gatherer.failure``). A line every ``report_every`` s while requests come.
+    Runs on the main thread (signals are delivered there)."""
     stop = threading.Event()
     received: list[int] = []
 
@@ -214,15 +222,22 @@ def serve_until_signal(server: StatesServer, gatherer: Gatherer, log, drain_time
                               name="hidden-states-http", daemon=True)
     thread.start()
     try:
-        while not stop.wait(1.0):
-            pass
-        log(f"{signal.Signals(received[0]).name}: no new connections; answering the requests taken")
+        said, tokens, last = time.monotonic(), 0, 0
+        while not stop.wait(1.0) and gatherer.failure is None:
+            if time.monotonic() - said >= report_every and server.served != last:
+                seconds, said = time.monotonic() - said, time.monotonic()
+                log(f"served {server.served - last} requests in {seconds:.0f} s "
+                    f"({(gatherer.tokens - tokens) / seconds:,.0f} tokens/s), {server.refused} refused so far")
+                tokens, last = gatherer.tokens, server.served
+        why = (signal.Signals(received[0]).name if received else
+               f"the engine stopped ({type(gatherer.failure).__name__}: {gatherer.failure})")
+        log(f"{why}: no new connections; answering the requests taken")
         server.shutdown()  # the accept loop ends; connections already open go on (new requests: 503)
         answered = gatherer.drain(timeout=drain_timeout)
         server.server_close()
         if not answered:
             log(f"warning: requests still unanswered after {drain_timeout:.0f} s; stopping anyway")
-        return received[0]
+        return received[0] if received else None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -256,9 +271,11 @@ def serve(settings: Settings, options: ServeSettings, log) -> int:
                 started = time.monotonic()
                 signum = serve_until_signal(server, gatherer, log)
                 seconds = time.monotonic() - started
-                log(f"{signal.Signals(signum).name}: stopped after {seconds:.0f} s: {server.served} requests served "
-                    f"({gatherer.tokens:,} tokens in {gatherer.batches} batches), {server.refused} refused, "
-                    f"{files.swept} uncollected files swept")
+                log(f"stopped after {seconds:.0f} s: {server.served} requests served ({gatherer.tokens:,} tokens in "
+                    f"{gatherer.batches} batches), {server.refused} refused, {files.swept} uncollected files swept")
+                if signum is None:
+                    raise ServeFailed(f"the engine stopped: {type(gatherer.failure).__name__}: {gatherer.failure}") \
+                        from gatherer.failure
             finally:
                 files.stop()
                 model.close()

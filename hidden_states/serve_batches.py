@@ -57,6 +57,7 @@ class Gatherer:
         self._pending = 0  # requests taken, not yet answered
         self._idle = threading.Condition()
         self.batches = self.rows = self.tokens = 0
+        self.failure: BaseException | None = None  # the backend refused a batch: its engine is gone
         self._thread = threading.Thread(target=self._gather, name="hidden-states-gatherer", daemon=True)
         self._thread.start()
 
@@ -118,7 +119,8 @@ class Gatherer:
     def _submit(self, batch: list[_Request]) -> None:
         try:
             submitted = self.backend.submit([request.ids for request in batch])
-        except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it
+        except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, and the server stops
+            self.failure = self.failure or exc
             for request in batch:
                 request.future.set_exception(exc)
             return

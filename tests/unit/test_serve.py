@@ -332,3 +332,28 @@ def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path, capsys, m
     finally:
         taken.server_close()
     assert code == 2 and f"--port {port}: Address already in use" in capsys.readouterr().err
+
+
+def test_an_engine_that_stops_stops_the_server(tmp_path):
+    """The backend refusing batches (its engine loop gone): the request hears why (500), the server
+    drains and returns None (``serve`` then fails with exit 1), not serving errors forever."""
+
+    class Stopped(FakeBackend):
+        def submit(self, batch):
+            raise RuntimeError("the engine loop has stopped: EngineDeadError")
+
+    gatherer = Gatherer(Stopped(), StateFiles(tmp_path, "model", 600), [0, 1, 2], batch_size=4, window=0,
+                        writer_threads=1)
+    server = StatesServer(("127.0.0.1", 0), model_id=MODEL, vocab_size=VOCAB, max_seq_len=64, log=lambda line: None,
+                          gatherer=gatherer)
+    answered = []
+    threading.Thread(target=lambda: (time.sleep(0.3), answered.append(
+        call(server, "POST", "/v1/completions", completion([1, 2])))), daemon=True).start()
+    lines = []
+    assert serve_until_signal(server, gatherer, log=lines.append, drain_timeout=10) is None
+    for _ in range(100):
+        if answered:
+            break
+        time.sleep(0.05)
+    assert answered and answered[0][0] == 500 and "EngineDeadError" in answered[0][1]["error"]["message"]
+    assert "the engine stopped (RuntimeError" in lines[0]
