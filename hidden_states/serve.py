@@ -198,7 +198,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):  # the client went away: a file made for it waits for the sweep
             self.close_connection = True
-            self.server.log(f"a client disconnected before its reply to {self.command} {self.path}")
+            if self.command == "POST":  # (a GET: a readiness probe that gave up while the model loaded)
+                self.server.log(f"a client disconnected before its reply to {self.command} {self.path}")
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
         """One line per request is noise at thousands a second: errors only (``_fail`` counts them)."""
