@@ -42,7 +42,7 @@
 #                                           cache, the extractor (vllm-engine) serving rows from longer rows (vs HF), and without
 #   SPEC09=DIR bash bench/device/stages.sh serve  # issue 32: speculators 0.9's generate-offline-data (SPEC09: a folder holding
 #                                           speculators 0.9 and its requirements) at concurrency 32/64/128 against
-#                                           hidden-states serve, then against vllm serve as speculators' launcher starts it
+#                                           hidden-states serve; ... serve-vllm: against vllm serve as speculators' launcher starts it
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -241,14 +241,16 @@ case "${1:?stage}" in
     done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
-  serve)  # issue 32: the same rows, layers and client call (speculators 0.9's generate-offline-data, concurrency 32, 64,
-          # 128, then a second job's first file on the warm server) against hidden-states serve and against vllm serve
-          # with extract_hidden_states as speculators' scripts/launch_vllm.py configures it; row tokens/s at the client
+  serve|serve-vllm)  # issue 32: the same rows, layers and client call (speculators 0.9's generate-offline-data at
+          # concurrency 32, 64, 128, then a second job's first file on the warm server) against hidden-states serve
+          # (serve) and, in the next call, against vllm serve with extract_hidden_states as speculators'
+          # scripts/launch_vllm.py configures it (serve-vllm); row tokens/s at the client. VLLM_SHIM=1: the shim's
+          # worker adapters in vllm serve's processes (the CPU dry run: vLLM's CPU connector needs one)
     [ -n "${SPEC09:-}" ] || { echo "SKIPPED: SPEC09 (a folder holding speculators 0.9 and its requirements) is not set" | tee -a "$OUT/skipped.txt"; exit 0; }
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
-    SERVE="python3 bench/serve.py --model $M8 --spec09 $SPEC09 --samples ${SAMPLES:-256} --length $LENGTH --concurrency ${CONCURRENCY:-32,64,128}"
-    step 240 "$SERVE --server hidden-states 2>&1 | grep -E 'RESULT|Error|exited' | cut -c1-800"
-    step 240 "$SERVE --server vllm 2>&1 | grep -E 'RESULT|Error|exited' | cut -c1-800"
+    SERVER=hidden-states; [ "$1" = serve-vllm ] && SERVER=vllm
+    step 300 "python3 bench/serve.py --server $SERVER --model $M8 --spec09 $SPEC09 --samples ${SAMPLES:-512} --length $LENGTH \
+      --concurrency ${CONCURRENCY:-32,64,128} ${VLLM_SHIM:+--shim} 2>&1 | grep -E 'RESULT|Error|exited' | cut -c1-800"
     ;;
   prefix)  # issue 31 item 1, one call: vLLM's eager prefill of the per-turn rows in conversation order, without and
            # with its prefix cache (which computes no states for the tokens it caches), then the extractor on the
