@@ -31,9 +31,9 @@ from .errors import ExtractError, UsageError
 from .formats import FORMATS
 from .fp8_states import STATE_DTYPES
 from .presets import PRESETS
-from .settings import SERVE_DEFAULTS, ServeSettings, Settings, default
+from .settings import SERVE_DEFAULTS, WRITER_THREADS_CAP, ServeSettings, Settings, default
 
-TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads")
+TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
 RUN_COMMANDS = ("extract", "plan")
 
 
@@ -131,6 +131,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                                       f"{default('batch_size')})",
                     writer_help=f"threads writing files (default {default('writer_threads')}; "
                                 f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
+    speed.add_argument("--max-writer-threads", type=at_least(1), metavar="N",
+                       help=f"threads the writer may grow to while the run waits on it (default: half the cores, "
+                            f"at most {WRITER_THREADS_CAP}; 1 with --backend vllm-native; --writer-threads N "
+                            f"--max-writer-threads N: a fixed number)")
     speed.add_argument("--no-overlap", action="store_true",
                        help="one batch at a time: the next batch's forward does not run while this batch's "
                             "states are copied out (the speculators backend overlaps them by default)")
@@ -344,12 +348,14 @@ def serve_settings_from(args) -> tuple[Settings, ServeSettings]:
     else the preset, else the server's default (``SERVE_DEFAULTS``), else the extractor's."""
     from .serve_model import BACKEND
 
-    given = {name: getattr(args, name) for name in TUNABLE if getattr(args, name) is not None}
+    # the tunables serve has (its writer threads are a fixed pool: no --max-writer-threads)
+    given = {name: getattr(args, name) for name in TUNABLE if getattr(args, name, None) is not None}
     settings = Settings.tuned(BACKEND, {**SERVE_DEFAULTS, **PRESETS.get(args.preset, {})}, given,
                               model_path=model_ids.resolve(args.model_path), prepared_data="", output_dir="",
                               layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
                               state_dtype=args.state_dtype, forward_check=not args.skip_forward_check,
                               share_prefixes=not args.no_shared_prefix)
+    settings.max_writer_threads = settings.writer_threads  # serve's writers are a fixed pool (serve_batches)
     if args.sweep_after <= 0:
         raise UsageError(f"--sweep-after {args.sweep_after:g}: must be more than 0 seconds")
     if args.gather_ms < 0:

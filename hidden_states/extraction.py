@@ -67,6 +67,7 @@ class Summary:
     shutdown_seconds: float = 0.0  # the backend's shutdown after that (vLLM's workers exiting)
     bytes_written: int = 0
     stall_seconds: float = 0.0
+    writer_threads_grown: int = 0  # threads the writer added while the run waited on it
     interrupted: int | None = None  # the signal that stopped the run after its batch in flight
     layer_ids: list[int] = field(default_factory=list)
     # a run that ended early (a signal, bad input, a failure): what it left undone, what to do
@@ -85,6 +86,7 @@ class Summary:
                 f"{self.tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s; model load "
                 f"{self.load_seconds:.1f} s, shutdown {self.shutdown_seconds:.1f} s), "
                 f"{self.bytes_written / 1e6:,.1f} MB written, writer stall {self.stall_seconds:.2f} s ({stall:.1f} %)"
+                + (f" (the writer grew by {self.writer_threads_grown} threads)" if self.writer_threads_grown else "")
                 + (f", {self.truncated} samples truncated to --max-seq-len" if self.truncated else ""))
 
     def shared_line(self) -> str:
@@ -171,7 +173,7 @@ class RunPlan:
         # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
         # backend keeps ahead, known once its engine runs, it adds itself)
         return backends.BackendSettings(**shared, layer_ids=sorted(set(self.layers.ids)),
-                                        sequences_in_flight=3 * settings.batch_size + settings.writer_threads)
+                                        sequences_in_flight=3 * settings.batch_size + settings.max_writer_threads)
 
 
 class Extraction:
@@ -586,7 +588,8 @@ class Extraction:
         """Start the writer every sample file of this process goes through (the background writer,
         its ledger tagged as the plan says). A hook: the Ray driver writes nothing itself."""
         self.writer = BackgroundWriter(self.output.path, self.settings.writer_queue, self.settings.writer_threads,
-                                       format=self.format, tag=self.run_plan.tag)
+                                       format=self.format, tag=self.run_plan.tag,
+                                       max_threads=self.settings.max_writer_threads)
 
     def hand_out(self, batch: list[Sample]) -> None:
         """A hook: run ``batch`` (here, on this process's backend; the Ray driver hands it to a replica).
@@ -671,7 +674,7 @@ class Extraction:
             if self.writer is not None:
                 # waits for the files still queued (time the extraction waits on disk), with up to
                 # DRAIN_THREADS writing them: the run's last batch, written after its last forward
-                self.writer.close(drain_threads=max(0, min(DRAIN_THREADS, os.cpu_count() or 1) - self.settings.writer_threads))
+                self.writer.close(drain_threads=max(0, min(DRAIN_THREADS, os.cpu_count() or 1) - self.writer.stats.threads))
         finally:
             drain = time.monotonic() - drain_started
             # the rate counts until the last file is whole: vLLM's worker shutdown that follows
@@ -684,6 +687,7 @@ class Extraction:
             if self.writer is not None:
                 self.summary.bytes_written = self.writer.stats.bytes
                 self.summary.stall_seconds = self.writer.stats.stall_seconds + drain
+                self.summary.writer_threads_grown = max(0, self.writer.stats.threads - self.settings.writer_threads)
                 self.finished.update(self.writer.stats.lengths)
             failing = failing or sys.exc_info()[1]
             if self.run_plan.tag is not None:  # other shards wrote too: the index lists theirs as well
@@ -732,6 +736,8 @@ def settings_line(settings: Settings) -> str:
     return (f"settings: --backend {settings.backend} --batch-size {settings.batch_size} --max-seq-len "
             f"{settings.max_seq_len} --tp-size {settings.tp_size} --gpu-memory-utilization "
             f"{settings.gpu_memory_utilization:g} --writer-threads {settings.writer_threads}"
+            + (f" --max-writer-threads {settings.max_writer_threads}"
+               if settings.max_writer_threads > settings.writer_threads else "")
             + (f" --data-parallel-size {settings.data_parallel_size}" if settings.data_parallel_size > 1 else "")
             + (f" --state-dtype {settings.state_dtype}" if settings.state_dtype != "model" else "")
             + (f" --shard {settings.shard.index}/{settings.shard.count}" if settings.shard is not None else "")

@@ -261,6 +261,7 @@ class WriterStats:
     bytes: int = 0
     stall_seconds: float = 0.0  # time the producer waited for queue space (the final drain is added by the caller)
     write_seconds: float = 0.0
+    threads: int = 0  # writing threads at the most (the drain's excluded)
     lengths: dict[int, int] = field(default_factory=dict)
 
 
@@ -273,17 +274,26 @@ class BackgroundWriter:
     Args:
         directory: where the sample files go.
         max_pending: samples allowed to wait for the disk before ``submit`` blocks.
-        threads: writer threads (``torch.save`` serialises one file at a time; several keep a fast
-            disk busy).
+        threads: writer threads to start with (``torch.save`` serialises one file at a time; several
+            keep a fast disk busy).
+        max_threads: while ``submit`` waits for queue space, one more thread starts every
+            ``GROW_INTERVAL`` seconds, up to this many (None: ``threads``, a fixed number). A run whose
+            files grow faster than its forward (rows served from shared prefixes write several times
+            the bytes they compute) gets the threads its disk needs, and one that keeps up gets none.
         format: the output format (``formats.create``) whose files this writer writes.
         tag: this writer's name among several writing into one directory (a shard, a replica):
             its ledger is ``done.<tag>.jsonl`` and its temporary files carry the tag.
     """
 
+    GROW_INTERVAL = 1.0  # seconds between two threads added: each gets time to show what it changes
+
     def __init__(self, directory: Path, max_pending: int = default("writer_queue"),
-                 threads: int = default("writer_threads"), *, format, tag: str | None = None):
+                 threads: int = default("writer_threads"), *, format, tag: str | None = None,
+                 max_threads: int | None = None):
         if threads < 1:
             raise ValueError(f"BackgroundWriter needs at least one thread, got {threads}")
+        self.max_threads = max(threads, max_threads or threads)
+        self._grown_at = time.perf_counter()
         self.directory = Path(directory)
         self.format = format
         self.stats = WriterStats()
@@ -294,20 +304,29 @@ class BackgroundWriter:
         self.ledger = self.directory / ledger_name(tag)
         self._temp_prefix = temp_prefix(tag)
         self._ledger = self.ledger.open("ab", buffering=0)
-        self._threads = [threading.Thread(target=self._run, name=f"hidden-states-writer-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._threads: list[threading.Thread] = []
+        for _ in range(threads):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(target=self._run, name=f"hidden-states-writer-{len(self._threads)}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        self.stats.threads = len(self._threads)
 
     def submit(self, index: int, record: dict) -> None:
         self._raise_if_failed()
         started = time.perf_counter()
         while True:
             try:
-                self._queue.put((index, record), timeout=0.5)
+                self._queue.put((index, record), timeout=0.5 if len(self._threads) >= self.max_threads else 0.05)
                 break
             except queue.Full:
                 self._raise_if_failed()
+                now = time.perf_counter()
+                if len(self._threads) < self.max_threads and now - self._grown_at >= self.GROW_INTERVAL:
+                    self._start_thread()
+                    self._grown_at = now
         self.stats.stall_seconds += time.perf_counter() - started
 
     def lengths_written(self) -> dict[int, int]:

@@ -5,6 +5,7 @@ a library caller gets the same values by leaving a field out.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from .shards import Shard
@@ -28,6 +29,8 @@ class Settings:
         writer_queue: samples allowed to wait for the disk before the loop blocks.
         writer_threads: threads writing files; None: the backend's own number
             (``BACKEND_DEFAULTS``), else ``BACKEND_DEPENDENT``'s.
+        max_writer_threads: threads the writer may grow to while the run waits on it; None: the
+            backend's own number, else half the cores, at most ``WRITER_THREADS_CAP``.
         progress_interval: seconds between progress lines when stderr is not a terminal.
         forward_check: self-test the model's kernels after the load.
         overlap: run the next batch's forward while this batch's states are copied out of vLLM
@@ -60,6 +63,7 @@ class Settings:
     state_dtype: str = "model"
     writer_queue: int = 64
     writer_threads: int | None = None
+    max_writer_threads: int | None = None
     progress_interval: float = 10.0
     forward_check: bool = True
     overlap: bool = True
@@ -74,6 +78,10 @@ class Settings:
         for name in BACKEND_DEPENDENT:
             if getattr(self, name) is None:
                 setattr(self, name, default(name, self.backend))
+        if self.max_writer_threads is None:
+            self.max_writer_threads = BACKEND_DEFAULTS.get(self.backend, {}).get(
+                "max_writer_threads", max(1, min(WRITER_THREADS_CAP, (os.cpu_count() or 2) // 2)))
+        self.max_writer_threads = max(self.max_writer_threads, self.writer_threads)
 
     def record(self) -> dict:
         """Every setting as the run used it (defaults applied), for ``data_config.json``."""
@@ -99,8 +107,12 @@ BACKEND_DEFAULTS: dict[str, dict] = {
     # threads of its own, so whatever else writes slows the engine down: one writer thread keeps up
     # with the rate its states arrive at, and the files queued at the end are drained by more
     # (measured: docs/performance.md, "The extractor's defaults").
-    "vllm-native": {"writer_threads": 1},
+    "vllm-native": {"writer_threads": 1, "max_writer_threads": 1},
 }
+
+# The most writer threads a run grows to by default (the other half of the cores and more stay with
+# vLLM's processes, the parent's copies, the engine loop).
+WRITER_THREADS_CAP = 8
 
 
 def default(name: str, backend: str | None = None):

@@ -263,6 +263,8 @@ case "${1:?stage}" in
     step 70 "$B prefill --model $M8 $MT --prefix-caching 2>&1 | grep RESULT | tail -1"
     step 100 "rm -rf /tmp/p32 && extract --backend vllm-engine --batch 32 $MT --work /tmp/p32"
     step 90 "$B check --model $M8 --samples 8 --work /tmp/p32 2>&1 | grep RESULT; rm -rf /tmp/p32"
+    # the first run's writer stalled 77 % (2026-12-03, CPUs shared): the same with twice the writer threads
+    step 100 "rm -rf /tmp/p32w && extract --backend vllm-engine --batch 32 $MT --writer-threads 8 --work /tmp/p32w; rm -rf /tmp/p32w"
     step 100 "rm -rf /tmp/p32n && extract --backend vllm-engine --batch 32 $MT --no-shared-prefix --work /tmp/p32n; rm -rf /tmp/p32n"
     ;;
   release-one)  # one call for a release (most important first): the generator with the shim and its files vs HF,
@@ -314,8 +316,9 @@ case "${1:?stage}" in
   release-tiny)  # the e2e suite on the tiny models: both generators on every family, both engine backends
     # (Model Runner V2 is the only runner from 0.34.0: its runner-v2 cases repeat the default ones there)
     K=${K:-not runner-v2}
-    # the whole output into the file as it comes (-rA: every test's outcome), so a stage cut short keeps what ran
-    step 420 "python3 -m pytest -q -rA -p no:cacheprovider -m 'not faults' tests/e2e/test_generator.py tests/e2e/test_backends.py -k '$K' 2>&1 | tee $OUT/tiny-pytest.txt | tail -40"
+    # the whole output into the file as it comes (-v: each test's outcome as it ends; live_failures: each
+    # failure's report in $OUT/failures.txt at once), so a stage cut short keeps what ran and why it failed
+    step 420 "PYTHONPATH=$PWD/bench/device:\$PYTHONPATH python3 -m pytest -v -rA -p no:cacheprovider -p live_failures -m 'not faults' tests/e2e/test_generator.py tests/e2e/test_backends.py -k '$K' 2>&1 | tee $OUT/tiny-pytest.txt | tail -40"
     ;;
   engine2)  # issue 13: the rest of the same comparison
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"

@@ -24,8 +24,11 @@ from tests.e2e.test_extractor import _alive, _descendants, cli, extract_args, ru
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.data_parallel]
 
-ROWS = 24
-BATCH = ["--batch-size", "2"]  # 12 batches: both replicas get several
+# 32 batches: both replicas get many. The frozen-replica test freezes replica 1 when the driver says
+# it loaded; with 12 batches (24 rows), on a loaded 2-core host, it once finished its share before the
+# test's reader got that line (CI, 2026-12-03), and held no batch to lose.
+ROWS = 64
+BATCH = ["--batch-size", "2"]
 
 
 @pytest.fixture(scope="module")

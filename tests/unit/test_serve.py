@@ -309,6 +309,7 @@ def test_serve_flags_the_servers_defaults_under_a_preset_and_the_flags(tmp_path)
     given = str(tmp_path)
     settings, options = serve_settings_from(parse(["serve", "--model-path", given]))
     assert (settings.backend, settings.batch_size, settings.writer_threads) == ("vllm-engine", 32, 4)
+    assert settings.max_writer_threads == 4  # a fixed pool: the extractor's growing writer is not serve's
     assert options.served_model_name == given and options.port == 8000 and options.states_dir == "/tmp/hidden_states"
     settings, options = serve_settings_from(parse(["serve", "--model-path", given, "--preset", "h200",
                                                    "--served-model-name", "org/m", "--gather-ms", "20"]))
