@@ -27,14 +27,19 @@ from pathlib import Path
 from . import log_levels, model_ids, shards
 from .backends import BACKENDS
 from .config_file import config_path, flags_from
-from .errors import ExtractError
+from .errors import ExtractError, UsageError
 from .formats import FORMATS
 from .fp8_states import STATE_DTYPES
 from .presets import PRESETS
-from .settings import WRITER_THREADS_CAP, Settings, default
+from .settings import SERVE_DEFAULTS, WRITER_THREADS_CAP, ServeSettings, Settings, default
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
 RUN_COMMANDS = ("extract", "plan")
+
+
+def serve_default(name: str):
+    """The default of ``ServeSettings.name``."""
+    return ServeSettings.__dataclass_fields__[name].default
 
 
 def at_least(minimum: int):
@@ -97,10 +102,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                             f"(default {default('max_seq_len')})")
     given.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
     model = parser.add_argument_group("model")
-    model.add_argument("--model-path", required=True, metavar="DIR_OR_ID",
-                       help="a local checkpoint directory, or a model id (org/name[@revision]) already in the "
-                            "local Hugging Face cache (nothing is downloaded)")
-    model.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
+    add_model_flags(model)
     model.add_argument("--backend", choices=BACKENDS, default=default("backend"),
                        help="how states are computed: speculators (the unmodified speculators generator, the "
                             "default), vllm-engine (speculators' capture on vLLM's own engine; the fastest on a "
@@ -109,8 +111,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                        help="layers to capture, counted as --format's trainer counts them: speculators-0.3 "
                             "the output of layer L (default 2, N/2, N-3, N-1), speculators-0.5 the state "
                             "after k layers (default 2, N/2, N-3, N)")
-    model.add_argument("--skip-forward-check", action="store_true",
-                       help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
+    add_forward_check_flag(model)
     output = parser.add_argument_group("output")
     output.add_argument("--output-dir", required=True, metavar="DIR",
                         help="where the sample files go (a rerun resumes)")
@@ -120,27 +121,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--format", choices=sorted(FORMATS),
                         help="output format: what the installed speculators trains on (speculators-0.3 for "
                              "0.3/0.4, speculators-0.5 for 0.5 and later or none installed)")
-    output.add_argument("--state-dtype", choices=STATE_DTYPES, default=default("state_dtype"),
-                        help="how states are stored: model (as the model computes them, the default) or fp8 "
-                             "(float8_e4m3fn with one scale per token, as speculators 0.9's FP8 hs-connector "
-                             "writes them: about half the bytes; speculators-0.5 only, trained with "
-                             "--hidden-states-backend fp8)")
+    add_state_dtype_flag(output, "speculators-0.5 only, ")
     output.add_argument("--progress-interval", type=float, metavar="SECONDS", default=default("progress_interval"),
                         help="seconds between log lines")
     # The tunable flags default to None here so that a preset's value stands unless a flag is given.
     speed = parser.add_argument_group("performance")
-    speed.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
-    speed.add_argument("--batch-size", type=at_least(1), metavar="N",
-                       help=f"sequences per batch: one generator call with --backend speculators; the engine backends "
-                            f"run a batch in groups of one engine step (default {default('batch_size')})")
-    speed.add_argument("--tp-size", type=at_least(1), metavar="N",
-                       help=f"tensor parallel size (default {default('tp_size')})")
-    speed.add_argument("--gpu-memory-utilization", type=share, metavar="SHARE",
-                       help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')}; on "
-                            f"CPU the KV cache is sized from the plan's estimate unless VLLM_CPU_KVCACHE_SPACE is set)")
-    speed.add_argument("--writer-threads", type=at_least(1), metavar="N",
-                       help=f"threads writing files (default {default('writer_threads')}; "
-                            f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
+    add_speed_flags(speed, batch_help=f"sequences per batch: one generator call with --backend speculators; the engine "
+                                      f"backends run a batch in groups of one engine step (default "
+                                      f"{default('batch_size')})",
+                    writer_help=f"threads writing files (default {default('writer_threads')}; "
+                                f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
     speed.add_argument("--max-writer-threads", type=at_least(1), metavar="N",
                        help=f"threads the writer may grow to while the run waits on it (default: half the cores, "
                             f"at most {WRITER_THREADS_CAP}; 1 with --backend vllm-native; --writer-threads N "
@@ -163,6 +153,87 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     log_levels.add_flags(parser.add_argument_group("log"))
 
 
+def add_model_flags(group) -> None:
+    """--model-path and --trust-remote-code (extract, plan, serve)."""
+    group.add_argument("--model-path", required=True, metavar="DIR_OR_ID",
+                       help="a local checkpoint directory, or a model id (org/name[@revision]) already in the "
+                            "local Hugging Face cache (nothing is downloaded)")
+    group.add_argument("--trust-remote-code", action="store_true", help="allow models that need remote code")
+
+
+def add_forward_check_flag(group) -> None:
+    group.add_argument("--skip-forward-check", action="store_true",
+                       help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
+
+
+def add_state_dtype_flag(group, where: str = "") -> None:
+    group.add_argument("--state-dtype", choices=STATE_DTYPES, default=default("state_dtype"),
+                       help=f"how states are stored: model (as the model computes them, the default) or fp8 "
+                            f"(float8_e4m3fn with one scale per token, as speculators 0.9's FP8 hs-connector "
+                            f"writes them: about half the bytes; {where}trained with --hidden-states-backend fp8)")
+
+
+def add_speed_flags(group, *, batch_help: str, writer_help: str) -> None:
+    """--preset, --batch-size, --tp-size, --gpu-memory-utilization, --writer-threads. The tunable flags
+    default to None here so that a preset's value stands unless a flag is given."""
+    group.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
+    group.add_argument("--batch-size", type=at_least(1), metavar="N", help=batch_help)
+    group.add_argument("--tp-size", type=at_least(1), metavar="N",
+                       help=f"tensor parallel size (default {default('tp_size')})")
+    group.add_argument("--gpu-memory-utilization", type=share, metavar="SHARE",
+                       help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')}; on "
+                            f"CPU the KV cache is sized from the plan's estimate unless VLLM_CPU_KVCACHE_SPACE is set)")
+    group.add_argument("--writer-threads", type=at_least(1), metavar="N", help=writer_help)
+
+
+SERVE_EXAMPLES = """examples:
+  hidden-states serve --model-path meta-llama/Llama-3.1-8B-Instruct --port 8000
+  speculators generate-offline-data --endpoint http://localhost:8000/v1 --preprocessed-data prepared \\
+      --output prepared/hidden_states --concurrency 64 --validate-outputs
+  speculators train ... --verifier-name-or-path meta-llama/Llama-3.1-8B-Instruct --on-missing generate \\
+      --vllm-endpoint http://localhost:8000/v1
+"""
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``serve``, in groups (the model's and the performance flags as extract's)."""
+    model = parser.add_argument_group("model")
+    add_model_flags(model)
+    model.add_argument("--served-model-name", metavar="NAME",
+                       help="the model id /v1/models lists, which speculators' trainer compares with its "
+                            "--verifier-name-or-path (default: --model-path as given)")
+    model.add_argument("--layer-ids", type=int, nargs="+", metavar="ID",
+                       help="layers each file holds, speculators 0.9's convention: the state after k layers, "
+                            "ascending (default 2, N/2, N-3, N: the trainer's --target-layer-ids and its "
+                            "verifier's last state)")
+    model.add_argument("--max-seq-len", type=at_least(1), metavar="TOKENS",
+                       help=f"the longest prompt served; a longer one is refused (400) (default "
+                            f"{default('max_seq_len')})")
+    add_forward_check_flag(model)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=serve_default("host"), help=f"where to listen (default {serve_default('host')})")
+    server.add_argument("--port", type=at_least(0), default=serve_default("port"),
+                        help=f"the port (default {serve_default('port')}; 0: a free one, said at start)")
+    server.add_argument("--states-dir", default=serve_default("states_dir"), metavar="DIR",
+                        help=f"where each request's file waits for its client, which moves or deletes it; best on "
+                             f"the filesystem of the client's output (default {serve_default('states_dir')})")
+    server.add_argument("--sweep-after", type=float, default=serve_default("sweep_after"), metavar="SECONDS",
+                        help=f"a file no client collected is removed after this long (default "
+                             f"{serve_default('sweep_after'):g})")
+    add_state_dtype_flag(server, "")
+    speed = parser.add_argument_group("performance")
+    add_speed_flags(speed, batch_help=f"most requests gathered into one submit to the engine; the engine holds "
+                                      f"three of them and the writers' rows before requests wait (default "
+                                      f"{SERVE_DEFAULTS['batch_size']})",
+                    writer_help=f"threads writing files (default {SERVE_DEFAULTS['writer_threads']})")
+    speed.add_argument("--gather-ms", type=float, metavar="MS", default=1000 * serve_default("gather_window"),
+                       help=f"milliseconds the server waits for more requests after the first of a batch "
+                            f"(default {1000 * serve_default('gather_window'):g})")
+    speed.add_argument("--no-shared-prefix", action="store_true",
+                       help="vLLM's prefix cache off: by default requests gathered into one batch share the "
+                            "states of their common first tokens")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hidden-states", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "model or writing anything: audit, memory per rank, disk, layer ids, time")):
         add_run_arguments(sub.add_parser(name, help=help_, description=help_, epilog=EXAMPLES,
                                          formatter_class=argparse.RawDescriptionHelpFormatter))
+    serve_help = ("load the model once and serve hidden states to speculators >= 0.9's client and trainer "
+                  "(the OpenAI-compatible calls they make to vLLM: /v1/models, /v1/completions)")
+    add_serve_arguments(sub.add_parser("serve", help=serve_help, description=serve_help, epilog=SERVE_EXAMPLES,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter))
     prepare = sub.add_parser("prepare", help="tokenize conversations as --format's trainer expects (no model "
                                              "load) into a JSONL of input_ids and loss_mask, and token_freq.pt")
     prepare.add_argument("--model-path", required=True,
@@ -268,6 +343,36 @@ def _extract(args) -> int:
     return 0
 
 
+def serve_settings_from(args) -> tuple[Settings, ServeSettings]:
+    """The extractor's settings and the server's from ``serve``'s flags: each tunable from its flag,
+    else the preset, else the server's default (``SERVE_DEFAULTS``), else the extractor's."""
+    from .serve_model import BACKEND
+
+    # the tunables serve has (its writer threads are a fixed pool: no --max-writer-threads)
+    given = {name: getattr(args, name) for name in TUNABLE if getattr(args, name, None) is not None}
+    settings = Settings.tuned(BACKEND, {**SERVE_DEFAULTS, **PRESETS.get(args.preset, {})}, given,
+                              model_path=model_ids.resolve(args.model_path), prepared_data="", output_dir="",
+                              layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
+                              state_dtype=args.state_dtype, forward_check=not args.skip_forward_check,
+                              share_prefixes=not args.no_shared_prefix)
+    settings.max_writer_threads = settings.writer_threads  # serve's writers are a fixed pool (serve_batches)
+    if args.sweep_after <= 0:
+        raise UsageError(f"--sweep-after {args.sweep_after:g}: must be more than 0 seconds")
+    if args.gather_ms < 0:
+        raise UsageError(f"--gather-ms {args.gather_ms:g}: must be at least 0")
+    return settings, ServeSettings(host=args.host, port=args.port,
+                                   served_model_name=args.served_model_name or args.model_path,
+                                   states_dir=args.states_dir, sweep_after=args.sweep_after,
+                                   gather_window=args.gather_ms / 1000)
+
+
+def _serve(args) -> int:
+    from .progress import log_to_stderr as log
+    from .serve import serve
+
+    return serve(*serve_settings_from(args), log)
+
+
 def _convert(args) -> int:
     from .convert import convert
     from .progress import log_to_stderr as log
@@ -329,7 +434,7 @@ def _run(args) -> int:
 
             print(status(args.output_dir))
             return 0
-        return {"extract": _extract, "plan": _plan, "prepare": _prepare, "convert": _convert,
+        return {"extract": _extract, "plan": _plan, "prepare": _prepare, "convert": _convert, "serve": _serve,
                 "demo": _demo}[args.command](args)
     except ExtractError as exc:
         print(f"hidden-states: error: {exc}", file=sys.stderr)

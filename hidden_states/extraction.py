@@ -305,12 +305,10 @@ class Extraction:
         return ProcessDied("; ".join(e.explain(oom_kills) for e in exits) + f". The run stopped on it: {stopped}. "
                            f"Finished samples are kept: rerun the same command to resume", exits)
 
-    def plan(self) -> None:
-        """Everything that can be checked and foreseen before anything is written or loaded, in
-        ``plan_lines`` (``hidden-states plan`` prints them; ``run`` logs them first): settings, model
-        config, layer ids and their meaning, tensor parallelism, the input's first samples, the memory
-        the model needs on this host's devices, the disk the whole input needs, the vLLM audit, the
-        samples to do and the run's time. Reads the output directory, never writes it."""
+    def plan_model(self) -> None:
+        """The plan's part that needs no input and no output directory (``hidden-states serve`` runs it
+        alone): the settings' bounds, the environment, the model's config, the format and its state
+        dtype, the layer ids and their meaning, tensor parallelism; the first ``plan_lines``."""
         settings = self.settings
         if settings.batch_size < 1:
             raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
@@ -338,9 +336,6 @@ class Extraction:
         self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
         layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
         check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
-        if self.format_name == layer_conventions.SPECULATORS_05:
-            extras.require("datasets", f"--format {self.format_name} (its dataset index, which the trainer reads)",
-                           PreflightError)
         check_tensor_parallel(facts, settings.tp_size)
         self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
         self.summary.layer_ids = self.format_layer_ids
@@ -349,6 +344,19 @@ class Extraction:
                            f"model: {facts.path} ({facts.num_layers} layers, hidden size {facts.hidden_size})",
                            f"layers: {self.format_layer_ids} for --format {self.format_name}{chosen}: "
                            f"{layer_conventions.meaning(self.format_name)}"]
+
+    def plan(self) -> None:
+        """Everything that can be checked and foreseen before anything is written or loaded, in
+        ``plan_lines`` (``hidden-states plan`` prints them; ``run`` logs them first): settings, model
+        config, layer ids and their meaning, tensor parallelism, the input's first samples, the memory
+        the model needs on this host's devices, the disk the whole input needs, the vLLM audit, the
+        samples to do and the run's time. Reads the output directory, never writes it."""
+        settings = self.settings
+        self.plan_model()
+        facts, layer_ids = self.facts, self.layers.ids
+        if self.format_name == layer_conventions.SPECULATORS_05:
+            extras.require("datasets", f"--format {self.format_name} (its dataset index, which the trainer reads)",
+                           PreflightError)
         chat = ChatSettings(settings.model_path, self.format_name, settings.max_seq_len, settings.trust_remote_code,
                             settings.strict)
         self.input = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
@@ -369,8 +377,7 @@ class Extraction:
         self.plan_lines.append(f"disk: about {human_size(disk)} of hidden states for the whole input"
                                if disk else "disk: not estimated (the input's size per token is not known)")
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            self.plan_lines.append("audit: " + check_vllm(settings.backend, backends.touchpoints_of(settings.backend),
-                                                          backends.needs_speculators(settings.backend)))
+            self.plan_lines.append(audit_line(settings.backend))
         self.plan_lines += self._work_and_time()
 
     def _check_output_dir(self) -> set[int]:
@@ -752,6 +759,12 @@ def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]
         groups[-1].append(sample)
         held += len(sample.input_ids)
     return groups
+
+
+def audit_line(backend: str) -> str:
+    """The plan's audit line: the vllm-compat audit of the installed vLLM for ``backend`` (problems
+    stop the run, ``preflight.check_vllm``)."""
+    return "audit: " + check_vllm(backend, backends.touchpoints_of(backend), backends.needs_speculators(backend))
 
 
 def check_forward(backend, vocab_size: int) -> str:

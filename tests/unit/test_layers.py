@@ -37,7 +37,8 @@ EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozense
                   "processes", "interrupts", "extras", "progress", "log_levels", "run_log", "forward_check",
                   "fp8_states"}),
     ("plug-ins", {"formats", "batches", "backends"}),
-    ("the run", {"extraction", "replicas", "convert", "status", "cli", "__main__"}),
+    ("the run", {"extraction", "replicas", "convert", "status", "serve", "serve_model", "serve_batches", "state_files",
+                 "cli", "__main__"}),
     ("fixtures", {"fixtures"}),
 ])
 # The one upward import the map allows: `hidden-states demo` runs the demo fixture (imported lazily).

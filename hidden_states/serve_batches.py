@@ -1,0 +1,150 @@
+"""Requests to the engine in batches, each request's states to its file (``hidden-states serve``).
+
+Every client request is one row. The gatherer takes the first request waiting, then whatever else
+arrives within a short window, up to ``--batch-size`` rows and one engine step's tokens (the
+backend's ``tokens_per_submit``; a longer row alone), and submits them as one batch: the engine
+backend's feed keeps vLLM's engine running across batches, and rows of one batch share vLLM's prefix
+cache. When the batch resolves, each row's states (views of the backend's shared-memory regions) are
+written to a file on a writer thread and the request's future gets its path; the region returns to
+the backend as the file is written.
+
+Backpressure is holding: while the backend's regions are all taken (the writers behind, the engine
+full), its ``submit`` waits, the gatherer with it, and requests wait in its queue; none is refused.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from . import fp8_states
+from .state_files import StateFiles
+
+STOP = object()
+
+
+class Draining(RuntimeError):
+    """The server is shutting down: no new request is taken."""
+
+
+class _Request:
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.future: Future = Future()  # the file's path
+
+
+class Gatherer:
+    """Gathers requests into the backend's batches and writes each row's file.
+
+    Args:
+        backend: a started engine backend (``submit(batch) -> Future`` of per-row layer lists).
+        files: where each row's file goes.
+        layer_order: where each served layer is among those the backend captures.
+        batch_size: the most rows of one submit.
+        window: seconds the gatherer waits for more rows after the first.
+        writer_threads: threads writing files.
+    """
+
+    def __init__(self, backend, files: StateFiles, layer_order: list[int], *, batch_size: int, window: float,
+                 writer_threads: int):
+        self.backend, self.files, self.layer_order = backend, files, layer_order
+        self.batch_size, self.window = batch_size, window
+        self._incoming: queue.Queue = queue.Queue()
+        self._writers = ThreadPoolExecutor(writer_threads, thread_name_prefix="hidden-states-serve-writer")
+        self._open = threading.Lock()
+        self._draining = False
+        self._pending = 0  # requests taken, not yet answered
+        self._idle = threading.Condition()
+        self.batches = self.rows = self.tokens = 0
+        self.failure: BaseException | None = None  # the backend refused a batch: its engine is gone
+        self._thread = threading.Thread(target=self._gather, name="hidden-states-gatherer", daemon=True)
+        self._thread.start()
+
+    def submit(self, ids: list[int]) -> Future:
+        """Queue one row; its future holds the file's path (or the error that stopped it)."""
+        request = _Request(ids)
+        with self._open:
+            if self._draining:
+                raise Draining("the server is shutting down")
+            with self._idle:
+                self._pending += 1
+            request.future.add_done_callback(self._answered)
+            self._incoming.put(request)
+        return request.future
+
+    def _answered(self, _future) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Take no new request, answer every one taken; True when all were answered within ``timeout``."""
+        with self._open:
+            self._draining = True
+            self._incoming.put(STOP)
+        with self._idle:
+            done = self._idle.wait_for(lambda: self._pending == 0, timeout)
+        self._thread.join(timeout=5)
+        self._writers.shutdown(wait=done)
+        return done
+
+    def _gather(self) -> None:
+        while True:
+            first = self._incoming.get()
+            if first is STOP:
+                return
+            batch, tokens = [first], len(first.ids)
+            budget = self.backend.tokens_per_submit
+            deadline = time.monotonic() + self.window
+            stop = False
+            while len(batch) < self.batch_size and (budget is None or tokens < budget):
+                try:
+                    request = self._incoming.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if request is STOP:
+                    stop = True
+                    break
+                if budget is not None and tokens + len(request.ids) > budget:
+                    self._submit(batch)  # the new row starts the next batch
+                    batch, tokens = [], 0
+                batch.append(request)
+                tokens += len(request.ids)
+            if batch:
+                self._submit(batch)
+            if stop:
+                return
+
+    def _submit(self, batch: list[_Request]) -> None:
+        try:
+            submitted = self.backend.submit([request.ids for request in batch])
+        except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, and the server stops
+            self.failure = self.failure or exc
+            for request in batch:
+                request.future.set_exception(exc)
+            return
+        self.batches += 1
+        self.rows += len(batch)
+        self.tokens += sum(len(request.ids) for request in batch)
+        submitted.add_done_callback(lambda done: self._resolved(batch, done))
+
+    def _resolved(self, batch: list[_Request], done: Future) -> None:
+        """On the backend's thread: hand each row to a writer thread (nothing here may block)."""
+        try:
+            states = done.result()
+        except Exception as exc:  # noqa: BLE001
+            for request in batch:
+                request.future.set_exception(exc)
+            return
+        for request, layers in zip(batch, states, strict=True):
+            self._writers.submit(self._write, request, fp8_states.pick(layers, self.layer_order))
+        states.clear()  # each row's layers now live only in its writer's task: its region frees as it ends
+
+    def _write(self, request: _Request, layers: list) -> None:
+        try:
+            path = self.files.write(request.ids, layers)
+        except Exception as exc:  # noqa: BLE001 - the request's reply says it
+            request.future.set_exception(exc)
+        else:
+            request.future.set_result(str(path))

@@ -1,0 +1,360 @@
+"""``hidden-states serve``'s HTTP surface, batching, backpressure, sweep, errors and SIGTERM, on a fake
+engine backend (the real one, with speculators 0.9's real client: tests/e2e/test_serve.py)."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hidden_states.serve import StatesServer, serve_until_signal
+from hidden_states.serve_batches import Draining, Gatherer
+from hidden_states.state_files import StateFiles
+
+MODEL = "org/tiny-model"
+VOCAB, HIDDEN, LAYERS = 512, 8, 3
+
+
+def fake_layers(ids: list[int]) -> list:
+    """Per-layer states a test can recompute: layer k of token t is ids[t] * (k + 1) + the column."""
+    base = torch.tensor(ids, dtype=torch.float32)[:, None] + torch.arange(HIDDEN, dtype=torch.float32)
+    return [(base * (k + 1)).to(torch.bfloat16) for k in range(LAYERS)]
+
+
+class FakeBackend:
+    """A started engine backend's surface: ``submit(batch) -> Future`` of each row's layers, resolved
+    on a thread of its own (as the engine feed does). ``capacity`` rows at most are held between
+    submit and the writer's release (the region pool): ``submit`` waits for room, as the real one does."""
+
+    def __init__(self, tokens_per_submit=None, delay=0.0, capacity=None, fail=None):
+        self.tokens_per_submit, self.delay, self.fail = tokens_per_submit, delay, fail
+        self.batches: list[list[list[int]]] = []
+        self.room = threading.Semaphore(capacity) if capacity else None
+        self.held = self.most_held = 0
+        self.lock = threading.Lock()
+
+    def submit(self, batch):
+        if self.room is not None:
+            for _ in batch:
+                self.room.acquire()
+        with self.lock:
+            self.batches.append(batch)
+            self.held += len(batch)
+            self.most_held = max(self.most_held, self.held)
+        future: Future = Future()
+
+        def resolve():
+            time.sleep(self.delay)
+            if self.fail:
+                future.set_exception(RuntimeError(self.fail))
+                self.release(len(batch))
+            else:
+                future.set_result([Released(fake_layers(ids), self) for ids in batch])
+
+        threading.Thread(target=resolve, daemon=True).start()
+        return future
+
+    def release(self, rows: int) -> None:
+        with self.lock:
+            self.held -= rows
+        if self.room is not None:
+            for _ in range(rows):
+                self.room.release()
+
+
+class Released(list):
+    """A row's layers that give their room back when collected (the backend's regions do)."""
+
+    def __init__(self, layers, backend):
+        super().__init__(layers)
+        self._backend = backend
+
+    def __del__(self):
+        self._backend.release(1)
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A server on a free port over a fake backend; yields a factory taking the backend's options."""
+    started = []
+
+    def start(backend=None, window=0.0, batch_size=32, state_dtype="model"):
+        backend = backend or FakeBackend()
+        files = StateFiles(tmp_path / "states", state_dtype, sweep_after=600)
+        gatherer = Gatherer(backend, files, list(range(LAYERS)), batch_size=batch_size, window=window,
+                            writer_threads=2)
+        server = StatesServer(("127.0.0.1", 0), model_id=MODEL, vocab_size=VOCAB, max_seq_len=64, log=lambda line: None,
+                              gatherer=gatherer)
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        started.append((server, gatherer))
+        return server, gatherer, backend
+
+    yield start
+    for server, gatherer in started:
+        server.shutdown()
+        server.server_close()
+        gatherer.drain(timeout=5)
+
+
+def call(server, method, path, body=None, raw=None):
+    connection = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+    response = connection.getresponse()
+    reply = json.loads(response.read() or b"{}")
+    connection.close()
+    return response.status, reply
+
+
+def completion(ids, **extra):
+    return {"model": MODEL, "prompt": ids, "max_tokens": 1, "return_token_ids": True, **extra}
+
+
+def test_models_lists_the_served_id_first(served):
+    server, *_ = served()
+    status, reply = call(server, "GET", "/v1/models")
+    assert status == 200 and reply["data"][0]["id"] == MODEL and reply["data"][0]["max_model_len"] == 64
+
+
+def test_a_completion_answers_with_the_ids_and_a_whole_file_of_their_states(served):
+    server, *_ = served()
+    ids = [5, 7, 11, 13, 2]
+    status, reply = call(server, "POST", "/v1/completions", completion(ids))
+    assert status == 200, reply
+    assert reply["choices"][0]["prompt_token_ids"] == ids
+    path = reply["kv_transfer_params"]["hidden_states_path"]
+    assert os.path.isfile(path) and not os.path.exists(path + ".lock")
+    saved = load_file(path)
+    assert set(saved) == {"hidden_states", "token_ids"}
+    assert saved["token_ids"].dtype == torch.int64 and saved["token_ids"].tolist() == ids
+    assert saved["hidden_states"].shape == (len(ids), LAYERS, HIDDEN)
+    assert torch.equal(saved["hidden_states"], torch.stack(fake_layers(ids), dim=1))
+    assert not [p for p in os.listdir(os.path.dirname(path)) if p.startswith(".tmp-")]
+
+
+def test_fp8_files_hold_speculators_09s_fp8_layout(served):
+    server, *_ = served(state_dtype="fp8")
+    ids = [3, 9, 27]
+    status, reply = call(server, "POST", "/v1/completions", completion(ids))
+    assert status == 200, reply
+    saved = load_file(reply["kv_transfer_params"]["hidden_states_path"])
+    assert saved["hidden_states"].dtype == torch.float8_e4m3fn and saved["hidden_states_scales"].shape == (3, 1, 1)
+    restored = saved["hidden_states"].float() * saved["hidden_states_scales"]
+    expected = torch.stack(fake_layers(ids), dim=1).float()
+    assert torch.allclose(restored, expected, rtol=0.07)
+
+
+@pytest.mark.parametrize("body, status, said", [
+    (completion([1, 2], model="other/model"), 404, "does not exist"),
+    (completion("hello there"), 400, "list of token ids"),
+    (completion([]), 400, "non-empty"),
+    (completion([1, VOCAB]), 400, "outside the model's vocabulary"),
+    (completion(list(range(65))), 400, "--max-seq-len 64"),
+    (completion([1, 2], max_tokens=16), 400, "max_tokens 16: must be 1"),
+    (completion([1, 2], stream=True), 400, "stream"),
+    ([1, 2], 400, "JSON object"),
+])
+def test_a_wrong_request_gets_an_openai_error_saying_what(served, body, status, said):
+    server, _, backend = served()
+    got, reply = call(server, "POST", "/v1/completions", body)
+    assert got == status and said in reply["error"]["message"], reply
+    assert backend.batches == []
+
+
+def test_other_paths_and_broken_bodies_are_refused_clearly(served):
+    server, *_ = served()
+    assert call(server, "POST", "/v1/completions", raw=b"{not json")[0] == 400
+    status, reply = call(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert status == 400 and "only token ids" in reply["error"]["message"]
+    assert call(server, "GET", "/v1/nothing")[0] == 404
+
+
+def test_a_failed_extraction_is_a_500_naming_the_cause(served):
+    server, *_ = served(FakeBackend(fail="the engine loop has stopped"))
+    status, reply = call(server, "POST", "/v1/completions", completion([1, 2, 3]))
+    assert status == 500 and "the engine loop has stopped" in reply["error"]["message"]
+
+
+def concurrently(server, bodies):
+    results = [None] * len(bodies)
+
+    def one(i):
+        results[i] = call(server, "POST", "/v1/completions", bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def test_requests_arriving_together_go_to_the_engine_as_one_batch(served):
+    server, gatherer, backend = served(window=0.5)
+    bodies = [completion([i + 1] * 3) for i in range(6)]
+    results = concurrently(server, bodies)
+    assert all(status == 200 for status, _ in results), results
+    assert len(backend.batches) < len(bodies), backend.batches
+    assert sorted(map(tuple, (ids for batch in backend.batches for ids in batch))) == sorted(
+        tuple(body["prompt"]) for body in bodies)
+    for (_, reply), body in zip(results, bodies):  # each reply names the file of its own ids
+        assert load_file(reply["kv_transfer_params"]["hidden_states_path"])["token_ids"].tolist() == body["prompt"]
+
+
+def test_a_batch_holds_at_most_one_engine_step_of_tokens_and_batch_size_rows(tmp_path):
+    backend = FakeBackend(tokens_per_submit=10)
+    gatherer = Gatherer(backend, StateFiles(tmp_path, "model", 600), [0, 1, 2], batch_size=3, window=0.3,
+                        writer_threads=1)
+    futures = [gatherer.submit([i + 1] * 4) for i in range(7)]
+    for future in futures:
+        future.result(timeout=30)
+    gatherer.drain(timeout=5)
+    assert all(sum(map(len, batch)) <= 10 for batch in backend.batches), backend.batches
+    assert all(len(batch) <= 3 for batch in backend.batches)
+    assert sum(map(len, backend.batches)) == 7
+
+
+def test_backpressure_holds_requests_and_answers_every_one(served):
+    """More clients than the backend can hold: requests wait (never a 429), all are answered."""
+    server, _, backend = served(FakeBackend(capacity=2, delay=0.05), batch_size=1)
+    results = concurrently(server, [completion([i + 1, i + 2]) for i in range(12)])
+    assert [status for status, _ in results] == [200] * 12, results
+    assert backend.most_held <= 2
+
+
+def test_files_nobody_collected_are_swept_and_nothing_else(tmp_path):
+    files = StateFiles(tmp_path, "model", sweep_after=60)
+    path = files.write([1, 2, 3], fake_layers([1, 2, 3]))
+    collected = files.write([4], fake_layers([4]))
+    os.replace(collected, tmp_path / "hs_0.safetensors")  # what the client does with its file
+    (tmp_path / "notes.txt").write_text("not the server's")
+    assert files.sweep() == 0 and path.exists()
+    assert files.sweep(now=time.time() + 61) == 1
+    assert not path.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hs_0.safetensors", "notes.txt"]
+
+
+def test_a_draining_gatherer_takes_no_new_request(tmp_path):
+    gatherer = Gatherer(FakeBackend(), StateFiles(tmp_path, "model", 600), [0, 1, 2], batch_size=4, window=0,
+                        writer_threads=1)
+    assert gatherer.drain(timeout=5)
+    with pytest.raises(Draining):
+        gatherer.submit([1])
+
+
+def test_sigterm_answers_the_requests_taken_then_stops(tmp_path):
+    """SIGTERM while a request is in the engine: it is answered with its file, the server stops
+    listening, and ``serve_until_signal`` returns the signal for a clean exit."""
+    backend = FakeBackend(delay=1.0)
+    files = StateFiles(tmp_path, "model", 600)
+    gatherer = Gatherer(backend, files, [0, 1, 2], batch_size=4, window=0, writer_threads=1)
+    server = StatesServer(("127.0.0.1", 0), model_id=MODEL, vocab_size=VOCAB, max_seq_len=64, log=lambda line: None,
+                          gatherer=gatherer)
+    address = server.server_address[:2]
+    answered = []
+
+    def client():
+        time.sleep(0.5)  # the server is up
+        answered.append(call(server, "POST", "/v1/completions", completion([4, 5, 6])))
+
+    def terminate():
+        while not backend.batches:  # the request is in the engine
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=client, daemon=True).start()
+    threading.Thread(target=terminate, daemon=True).start()
+    before = signal.getsignal(signal.SIGTERM)
+    assert serve_until_signal(server, gatherer, log=lambda line: None, drain_timeout=30) == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    for _ in range(100):
+        if answered:
+            break
+        time.sleep(0.05)
+    status, reply = answered[0]
+    assert status == 200 and os.path.isfile(reply["kv_transfer_params"]["hidden_states_path"])
+    with pytest.raises(ConnectionRefusedError):
+        http.client.HTTPConnection(*address, timeout=5).request("GET", "/v1/models")
+
+
+def test_a_client_gone_before_its_reply_leaves_a_file_for_the_sweep_and_the_server_serving(served, tmp_path):
+    server, _, backend = served(FakeBackend(delay=0.5))
+    body = json.dumps(completion([8, 9, 10])).encode()
+    with socket.create_connection(server.server_address[:2]) as gone:
+        gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    for _ in range(100):  # the request runs on: its file is made
+        if list((tmp_path / "states").glob("served-*.safetensors")):
+            break
+        time.sleep(0.05)
+    left = list((tmp_path / "states").glob("served-*.safetensors"))
+    assert len(left) == 1
+    assert call(server, "POST", "/v1/completions", completion([1, 2]))[0] == 200
+    files = StateFiles(tmp_path / "states", "model", sweep_after=60)
+    assert files.sweep(now=time.time() + 61) == 2 and not left[0].exists()
+
+
+def test_serve_flags_the_servers_defaults_under_a_preset_and_the_flags(tmp_path):
+    from hidden_states.cli import parse, serve_settings_from
+
+    given = str(tmp_path)
+    settings, options = serve_settings_from(parse(["serve", "--model-path", given]))
+    assert (settings.backend, settings.batch_size, settings.writer_threads) == ("vllm-engine", 32, 4)
+    assert settings.max_writer_threads == 4  # a fixed pool: the extractor's growing writer is not serve's
+    assert options.served_model_name == given and options.port == 8000 and options.states_dir == "/tmp/hidden_states"
+    settings, options = serve_settings_from(parse(["serve", "--model-path", given, "--preset", "h200",
+                                                   "--served-model-name", "org/m", "--gather-ms", "20"]))
+    assert settings.batch_size == 8 and options.served_model_name == "org/m" and options.gather_window == 0.02
+    settings, _ = serve_settings_from(parse(["serve", "--model-path", given, "--preset", "h200", "--batch-size", "64",
+                                             "--state-dtype", "fp8", "--layer-ids", "1", "3"]))
+    assert settings.batch_size == 64 and settings.state_dtype == "fp8" and settings.layer_ids == [1, 3]
+
+
+def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path, capsys, monkeypatch):
+    """A port taken is said at once (exit 2), before the model load (the plan, which reads the model, faked)."""
+    from hidden_states import serve_model
+    from hidden_states.cli import main
+
+    monkeypatch.setattr(serve_model.ServedModel, "plan", lambda self: setattr(self, "vocab_size", VOCAB) or [])
+    monkeypatch.setattr(serve_model.ServedModel, "load", lambda self: pytest.fail("the model was loaded"))
+    taken = StatesServer(("127.0.0.1", 0), model_id=MODEL, vocab_size=VOCAB, max_seq_len=64, log=lambda line: None)
+    port = taken.server_address[1]
+    try:
+        code = main(["serve", "--model-path", str(tmp_path), "--port", str(port), "--states-dir", str(tmp_path / "s")])
+    finally:
+        taken.server_close()
+    assert code == 2 and f"--port {port}: Address already in use" in capsys.readouterr().err
+
+
+def test_an_engine_that_stops_stops_the_server(tmp_path):
+    """The backend refusing batches (its engine loop gone): the request hears why (500), the server
+    drains and returns None (``serve`` then fails with exit 1), not serving errors forever."""
+
+    class Stopped(FakeBackend):
+        def submit(self, batch):
+            raise RuntimeError("the engine loop has stopped: EngineDeadError")
+
+    gatherer = Gatherer(Stopped(), StateFiles(tmp_path, "model", 600), [0, 1, 2], batch_size=4, window=0,
+                        writer_threads=1)
+    server = StatesServer(("127.0.0.1", 0), model_id=MODEL, vocab_size=VOCAB, max_seq_len=64, log=lambda line: None,
+                          gatherer=gatherer)
+    answered = []
+    threading.Thread(target=lambda: (time.sleep(0.3), answered.append(
+        call(server, "POST", "/v1/completions", completion([1, 2])))), daemon=True).start()
+    lines = []
+    assert serve_until_signal(server, gatherer, log=lines.append, drain_timeout=10) is None
+    for _ in range(100):
+        if answered:
+            break
+        time.sleep(0.05)
+    assert answered and answered[0][0] == 500 and "EngineDeadError" in answered[0][1]["error"]["message"]
+    assert "the engine stopped (RuntimeError" in lines[0]
