@@ -67,10 +67,11 @@ class Generation(Extraction):
         if self.sampling.max_new_tokens >= settings.max_seq_len:
             raise UsageError(f"--max-new-tokens {self.sampling.max_new_tokens}: must be below --max-seq-len "
                              f"{settings.max_seq_len} (a prompt and its reply make one row)")
+        first = next(iter(conversations.open_source(settings.prepared_data)), None)
+        if first is not None and conversations.kind_of(first) not in (conversations.SHAREGPT, conversations.MESSAGES):
+            raise InputError(f"{first.where}: a {conversations.kind_of(first)} row; generate regenerates "
+                             f"conversations (ShareGPT 'conversations' or OpenAI 'messages')")
         super().plan()
-        if self.input.tokenizer is None:
-            raise UsageError(f"--data {settings.prepared_data}: generate regenerates conversations (ShareGPT "
-                             f"'conversations' or OpenAI 'messages'); its rows are tokenized or text")
         self.plan_lines.append(f"generate: every user turn answered again ({self.describe_sampling()}); the time "
                                f"above is the rows' prefill alone")
 
@@ -128,7 +129,8 @@ class Generation(Extraction):
         for number, record in enumerate(source):
             kind = conversations.kind_of(record)
             if kind not in (conversations.SHAREGPT, conversations.MESSAGES):
-                raise InputError(f"{record.where}: a {kind} row; generate regenerates conversations")
+                raise InputError(f"{record.where}: a {kind} row; generate regenerates conversations (ShareGPT "
+                                 f"'conversations' or OpenAI 'messages')")
             what = kept(conversations.conversation(record, kind))
             indices = list(range(base, base + what.replies)) if per_reply else [number]
             base += what.replies
@@ -211,6 +213,8 @@ class Generation(Extraction):
                 sources.append(regen.replies[source.reply])
                 self.tally.rerendered += source.rerendered
             self.tally.rows += len(made)
+            if len({sample.index for sample in samples}) != len(samples):
+                raise RuntimeError(f"{regen.where}: two rows of the regenerated conversation match one reply")
         states = self.backend.row_states(rows, sources).result() if rows else []
         for sample, layers in zip(samples, states, strict=True):
             layers = fp8_states.pick(layers, self._layer_order)

@@ -95,9 +95,10 @@ class RowSource:
 
 def row_source(row: list[int], replies: list) -> RowSource:
     """The reply of ``replies`` (``.ids``: prompt + generated; ``.stored``: rows its region holds) whose
-    ids share the most of ``row``'s start (the later one on a tie: the longer conversation)."""
+    ids share the most of ``row``'s start; on a tie the earlier one (a per-turn row that is a whole
+    reply also begins the next turn's prompt: it is the earlier turn's row)."""
     shared = [common_prefix(row, reply.ids) for reply in replies]
-    best = max(range(len(replies)), key=lambda number: (shared[number], number))
+    best = max(range(len(replies)), key=lambda number: (shared[number], -number))
     reply = replies[best]
     # a row cut short by --max-seq-len within the reply still begins with it
     rerendered = shared[best] < min(len(reply.ids), len(row))

@@ -84,6 +84,9 @@ def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], position
     found, row, left = [], 0, list(order)
     while left:
         here = [r for r in left if positions[row] == starts[r] and holds(chunk(r), input_ids[row:row + tokens[r]])]
+        if len(here) > 1:  # a prompt's rows that match say more than a decode row, which matches any id
+            known = {r: sum(t is not None for t in chunk(r)) for r in here}
+            here = [r for r in here if known[r] == max(known.values())]
         if len(here) != 1:
             raise RuntimeError(f"hidden-states vllm-engine capture: the forward's rows from {row} on hold "
                                f"{'none' if not here else 'more than one'} of the scheduled requests {left}")
