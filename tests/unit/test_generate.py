@@ -206,7 +206,7 @@ def test_a_row_takes_the_reply_sharing_most_of_its_start():
     first, second = reply([1, 2], [3, 9]), reply([1, 2, 3, 9, 4], [5, 9])
     assert row_source([1, 2, 3, 9, 4, 5, 9], [first, second]) == RowSource(1, 6, False)  # the last token: not stored
     assert row_source([1, 2, 3, 9], [first, second]) == RowSource(0, 3, False)
-    assert row_source([1, 2, 3, 7, 9], [first, second]) == RowSource(1, 3, True)  # the template rewrote the reply
+    assert row_source([1, 2, 3, 7, 9], [first, second]) == RowSource(0, 3, True)  # the template rewrote the reply
     assert row_source([1, 2, 3], [first]) == RowSource(0, 3, False)  # a row cut by --max-seq-len within the reply
 
 
