@@ -162,8 +162,8 @@ class Generation(Extraction):
                     self.summary.interrupted = self.interrupt.requested
                     break
         self.progress.close()
-        computed_again = self.summary.tokens - self.backend.reply_rows_reused
-        self.log(self.tally.line(computed_again))
+        reused = self.backend.reply_rows_reused
+        self.log(self.tally.line(reused, self.summary.tokens - reused))
 
     def _batch(self, batch, lines) -> None:
         settings, sampling = self.settings, self.sampling

@@ -119,9 +119,10 @@ class Tally:
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
-    def line(self, computed_again: int) -> str:
+    def line(self, reused: int, computed_again: int) -> str:
+        """``reused``: row tokens whose states the generation computed; ``computed_again``: the others."""
         said = [f"{self.conversations} conversations regenerated ({self.replies} replies, {self.generated_tokens:,} "
-                f"tokens generated)", f"{self.rows} rows, {self.rerendered} re-rendered by the chat template "
-                f"({computed_again:,} row tokens computed again)"]
+                f"tokens generated)", f"{self.rows} rows, {self.rerendered} re-rendered by the chat template; "
+                f"{reused:,} row tokens from the generation's states, {computed_again:,} computed again"]
         said += [f"{n} skipped: {why}" for why, n in sorted(self.skipped.items())]
         return "generate: " + ", ".join(said)

@@ -241,7 +241,8 @@ def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
         trained = [t for t, m in zip(row.input_ids, row.loss_mask) if m]
         assert tokenizer.decode(trained).strip() == text.strip()  # the reply's tokens, nothing of the prompt
         assert not any(row.loss_mask[:len(prompt)])
-    assert "2 rows, 1 re-rendered by the chat template (3 row tokens computed again)" in tally.line(3)
+    assert "2 rows, 1 re-rendered by the chat template; 40 row tokens from the generation's states, 3 computed " \
+        "again" in tally.line(40, 3)
 
 
 # -- bad input: one line, exit 2
