@@ -72,7 +72,7 @@ class Generation(Extraction):
             raise InputError(f"{first.where}: a {conversations.kind_of(first)} row; generate regenerates "
                              f"conversations (ShareGPT 'conversations' or OpenAI 'messages')")
         super().plan()
-        self.plan_lines.append(f"generate: every user turn answered again ({self.describe_sampling()}); the time "
+        self.plan_lines.append(f"regeneration: every user turn answered again ({self.describe_sampling()}); the time "
                                f"above is the rows' prefill alone")
 
     def describe_sampling(self) -> str:

@@ -291,3 +291,132 @@ def test_the_sampling_is_part_of_the_output_directorys_identity():
     assert difference({**base}, {**base, "generation": {"temperature": 0.0}}).startswith("generation None")
     assert difference(base, dict(base)) is None
 
+
+
+# -- the run around a fake backend: rows, indices per layout, regenerated.jsonl, resume
+
+
+class FakeGenerating:
+    """``vllm-engine``'s generate interface in miniature: a reply is the words ``ok <n>``'s ids then
+    <|eot_id|>; a row's states at layer l are ``l * 1000 + position`` (the same whoever computes them)."""
+
+    name = "vllm-engine"
+    tokens_ahead, tokens_per_submit = 1, None
+    started_count = 0
+
+    def __init__(self, settings, tokenizer):
+        self.settings, self.tokenizer = settings, tokenizer
+        self.reply_rows_reused, self.released, self.asked = 0, [], 0
+
+    def start(self):
+        FakeGenerating.started_count += 1
+        return {"backend": self.name}
+
+    def check_forward(self, probe):
+        return []
+
+    def generate(self, prompts, sampling):
+        from concurrent.futures import Future
+
+        eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
+        replies = []
+        for ids in prompts:
+            self.asked += 1
+            generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
+            replies.append(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
+                                 len(ids) + len(generated) - 1, f"salt-{self.asked}"))
+        future = Future()
+        future.set_result(replies)
+        return future
+
+    def row_states(self, rows, sources):
+        from concurrent.futures import Future
+
+        for row, source in zip(rows, sources):
+            self.reply_rows_reused += row_source(row, [source]).reused
+        future = Future()
+        future.set_result([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
+                            for layer in self.settings.layer_ids] for row in rows])
+        return future
+
+    def release_replies(self, replies):
+        self.released += replies
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_run(chat_model, tmp_path, monkeypatch):
+    from hidden_states import backends, extraction
+    from hidden_states.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(str(chat_model))
+    made = []
+
+    def create(name, settings):
+        made.append(FakeGenerating(settings, tokenizer))
+        return made[-1]
+
+    monkeypatch.setattr(backends, "create", create)
+    monkeypatch.setattr(extraction, "check_vllm", lambda *args: "not run (a fake backend)")
+    monkeypatch.setattr(extraction, "check_environment", lambda: [])
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in [
+        {"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "one"},
+                      {"role": "assistant", "content": "x"}, {"role": "user", "content": "two"}]},
+        {"messages": [{"role": "user", "content": "tool?"}, {"role": "tool", "content": "{}"}]},
+        {"conversations": [{"from": "human", "value": "three"}, {"from": "gpt", "value": "y"}]},
+    ]) + "\n")
+    return chat_model, data, made
+
+
+def run_generation(model, data, out, layout, *extra):
+    from hidden_states.generation import Generation
+    from hidden_states.settings import Settings
+
+    settings = Settings(model_path=str(model), prepared_data=str(data), output_dir=str(out), batch_size=2,
+                        layer_ids=[0, 2] if layout == "speculators-0.3" else [1, 3], backend="vllm-engine", format=layout, max_seq_len=256, forward_check=False,
+                        **dict(extra))
+    lines = []
+    generation = Generation(settings, Sampling(max_new_tokens=16), log=lines.append)
+    return generation.run(), generation, lines
+
+
+def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
+    model, data, made = fake_run
+    out = tmp_path / "out"
+    summary, generation, lines = run_generation(model, data, out, "speculators-0.3")
+    assert summary.extracted == 2 and sorted(p.name for p in out.glob("data_*.pt")) == ["data_0.pt", "data_2.pt"]
+    regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["sample_indices"]) for r in regenerated] == [(0, [0]), (2, [2])]
+    assert [m["content"] for m in regenerated[0]["messages"]] == ["brief", "one", "ok 1", "two", "ok 3"]
+    saved = torch.load(out / "data_0.pt", weights_only=True)
+    row = generation.chat.rows(__import__("hidden_states.conversations", fromlist=["Record"]).Record(
+        "x", 1, {"messages": regenerated[0]["messages"]}), "messages")[0]
+    assert saved["input_ids"].tolist() == row.input_ids and saved["loss_mask"].tolist() == row.loss_mask
+    assert saved["hidden_states"][1][:, 0].tolist() == [2000.0 + p for p in range(len(row.input_ids))]
+    assert len(made[0].released) == 3  # every reply's region given back
+    said = next(line for line in lines if "conversations regenerated" in line)
+    assert "2 conversations regenerated (3 replies" in said and "1 skipped: conversations with tool turns" in said
+    # a rerun finds everything finished: no engine start
+    summary, _, _ = run_generation(model, data, out, "speculators-0.3")
+    assert (summary.extracted, summary.skipped, len(made)) == (0, 2, 1)
+    # a line whose rows are not all finished is dropped, and the conversation regenerated
+    (out / "data_2.pt").unlink()
+    summary, _, _ = run_generation(model, data, out, "speculators-0.3")
+    assert (summary.extracted, summary.skipped, len(made)) == (1, 1, 2)
+    assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
+
+
+def test_per_turn_rows_are_numbered_by_their_reply(fake_run, tmp_path):
+    pytest.importorskip("datasets")
+    model, data, _ = fake_run
+    out = tmp_path / "out"
+    summary, _, _ = run_generation(model, data, out, "speculators-0.5")
+    # conversation 0: replies 0 and 1; conversation 1 (tool turns, skipped) none; conversation 2: 2
+    assert summary.extracted == 3
+    regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert [r["sample_indices"] for r in regenerated] == [[0, 1], [2]]
+    assert sorted(p.name for p in (out / "hidden_states").glob("hs_*.safetensors")) == \
+        [f"hs_{i}.safetensors" for i in range(3)]
