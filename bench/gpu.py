@@ -398,15 +398,25 @@ def phase_extract(args) -> None:
 PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 
 
-def chat_prompts(args) -> list[str]:
+def with_chat_template(model: str, work: Path) -> str:
+    """``model`` as a folder of links to its files beside a plain chat template (the bench checkpoints
+    have none; the checkpoint itself is left as it is)."""
+    linked = work / "model"
+    linked.mkdir()
+    for path in Path(model).iterdir():
+        (linked / path.name).symlink_to(path.resolve())
+    if not (linked / "chat_template.jinja").exists():
+        (linked / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
+    return str(linked)
+
+
+def chat_prompts(args, model: str) -> list[str]:
     """``--samples`` user turns of ``--length`` random tokens, as text (the bench checkpoints' word-level
-    tokenizer reads a word per token back); a plain chat template is given to a model without one."""
+    tokenizer reads a word per token back)."""
     from transformers import AutoTokenizer
 
-    if not (Path(args.model) / "chat_template.jinja").exists():
-        (Path(args.model) / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    return [" ".join(tokenizer.convert_ids_to_tokens(ids)) for ids in sequences(args.model, args.samples, args.length)]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [" ".join(tokenizer.convert_ids_to_tokens(ids)) for ids in sequences(model, args.samples, args.length)]
 
 
 def phase_generate(args) -> None:
@@ -421,10 +431,11 @@ def phase_generate(args) -> None:
     work.mkdir(parents=True)
     longest = args.length + args.new_tokens + 8
     if args.backend == "hidden-states":
-        texts = chat_prompts(args)
+        model = with_chat_template(args.model, work)
+        texts = chat_prompts(args, model)
         data = work / "conversations.jsonl"
         data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
-        command = [sys.executable, "-m", "hidden_states", "generate", "--model-path", args.model, "--data", str(data),
+        command = [sys.executable, "-m", "hidden_states", "generate", "--model-path", model, "--data", str(data),
                    "--output-dir", str(work / "out"), "--batch-size", str(args.batch), "--max-seq-len", str(longest),
                    "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--temperature", "0",
                    "--tp-size", str(args.tp), "--gpu-memory-utilization", str(args.gpu_memory_utilization),

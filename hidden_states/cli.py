@@ -331,13 +331,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _output_captured(args):
-    """extract and convert: the full output to a log file in the output directory, the terminal's
+    """extract, generate and convert: the full output to a log file in the output directory, the terminal's
     share at --log-level (hidden_states/run_log.py)."""
     import contextlib
 
     from . import run_log
 
-    if args.command == "extract":
+    if args.command in ("extract", "generate"):
         try:
             shard = shards.from_environment(args.shard)
         except ExtractError:  # reported by the run itself

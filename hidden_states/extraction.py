@@ -246,11 +246,16 @@ class Extraction:
             self.summary.skipped = self.pending.skipped
             self.output.finish(self.finished)
             return self.summary
+        return self.loaded(lambda: self.loop(itertools.chain([first], batches)))
+
+    def loaded(self, work) -> Summary:
+        """Load the model, run ``work()``, finish: vLLM's processes watched and signals heard meanwhile;
+        a run that stopped early says so (its summary, what to do) before the error goes on."""
         try:
             with processes.contained() as self.children, Interrupt(self.log) as self.interrupt:
                 try:
                     self.load()
-                    self.loop(itertools.chain([first], batches))
+                    work()
                 except Exception as exc:
                     if isinstance(exc, InputError):
                         self.record_stop(exc)

@@ -28,12 +28,11 @@ import dataclasses
 import json
 import time
 
-from . import conversations, fp8_states, processes
+from . import conversations, fp8_states
 from .backends.vllm_engine import Reply, Sampling
 from .errors import InputError, UsageError
-from .extraction import Extraction
+from .extraction import PLAN_DETAILS, Extraction
 from .inputs import Sample
-from .interrupts import Interrupt
 from .layer_conventions import SPECULATORS_05
 from .progress import Progress
 from .regeneration import TOO_LONG, Kept, Regeneration, Tally, kept, row_source
@@ -87,33 +86,15 @@ class Generation(Extraction):
     # -- run
     def run(self):
         self.plan()
-        for line in self.plan_lines:
-            self.log(line)
+        for line in self.plan_lines:  # as extract: the plan's details to the log file
+            self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
         self.prepare()
         self._keep_finished_lines()
         todo = list(self._conversations_to_do())
         if not todo:
             self.output.finish(self.finished)
             return self.summary
-        try:
-            with processes.contained() as self.children, Interrupt(self.log) as self.interrupt:
-                try:
-                    self.load()
-                    self.generate(todo)
-                except Exception as exc:
-                    died = self.process_died(exc)
-                    if died is None:
-                        raise
-                    raise died from exc
-                finally:
-                    self.finish()
-        except BaseException as exc:
-            self.ended_early(exc)
-            self.log(self.summary.line())
-            raise
-        if self.summary.interrupted is not None:
-            self.ended_early(None)
-        return self.summary
+        return self.loaded(lambda: self.generate(todo))
 
     def unfinished(self) -> tuple[int, bool]:
         done = set(self.finished)
