@@ -63,6 +63,10 @@ class Generation(Extraction):
         if settings.data_parallel_size > 1 or settings.ray_address or settings.shard is not None:
             raise UsageError("generate runs in one process: --data-parallel-size, --ray-address and --shard are "
                              "not supported yet")
+        if self.sampling.temperature < 0:
+            raise UsageError(f"--temperature {self.sampling.temperature}: must be at least 0 (0: greedy)")
+        if not 0 < self.sampling.top_p <= 1:
+            raise UsageError(f"--top-p {self.sampling.top_p}: must be more than 0 and at most 1")
         if self.sampling.max_new_tokens >= settings.max_seq_len:
             raise UsageError(f"--max-new-tokens {self.sampling.max_new_tokens}: must be below --max-seq-len "
                              f"{settings.max_seq_len} (a prompt and its reply make one row)")

@@ -270,6 +270,8 @@ CHAT = '{"messages": [{"role": "user", "content": "hi"}]}'
     ([CHAT], ("--backend", "speculators"), "--backend speculators: generate runs on --backend vllm-engine"),
     ([CHAT], ("--max-new-tokens", "64", "--max-seq-len", "64"), "--max-new-tokens 64: must be below --max-seq-len 64"),
     ([CHAT], ("--data-parallel-size", "2"), "generate runs in one process"),
+    ([CHAT], ("--temperature", "-0.5"), "--temperature -0.5: must be at least 0"),
+    ([CHAT], ("--top-p", "0"), "--top-p 0.0: must be more than 0 and at most 1"),
     ([CHAT, '{"text": "plain"}'], ("--skip-forward-check",), "data.jsonl:2: a text row; generate regenerates"),
 ])
 def test_bad_input_is_one_line_and_exit_2(chat_model, tmp_path, capsys, monkeypatch, lines, extra, message):
