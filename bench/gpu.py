@@ -17,6 +17,9 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py forward-check --model M                                  # the extractor's preflight alone
     python bench/gpu.py check     --model M --samples 4 [--bf16-floor]           # extractor (and HF bf16) vs HF fp32
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
+    python bench/gpu.py generate  --model M --samples 256 --length 512 --new-tokens 1024 --backend vllm [--eager]
+    python bench/gpu.py extract   --model M --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32
+    python bench/gpu.py generate  --model M --samples 256 --length 512 --new-tokens 1024 --backend hidden-states
     python bench/gpu.py table
 
 Layers: speculators' default for the model (2, N/2, N-3, N-1). Token ids: uniform random, seeded.
@@ -88,6 +91,8 @@ def workload(args, samples: int | None = None, length: int | None = None, seed: 
     """The rows a phase runs: ``--rows multiturn``'s, or ``samples`` x ``length`` random tokens."""
     if args.rows == "multiturn":
         return multiturn_rows(args.model, args.conversations, args.system, args.user, args.assistant, args.turns)
+    if args.rows_file:  # rows another phase wrote (generate --backend vllm: prompt + reply)
+        return [json.loads(line)["input_ids"] for line in Path(args.rows_file).read_text().splitlines()]
     return sequences(args.model, samples or args.samples, length or args.length, seed)
 
 
@@ -390,6 +395,86 @@ def phase_extract(args) -> None:
          forward_check=forward.split("] ", 1)[-1], keep_freed_host_memory=keep_freed_host_memory(), summary=summary)
 
 
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
+
+def with_chat_template(model: str, work: Path) -> str:
+    """``model`` as a folder of links to its files beside a plain chat template (the bench checkpoints
+    have none; the checkpoint itself is left as it is)."""
+    linked = work / "model"
+    linked.mkdir()
+    for path in Path(model).iterdir():
+        (linked / path.name).symlink_to(path.resolve())
+    if not (linked / "chat_template.jinja").exists():
+        (linked / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
+    return str(linked)
+
+
+def chat_prompts(args, model: str) -> list[str]:
+    """``--samples`` user turns of ``--length`` random tokens, as text (the bench checkpoints' word-level
+    tokenizer reads a word per token back)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [" ".join(tokenizer.convert_ids_to_tokens(ids)) for ids in sequences(model, args.samples, args.length)]
+
+
+def phase_generate(args) -> None:
+    """issue 33: ``--samples`` prompts of ``--length`` tokens, ``--new-tokens`` each (``ignore_eos``), one call.
+    ``--backend vllm``: vLLM's ``LLM.generate`` alone (CUDA graphs unless ``--eager``); the rows (prompt +
+    reply) go to ``--work``/rows.jsonl for ``extract --rows-file``. ``--backend hidden-states``: ``hidden-states
+    generate`` on the same prompts (the rows' states captured while generating)."""
+    import shutil
+
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    longest = args.length + args.new_tokens + 8
+    if args.backend == "hidden-states":
+        model = with_chat_template(args.model, work)
+        texts = chat_prompts(args, model)
+        data = work / "conversations.jsonl"
+        data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
+        command = [sys.executable, "-m", "hidden_states", "generate", "--model-path", model, "--data", str(data),
+                   "--output-dir", str(work / "out"), "--batch-size", str(args.batch), "--max-seq-len", str(longest),
+                   "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--temperature", "0",
+                   "--tp-size", str(args.tp), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                   "--progress-interval", "30", "--format", args.format,
+                   "--layer-ids", *map(str, format_layers(args))]
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
+        generated = next((l for l in proc.stderr.splitlines() if "] generate:" in l), "")
+        if proc.returncode != 0 or summary is None:
+            emit("generate", backend=args.backend, error=proc.stderr[-3000:], returncode=proc.returncode)
+            return
+        seconds = float(re.search(r"in ([\d.]+) s", summary).group(1))
+        new = int(re.search(r"([\d,]+) tokens generated", generated).group(1).replace(",", ""))
+        emit("generate", model=Path(args.model).name, backend=args.backend, mode="eager (engine backends)",
+             samples=args.samples, prompt_tokens=args.length, new_tokens=new, seconds=seconds,
+             generated_tokens_per_s=round(new / seconds), generate=generated.split("] ", 1)[-1], summary=summary)
+        return
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(model=args.model, enforce_eager=args.eager, max_model_len=longest, tensor_parallel_size=args.tp,
+              gpu_memory_utilization=args.gpu_memory_utilization, disable_custom_all_reduce=args.tp > 1)
+    load = time.perf_counter() - started
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    # the ids the chat template renders for those texts (the plain template: the words themselves)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences(args.model, args.samples, args.length)]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, sampling)
+    seconds = time.perf_counter() - started
+    rows = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
+    write_jsonl(work / "rows.jsonl", rows)
+    new = sum(len(o.outputs[0].token_ids) for o in outputs)
+    emit("generate", model=Path(args.model).name, backend="vllm", mode="eager" if args.eager else "cuda graphs",
+         samples=args.samples, prompt_tokens=args.length, new_tokens=new, load_seconds=round(load, 1),
+         seconds=round(seconds, 2), generated_tokens_per_s=round(new / seconds), rows=str(work / "rows.jsonl"))
+
+
 def phase_forward_check(args) -> None:
     """The extractor's preflight (``hidden_states.forward_check`` through the backend) on its own:
     every kernel self-test with its error, and the check's time on a cold and on a warm call."""
@@ -458,7 +543,7 @@ def phase_table(args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("phase", choices=["env", "build", "matmul", "prefill", "hf", "generator", "extract",
-                                          "forward-check", "check", "native", "table"])
+                                          "forward-check", "check", "native", "generate", "table"])
     parser.add_argument("--model")
     parser.add_argument("--family")
     parser.add_argument("--path")
@@ -470,7 +555,12 @@ def main(argv=None) -> int:
     parser.add_argument("--speculators-version", default=os.environ.get("SPECULATORS_VERSION", ""))
     parser.add_argument("--work", default="/tmp/bench-extract")
     parser.add_argument("--writer-threads", type=int, help="extract: --writer-threads (default: the extractor's for the backend)")
-    parser.add_argument("--backend", default="speculators", choices=["speculators", "vllm-native", "vllm-engine"])
+    parser.add_argument("--backend", default="speculators",
+                        choices=["speculators", "vllm-native", "vllm-engine", "vllm", "hidden-states"],
+                        help="extract: the extractor's backend; generate: vllm (LLM.generate alone) or hidden-states")
+    parser.add_argument("--new-tokens", type=int, default=1024, help="generate: tokens per reply (ignore_eos)")
+    parser.add_argument("--eager", action="store_true", help="generate --backend vllm: no CUDA graphs")
+    parser.add_argument("--rows-file", help="prefill, extract: the rows of a JSONL of input_ids (generate's rows.jsonl)")
     parser.add_argument("--configs", default="", help="generator: batch x length list, e.g. 8x2048,32x512")
     parser.add_argument("--token-budget", type=int, default=0,
                         help="generator: speculators' MIN_MAX_BATCHED_TOKENS (scheduler tokens per step)")

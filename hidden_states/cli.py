@@ -247,6 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
                   "(the OpenAI-compatible calls they make to vLLM: /v1/models, /v1/completions)")
     add_serve_arguments(sub.add_parser("serve", help=serve_help, description=serve_help, epilog=SERVE_EXAMPLES,
                                        formatter_class=argparse.RawDescriptionHelpFormatter))
+    # hidden-states generate: extract's flags, the sampling flags (hidden_states/generation.py)
+    generate = sub.add_parser("generate", help="regenerate the assistant turns with the model and write the rows "
+                                               "of the regenerated conversations with the states the generation "
+                                               "computed (on-policy data in one pass; --backend vllm-engine)",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(generate)
+    sampling = generate.add_argument_group("sampling (vLLM's SamplingParams)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--max-new-tokens", type=at_least(1), default=1024, metavar="N",
+                          help="the most tokens of one reply (vLLM's max_tokens; default 1024)")
+    sampling.add_argument("--seed", type=int, help="each request's own seed: its replies do not depend on its batch")
+    sampling.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens whatever is sampled "
+                                                                     "(benchmarks)")
+    generate.set_defaults(backend="vllm-engine")
     prepare = sub.add_parser("prepare", help="tokenize conversations as --format's trainer expects (no model "
                                              "load) into a JSONL of input_ids and loss_mask, and token_freq.pt")
     prepare.add_argument("--model-path", required=True,
@@ -392,6 +407,18 @@ def _prepare(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    from .generation import Generation, sampling_from
+    from .progress import log_to_stderr as log
+
+    summary = Generation(settings_from(args), sampling_from(args), log=log).run()
+    log(summary.line())
+    if summary.interrupted is not None:
+        log(summary.next_step)
+        return 128 + summary.interrupted
+    return 0
+
+
 def _demo(args) -> int:
     from .fixtures.demo import run_demo
 
@@ -409,13 +436,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _output_captured(args):
-    """extract and convert: the full output to a log file in the output directory, the terminal's
+    """extract, generate and convert: the full output to a log file in the output directory, the terminal's
     share at --log-level (hidden_states/run_log.py)."""
     import contextlib
 
     from . import run_log
 
-    if args.command == "extract":
+    if args.command in ("extract", "generate"):
         try:
             shard = shards.from_environment(args.shard)
         except ExtractError:  # reported by the run itself
@@ -435,7 +462,7 @@ def _run(args) -> int:
             print(status(args.output_dir))
             return 0
         return {"extract": _extract, "plan": _plan, "prepare": _prepare, "convert": _convert, "serve": _serve,
-                "demo": _demo}[args.command](args)
+                "demo": _demo, "generate": _generate}[args.command](args)
     except ExtractError as exc:
         print(f"hidden-states: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -163,16 +163,18 @@ class RunPlan:
         tag = f"{self.tag}.replica-{replica_id}" if self.tag else f"replica-{replica_id}"
         return dataclasses.replace(self, tag=tag)
 
-    def backend_settings(self) -> backends.BackendSettings:
+    def backend_settings(self, batches_held: int = 3) -> backends.BackendSettings:
         """What the backend gets: the settings it shares with the run, by name, and the layers it
-        captures (each once, in the model's order)."""
+        captures (each once, in the model's order); ``batches_held``: the batches' worth of
+        sequences whose states the run holds at once."""
         settings = self.settings
         shared = {f.name: getattr(settings, f.name) for f in dataclasses.fields(backends.BackendSettings)
                   if hasattr(settings, f.name) and f.name != "layer_ids"}
         # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
         # backend keeps ahead, known once its engine runs, it adds itself)
         return backends.BackendSettings(**shared, layer_ids=sorted(set(self.layers.ids)),
-                                        sequences_in_flight=3 * settings.batch_size + settings.max_writer_threads)
+                                        sequences_in_flight=batches_held * settings.batch_size
+                                        + settings.max_writer_threads)
 
 
 class Extraction:
@@ -193,6 +195,7 @@ class Extraction:
     """
 
     loads_model_here = True
+    batches_held = 3  # the batch awaited, the writer's queue, slack (RunPlan.backend_settings)
 
     def __init__(self, settings: Settings, *, log=None, source: BatchSource | None = None):
         self.settings = settings
@@ -242,11 +245,16 @@ class Extraction:
             self.summary.skipped = self.pending.skipped
             self.output.finish(self.finished)
             return self.summary
+        return self.loaded(lambda: self.loop(itertools.chain([first], batches)))
+
+    def loaded(self, work) -> Summary:
+        """Load the model, run ``work()``, finish: vLLM's processes watched and signals heard meanwhile;
+        a run that stopped early says so (its summary, what to do) before the error goes on."""
         try:
             with processes.contained() as self.children, Interrupt(self.log) as self.interrupt:
                 try:
                     self.load()
-                    self.loop(itertools.chain([first], batches))
+                    work()
                 except Exception as exc:
                     if isinstance(exc, InputError):
                         self.record_stop(exc)
@@ -522,7 +530,7 @@ class Extraction:
         settings = self.settings
         if self.cpu_kv_cache is not None:  # vLLM reads it in this process, as it builds its config
             os.environ.setdefault(CPU_KV_CACHE_ENV, str(self.cpu_kv_cache))
-        backend_settings = self.run_plan.backend_settings()
+        backend_settings = self.run_plan.backend_settings(self.batches_held)
         self.backend = backends.create(settings.backend, backend_settings)
         # Backends capture each layer once, in the model's order; the files list them as asked.
         self._layer_order = [backend_settings.layer_ids.index(layer) for layer in self.layers.ids]

@@ -128,13 +128,16 @@ def tokenization_change(was: dict, now: dict) -> str | None:
 def difference(previous: dict, now: dict) -> str | None:
     """What makes the extraction recorded in ``previous`` (a ``data_config.json``, its ``format``
     given by name) another one than ``now`` (``model``, ``layer_ids``, ``format``, ``state_dtype``,
-    ``input``, ``tokenization``), said in one clause; None when it is the same. A record without a
-    state dtype (written before FP8 states, or by ``convert``) holds the model's."""
+    ``generation``: the sampling of ``hidden-states generate``, ``input``, ``tokenization``), said in
+    one clause; None when it is the same. A record without a state dtype (written before FP8 states,
+    or by ``convert``) holds the model's."""
     for key in ("model", "layer_ids", "format", "state_dtype"):
         was = previous.get(key, "model") if key == "state_dtype" else previous.get(key)
         is_now = now.get(key, "model") if key == "state_dtype" else now[key]
         if was != is_now:
             return f"{key} {was!r}, this run {is_now!r}"
+    if previous.get("generation") != now.get("generation"):  # hidden-states generate's sampling (None: extract)
+        return f"generation {previous.get('generation')!r}, this run {now.get('generation')!r}"
     was_input, was_tokenization = recorded(previous)
     if not same_input(was_input, now["input"]):
         return f"input {describe_input(was_input)}; this run's {describe_input(now['input'])}"

@@ -116,7 +116,8 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
                          f"{str(exc).splitlines()[0] if str(exc) else 'no message'})") from None
 
 
-def _common_prefix(a, b) -> int:
+def common_prefix(a, b) -> int:
+    """How many first items (characters, token ids) ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -134,8 +135,8 @@ def reply_span(full: str, probe: str) -> tuple[int, int] | None:
     if at < 0:
         return None
     before, after = probe[:at], probe[at + len(PLACEHOLDER):]
-    start = _common_prefix(full, before)
-    end = min(_common_prefix(full[::-1], after[::-1]), len(full) - start)
+    start = common_prefix(full, before)
+    end = min(common_prefix(full[::-1], after[::-1]), len(full) - start)
     return start, len(full) - end
 
 
@@ -225,6 +226,10 @@ class ChatTokenizer:
         return (f"conversations tokenized with the model's chat template for {self.layout} (mask from "
                 f"{self.method}): {self.counts.line(self.max_seq_len)}")
 
+    def prompt_ids(self, messages: list[dict], tools=None) -> list[int]:
+        """``messages`` rendered with the generation prompt, as ids: what the model answers next."""
+        return self._ids(self._render(messages, tools, generation_prompt=True))
+
     def _render(self, messages: list[dict], tools, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
@@ -272,7 +277,7 @@ class ChatTokenizer:
             if full[: len(prompt)] == prompt:
                 boundary = len(prompt)
             else:  # a generation prompt the reply does not continue (a pre-filled <think>)
-                boundary = _common_prefix(prompt, full)
+                boundary = common_prefix(prompt, full)
                 history = self._ids(self._render(messages[:turn], chat.tools))
                 if full[: len(history)] != history or boundary < len(history):
                     self.counts.skipped["conversations whose template rewrites the history at a turn"] += 1

@@ -43,6 +43,8 @@
 #   SPEC09=DIR bash bench/device/stages.sh serve  # issue 32: speculators 0.9's generate-offline-data (SPEC09: a folder holding
 #                                           speculators 0.9 and its requirements) at concurrency 32/64/128 against
 #                                           hidden-states serve; ... serve-vllm: against vllm serve as speculators' launcher starts it
+#   bash bench/device/stages.sh generate    # issue 33: vLLM's graph-mode generation alone, + extract of its rows (two passes),
+#                                           hidden-states generate (one pass); 256 x 512 prompts, 1,024 new tokens each
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -266,6 +268,17 @@ case "${1:?stage}" in
     # the first run's writer stalled 77 % (2026-12-03, CPUs shared): the same with twice the writer threads
     step 100 "rm -rf /tmp/p32w && extract --backend vllm-engine --batch 32 $MT --writer-threads 8 --work /tmp/p32w; rm -rf /tmp/p32w"
     step 100 "rm -rf /tmp/p32n && extract --backend vllm-engine --batch 32 $MT --no-shared-prefix --work /tmp/p32n; rm -rf /tmp/p32n"
+    ;;
+  generate)  # issue 33 item 3, 8B shape: 256 prompts of 512 tokens, 1,024 new tokens each (ignore_eos), one call:
+             # vLLM's generation alone in graph mode (and eager), then extract (vllm-engine) of the rows it made:
+             # the best two passes; then hidden-states generate on the same prompts (one pass, eager engine backend
+             # until the capture runs inside CUDA graphs). GSAMPLES / GLENGTH / GNEW shrink it for the CPU dry run.
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}"
+    step 120 "$B generate $G --backend vllm --work /tmp/g 2>&1 | grep -E 'RESULT|Error' | tail -2"
+    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32 --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx"
+    step 200 "$B generate $G --backend hidden-states --batch ${GSAMPLES:-256} --work /tmp/gh 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-1200; rm -rf /tmp/gh"
+    step 120 "$B generate $G --backend vllm --eager --work /tmp/ge 2>&1 | grep -E 'RESULT|Error' | tail -2; rm -rf /tmp/ge /tmp/g"
     ;;
   release-one)  # one call for a release (most important first): the generator with the shim and its files vs HF,
                 # from 0.34.0 the same without extensible_kv_cache (the fault), eager prefill, vllm-engine (vs HF),

@@ -21,8 +21,11 @@ request's region of a page-locked ``/dev/shm`` segment shared with the parent.
   one scale per row over its layers), and each row's scale is stored after the token ids: half the
   bytes cross to the host.
 * Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
-  prompts recomputed after a preemption land in place; rows past the prompt (a decode step) and rows
-  of requests without a region (warm-up, profiling) are not stored. A request whose first tokens
+  prompts recomputed after a preemption land in place; rows past the region's length and rows of
+  requests without a region (warm-up, profiling) are not stored. A region is the prompt's length
+  for ``extract`` (a decode step's row is past it); ``hidden-states generate`` gives a request the
+  prompt plus its most new tokens, and each decode step's row (the token it feeds back, with its
+  id) lands at its position: the reply's rows, all but the last sampled token, which no step feeds. A request whose first tokens
   vLLM's prefix cache held starts past them: the header's second int64 says where (the lowest
   position stored at), and the parent fills the rows before it from the request that computed them.
 * On a GPU the states' copies run on a stream of their own, into pinned memory, after the step's
@@ -67,13 +70,23 @@ def order_by_rows(order, tokens, starts, prompts, input_ids: list[int], position
     disagree (it happened once, CHANGELOG.md), only the rows' own token ids and positions say whose
     rows they are."""
     def chunk(request_id):
-        return prompts[request_id][starts[request_id]:starts[request_id] + tokens[request_id]]
+        """The ids of its rows this step: its prompt's; a decode row's (a generated token, fed back:
+        ``hidden-states generate``) is not known here, None, and matches any id."""
+        start, count = starts[request_id], tokens[request_id]
+        known = prompts[request_id][start:start + count]
+        return known + [None] * (count - len(known))
 
-    if [t for r in order for t in chunk(r)] == input_ids[:sum(tokens[r] for r in order)]:
+    def holds(expected, rows) -> bool:
+        return len(expected) == len(rows) and all(e is None or e == got for e, got in zip(expected, rows))
+
+    if holds([t for r in order for t in chunk(r)], input_ids[:sum(tokens[r] for r in order)]):
         return order
     found, row, left = [], 0, list(order)
     while left:
-        here = [r for r in left if positions[row] == starts[r] and input_ids[row:row + tokens[r]] == chunk(r)]
+        here = [r for r in left if positions[row] == starts[r] and holds(chunk(r), input_ids[row:row + tokens[r]])]
+        if len(here) > 1:  # a prompt's rows that match say more than a decode row, which matches any id
+            known = {r: sum(t is not None for t in chunk(r)) for r in here}
+            here = [r for r in here if known[r] == max(known.values())]
         if len(here) != 1:
             raise RuntimeError(f"hidden-states vllm-engine capture: the forward's rows from {row} on hold "
                                f"{'none' if not here else 'more than one'} of the scheduled requests {left}")

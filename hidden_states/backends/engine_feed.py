@@ -65,6 +65,10 @@ class Batch:
         self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
         self.failed = False
 
+    def salt(self, position: int) -> str | None:
+        """The cache salt of the request at ``position`` (the batch's; a batch may give each its own)."""
+        return self.cache_salt
+
 
 class EngineFeed:
     """Adds each batch's requests to ``engine`` and steps it on a thread of its own.
@@ -124,8 +128,8 @@ class EngineFeed:
                     for position, ids in enumerate(batch.ids):
                         request_id = f"hs-{number}-{position}"
                         prompt = TokensPrompt(prompt_token_ids=ids)
-                        if batch.cache_salt is not None:
-                            prompt["cache_salt"] = batch.cache_salt
+                        if (salt := batch.salt(position)) is not None:
+                            prompt["cache_salt"] = salt
                         engine.add_request(request_id=request_id, prompt=prompt, params=self._params(batch, position))
                         running[request_id] = (batch, position)
                     batch = self._next_nowait()

@@ -112,11 +112,11 @@ class RegionPool:
         return next((i for i, (_, size) in enumerate(self._free) if size >= nbytes), None)
 
     def rows_stored(self, offset: int, expected: int, timeout: float) -> int:
-        """The row count a worker wrote into the region at ``offset``, once it is ``expected`` or
-        ``timeout`` seconds have passed (a GPU worker writes it when the copies have landed, which
+        """The row count a worker wrote into the region at ``offset``, once it is at least ``expected``
+        or ``timeout`` seconds have passed (a GPU worker writes it when the copies have landed, which
         may be a moment after the engine reports the request finished)."""
         deadline = time.monotonic() + timeout
-        while (stored := struct.unpack_from("<q", self.mapping, offset)[0]) != expected and time.monotonic() < deadline:
+        while (stored := struct.unpack_from("<q", self.mapping, offset)[0]) < expected and time.monotonic() < deadline:
             time.sleep(0.0005)
         return stored
 

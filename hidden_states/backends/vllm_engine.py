@@ -33,6 +33,8 @@ import itertools
 import os
 import threading
 import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from packaging.specifiers import SpecifierSet
 
@@ -40,6 +42,7 @@ from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 
 from .. import fp8_states
 from ..errors import UsageError
+from ..tokenization import common_prefix
 from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
@@ -110,6 +113,64 @@ class _RegionBatch(Batch):
     def __init__(self, ids: list[list[int]], offsets: list[int], cache_salt: str | None = None):
         super().__init__(ids, cache_salt)
         self.offsets = offsets  # each sequence's region
+        self.lengths = [len(one) for one in ids]  # each region's rows (its layout's length)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How ``hidden-states generate`` samples replies (vLLM's ``SamplingParams`` of the same names;
+    ``max_new_tokens`` is its ``max_tokens``; ``seed`` seeds each request on its own)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A generated reply and where its rows are: ``prompt`` + ``generated`` ids, the rows of the
+    first ``stored`` of them in the region at ``offset`` (laid out for ``capacity`` rows), computed
+    under vLLM cache salt ``salt``."""
+
+    prompt: list[int]
+    generated: list[int]
+    text: str
+    finish_reason: str | None
+    offset: int
+    capacity: int
+    stored: int
+    salt: str
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+class _GenerationBatch(_RegionBatch):
+    """Prompts to answer: each request's region holds its prompt and up to ``max_new_tokens`` rows
+    more (the decode steps'), each under a cache salt of its own."""
+
+    def __init__(self, ids, offsets, sampling: Sampling, salts: list[str]):
+        super().__init__(ids, offsets)
+        self.sampling, self.salts = sampling, salts
+        self.lengths = [len(one) + sampling.max_new_tokens for one in ids]
+
+    def salt(self, position: int) -> str:
+        return self.salts[position]
+
+
+class _RowBatch(_RegionBatch):
+    """Training rows prefilled under their replies' cache salts: vLLM computes only what its prefix
+    cache does not hold; the rows before are copied from the reply's region."""
+
+    def __init__(self, ids, offsets, sources: list[Reply]):
+        super().__init__(ids, offsets)
+        self.sources = sources
+
+    def salt(self, position: int) -> str:
+        return self.sources[position].salt
 
 
 class VllmEngineBackend(EngineBackend):
@@ -121,6 +182,7 @@ class VllmEngineBackend(EngineBackend):
         self.prefix_caching = settings.share_prefixes
         self._salts = itertools.count()
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache held, their rows copied from another request
+        self.reply_rows_reused = 0  # generate: row tokens whose states were copied from the reply's region
         self._pool: RegionPool | None = None
         self._layout: dict | None = None
         self._scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
@@ -158,8 +220,7 @@ class VllmEngineBackend(EngineBackend):
 
     def new_batch(self, batch: list[list[int]]) -> _RegionBatch:
         """Reserve each sequence's region (waits while the writer still holds too many states)."""
-        if self._feed.failure is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
+        self._check_feed()
         offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in batch]
         return _RegionBatch(batch, offsets, f"hs-{next(self._salts)}" if self.prefix_caching else None)
 
@@ -170,19 +231,105 @@ class VllmEngineBackend(EngineBackend):
                 if isinstance(layers, fp8_states.Quantized) else [layer.clone() for layer in layers]
                 for layers in self.submit(batch).result()]
 
+    # -- hidden-states generate: replies, then their rows (docs/extractor.md, "On-policy rows in one pass")
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Future:
+        """Answer ``prompts``; the future resolves to a :class:`Reply` each, whose region holds the
+        rows of its prompt and of every generated token a step fed back (all but the last). The
+        regions stay reserved until :meth:`release_replies`."""
+        self._check_feed()
+        offsets = [self._pool.reserve(self._region_bytes(len(ids) + sampling.max_new_tokens), timeout=600.0)
+                   for ids in prompts]
+        work = _GenerationBatch(prompts, offsets, sampling, [f"hs-gen-{next(self._salts)}" for _ in prompts])
+        self._feed.put(work)
+        return work.future
+
+    def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future:
+        """The states of ``rows``, each the training row of reply ``sources[i]``'s conversation: as
+        ``submit``'s, every row whole. Each row is prefilled under its reply's cache salt (vLLM
+        computes what its prefix cache does not hold, at least the last token); the rows before are
+        copied from the reply's region, which must hold them (the same ids, stored)."""
+        self._check_feed()
+        offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in rows]
+        work = _RowBatch(rows, offsets, sources)
+        self._feed.put(work)
+        return work.future
+
+    def release_replies(self, replies: list[Reply]) -> None:
+        for reply in replies:
+            self._pool.release(reply.offset)
+
+    def _check_feed(self) -> None:
+        if self._feed.failure is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
+
+    def _replies(self, work: _GenerationBatch) -> list[Reply]:
+        """Each request's reply, once its region holds every row a step fed (checked: the prompt is
+        the one submitted, every stored row's token id is the reply's)."""
+        replies = []
+        for position, (prompt, offset) in enumerate(zip(work.ids, work.offsets)):
+            output = work.finished[position]
+            if list(output.prompt_token_ids) != prompt:
+                raise RuntimeError(f"vLLM's request at batch position {position} holds other token ids")
+            completion = output.outputs[0]
+            ids = prompt + list(completion.token_ids)
+            fed = len(ids) - 1  # the last sampled token is fed by no step
+            stored = self._pool.rows_stored(offset, fed, timeout=self.rows_timeout)
+            if stored < fed:
+                raise RuntimeError(f"the worker stored {stored} of the {fed} rows generation fed for batch position "
+                                   f"{position}")
+            stored = min(stored, len(ids))  # a step async scheduling ran for the last token too
+            import torch
+
+            if self._pool.view(offset + HEADER, torch.int32, stored).tolist() != ids[:stored]:
+                raise RuntimeError(f"the states stored for generated batch position {position} come from other "
+                                   f"tokens' rows: the worker attributed rows to the wrong request")
+            replies.append(Reply(prompt, list(completion.token_ids), completion.text, completion.finish_reason,
+                                 offset, work.lengths[position], stored, work.salts[position]))
+        return replies
+
+    def _fill_from_replies(self, work: _RowBatch) -> None:
+        """Copy into each row's region the rows vLLM's prefix cache spared it, from its reply's region."""
+        for position, (ids, offset, source) in enumerate(zip(work.ids, work.offsets, work.sources)):
+            if self._pool.rows_stored(offset, len(ids), timeout=self.rows_timeout) != len(ids):
+                continue  # left to _states, which names it
+            first = self._pool.first_row(offset)
+            if first > min(common_prefix(ids, source.ids), source.stored):
+                raise RuntimeError(f"vLLM's prefix cache gave row {position} its first {first} tokens, and its reply's "
+                                   f"region holds {min(common_prefix(ids, source.ids), source.stored)} of them")
+            if first:
+                self._copy_rows(offset, len(ids), source.offset, source.capacity, first)
+                self.reply_rows_reused += first
+
     def params(self, work: _RegionBatch, position: int):
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=1, extra_args={REGION: (work.offsets[position], len(work.ids[position]))})
+        region = {REGION: (work.offsets[position], work.lengths[position])}
+        if isinstance(work, _GenerationBatch):
+            sampling = work.sampling
+            return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                  max_tokens=sampling.max_new_tokens, seed=sampling.seed,
+                                  ignore_eos=sampling.ignore_eos, extra_args=region)
+        return SamplingParams(max_tokens=1, extra_args=region)
 
     def failed(self, work: _RegionBatch) -> None:
         for offset in work.offsets:
             self._pool.release(offset)
 
     def finished(self, work: _RegionBatch) -> None:
+        if isinstance(work, _GenerationBatch):
+            try:
+                replies = self._replies(work)
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+                self.failed(work)
+                work.future.set_exception(exc)
+            else:
+                work.future.set_result(replies)
+            return
         states: list = []
         try:
-            if self.prefix_caching:
+            if isinstance(work, _RowBatch):
+                self._fill_from_replies(work)
+            elif self.prefix_caching:
                 self._fill_cached_rows(work)
             for position in range(len(work.ids)):
                 states.append(self._states(work, position))
@@ -205,18 +352,24 @@ class VllmEngineBackend(EngineBackend):
                   for offset, length in zip(work.offsets, lengths)]
         first = [self._pool.first_row(offset) if whole else 0 for offset, whole in zip(work.offsets, stored)]
         for position, source in fill_order(work.ids, first):
-            rows, into, source_offset = first[position], work.offsets[position], work.offsets[source]
-            self._pool.view(into + HEADER, torch.int32, rows).copy_(self._pool.view(source_offset + HEADER, torch.int32, rows))
-            if self._scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
-                self._pool.view(into + scales_start(lengths[position]), torch.float32, rows).copy_(
-                    self._pool.view(source_offset + scales_start(lengths[source]), torch.float32, rows))
-            for index in range(len(self.settings.layer_ids)):
-                size = rows * self._row_bytes
-                self._pool.view(into + layer_start(lengths[position], index, self._row_bytes, self._scales),
-                                torch.uint8, size).copy_(
-                    self._pool.view(source_offset + layer_start(lengths[source], index, self._row_bytes, self._scales),
-                                    torch.uint8, size))
-            self.cached_tokens += rows
+            self._copy_rows(work.offsets[position], lengths[position], work.offsets[source], lengths[source],
+                            first[position])
+            self.cached_tokens += first[position]
+
+    def _copy_rows(self, into: int, into_length: int, source: int, source_length: int, rows: int) -> None:
+        """Copy the first ``rows`` rows (token ids, FP8 scales, every layer) of the region at ``source``
+        (laid out for ``source_length`` rows) into the region at ``into`` (``into_length`` rows)."""
+        import torch
+
+        self._pool.view(into + HEADER, torch.int32, rows).copy_(self._pool.view(source + HEADER, torch.int32, rows))
+        if self._scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
+            self._pool.view(into + scales_start(into_length), torch.float32, rows).copy_(
+                self._pool.view(source + scales_start(source_length), torch.float32, rows))
+        size = rows * self._row_bytes
+        for index in range(len(self.settings.layer_ids)):
+            self._pool.view(into + layer_start(into_length, index, self._row_bytes, self._scales), torch.uint8,
+                            size).copy_(self._pool.view(source + layer_start(source_length, index, self._row_bytes,
+                                                                             self._scales), torch.uint8, size))
 
     def _states(self, work: _RegionBatch, position: int) -> list:
         """The request's layers as tensors over its region, once its rows are checked; the region is

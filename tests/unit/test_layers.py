@@ -35,10 +35,10 @@ EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozense
     ("settings", {"__init__", "errors", "settings", "presets", "shards", "config_file", "model_ids"}),
     ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "estimates", "layer_conventions", "output", "prefixes",
                   "processes", "interrupts", "extras", "progress", "log_levels", "run_log", "forward_check",
-                  "fp8_states"}),
+                  "fp8_states", "regeneration"}),
     ("plug-ins", {"formats", "batches", "backends"}),
-    ("the run", {"extraction", "replicas", "convert", "status", "serve", "serve_model", "serve_batches", "state_files",
-                 "cli", "__main__"}),
+    ("the run", {"extraction", "generation", "replicas", "convert", "status", "serve", "serve_model", "serve_batches",
+                 "state_files", "cli", "__main__"}),
     ("fixtures", {"fixtures"}),
 ])
 # The one upward import the map allows: `hidden-states demo` runs the demo fixture (imported lazily).

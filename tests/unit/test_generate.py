@@ -1,0 +1,424 @@
+"""``hidden-states generate``'s parts with small fakes: the worker storing decode rows in a request's
+region, the backend's replies and their rows (copied from the reply's region where vLLM's prefix
+cache spared them), what is regenerated of a conversation, the rows matched with their replies
+(re-rendered ones counted), and bad input (one line, exit 2). Real vLLM runs it in
+tests/e2e/test_generate.py, compared with vLLM's own generation and with HF."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hidden_states.backends import BackendSettings
+from hidden_states.backends.engine_feed import EngineFeed
+from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, RegionPool, layer_start
+from hidden_states.backends.vllm_engine import Reply, Sampling, VllmEngineBackend
+from hidden_states.cli import main
+from hidden_states.conversations import Conversation
+from hidden_states.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
+from hidden_states.tokenization import common_prefix
+from tests.unit.test_vllm_engine_backend import HIDDEN, LAYERS, WAIT, capture, rows_of, token, worker  # noqa: F401
+
+# -- the worker: decode rows land at their positions
+
+
+def step(extension, order, tokens, starts, ids):
+    """One forward: ``ids`` its input ids in ``order``; each layer's row = 1000 * layer + the id."""
+    extension._hidden_states_step = (tokens, starts)
+    extension._hidden_states_input_ids = torch.tensor(ids)
+    extension._hidden_states_positions = torch.tensor([starts[r] + i for r in order for i in range(tokens[r])])
+    extension._store_captured_states([torch.tensor([[1000.0 * layer + i] * HIDDEN for i in ids])
+                                      for layer in range(LAYERS)])
+
+
+def test_decode_rows_are_stored_at_their_positions_up_to_the_regions_length(capture):
+    # r1: prompt of 3, region for 3 + 3 new tokens; r2: prompt of 2, region for 2 + 1
+    prompts = {"r1": [11, 12, 13], "r2": [21, 22]}
+    extension = worker(capture, {"r1": (0, 6), "r2": (2048, 3)}, order=["r1", "r2"])
+    extension._hidden_states_prompts = dict(prompts)
+    step(extension, ["r1", "r2"], {"r1": 3, "r2": 2}, {"r1": 0, "r2": 0}, [11, 12, 13, 21, 22])
+    # decode steps: each feeds back the token sampled last (ids not in any prompt), rows in another
+    # order than the runner's batch once
+    step(extension, ["r1", "r2"], {"r1": 1, "r2": 1}, {"r1": 3, "r2": 2}, [14, 23])
+    extension.model_runner.input_batch.req_ids = ["r2", "r1"]
+    step(extension, ["r2", "r1"], {"r1": 1, "r2": 1}, {"r1": 4, "r2": 3}, [24, 15])  # r2's row is past its region
+    stored, ids, data = rows_of(extension, capture, 0, 6)
+    assert stored == 5 and ids[:5] == [11, 12, 13, 14, 15]
+    assert data[1, :5, 0].tolist() == [1000.0 + i for i in (11, 12, 13, 14, 15)]
+    stored, ids, data = rows_of(extension, capture, 2048, 3)
+    assert stored == 3 and ids == [21, 22, 23]
+
+
+def test_order_by_rows_takes_a_decode_row_for_any_id_and_still_checks_prompt_rows(capture):
+    prompts = {"r1": [1, 2], "r2": [5, 6, 7]}
+    # r2 still in its prompt (position 2), r1 decoding at position 2
+    assert capture.order_by_rows(["r1", "r2"], {"r1": 1, "r2": 1}, {"r1": 2, "r2": 2}, prompts, [7, 99], [2, 2]) \
+        == ["r2", "r1"]
+    with pytest.raises(RuntimeError, match="hold none of the scheduled requests"):
+        capture.order_by_rows(["r1", "r2"], {"r1": 1, "r2": 1}, {"r1": 2, "r2": 2}, prompts, [8, 99], [2, 2])
+
+
+# -- the backend: replies, then their rows
+
+BLOCK = 4  # the fake prefix cache's block
+
+
+class GenerationEngine:
+    """vLLM's engine in miniature: a generation request gets ``replies[prompt]``, its worker storing
+    every row but the last token's; a row request's prefix-cache hit is what its salt's generation
+    computed, in whole blocks (``extra_hit`` more: a cache gone wrong). A row's state at layer l of
+    token t at position p: 1000 * l + 10 * p + t."""
+
+    def __init__(self, pool, row_bytes, replies, extra_hit=0, misattribute=False):
+        self.pool, self.row_bytes, self.replies = pool, row_bytes, replies
+        self.extra_hit, self.misattribute = extra_hit, misattribute
+        self.queue, self.computed, self.params = [], {}, []
+
+    def add_request(self, request_id, prompt, params):
+        self.params.append(params)
+        self.queue.append((request_id, prompt["prompt_token_ids"], prompt.get("cache_salt"), params))
+
+    def has_unfinished_requests(self):
+        return bool(self.queue)
+
+    def write(self, offset, length, ids, start, end):
+        stored = self.pool.view(offset + HEADER, torch.int32, length)
+        stored[start:end] = torch.tensor(ids[start:end])
+        for layer in range(LAYERS):
+            rows = self.pool.view(offset + layer_start(length, layer, self.row_bytes), torch.float32,
+                                  length * HIDDEN).view(length, HIDDEN)
+            for p in range(start, end):
+                rows[p] = 1000.0 * layer + 10 * p + ids[p]
+        self.pool.view(offset + FIRST_ROW, torch.int64, 1).fill_(start)
+        self.pool.view(offset, torch.int64, 1).fill_(end)
+
+    def step(self):
+        request_id, ids, salt, params = self.queue.pop(0)
+        offset, length = params.extra_args[REGION]
+        if params.max_tokens > 1:
+            generated = self.replies[tuple(ids)]
+            full = ids + generated
+            self.write(offset, length, full, 0, len(full) - 1)
+            if self.misattribute:
+                self.pool.view(offset + HEADER, torch.int32, 1).fill_(-5)
+            self.computed[salt] = full[:-1]
+            completion = SimpleNamespace(token_ids=generated, text=f"reply {generated}", finish_reason="stop")
+            return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=ids, outputs=[completion])]
+        hit = common_prefix(ids, self.computed.get(salt, [])) // BLOCK * BLOCK + self.extra_hit
+        self.write(offset, length, ids, min(hit, len(ids) - 1), len(ids))
+        return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=ids, outputs=[])]
+
+
+def generating_backend(replies, **engine_options):
+    backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=32, tp_size=1,
+                                                gpu_memory_utilization=0.1, sequences_in_flight=8))
+    backend._layout = {"dtype": "float32", "hidden_size": HIDDEN, "scales": False}
+    backend.rows_timeout = 1.0
+    backend._row_bytes = HIDDEN * 4
+    backend._pool = RegionPool(8 * backend._region_bytes(32))
+    engine = GenerationEngine(backend._pool, HIDDEN * 4, replies, **engine_options)
+    backend._llm = SimpleNamespace(llm_engine=engine)
+    backend._feed = EngineFeed(engine, backend.params, backend.finished, backend.failed)
+    return backend, engine
+
+
+def expected_rows(ids):
+    return [[1000.0 * layer + 10 * p + t for p, t in enumerate(ids)] for layer in range(LAYERS)]
+
+
+PROMPT, GENERATED = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 2]
+
+
+def test_replies_hold_every_fed_row_and_their_rows_are_copied_then_computed_past_the_cache():
+    backend, engine = generating_backend({tuple(PROMPT): GENERATED, (1, 2, 3): [4, 5, 2]})
+    try:
+        sampling = Sampling(temperature=0.0, max_new_tokens=8, seed=3)
+        replies = backend.generate([PROMPT, [1, 2, 3]], sampling).result(timeout=WAIT)
+        assert [(r.generated, r.stored, r.capacity) for r in replies] == [(GENERATED, 12, 14), ([4, 5, 2], 5, 11)]
+        assert engine.params[0].max_tokens == 8 and engine.params[0].seed == 3
+        assert replies[0].salt != replies[1].salt  # a request's blocks are shared with its own rows only
+        # the template reproduces the first reply (plus a token), re-renders the second from position 4
+        rows = [PROMPT + GENERATED + [40], [1, 2, 3, 4, 6, 7]]
+        states = backend.row_states(rows, replies).result(timeout=WAIT)
+        for row, layers in zip(rows, states):
+            assert [layer[:, 0].tolist() for layer in layers] == expected_rows(row)
+        # first row: 12 rows held, the cache's whole blocks (12) copied; second: 4 shared, 4 copied
+        assert backend.reply_rows_reused == 12 + 4
+        del states, layers
+        backend.release_replies(replies)
+    finally:
+        backend.close()
+
+
+def test_a_row_given_more_cached_tokens_than_its_reply_holds_fails():
+    backend, _ = generating_backend({tuple(PROMPT): GENERATED}, extra_hit=BLOCK)
+    try:
+        replies = backend.generate([PROMPT], Sampling(max_new_tokens=8)).result(timeout=WAIT)
+        with pytest.raises(RuntimeError, match="its first 7 tokens, and its reply's region holds 6 of them"):
+            backend.row_states([PROMPT + [99, 98]], replies).result(timeout=WAIT)
+    finally:
+        backend.close()
+
+
+def test_a_reply_whose_rows_hold_other_tokens_fails():
+    backend, _ = generating_backend({tuple(PROMPT): GENERATED}, misattribute=True)
+    try:
+        with pytest.raises(RuntimeError, match="attributed rows to the wrong request"):
+            backend.generate([PROMPT], Sampling(max_new_tokens=8)).result(timeout=WAIT)
+    finally:
+        backend.close()
+
+
+# -- what is regenerated, and the rows
+
+
+def test_system_and_user_turns_are_kept_assistant_turns_dropped():
+    chat = Conversation([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "old"}, {"role": "user", "content": ""},
+                         {"role": "user", "content": "and?"}, {"role": "assistant", "content": "old 2"}])
+    what = kept(chat)
+    assert what.turns == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                          {"role": "user", "content": "and?"}]
+    assert what.replies == 2 and what.skip is None
+    assert kept(Conversation([{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                                                 "tool_calls": [{}]}])).skip == TOOL_TURNS
+    assert kept(Conversation([{"role": "system", "content": "s"}])).skip == NO_USER_TURN
+
+
+def test_each_user_turn_is_answered_after_the_replies_before_it():
+    regen = Regeneration(0, "f:1", 1, kept(Conversation([{"role": "system", "content": "s"},
+                                                         {"role": "user", "content": "a"},
+                                                         {"role": "user", "content": "b"}])))
+    assert regen.next_prompt() == [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]
+    regen.answered(SimpleNamespace(text="A"))
+    assert regen.next_prompt()[-2:] == [{"role": "assistant", "content": "A"}, {"role": "user", "content": "b"}]
+    regen.answered(SimpleNamespace(text="B"))
+    assert regen.next_prompt() is None
+    assert [m["role"] for m in regen.messages] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def reply(prompt, generated, stored=None):
+    return Reply(prompt, generated, "", "stop", 0, 0, len(prompt) + len(generated) - 1 if stored is None else stored,
+                 "salt")
+
+
+def test_a_row_takes_the_reply_sharing_most_of_its_start():
+    first, second = reply([1, 2], [3, 9]), reply([1, 2, 3, 9, 4], [5, 9])
+    assert row_source([1, 2, 3, 9, 4, 5, 9], [first, second]) == RowSource(1, 6, False)  # the last token: not stored
+    assert row_source([1, 2, 3, 9], [first, second]) == RowSource(0, 3, False)
+    assert row_source([1, 2, 3, 7, 9], [first, second]) == RowSource(0, 3, True)  # the template rewrote the reply
+    assert row_source([1, 2, 3], [first]) == RowSource(0, 3, False)  # a row cut by --max-seq-len within the reply
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    from hidden_states.fixtures.chat_templates import build_tokenizer
+    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+
+    path = build_tokenizer("llama3", tmp_path_factory.mktemp("llama3"))
+    return ChatTokenizer(load_tokenizer(str(path)), "speculators-0.3", 256)
+
+
+def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
+    """Llama-3's template renders a reply as its content (trimmed), then <|eot_id|>: a reply ending
+    on the sampled <|eot_id|> is the row itself; one with spaces around it is re-rendered."""
+    from hidden_states.conversations import MESSAGES, Record
+
+    tokenizer = llama3.tokenizer
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "capital of France?"}]
+    prompt = llama3.prompt_ids(messages)
+    tally = Tally()
+    for text, rerendered in (("Paris is the capital", False), ("  Paris  ", True)):
+        generated = tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
+        row = llama3.rows(Record("f:1", 1, {"messages": [*messages, {"role": "assistant", "content": text}]}),
+                          MESSAGES)[0]
+        source = row_source(row.input_ids, [reply(prompt, generated)])
+        assert source.rerendered == rerendered
+        tally.rows, tally.rerendered = tally.rows + 1, tally.rerendered + source.rerendered
+        if not rerendered:
+            assert row.input_ids == prompt + generated and source.reused == len(row.input_ids) - 1
+        trained = [t for t, m in zip(row.input_ids, row.loss_mask) if m]
+        assert tokenizer.decode(trained).strip() == text.strip()  # the reply's tokens, nothing of the prompt
+        assert not any(row.loss_mask[:len(prompt)])
+    assert "2 rows, 1 re-rendered by the chat template; 40 row tokens from the generation's states, 3 computed " \
+        "again" in tally.line(40, 3)
+
+
+# -- bad input: one line, exit 2
+
+
+@pytest.fixture
+def chat_model(tmp_path):
+    from hidden_states.fixtures.chat_templates import build_tokenizer
+
+    model = build_tokenizer("llama3", tmp_path / "model")
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 512}))
+    return model
+
+
+def generate(model, data, out, *extra):
+    return main(["generate", "--model-path", str(model), "--data", str(data), "--output-dir", str(out),
+                 "--format", "speculators-0.3", "--layer-ids", "0", "2", *extra])
+
+
+CHAT = '{"messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize("lines, extra, message", [
+    (['{"input_ids": [5, 6]}'], (), "data.jsonl:1: a tokenized row; generate regenerates conversations"),
+    ([CHAT], ("--backend", "speculators"), "--backend speculators: generate runs on --backend vllm-engine"),
+    ([CHAT], ("--max-new-tokens", "64", "--max-seq-len", "64"), "--max-new-tokens 64: must be below --max-seq-len 64"),
+    ([CHAT], ("--data-parallel-size", "2"), "generate runs in one process"),
+    ([CHAT], ("--temperature", "-0.5"), "--temperature -0.5: must be at least 0"),
+    ([CHAT], ("--top-p", "0"), "--top-p 0.0: must be more than 0 and at most 1"),
+    ([CHAT, '{"text": "plain"}'], ("--skip-forward-check",), "data.jsonl:2: a text row; generate regenerates"),
+])
+def test_bad_input_is_one_line_and_exit_2(chat_model, tmp_path, capsys, monkeypatch, lines, extra, message):
+    monkeypatch.setattr("hidden_states.extraction.Extraction.load", lambda self: pytest.fail("the model loaded"))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(line + "\n" for line in lines))
+    assert generate(chat_model, data, tmp_path / "out", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1], err
+
+
+def test_the_sampling_is_part_of_the_output_directorys_identity():
+    from hidden_states.identity import difference
+
+    base = {"model": "m", "layer_ids": [1], "format": "f", "state_dtype": "model",
+            "input": {"resolved": "x"}, "tokenization": {}}
+    assert difference({**base, "generation": {"temperature": 0.0}}, {**base, "generation": {"temperature": 0.7}}) \
+        == "generation {'temperature': 0.0}, this run {'temperature': 0.7}"
+    assert difference({**base}, {**base, "generation": {"temperature": 0.0}}).startswith("generation None")
+    assert difference(base, dict(base)) is None
+
+
+
+# -- the run around a fake backend: rows, indices per layout, regenerated.jsonl, resume
+
+
+class FakeGenerating:
+    """``vllm-engine``'s generate interface in miniature: a reply is the words ``ok <n>``'s ids then
+    <|eot_id|>; a row's states at layer l are ``l * 1000 + position`` (the same whoever computes them)."""
+
+    name = "vllm-engine"
+    tokens_ahead, tokens_per_submit = 1, None
+    started_count = 0
+
+    def __init__(self, settings, tokenizer):
+        self.settings, self.tokenizer = settings, tokenizer
+        self.reply_rows_reused, self.released, self.asked = 0, [], 0
+
+    def start(self):
+        FakeGenerating.started_count += 1
+        return {"backend": self.name}
+
+    def check_forward(self, probe):
+        return []
+
+    def generate(self, prompts, sampling):
+        from concurrent.futures import Future
+
+        eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
+        replies = []
+        for ids in prompts:
+            self.asked += 1
+            generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
+            replies.append(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
+                                 len(ids) + len(generated) - 1, f"salt-{self.asked}"))
+        future = Future()
+        future.set_result(replies)
+        return future
+
+    def row_states(self, rows, sources):
+        from concurrent.futures import Future
+
+        for row, source in zip(rows, sources):
+            self.reply_rows_reused += row_source(row, [source]).reused
+        future = Future()
+        future.set_result([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
+                            for layer in self.settings.layer_ids] for row in rows])
+        return future
+
+    def release_replies(self, replies):
+        self.released += replies
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_run(chat_model, tmp_path, monkeypatch):
+    from hidden_states import backends, extraction
+    from hidden_states.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(str(chat_model))
+    made = []
+
+    def create(name, settings):
+        made.append(FakeGenerating(settings, tokenizer))
+        return made[-1]
+
+    monkeypatch.setattr(backends, "create", create)
+    monkeypatch.setattr(extraction, "check_vllm", lambda *args: "not run (a fake backend)")
+    monkeypatch.setattr(extraction, "check_environment", lambda: [])
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in [
+        {"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "one"},
+                      {"role": "assistant", "content": "x"}, {"role": "user", "content": "two"}]},
+        {"messages": [{"role": "user", "content": "tool?"}, {"role": "tool", "content": "{}"}]},
+        {"conversations": [{"from": "human", "value": "three"}, {"from": "gpt", "value": "y"}]},
+    ]) + "\n")
+    return chat_model, data, made
+
+
+def run_generation(model, data, out, layout, *extra):
+    from hidden_states.generation import Generation
+    from hidden_states.settings import Settings
+
+    settings = Settings(model_path=str(model), prepared_data=str(data), output_dir=str(out), batch_size=2,
+                        layer_ids=[0, 2] if layout == "speculators-0.3" else [1, 3], backend="vllm-engine", format=layout, max_seq_len=256, forward_check=False,
+                        **dict(extra))
+    lines = []
+    generation = Generation(settings, Sampling(max_new_tokens=16), log=lines.append)
+    return generation.run(), generation, lines
+
+
+def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
+    model, data, made = fake_run
+    out = tmp_path / "out"
+    summary, generation, lines = run_generation(model, data, out, "speculators-0.3")
+    assert summary.extracted == 2 and sorted(p.name for p in out.glob("data_*.pt")) == ["data_0.pt", "data_2.pt"]
+    regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["sample_indices"]) for r in regenerated] == [(0, [0]), (2, [2])]
+    assert [m["content"] for m in regenerated[0]["messages"]] == ["brief", "one", "ok 1", "two", "ok 3"]
+    saved = torch.load(out / "data_0.pt", weights_only=True)
+    row = generation.chat.rows(__import__("hidden_states.conversations", fromlist=["Record"]).Record(
+        "x", 1, {"messages": regenerated[0]["messages"]}), "messages")[0]
+    assert saved["input_ids"].tolist() == row.input_ids and saved["loss_mask"].tolist() == row.loss_mask
+    assert saved["hidden_states"][1][:, 0].tolist() == [2000.0 + p for p in range(len(row.input_ids))]
+    assert len(made[0].released) == 3  # every reply's region given back
+    said = next(line for line in lines if "conversations regenerated" in line)
+    assert "2 conversations regenerated (3 replies" in said and "1 skipped: conversations with tool turns" in said
+    # a rerun finds everything finished: no engine start
+    summary, _, _ = run_generation(model, data, out, "speculators-0.3")
+    assert (summary.extracted, summary.skipped, len(made)) == (0, 2, 1)
+    # a line whose rows are not all finished is dropped, and the conversation regenerated
+    (out / "data_2.pt").unlink()
+    summary, _, _ = run_generation(model, data, out, "speculators-0.3")
+    assert (summary.extracted, summary.skipped, len(made)) == (1, 1, 2)
+    assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
+
+
+def test_per_turn_rows_are_numbered_by_their_reply(fake_run, tmp_path):
+    pytest.importorskip("datasets")
+    model, data, _ = fake_run
+    out = tmp_path / "out"
+    summary, _, _ = run_generation(model, data, out, "speculators-0.5")
+    # conversation 0: replies 0 and 1; conversation 1 (tool turns, skipped) none; conversation 2: 2
+    assert summary.extracted == 3
+    regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert [r["sample_indices"] for r in regenerated] == [[0, 1], [2]]
+    assert sorted(p.name for p in (out / "hidden_states").glob("hs_*.safetensors")) == \
+        [f"hs_{i}.safetensors" for i in range(3)]
