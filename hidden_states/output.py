@@ -276,16 +276,20 @@ class BackgroundWriter:
         max_pending: samples allowed to wait for the disk before ``submit`` blocks.
         threads: writer threads to start with (``torch.save`` serialises one file at a time; several
             keep a fast disk busy).
-        max_threads: while ``submit`` waits for queue space, one more thread starts every
-            ``GROW_INTERVAL`` seconds, up to this many (None: ``threads``, a fixed number). A run whose
-            files grow faster than its forward (rows served from shared prefixes write several times
-            the bytes they compute) gets the threads its disk needs, and one that keeps up gets none.
+        max_threads: one more thread starts every ``GROW_INTERVAL`` seconds in which ``submit`` waited
+            for queue space for at least ``GROW_STALL`` of that time, up to this many (None:
+            ``threads``, a fixed number). A run whose files grow faster than its forward (rows served
+            from shared prefixes write several times the bytes they compute) gets the threads its
+            disk needs, and one that keeps up gets none.
         format: the output format (``formats.create``) whose files this writer writes.
         tag: this writer's name among several writing into one directory (a shard, a replica):
             its ledger is ``done.<tag>.jsonl`` and its temporary files carry the tag.
     """
 
-    GROW_INTERVAL = 1.0  # seconds between two threads added: each gets time to show what it changes
+    GROW_INTERVAL = 0.5  # seconds between two threads added: each gets time to show what it changes
+    # the share of an interval spent waiting that adds a thread. Counted over the interval, not per
+    # wait: with files of tens of MB a slot frees every few ms, so a starved run waits often and briefly
+    GROW_STALL = 0.1
 
     def __init__(self, directory: Path, max_pending: int = default("writer_queue"),
                  threads: int = default("writer_threads"), *, format, tag: str | None = None,
@@ -294,6 +298,7 @@ class BackgroundWriter:
             raise ValueError(f"BackgroundWriter needs at least one thread, got {threads}")
         self.max_threads = max(threads, max_threads or threads)
         self._grown_at = time.perf_counter()
+        self._stall_since_grown = 0.0
         self.directory = Path(directory)
         self.format = format
         self.stats = WriterStats()
@@ -323,11 +328,22 @@ class BackgroundWriter:
                 break
             except queue.Full:
                 self._raise_if_failed()
-                now = time.perf_counter()
-                if len(self._threads) < self.max_threads and now - self._grown_at >= self.GROW_INTERVAL:
-                    self._start_thread()
-                    self._grown_at = now
-        self.stats.stall_seconds += time.perf_counter() - started
+                self._consider_growing(time.perf_counter() - started)
+        waited = time.perf_counter() - started
+        self.stats.stall_seconds += waited
+        self._stall_since_grown += waited
+        self._consider_growing(0.0)
+
+    def _consider_growing(self, waiting: float) -> None:
+        """Once per ``GROW_INTERVAL``: one more thread if ``submit`` waited for ``GROW_STALL`` of it
+        (``waiting``: the wait still under way, not yet counted)."""
+        now = time.perf_counter()
+        if len(self._threads) >= self.max_threads or now - self._grown_at < self.GROW_INTERVAL:
+            return
+        if self._stall_since_grown + waiting >= self.GROW_STALL * (now - self._grown_at):
+            self._start_thread()
+        # the wait under way counts from here on: what of it came before is this interval's
+        self._grown_at, self._stall_since_grown = now, -waiting
 
     def lengths_written(self) -> dict[int, int]:
         """A copy of ``stats.lengths`` (sample index -> length of every file written and in the

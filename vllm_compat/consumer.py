@@ -111,7 +111,11 @@ def backend_touchpoints() -> dict[str, BackendTouchpoints]:
 
     try:
         package = importlib.import_module(EXTRACTOR_BACKENDS)
-    except ImportError:
+    except ModuleNotFoundError as missing:
+        # only the extractor itself being absent means "no backends": a module it imports that is
+        # missing (or any other ImportError) is a broken install, which the audit must not hide
+        if missing.name is None or not f"{EXTRACTOR_BACKENDS}.".startswith(f"{missing.name}."):
+            raise
         return {}
     return package.touchpoints()
 

@@ -292,9 +292,8 @@ def apply(
         before = {name: os.environ.get(name) for name in (ENV_APPLY, ENV_DISABLE, ENV_STRICT)}
         if disabled:
             os.environ[ENV_DISABLE] = ",".join(sorted(disabled))
-        if strict is None:
-            strict = os.environ.get(ENV_STRICT) == "1"
-        elif strict:
+        strict = arguments["strict"]  # the explicit value, else VLLM_COMPAT_STRICT's
+        if strict:
             os.environ[ENV_STRICT] = "1"
         # Spawned vLLM processes inherit this and their plugin applies the worker adapters.
         os.environ[ENV_APPLY] = "1"

@@ -331,7 +331,8 @@ case "${1:?stage}" in
     K=${K:-not runner-v2}
     # the whole output into the file as it comes (-v: each test's outcome as it ends; live_failures: each
     # failure's report in $OUT/failures.txt at once), so a stage cut short keeps what ran and why it failed
-    step 420 "PYTHONPATH=$PWD/bench/device:\$PYTHONPATH python3 -m pytest -v -rA -p no:cacheprovider -p live_failures -m 'not faults' tests/e2e/test_generator.py tests/e2e/test_backends.py -k '$K' 2>&1 | tee $OUT/tiny-pytest.txt | tail -40"
+    # and each CLI run's whole stderr in $OUT/stderr (an engine that fails to start names its cause there)
+    step 420 "E2E_STDERR_DIR=$OUT/stderr PYTHONPATH=$PWD/bench/device:\$PYTHONPATH python3 -m pytest -v -rA -p no:cacheprovider -p live_failures -m 'not faults' tests/e2e/test_generator.py tests/e2e/test_backends.py -k '$K' 2>&1 | tee $OUT/tiny-pytest.txt | tail -40"
     ;;
   engine2)  # issue 13: the rest of the same comparison
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"

@@ -47,9 +47,20 @@ def cli(*args, env_extra=None, kv_cache=True):
     return [sys.executable, "-m", "hidden_states", "extract", *args], env
 
 
+# where each CLI run's whole stderr is kept (the device's test stages set it): an assertion shows the
+# last few thousand characters, and a vLLM engine that fails to start names its cause far above them
+STDERR_DIR = os.environ.get("E2E_STDERR_DIR")
+
+
 def run_cli(*args, env_extra=None, timeout=900, kv_cache=True):
     command, env = cli(*args, env_extra=env_extra, kv_cache=kv_cache)
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if STDERR_DIR:
+        out = args[args.index("--output-dir") + 1] if "--output-dir" in args else "run"
+        name = re.sub(r"[^\w.-]+", "_", str(out)).strip("_")[-120:]
+        Path(STDERR_DIR).mkdir(parents=True, exist_ok=True)
+        (Path(STDERR_DIR) / f"{name}.rc{proc.returncode}.txt").write_text(proc.stderr)
+    return proc
 
 
 def extract_args(model, data, out, *extra):

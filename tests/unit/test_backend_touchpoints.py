@@ -150,3 +150,30 @@ def test_a_backend_refuses_to_start_without_an_adapter_it_requires():
         backend._check_required(failed)
     for status in ("applied", "not_needed"):
         backend._check_required(Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", status, ""),)))
+
+
+def test_no_extractor_installed_means_no_backends(monkeypatch):
+    import importlib
+
+    from vllm_compat import consumer
+
+    def absent(name):
+        raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'", name=name.split(".")[0])
+
+    monkeypatch.setattr(importlib, "import_module", absent)
+    assert consumer.backend_touchpoints() == {}
+
+
+def test_a_broken_extractor_install_is_not_hidden_as_no_backends(monkeypatch):
+    """A module the extractor imports that is missing is a broken install: the audit says so rather
+    than checking no backend."""
+    import importlib
+
+    from vllm_compat import consumer
+
+    def broken(name):
+        raise ModuleNotFoundError("No module named 'wrapt'", name="wrapt")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ModuleNotFoundError, match="wrapt"):
+        consumer.backend_touchpoints()

@@ -70,3 +70,14 @@ def test_the_cap_by_default_and_per_backend(tmp_path, monkeypatch):
     assert Settings(**paths, writer_threads=3, max_writer_threads=3).max_writer_threads == 3
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert Settings(**paths).max_writer_threads == 2  # writer_threads' default: half the cores is less
+
+
+def test_a_writer_whose_run_waits_often_and_briefly_grows(tmp_path):
+    """Files of tens of MB free a queue slot every few ms: no single wait is long, yet the run spends
+    most of its time waiting. The writer counts the waits over an interval, not one at a time."""
+    writer = BackgroundWriter(tmp_path, max_pending=1, format=(fmt := SlowFormat(0.01)), threads=1, max_threads=4)
+    writer.GROW_INTERVAL = 0.05
+    for index in range(120):
+        writer.submit(index, b"states")
+    writer.close()
+    assert writer.stats.threads == 4 and fmt.most == 4
