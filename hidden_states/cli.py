@@ -8,6 +8,9 @@
     python -m hidden_states convert SRC DST --to speculators-0.5     # or back: --to speculators-0.3
     python -m hidden_states extract ... --data-parallel-size 2 [--ray-address auto]   # Ray replicas
     python -m hidden_states extract ... --shard 0/4                                   # static shard
+    python -m hidden_states serve --model-path M [--port 8000]       # speculators >= 0.9's client and trainer
+    python -m hidden_states generate --model-path M --data conversations.jsonl --output-dir OUT \
+        [--temperature 0.6 --top-p 0.95 --max-new-tokens 1024 --seed 0]   # on-policy rows in one pass
     python -m hidden_states status OUT
     python -m hidden_states demo [--output-dir demo-output]
 
@@ -186,6 +189,13 @@ def add_speed_flags(group, *, batch_help: str, writer_help: str) -> None:
     group.add_argument("--writer-threads", type=at_least(1), metavar="N", help=writer_help)
 
 
+GENERATE_EXAMPLES = """examples:
+  hidden-states generate --model-path /models/llama-8b --data chats.jsonl --output-dir out   # greedy
+  hidden-states generate --model-path /models/llama-8b --data chats.jsonl --output-dir out \\
+      --temperature 0.6 --top-p 0.95 --max-new-tokens 2048 --seed 0
+the regenerated conversations: out/regenerated.jsonl; the rows and their states: as extract writes them
+"""
+
 SERVE_EXAMPLES = """examples:
   hidden-states serve --model-path meta-llama/Llama-3.1-8B-Instruct --port 8000
   speculators generate-offline-data --endpoint http://localhost:8000/v1 --preprocessed-data prepared \\
@@ -248,9 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(sub.add_parser("serve", help=serve_help, description=serve_help, epilog=SERVE_EXAMPLES,
                                        formatter_class=argparse.RawDescriptionHelpFormatter))
     # hidden-states generate: extract's flags, the sampling flags (hidden_states/generation.py)
-    generate = sub.add_parser("generate", help="regenerate the assistant turns with the model and write the rows "
-                                               "of the regenerated conversations with the states the generation "
-                                               "computed (on-policy data in one pass; --backend vllm-engine)",
+    generate_help = ("regenerate the assistant turns with the model and write the rows of the regenerated "
+                     "conversations with the states the generation computed (on-policy data in one pass; "
+                     "--backend vllm-engine)")
+    generate = sub.add_parser("generate", help=generate_help, description=generate_help, epilog=GENERATE_EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(generate)
     sampling = generate.add_argument_group("sampling (vLLM's SamplingParams)")
