@@ -29,9 +29,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 import vllm_venv  # noqa: E402
 
-from vllm_compat.consumer import GENERATOR_RELEASES  # noqa: E402
+from vllm_compat.consumer import GENERATOR_RELEASES, TRAINER_PROOF_RELEASES  # noqa: E402
 
 SPECULATORS = GENERATOR_RELEASES
+# the speculators release whose folder (its requirements a venv lacks) brings datasets and pyarrow
+DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 # vLLM release -> what its e2e run covers beyond the generator suite:
 #   negative: the negative-proof tests to run (id substrings; None: all of them). 0.16.0 proves every
 #             adapter; later releases the ones whose drift starts there.
@@ -174,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append((f"venv vllm {version}{' (CUDA wheel)' if cuda else ''}", 0, time.monotonic() - started))
     if args.vllm:
         pytest(pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results, live=True)
+        # the unit tests that read datasets / pyarrow files, in the venv speculators 0.9.0's folder completes
+        # (as the formats suite's trainers): there they must run, never skip
+        formats = next((v for v in args.vllm if plan_of(v)["formats"]), None)
+        if formats is not None:
+            folder = vllm_venv.build_speculators(DATASETS_RELEASE, pythons[formats])
+            pytest(pythons[formats], ["-q", "-m", "datasets", "tests/unit", *args.pytest_args],
+                   {**base_env, "PYTHONPATH": str(folder), "VLLM_COMPAT_REQUIRE_DATASETS": "1"},
+                   f"unit (datasets) vllm {formats} speculators {DATASETS_RELEASE}", results, live=True)
     plan = lanes(args.vllm, args.lanes)
     live = len(plan) == 1
     threads = [threading.Thread(target=lambda lane=lane: [run_release(v, pythons[v], base_env, args.pytest_args,

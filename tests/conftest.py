@@ -1,7 +1,9 @@
 """Shared test set-up.
 
 Tests that need a real vLLM are marked ``vllm``; in the matrix venvs (``VLLM_COMPAT_REQUIRE_VLLM=1``)
-a missing vLLM is an error, never a silent skip.
+a missing vLLM is an error, never a silent skip. Tests that need ``datasets`` / ``pyarrow`` (no vLLM
+release requires them) are marked ``datasets``; the matrix runs them where the speculators 0.9.0
+folder brings both (``VLLM_COMPAT_REQUIRE_DATASETS=1``: missing there is an error too).
 """
 import importlib.util
 import os
@@ -27,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = [i for i in items if i not in drop]
+    _skip_without_datasets(items)
     if importlib.util.find_spec("vllm") is not None:
         return
     required = os.environ.get("VLLM_COMPAT_REQUIRE_VLLM") == "1"
@@ -35,3 +38,14 @@ def pytest_collection_modifyitems(config, items):
             if required:
                 raise pytest.UsageError("VLLM_COMPAT_REQUIRE_VLLM=1 but vLLM is not importable here")
             item.add_marker(pytest.mark.skip(reason="needs a real vLLM (run scripts/test_matrix.py)"))
+
+
+def _skip_without_datasets(items) -> None:
+    marked = [item for item in items if "datasets" in item.keywords]
+    missing = [name for name in ("datasets", "pyarrow") if importlib.util.find_spec(name) is None]
+    if not marked or not missing:
+        return
+    if os.environ.get("VLLM_COMPAT_REQUIRE_DATASETS") == "1":
+        raise pytest.UsageError(f"VLLM_COMPAT_REQUIRE_DATASETS=1 but {', '.join(missing)} is not importable here")
+    for item in marked:
+        item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)} (the matrix's 'unit (datasets)' suite)"))

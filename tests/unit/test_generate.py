@@ -411,8 +411,8 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
 
 
+@pytest.mark.datasets
 def test_per_turn_rows_are_numbered_by_their_reply(fake_run, tmp_path):
-    pytest.importorskip("datasets")
     model, data, _ = fake_run
     out = tmp_path / "out"
     summary, _, _ = run_generation(model, data, out, "speculators-0.5")

@@ -224,8 +224,9 @@ def test_disk_estimate_of_jsonl_and_a_json_array(tmp_path):
     assert_close(*estimated(array))
 
 
+@pytest.mark.datasets
 def test_disk_estimate_of_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = tmp_path / "rows.parquet"
@@ -233,8 +234,9 @@ def test_disk_estimate_of_parquet(tmp_path):
     assert_close(*estimated(path))
 
 
+@pytest.mark.datasets
 def test_disk_estimate_and_hash_of_a_dataset_directory(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     from hidden_states.conversations import open_source
 
     rows = tmp_path / "rows.jsonl"
