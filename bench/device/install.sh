@@ -4,8 +4,11 @@
 #   bash bench/device/install.sh torch-2.14.0 vllm-0.34.0 [triton-2.14.0] [ray]
 # Where things go (stages.sh reads the same variables):
 #   torch-T, triton-T -> $TORCH_SITE (/tmp/torch-site): a torch other than the image's, its NCCL, torchvision
-#   vllm-R            -> $SITE (/tmp/site-R): vLLM and the requirements the image lacks;
-#                        speculators into $SPEC_ROOT/<version> (/tmp/vcache/speculators)
+#   vllm-R            -> $SITE (/tmp/site-R): vLLM and the requirements the image lacks, with datasets
+#                        (--format speculators-0.5); speculators into $SPEC_ROOT/<version> (/tmp/vcache/speculators):
+#                        0.3.0 and 0.4.0 alone, 0.9.0 with what it needs beyond the site and the image, stamped
+#                        as scripts/vllm_venv.py --speculators-only 0.9.0 --with-requirements-of "$(which python3)"
+#                        stamps it, so the tests that ask for that folder find it ready (no index here)
 #   ray               -> $RAY_SITE (/tmp/ray-site)
 # /tmp survives between calls only while the machine stays warm (30 s after a call).
 set -euo pipefail
@@ -38,6 +41,17 @@ for name in "$@"; do
         [ -f "$SPEC_ROOT/$version/.complete" ] && continue
         rm -rf "${SPEC_ROOT:?}/$version" && pip_into "$SPEC_ROOT/$version" "$wheel" && echo "$version" > "$SPEC_ROOT/$version/.complete"
       done
+      # the stamp's key: the version and the interpreter whose requirements the folder completes
+      # (the tests pass their sys.executable: python3 -m pytest's, this python3's)
+      for folder in "$dir"/x/speculators-with-requirements/*/; do
+        [ -d "$folder" ] || continue
+        version=$(basename "$folder"); key="$version $(python3 -c 'import sys; print(sys.executable)')"
+        [ "$(cat "$SPEC_ROOT/$version/.complete" 2>/dev/null)" = "$key" ] && continue
+        rm -rf "${SPEC_ROOT:?}/$version" && pip_into "$SPEC_ROOT/$version" "$folder"*.whl && echo "$key" > "$SPEC_ROOT/$version/.complete"
+      done
+      # datasets runs on the image's pyarrow, pandas and fsspec: say their versions (an import error here
+      # means --format speculators-0.5 cannot write its index)
+      PYTHONPATH=$site python3 -c "import datasets, pyarrow, fsspec; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__, 'fsspec', fsspec.__version__)" 2>&1 | tail -1 || true
       echo "$name -> $site ($(du -sh "$site" | cut -f1))" ;;
     *) echo "unknown bundle $name"; exit 2 ;;
   esac

@@ -18,8 +18,13 @@ Bundles for a release R:
   front end (``vllm-rs``, used only when asked for by an environment variable); every requirement
   the device image lacks or holds at another version than pip resolves for R (pip resolves
   ``vllm==R``'s requirements here, less what the extractor's path never imports: ``NOT_IMPORTED``;
-  a pin the index lacks is relaxed by scripts/pins.py's rule and said); speculators 0.3.0 and 0.4.0
-  (installed apart, one folder each).
+  a pin the index lacks is relaxed by scripts/pins.py's rule and said); the extractor's
+  ``[speculators-05]`` extra (``datasets``, for ``--format speculators-0.5``), resolved beside those
+  pins, into the same site; speculators 0.3.0 and 0.4.0 (installed apart, one folder each, no
+  requirements); speculators 0.9.0 in a folder of its own with what it needs that neither the image
+  nor the site holds (as ``scripts/vllm_venv.py --speculators-only 0.9.0 --with-requirements-of``
+  lays it out; the site's versions stand, its transformers above 0.9.0's cap included). A few MiB in
+  all, and resolved per release, so they travel in this bundle rather than one of their own.
 * ``torch-T``, only where R pins another torch than the image's: that torch, the torchvision R pins,
   and the NCCL that torch pins (a newer torch links NCCL functions the image's NCCL lacks, and
   Python loads extensions with every symbol bound). The CUDA 13 runtime libraries, cuDNN and
@@ -68,6 +73,8 @@ TORCH_BUNDLE = {"cuda-toolkit", "cuda-bindings", "cuda-pathfinder", "nvidia-cubl
                 "nvidia-nvjitlink", "nvidia-nvshmem-cu13", "nvidia-nvtx", "nvidia-cuda-nvcc", "nvidia-cuda-crt",
                 "nvidia-nvvm", "nvidia-cuda-cccl"}
 SPECULATORS = ["speculators==0.3.0", "speculators==0.4.0"]
+# speculators' trainer line, laid out with its requirements (tests/e2e/test_formats.py's TRAINER_PROOF_RELEASES)
+TRAINER_SPECULATORS = ["speculators==0.9.0"]
 EXTRA = ["loguru==0.7.3"]  # speculators' logger
 RAY = ["ray==2.60.0", "msgpack==1.2.4"]
 # every manylinux tag up to glibc 2.39 (the device's Python accepts them all; pip matches tags exactly)
@@ -78,6 +85,10 @@ KINDS = Path("/work/.library/device/KINDS.md")  # the device image's package lis
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def requirement_name(requirement: str) -> str:
+    return norm(re.split(r"[\s<>=!~;\[(]", requirement.strip())[0])
 
 
 def pip_target_args() -> list[str]:
@@ -126,31 +137,53 @@ def device_packages() -> set[str]:
     return {norm(name) for name in listed.split(",") if name.strip()}
 
 
+def pip_report(wanted: list[str], folder: Path, constraints: list[str] = ()) -> list[tuple[str, str]]:
+    """(name, version) of every package pip installs for ``wanted`` on the device's Python and
+    platforms, held to ``constraints``; cached in ``folder`` until ``wanted`` or ``constraints`` change."""
+    folder.mkdir(parents=True, exist_ok=True)
+    report, listing, held = folder / "resolved.json", folder / "requirements.txt", folder / "constraints.txt"
+    asked = ("\n".join(wanted) + "\n", "".join(c + "\n" for c in constraints))
+    if not report.exists() or (listing.read_text(), held.read_text() if held.exists() else "") != asked:
+        listing.write_text(asked[0])
+        held.write_text(asked[1])
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+                        "--report", str(report), *pip_target_args(), "--target", str(folder / "unused"),
+                        "-r", str(listing), "-c", str(held)], check=True)
+    return [(norm(item["metadata"]["name"]), item["metadata"]["version"])
+            for item in json.loads(report.read_text())["install"]]
+
+
 def resolve(vllm_wheel: Path, cache: Path) -> list[str]:
     """``name==version`` for each requirement of the release pip resolves here that the device needs;
     a pin the index does not serve is relaxed as ``scripts/vllm_venv.py --cuda`` does (scripts/pins.py)."""
-    report = cache / "resolved.json"
-    if not report.exists():
+    listing = cache / "requirements.txt"
+    if listing.exists() and (cache / "resolved.json").exists():
+        wanted = listing.read_text().split("\n")[:-1]  # decided once: reusing it asks the index nothing
+    else:
         sys.path.insert(0, str(ROOT / "scripts"))
         from pins import index_versions, relax_unavailable
 
-        wanted = [r for r in requirements(vllm_wheel) if norm(re.split(r"[\s<>=!~;\[]", r)[0]) not in NOT_IMPORTED]
+        wanted = [r for r in requirements(vllm_wheel) if requirement_name(r) not in NOT_IMPORTED]
         wanted, relaxed = relax_unavailable(wanted, lambda name: index_versions(sys.executable, name, PYTHON), PYTHON)
         for pin in relaxed:
             print(f"prepare: relaxed pin {pin.name}=={pin.pinned} -> {pin.chosen} ({pin.rule})")
-        listing = cache / "requirements.txt"
-        listing.write_text("\n".join(wanted) + "\n")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
-                        "--report", str(report), *pip_target_args(), "--target", str(cache / "unused"),
-                        "-r", str(listing)], check=True)
     have = device_packages()
-    picked = []
-    for item in json.loads(report.read_text())["install"]:
-        name, version = norm(item["metadata"]["name"]), item["metadata"]["version"]
-        if name in NOT_IMPORTED or name in TORCH_BUNDLE or (name in have and name not in ALWAYS):
-            continue
-        picked.append(f"{name}=={version}")
-    return picked
+    return [f"{name}=={version}" for name, version in pip_report(wanted, cache)
+            if not (name in NOT_IMPORTED or name in TORCH_BUNDLE or (name in have and name not in ALWAYS))]
+
+
+def resolve_beside(wanted: list[str], folder: Path, site: list[str], constraints: list[str] = ()) -> list[str]:
+    """``name==version`` for what ``wanted`` needs that neither the device image nor ``site`` (the
+    ``name==version`` list already travelling) holds; the versions ``site`` holds stand."""
+    held = device_packages() | NOT_IMPORTED | TORCH_BUNDLE | {norm(r.split("==")[0]) for r in site}
+    return [f"{name}=={version}" for name, version in pip_report(wanted, folder, constraints) if name not in held]
+
+
+def extra_requirements(extra: str) -> list[str]:
+    """The requirements of this project's ``[extra]`` (pyproject.toml)."""
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
 
 
 def slim_vllm(wheel: Path, dest: Path) -> Path:
@@ -203,12 +236,25 @@ def main() -> int:
     vllm_wheel = fetch(cache / "wheels", f"vllm=={release}")
     slim = slim_vllm(vllm_wheel, cache)
     files = {f"wheels/{slim.name}": slim}
-    for requirement in resolve(vllm_wheel, cache) + EXTRA:
+    site = resolve(vllm_wheel, cache) + EXTRA
+    trainers = {r: fetch(BUILD / "speculators" / r.split("==")[1], r) for r in TRAINER_SPECULATORS}
+    # the [speculators-05] extra, held to the site's versions and to the ranges of the trainer that
+    # reads the index it writes (0.9.0: datasets <= 5.1.0); install.sh puts it into the same site
+    extra = extra_requirements("speculators-05")
+    readers = [r.split(";")[0] for wheel in trainers.values() for r in requirements(wheel)
+               if requirement_name(r) in {requirement_name(e) for e in extra}]
+    site += resolve_beside(extra, cache / "speculators-05", site, site + readers)
+    for requirement in site:
         wheel = fetch(cache / "small", requirement)
         files[f"wheels/{wheel.name}"] = wheel
     for requirement in SPECULATORS:
         wheel = fetch(BUILD / "speculators" / requirement.split("==")[1], requirement)
         files[f"speculators/{wheel.name}"] = wheel
+    for requirement in trainers:  # not held to the site: 0.9.0 caps transformers below vLLM's
+        version = requirement.split("==")[1]
+        for needed in resolve_beside([requirement], cache / f"speculators-{version}", site):
+            wheel = trainers[requirement] if needed == requirement else fetch(cache / "small", needed)
+            files[f"speculators-with-requirements/{version}/{wheel.name}"] = wheel
     made = {f"vllm-{release}": bundle(f"vllm-{release}", files)}
 
     torch = pinned(vllm_wheel, "torch")
