@@ -276,9 +276,10 @@ class BackgroundWriter:
         max_pending: samples allowed to wait for the disk before ``submit`` blocks.
         threads: writer threads to start with (``torch.save`` serialises one file at a time; several
             keep a fast disk busy).
-        max_threads: one more thread starts every ``GROW_INTERVAL`` seconds in which ``submit`` waited
+        max_threads: the threads double every ``GROW_INTERVAL`` seconds in which ``submit`` waited
             for queue space for at least ``GROW_STALL`` of that time, up to this many (None:
-            ``threads``, a fixed number). A run whose files grow faster than its forward (rows served
+            ``threads``, a fixed number; doubling, not one at a time: a run of a few seconds is over
+            before one thread per interval reaches what its disk needs). A run whose files grow faster than its forward (rows served
             from shared prefixes write several times the bytes they compute) gets the threads its
             disk needs, and one that keeps up gets none.
         format: the output format (``formats.create``) whose files this writer writes.
@@ -286,7 +287,7 @@ class BackgroundWriter:
             its ledger is ``done.<tag>.jsonl`` and its temporary files carry the tag.
     """
 
-    GROW_INTERVAL = 0.5  # seconds between two threads added: each gets time to show what it changes
+    GROW_INTERVAL = 0.5  # seconds between two growths: each gets time to show what it changes
     # the share of an interval spent waiting that adds a thread. Counted over the interval, not per
     # wait: with files of tens of MB a slot frees every few ms, so a starved run waits often and briefly
     GROW_STALL = 0.1
@@ -335,13 +336,14 @@ class BackgroundWriter:
         self._consider_growing(0.0)
 
     def _consider_growing(self, waiting: float) -> None:
-        """Once per ``GROW_INTERVAL``: one more thread if ``submit`` waited for ``GROW_STALL`` of it
-        (``waiting``: the wait still under way, not yet counted)."""
+        """Once per ``GROW_INTERVAL``: twice the threads (at most ``max_threads``) if ``submit`` waited
+        for ``GROW_STALL`` of it (``waiting``: the wait still under way, not yet counted)."""
         now = time.perf_counter()
         if len(self._threads) >= self.max_threads or now - self._grown_at < self.GROW_INTERVAL:
             return
         if self._stall_since_grown + waiting >= self.GROW_STALL * (now - self._grown_at):
-            self._start_thread()
+            for _ in range(min(len(self._threads), self.max_threads - len(self._threads))):
+                self._start_thread()
         # the wait under way counts from here on: what of it came before is this interval's
         self._grown_at, self._stall_since_grown = now, -waiting
 

@@ -303,7 +303,7 @@ def test_the_native_backend_writes_the_05_layout_too(both, model, tmp_path):
         assert torch.equal(native["token_ids"], generator["token_ids"])
         assert torch.equal(native["loss_mask"], generator["loss_mask"])
         assert native["hidden_states"].shape == generator["hidden_states"].shape
-        assert float(relative_errors(native["hidden_states"], generator["hidden_states"]).max()) < 0.02
+        assert float(relative_errors(native["hidden_states"], generator["hidden_states"]).max()) < harness.paths_agree()
     assert (tmp_path / "native" / "state.json").is_file()  # the dataset index the trainer opens
 
 

@@ -81,3 +81,16 @@ def test_a_writer_whose_run_waits_often_and_briefly_grows(tmp_path):
         writer.submit(index, b"states")
     writer.close()
     assert writer.stats.threads == 4 and fmt.most == 4
+
+
+def test_a_starved_writer_doubles_its_threads(tmp_path):
+    """One starved interval takes 2 threads to 4, not 3: a run of a few seconds (shared prefixes on
+    the H200) ended before one thread per interval had reached what its disk needed."""
+    writer = BackgroundWriter(tmp_path, max_pending=1, format=SlowFormat(0.05), threads=2, max_threads=8)
+    writer.GROW_INTERVAL = 0.3
+    index = 0
+    while writer.stats.threads == 2 and index < 200:
+        writer.submit(index, b"states")
+        index += 1
+    writer.close()
+    assert writer.stats.threads == 4
