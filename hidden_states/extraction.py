@@ -603,9 +603,10 @@ class Extraction:
 
         Submit ``batch`` (in groups of at most the backend's ``tokens_per_submit``, if it has one),
         then hand the oldest group in flight to the writer once the groups submitted after it hold
-        the backend's ``tokens_ahead`` (default 1: one batch): a backend that can runs those while
-        the oldest one's states are copied out and written (the ``speculators`` backend overlaps two
-        calls; the engine backends want three engine steps queued, whatever the batches' lengths)."""
+        the backend's ``tokens_ahead`` (``backends.ONE_BATCH_AHEAD`` by default): a backend that can
+        runs those while the oldest one's states are copied out and written (the ``speculators``
+        backend overlaps two calls; the engine backends want ``engine_feed.STEPS_AHEAD`` engine steps
+        queued, whatever the batches' lengths)."""
         ahead = self.backend.tokens_ahead
         for group in submit_groups(self._carriers(batch), self.backend.tokens_per_submit):
             self._in_flight.append((group, self._submit(group), sum(len(s.input_ids) for s in group)))
