@@ -179,6 +179,25 @@ def test_a_jsonl_files_sample_count_is_estimated_while_streaming_and_exact_at_it
     assert stream.expected_samples() == (100, True)
 
 
+class _DropsSkip:
+    """A chat tokenizer that makes one row of a text, none of a text "skip" (as a conversation whose
+    every turn is dropped makes none)."""
+
+    def rows(self, record, kind):
+        text = record.value["text"]
+        return [] if text == "skip" else [types.SimpleNamespace(input_ids=[len(text)], loss_mask=[1])]
+
+
+def test_a_counted_inputs_estimate_counts_the_rows_that_made_no_sample(tmp_path):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"text": "skip"}] + [{"text": "x" * 3}] * 9))  # 10 rows, 9 samples
+    stream = InputStream(data, chat=types.SimpleNamespace(tokenizer=_DropsSkip))
+    assert len(stream.peek(3)) == 3  # 4 rows read: 3 samples is not one per row
+    assert stream.expected_samples() == (7, False)  # 3 + the 6 rows left at 3 samples per 4 rows
+    assert len(list(stream)) == 9
+    assert stream.expected_samples() == (9, True)
+
+
 def test_a_bad_line_after_the_peek_first_hands_out_the_samples_before_it(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"input_ids": [1]}\n' * 5 + '{"input_ids": ["x"]}\n' + '{"input_ids": [1]}\n')
