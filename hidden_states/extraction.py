@@ -174,7 +174,7 @@ class RunPlan:
         # backend keeps ahead, known once its engine runs, it adds itself)
         return backends.BackendSettings(**shared, layer_ids=sorted(set(self.layers.ids)),
                                         sequences_in_flight=batches_held * settings.batch_size
-                                        + settings.max_writer_threads)
+                                        + settings.max_writer_threads, num_layers=self.facts.num_layers)
 
 
 class Extraction:

@@ -29,6 +29,7 @@ class BackendSettings:
     share_prefixes: bool = True  # rows may share their first tokens' states (vllm-engine: vLLM's prefix cache on)
     sequences_in_flight: int = 16  # most sequences whose states are submitted and not yet written (vllm-engine's pool)
     state_dtype: str = "model"  # fp8: a backend that can quantizes where the states are (vllm-engine's worker)
+    num_layers: int | None = None  # the model's decoder layers, as the plan read its config (vllm-native needs it)
 
 
 # tokens_ahead of a backend that runs one batch while the one before it is copied out: any token

@@ -152,6 +152,13 @@ def test_nothing_left_to_do_loads_no_model(job):
     assert FakeBackend.created == 1
 
 
+def test_the_backend_gets_the_plans_layer_count(job, monkeypatch):
+    seen = []
+    monkeypatch.setattr(backends, "create", lambda name, settings: seen.append(settings) or FakeBackend(settings))
+    Extraction(job, log=quiet).run()
+    assert [s.num_layers for s in seen] == [4]  # the fake model's config.json, as the plan read it
+
+
 def test_progress_lines_go_through_the_extractions_logger(job):
     job.progress_interval = 0
     said = []
