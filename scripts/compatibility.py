@@ -45,16 +45,17 @@ CUDA_ONLY = ("0.33.0", "0.34.0")
 _HF = "no CPU build; H200: tiny model = HF"
 _MLA_DIMS = ("no CPU build; H200: **vLLM found no MLA prefill backend for the tiny model's head dims** "
              "(since changed to DeepSeek-V3's; not run again)")
+_HF_AND_8B = _HF + "; 8B shape: ok (0.086)"
 _DEEPSEEK_V3_DIMS = _HF + " (DeepSeek-V3's MLA head dims, fifth session)"
 ON_THE_GPU = {
-    ("0.33.0", "0.3.0", "llama"): _HF + "; 8B shape: ok (0.086)",
+    ("0.33.0", "0.3.0", "llama"): _HF_AND_8B,
     ("0.33.0", "0.4.0", "llama"): _HF,
     ("0.33.0", "0.3.0", "deepseek"): _MLA_DIMS,
     ("0.33.0", "0.4.0", "deepseek"): _MLA_DIMS,
     ("0.33.0", "0.4.0", "qwen3"): _HF,
     ("0.33.0", "0.4.0", "qwen3_hd128"): _HF,
-    ("0.34.0", "0.3.0", "llama"): _HF + "; 8B shape: ok (0.086)",
-    ("0.34.0", "0.4.0", "llama"): _HF + "; 8B shape: ok (0.086)",
+    ("0.34.0", "0.3.0", "llama"): _HF_AND_8B,
+    ("0.34.0", "0.4.0", "llama"): _HF_AND_8B,
     ("0.34.0", "0.3.0", "deepseek"): _DEEPSEEK_V3_DIMS,
     ("0.34.0", "0.4.0", "deepseek"): _DEEPSEEK_V3_DIMS,
     ("0.34.0", "0.4.0", "qwen3"): _HF,

@@ -29,23 +29,19 @@ def pytest_collection_modifyitems(config, items):
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = [i for i in items if i not in drop]
-    _skip_without_datasets(items)
-    if importlib.util.find_spec("vllm") is not None:
-        return
-    required = os.environ.get("VLLM_COMPAT_REQUIRE_VLLM") == "1"
-    for item in items:
-        if "vllm" in item.keywords:
-            if required:
-                raise pytest.UsageError("VLLM_COMPAT_REQUIRE_VLLM=1 but vLLM is not importable here")
-            item.add_marker(pytest.mark.skip(reason="needs a real vLLM (run scripts/test_matrix.py)"))
+    _needs(items, "vllm", ("vllm",), "VLLM_COMPAT_REQUIRE_VLLM", "run scripts/test_matrix.py")
+    _needs(items, "datasets", ("datasets", "pyarrow"), "VLLM_COMPAT_REQUIRE_DATASETS",
+           "the matrix's 'unit (datasets)' suite")
 
 
-def _skip_without_datasets(items) -> None:
-    marked = [item for item in items if "datasets" in item.keywords]
-    missing = [name for name in ("datasets", "pyarrow") if importlib.util.find_spec(name) is None]
+def _needs(items, marker: str, modules: tuple[str, ...], required_by: str, where: str) -> None:
+    """Tests marked ``marker`` need ``modules``: where one is missing they skip, saying where they run,
+    and where ``required_by=1`` (the matrix's venvs) the run stops instead."""
+    marked = [item for item in items if marker in item.keywords]
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if not marked or not missing:
         return
-    if os.environ.get("VLLM_COMPAT_REQUIRE_DATASETS") == "1":
-        raise pytest.UsageError(f"VLLM_COMPAT_REQUIRE_DATASETS=1 but {', '.join(missing)} is not importable here")
+    if os.environ.get(required_by) == "1":
+        raise pytest.UsageError(f"{required_by}=1 but {', '.join(missing)} is not importable here")
     for item in marked:
-        item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)} (the matrix's 'unit (datasets)' suite)"))
+        item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)} ({where})"))
