@@ -435,20 +435,15 @@ class Extraction:
     def _work_and_time(self) -> list[str]:
         """The samples in range and still to do (the output directory read, not changed), their tokens
         and the run's time."""
-        settings = self.settings
-        end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
-        finished = self.finished_before
-        pending = Pending(self.input, start=settings.start_index, end=end, finished=finished,
-                          max_seq_len=settings.max_seq_len, strict=settings.strict)
+        settings, finished = self.settings, self.finished_before
+        pending = self._pending(finished)
         todo, exact = pending.todo()
-        peeked = self.input.peek(0)
         if self.input.expected_samples()[1] and self.source.tag is None:  # the whole input was read: count
-            tokens = sum(min(len(s.input_ids), settings.max_seq_len) for s in peeked
-                         if s.index >= settings.start_index and (end is None or s.index < end)
-                         and s.index not in finished)
-        else:  # the samples to do at the peeked samples' mean length
+            tokens = sum(min(len(s.input_ids), settings.max_seq_len) for s in self.input.peek(0)
+                         if pending.in_range(s.index) and s.index not in finished)
+        else:  # the samples to do at the first samples' mean length
             todo, exact = self.source.expected(todo), False
-            tokens = round(todo * sum(min(len(s.input_ids), settings.max_seq_len) for s in peeked) / len(peeked))
+            tokens = estimate_tokens(self.input, settings.max_seq_len, todo)
         about = "" if exact else "about "
         lines = [f"samples: {about}{todo:,} to extract{' by this shard' if self.source.tag else ''}"
                  + (f", {len(finished)} already finished in {settings.output_dir}" if finished else "")]
@@ -497,15 +492,20 @@ class Extraction:
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
             self.log(f"{len(names)} files in {self.output.path} were cut short (a crash before they reached the "
                      f"disk?) and are redone: {shown}")
-        end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
-        self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
-                               max_seq_len=settings.max_seq_len, strict=settings.strict)
+        self.pending = self._pending(self.finished)
         self.run_plan = RunPlan(dataclasses.replace(settings), self.facts, self.format_name,
                                 tuple(layer_ids), self.layers, self.source.tag, dict(self.config))
         todo, exact = self.pending.todo()
-        done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
+        done = sum(1 for index in self.finished if self.pending.in_range(index))
         about = "" if exact else "about "
         self.log(f"debug: {about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract")
+
+    def _pending(self, finished: set[int] | dict[int, int | None]) -> Pending:
+        """The samples of the run's range still to do, ``finished`` passed over: what the plan counts
+        (the files it found) and what :meth:`prepare` hands to the batch source (the directory's)."""
+        settings = self.settings
+        return Pending(self.input, start=settings.start_index, end=settings.end_index, finished=finished,
+                       max_seq_len=settings.max_seq_len, strict=settings.strict)
 
     @classmethod
     def executing(cls, plan: RunPlan, *, log=None) -> Extraction:
