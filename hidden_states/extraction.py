@@ -135,25 +135,37 @@ DRAIN_THREADS = 8
 
 
 @dataclass(frozen=True)
+class ModelPlan:
+    """What :meth:`Extraction.plan_model` decided of the model and the states taken from it.
+
+    Attributes:
+        facts: the model's config facts.
+        format_name, format_layer_ids: the output format and the layer ids as its trainer counts them.
+        layers: the layers the backend captures, as the extractor counts them.
+    """
+
+    facts: ModelFacts
+    format_name: str
+    format_layer_ids: tuple[int, ...]
+    layers: formats.Layers
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """What :meth:`Extraction.plan` and :meth:`Extraction.prepare` decided, for every process that
     executes the run: a single run, each Ray replica (``replicas.py``), each static shard. Made once,
     never changed (a replica gets its own with :meth:`for_replica`); it crosses to Ray's actors pickled.
+    The extraction that made it or executes it reads the model's plan and the config from it.
 
     Attributes:
         settings: the run's settings, every default applied (a copy: the caller's object may change).
-        facts: the model's config facts.
-        format_name, format_layer_ids: the output format and the layer ids as its trainer counts them.
-        layers: the layers the backend captures, as the extractor counts them.
+        model: the model, the format and the layers (:class:`ModelPlan`).
         tag: the ledger's tag (``done.<tag>.jsonl``: a shard's, a replica's); None: ``done.jsonl``.
         config: ``data_config.json`` before the backend's own facts (read, never changed).
     """
 
     settings: Settings
-    facts: ModelFacts
-    format_name: str
-    format_layer_ids: tuple[int, ...]
-    layers: formats.Layers
+    model: ModelPlan
     tag: str | None
     config: dict
 
@@ -172,9 +184,9 @@ class RunPlan:
                   if hasattr(settings, f.name) and f.name != "layer_ids"}
         # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
         # backend keeps ahead, known once its engine runs, it adds itself)
-        return backends.BackendSettings(**shared, layer_ids=sorted(set(self.layers.ids)),
+        return backends.BackendSettings(**shared, layer_ids=sorted(set(self.model.layers.ids)),
                                         sequences_in_flight=batches_held * settings.batch_size
-                                        + settings.max_writer_threads, num_layers=self.facts.num_layers)
+                                        + settings.max_writer_threads, num_layers=self.model.facts.num_layers)
 
 
 class Extraction:
@@ -188,7 +200,10 @@ class Extraction:
     Attributes:
         loads_model_here: the backend runs in this process, on this host's devices, against which
             the plan checks the memory the model needs.
-        run_plan: the :class:`RunPlan` (after :meth:`prepare`, or given to :meth:`executing`).
+        model_plan: the :class:`ModelPlan` (after :meth:`plan_model`, or the one of the plan given to
+            :meth:`executing`); ``facts``, ``format_name``, ``format_layer_ids`` and ``layers`` read it.
+        run_plan: the :class:`RunPlan` (after :meth:`prepare`, or given to :meth:`executing`); ``config``
+            reads it.
 
     A way of running batches elsewhere (the Ray driver, ``replicas.RayExtraction``) overrides the
     two public hooks of the loop, :meth:`open_sink` and :meth:`hand_out`, and nothing else of it.
@@ -203,8 +218,7 @@ class Extraction:
         self.source = source or batch_source(settings)
         self.summary = Summary()
         # plan
-        self.facts = None
-        self.layers: formats.Layers | None = None
+        self.model_plan: ModelPlan | None = None
         self.input: InputStream | None = None
         self.tokens_estimate = 0  # tokens the whole input makes, estimated from its first samples
         self.memory: MemoryEstimate | None = None
@@ -217,7 +231,6 @@ class Extraction:
         # prepare
         self.format = None
         self.output: OutputDir | None = None
-        self.config: dict = {}
         self.finished: dict[int, int | None] = {}
         self.pending: Pending | None = None
         self.run_plan: RunPlan | None = None
@@ -327,26 +340,26 @@ class Extraction:
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
             for line in check_environment():
                 self.log(line)
-        facts = self.facts = model_facts(settings.model_path)
+        facts = model_facts(settings.model_path)
         if facts.remote_code and not settings.trust_remote_code:
             raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
                              f"config.json); pass --trust-remote-code if you trust it")
         # --layer-ids count as the chosen format's trainer counts; the backends capture in ours
-        self.format_name = settings.format or layer_conventions.default_format()
-        if self.format_name not in formats.FORMATS:
-            raise UsageError(f"--format {self.format_name}: unknown (known: {', '.join(formats.FORMATS)})")
-        stored_as = formats.state_dtypes(self.format_name)
+        output_format = settings.format or layer_conventions.default_format()
+        if output_format not in formats.FORMATS:
+            raise UsageError(f"--format {output_format}: unknown (known: {', '.join(formats.FORMATS)})")
+        stored_as = formats.state_dtypes(output_format)
         if settings.state_dtype not in stored_as:
-            raise UsageError(f"--state-dtype {settings.state_dtype}: --format {self.format_name}'s trainer reads "
+            raise UsageError(f"--state-dtype {settings.state_dtype}: --format {output_format}'s trainer reads "
                              f"{' or '.join(stored_as)} states only (speculators 0.3/0.4 have no FP8 reader); use "
                              f"--format speculators-0.5 (speculators >= 0.9, --hidden-states-backend fp8)")
         given = list(settings.layer_ids) if settings.layer_ids else None
-        self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
-        layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
+        format_layer_ids = given or layer_conventions.default_ids(output_format, facts.num_layers)
+        layer_ids = layer_conventions.to_extractor(output_format, format_layer_ids, facts.num_layers)
         check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
         check_tensor_parallel(facts, settings.tp_size)
-        self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
-        self.summary.layer_ids = self.format_layer_ids
+        self._take(ModelPlan(facts, output_format, tuple(format_layer_ids),
+                             formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)))
         chosen = "" if given else " (its trainer's default)"
         self.plan_lines = [settings_line(settings),
                            f"model: {facts.path} ({facts.num_layers} layers, hidden size {facts.hidden_size})",
@@ -463,12 +476,12 @@ class Extraction:
 
         Nothing is written into the directory until every check (the plan's too) has passed: a run refused here
         leaves at most the empty directory."""
-        settings, layer_ids = self.settings, self.format_layer_ids
+        settings = self.settings
         self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log,
                                      state_dtype=settings.state_dtype)
         self.output = OutputDir(self.format, tag=self.source.tag)
         identity, source = self.identity, self.identity["input"]
-        self.config = {
+        config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "prepared_data": source["resolved"],
             "max_seq_len": settings.max_seq_len,
@@ -479,6 +492,7 @@ class Extraction:
             **self.identity,
             "settings": settings.record(),
         }
+        self.run_plan = RunPlan(dataclasses.replace(settings), self.model_plan, self.source.tag, config)
         self.output.create()
         held = self.output.check(identity, settings.start_over)
         removed = self.output.claim(identity, self.config,
@@ -493,8 +507,6 @@ class Extraction:
             self.log(f"{len(names)} files in {self.output.path} were cut short (a crash before they reached the "
                      f"disk?) and are redone: {shown}")
         self.pending = self._pending(self.finished)
-        self.run_plan = RunPlan(dataclasses.replace(settings), self.facts, self.format_name,
-                                tuple(layer_ids), self.layers, self.source.tag, dict(self.config))
         todo, exact = self.pending.todo()
         done = sum(1 for index in self.finished if self.pending.in_range(index))
         about = "" if exact else "about "
@@ -517,13 +529,36 @@ class Extraction:
         return extraction
 
     def _adopt(self, plan: RunPlan) -> None:
-        self.run_plan, self.facts, self.layers = plan, plan.facts, plan.layers
-        self.format_name, self.format_layer_ids = plan.format_name, list(plan.format_layer_ids)
-        self.summary.layer_ids = self.format_layer_ids
-        self.format = formats.create(plan.format_name, Path(plan.settings.output_dir), plan.layers, log=self.log,
+        self.run_plan = plan
+        self._take(plan.model)
+        self.format = formats.create(self.format_name, Path(plan.settings.output_dir), self.layers, log=self.log,
                                      state_dtype=plan.settings.state_dtype)
         self.output = OutputDir(self.format, tag=plan.tag)
-        self.config = dict(plan.config)
+
+    def _take(self, model_plan: ModelPlan) -> None:
+        self.model_plan = model_plan
+        self.summary.layer_ids = self.format_layer_ids
+
+    # What the plan decided, read where it is held (the model's plan, the run's plan): never a copy.
+    @property
+    def facts(self) -> ModelFacts:
+        return self.model_plan.facts
+
+    @property
+    def format_name(self) -> str:
+        return self.model_plan.format_name
+
+    @property
+    def format_layer_ids(self) -> list[int]:
+        return list(self.model_plan.format_layer_ids)
+
+    @property
+    def layers(self) -> formats.Layers:
+        return self.model_plan.layers
+
+    @property
+    def config(self) -> dict:
+        return self.run_plan.config
 
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""

@@ -159,6 +159,18 @@ def test_the_backend_gets_the_plans_layer_count(job, monkeypatch):
     assert [s.num_layers for s in seen] == [4]  # the fake model's config.json, as the plan read it
 
 
+def test_the_extraction_reads_the_plans_it_holds_not_copies(job):
+    run = Extraction(job, log=quiet)
+    run.plan()
+    run.prepare()
+    plan = run.run_plan
+    assert plan.model is run.model_plan and run.config is plan.config
+    assert (run.facts, run.layers, run.format_layer_ids) == (plan.model.facts, plan.model.layers, [3, 1])
+    replica = Extraction.executing(plan.for_replica(0), log=quiet)
+    assert replica.model_plan is plan.model and replica.config is plan.config
+    assert replica.summary.layer_ids == [3, 1] and replica.output.tag == "replica-0"
+
+
 def test_progress_lines_go_through_the_extractions_logger(job):
     job.progress_interval = 0
     said = []
