@@ -482,7 +482,8 @@ def phase_forward_check(args) -> None:
 
     backend = backends.create(args.backend, backends.BackendSettings(
         model_path=args.model, layer_ids=default_layers(args.model), max_seq_len=args.length, tp_size=args.tp,
-        gpu_memory_utilization=args.gpu_memory_utilization))
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_layers=int(model_config(args.model)["num_hidden_layers"])))
     started = time.perf_counter()
     try:
         backend.start()

@@ -64,6 +64,10 @@ class Pending:
                 continue
             yield self._fit(sample)
 
+    def in_range(self, index: int) -> bool:
+        """Whether sample ``index`` is in the range this run extracts (finished or not)."""
+        return index >= self.start and (self.end is None or index < self.end)
+
     def todo(self) -> tuple[int, bool]:
         """(samples in range not finished before this run, whether exact): from the input's expected
         size, which a JSONL file learns while it streams."""

@@ -344,8 +344,14 @@ def extraction_for(settings: Settings, **kwargs):
 
 
 def _plan(args) -> int:
-    planned = extraction_for(settings_from(args))
-    planned.plan()
+    from . import run_log
+
+    # What planning prints besides the plan (a library's lines, our warnings) reaches the terminal as
+    # extract's does at --log-level (no log file: plan writes nothing); the plan, the command's
+    # result, is printed whole at every level, as extract's summary is.
+    with run_log.captured(None, log_levels.level_of(args)):
+        planned = extraction_for(settings_from(args))
+        planned.plan()
     print("plan (no model loaded, nothing written):\n  " + "\n  ".join(planned.plan_lines))
     return 0
 

@@ -135,25 +135,37 @@ DRAIN_THREADS = 8
 
 
 @dataclass(frozen=True)
+class ModelPlan:
+    """What :meth:`Extraction.plan_model` decided of the model and the states taken from it.
+
+    Attributes:
+        facts: the model's config facts.
+        format_name, format_layer_ids: the output format and the layer ids as its trainer counts them.
+        layers: the layers the backend captures, as the extractor counts them.
+    """
+
+    facts: ModelFacts
+    format_name: str
+    format_layer_ids: tuple[int, ...]
+    layers: formats.Layers
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """What :meth:`Extraction.plan` and :meth:`Extraction.prepare` decided, for every process that
     executes the run: a single run, each Ray replica (``replicas.py``), each static shard. Made once,
     never changed (a replica gets its own with :meth:`for_replica`); it crosses to Ray's actors pickled.
+    The extraction that made it or executes it reads the model's plan and the config from it.
 
     Attributes:
         settings: the run's settings, every default applied (a copy: the caller's object may change).
-        facts: the model's config facts.
-        format_name, format_layer_ids: the output format and the layer ids as its trainer counts them.
-        layers: the layers the backend captures, as the extractor counts them.
+        model: the model, the format and the layers (:class:`ModelPlan`).
         tag: the ledger's tag (``done.<tag>.jsonl``: a shard's, a replica's); None: ``done.jsonl``.
         config: ``data_config.json`` before the backend's own facts (read, never changed).
     """
 
     settings: Settings
-    facts: ModelFacts
-    format_name: str
-    format_layer_ids: tuple[int, ...]
-    layers: formats.Layers
+    model: ModelPlan
     tag: str | None
     config: dict
 
@@ -172,9 +184,9 @@ class RunPlan:
                   if hasattr(settings, f.name) and f.name != "layer_ids"}
         # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
         # backend keeps ahead, known once its engine runs, it adds itself)
-        return backends.BackendSettings(**shared, layer_ids=sorted(set(self.layers.ids)),
+        return backends.BackendSettings(**shared, layer_ids=sorted(set(self.model.layers.ids)),
                                         sequences_in_flight=batches_held * settings.batch_size
-                                        + settings.max_writer_threads)
+                                        + settings.max_writer_threads, num_layers=self.model.facts.num_layers)
 
 
 class Extraction:
@@ -188,7 +200,10 @@ class Extraction:
     Attributes:
         loads_model_here: the backend runs in this process, on this host's devices, against which
             the plan checks the memory the model needs.
-        run_plan: the :class:`RunPlan` (after :meth:`prepare`, or given to :meth:`executing`).
+        model_plan: the :class:`ModelPlan` (after :meth:`plan_model`, or the one of the plan given to
+            :meth:`executing`); ``facts``, ``format_name``, ``format_layer_ids`` and ``layers`` read it.
+        run_plan: the :class:`RunPlan` (after :meth:`prepare`, or given to :meth:`executing`); ``config``
+            reads it.
 
     A way of running batches elsewhere (the Ray driver, ``replicas.RayExtraction``) overrides the
     two public hooks of the loop, :meth:`open_sink` and :meth:`hand_out`, and nothing else of it.
@@ -203,8 +218,7 @@ class Extraction:
         self.source = source or batch_source(settings)
         self.summary = Summary()
         # plan
-        self.facts = None
-        self.layers: formats.Layers | None = None
+        self.model_plan: ModelPlan | None = None
         self.input: InputStream | None = None
         self.tokens_estimate = 0  # tokens the whole input makes, estimated from its first samples
         self.memory: MemoryEstimate | None = None
@@ -217,7 +231,6 @@ class Extraction:
         # prepare
         self.format = None
         self.output: OutputDir | None = None
-        self.config: dict = {}
         self.finished: dict[int, int | None] = {}
         self.pending: Pending | None = None
         self.run_plan: RunPlan | None = None
@@ -327,26 +340,26 @@ class Extraction:
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
             for line in check_environment():
                 self.log(line)
-        facts = self.facts = model_facts(settings.model_path)
+        facts = model_facts(settings.model_path)
         if facts.remote_code and not settings.trust_remote_code:
             raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
                              f"config.json); pass --trust-remote-code if you trust it")
         # --layer-ids count as the chosen format's trainer counts; the backends capture in ours
-        self.format_name = settings.format or layer_conventions.default_format()
-        if self.format_name not in formats.FORMATS:
-            raise UsageError(f"--format {self.format_name}: unknown (known: {', '.join(formats.FORMATS)})")
-        stored_as = formats.state_dtypes(self.format_name)
+        output_format = settings.format or layer_conventions.default_format()
+        if output_format not in formats.FORMATS:
+            raise UsageError(f"--format {output_format}: unknown (known: {', '.join(formats.FORMATS)})")
+        stored_as = formats.state_dtypes(output_format)
         if settings.state_dtype not in stored_as:
-            raise UsageError(f"--state-dtype {settings.state_dtype}: --format {self.format_name}'s trainer reads "
+            raise UsageError(f"--state-dtype {settings.state_dtype}: --format {output_format}'s trainer reads "
                              f"{' or '.join(stored_as)} states only (speculators 0.3/0.4 have no FP8 reader); use "
                              f"--format speculators-0.5 (speculators >= 0.9, --hidden-states-backend fp8)")
         given = list(settings.layer_ids) if settings.layer_ids else None
-        self.format_layer_ids = given or layer_conventions.default_ids(self.format_name, facts.num_layers)
-        layer_ids = layer_conventions.to_extractor(self.format_name, self.format_layer_ids, facts.num_layers)
+        format_layer_ids = given or layer_conventions.default_ids(output_format, facts.num_layers)
+        layer_ids = layer_conventions.to_extractor(output_format, format_layer_ids, facts.num_layers)
         check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
         check_tensor_parallel(facts, settings.tp_size)
-        self.layers = formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)
-        self.summary.layer_ids = self.format_layer_ids
+        self._take(ModelPlan(facts, output_format, tuple(format_layer_ids),
+                             formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)))
         chosen = "" if given else " (its trainer's default)"
         self.plan_lines = [settings_line(settings),
                            f"model: {facts.path} ({facts.num_layers} layers, hidden size {facts.hidden_size})",
@@ -435,20 +448,15 @@ class Extraction:
     def _work_and_time(self) -> list[str]:
         """The samples in range and still to do (the output directory read, not changed), their tokens
         and the run's time."""
-        settings = self.settings
-        end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
-        finished = self.finished_before
-        pending = Pending(self.input, start=settings.start_index, end=end, finished=finished,
-                          max_seq_len=settings.max_seq_len, strict=settings.strict)
+        settings, finished = self.settings, self.finished_before
+        pending = self._pending(finished)
         todo, exact = pending.todo()
-        peeked = self.input.peek(0)
         if self.input.expected_samples()[1] and self.source.tag is None:  # the whole input was read: count
-            tokens = sum(min(len(s.input_ids), settings.max_seq_len) for s in peeked
-                         if s.index >= settings.start_index and (end is None or s.index < end)
-                         and s.index not in finished)
-        else:  # the samples to do at the peeked samples' mean length
+            tokens = sum(min(len(s.input_ids), settings.max_seq_len) for s in self.input.peek(0)
+                         if pending.in_range(s.index) and s.index not in finished)
+        else:  # the samples to do at the first samples' mean length
             todo, exact = self.source.expected(todo), False
-            tokens = round(todo * sum(min(len(s.input_ids), settings.max_seq_len) for s in peeked) / len(peeked))
+            tokens = estimate_tokens(self.input, settings.max_seq_len, todo)
         about = "" if exact else "about "
         lines = [f"samples: {about}{todo:,} to extract{' by this shard' if self.source.tag else ''}"
                  + (f", {len(finished)} already finished in {settings.output_dir}" if finished else "")]
@@ -468,12 +476,12 @@ class Extraction:
 
         Nothing is written into the directory until every check (the plan's too) has passed: a run refused here
         leaves at most the empty directory."""
-        settings, layer_ids = self.settings, self.format_layer_ids
+        settings = self.settings
         self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log,
                                      state_dtype=settings.state_dtype)
         self.output = OutputDir(self.format, tag=self.source.tag)
         identity, source = self.identity, self.identity["input"]
-        self.config = {
+        config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "prepared_data": source["resolved"],
             "max_seq_len": settings.max_seq_len,
@@ -484,6 +492,7 @@ class Extraction:
             **self.identity,
             "settings": settings.record(),
         }
+        self.run_plan = RunPlan(dataclasses.replace(settings), self.model_plan, self.source.tag, config)
         self.output.create()
         held = self.output.check(identity, settings.start_over)
         removed = self.output.claim(identity, self.config,
@@ -497,15 +506,18 @@ class Extraction:
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
             self.log(f"{len(names)} files in {self.output.path} were cut short (a crash before they reached the "
                      f"disk?) and are redone: {shown}")
-        end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
-        self.pending = Pending(self.input, start=settings.start_index, end=end, finished=self.finished,
-                               max_seq_len=settings.max_seq_len, strict=settings.strict)
-        self.run_plan = RunPlan(dataclasses.replace(settings), self.facts, self.format_name,
-                                tuple(layer_ids), self.layers, self.source.tag, dict(self.config))
+        self.pending = self._pending(self.finished)
         todo, exact = self.pending.todo()
-        done = sum(1 for index in self.finished if index >= settings.start_index and (end is None or index < end))
+        done = sum(1 for index in self.finished if self.pending.in_range(index))
         about = "" if exact else "about "
         self.log(f"debug: {about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract")
+
+    def _pending(self, finished: set[int] | dict[int, int | None]) -> Pending:
+        """The samples of the run's range still to do, ``finished`` passed over: what the plan counts
+        (the files it found) and what :meth:`prepare` hands to the batch source (the directory's)."""
+        settings = self.settings
+        return Pending(self.input, start=settings.start_index, end=settings.end_index, finished=finished,
+                       max_seq_len=settings.max_seq_len, strict=settings.strict)
 
     @classmethod
     def executing(cls, plan: RunPlan, *, log=None) -> Extraction:
@@ -517,13 +529,36 @@ class Extraction:
         return extraction
 
     def _adopt(self, plan: RunPlan) -> None:
-        self.run_plan, self.facts, self.layers = plan, plan.facts, plan.layers
-        self.format_name, self.format_layer_ids = plan.format_name, list(plan.format_layer_ids)
-        self.summary.layer_ids = self.format_layer_ids
-        self.format = formats.create(plan.format_name, Path(plan.settings.output_dir), plan.layers, log=self.log,
+        self.run_plan = plan
+        self._take(plan.model)
+        self.format = formats.create(self.format_name, Path(plan.settings.output_dir), self.layers, log=self.log,
                                      state_dtype=plan.settings.state_dtype)
         self.output = OutputDir(self.format, tag=plan.tag)
-        self.config = dict(plan.config)
+
+    def _take(self, model_plan: ModelPlan) -> None:
+        self.model_plan = model_plan
+        self.summary.layer_ids = self.format_layer_ids
+
+    # What the plan decided, read where it is held (the model's plan, the run's plan): never a copy.
+    @property
+    def facts(self) -> ModelFacts:
+        return self.model_plan.facts
+
+    @property
+    def format_name(self) -> str:
+        return self.model_plan.format_name
+
+    @property
+    def format_layer_ids(self) -> list[int]:
+        return list(self.model_plan.format_layer_ids)
+
+    @property
+    def layers(self) -> formats.Layers:
+        return self.model_plan.layers
+
+    @property
+    def config(self) -> dict:
+        return self.run_plan.config
 
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""
@@ -603,9 +638,10 @@ class Extraction:
 
         Submit ``batch`` (in groups of at most the backend's ``tokens_per_submit``, if it has one),
         then hand the oldest group in flight to the writer once the groups submitted after it hold
-        the backend's ``tokens_ahead`` (default 1: one batch): a backend that can runs those while
-        the oldest one's states are copied out and written (the ``speculators`` backend overlaps two
-        calls; the engine backends want three engine steps queued, whatever the batches' lengths)."""
+        the backend's ``tokens_ahead`` (``backends.ONE_BATCH_AHEAD`` by default): a backend that can
+        runs those while the oldest one's states are copied out and written (the ``speculators``
+        backend overlaps two calls; the engine backends want ``engine_feed.STEPS_AHEAD`` engine steps
+        queued, whatever the batches' lengths)."""
         ahead = self.backend.tokens_ahead
         for group in submit_groups(self._carriers(batch), self.backend.tokens_per_submit):
             self._in_flight.append((group, self._submit(group), sum(len(s.input_ids) for s in group)))

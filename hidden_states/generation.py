@@ -108,7 +108,7 @@ class Generation(Extraction):
         """(Regeneration, its sample indices) of each conversation in range not finished yet; the
         skipped ones counted. Reads the whole input (conversations, checked as they are read)."""
         settings, per_reply = self.settings, self.format_name == SPECULATORS_05
-        end = settings.start_index + settings.max_samples if settings.max_samples is not None else None
+        end = settings.end_index
         source = conversations.open_source(self.input.path)
         self._all, base = [], 0
         for number, record in enumerate(source):

@@ -98,7 +98,6 @@ class InputStream:
         self.digest = digest
         self.tokenizer: ChatTokenizer | None = None
         self.samples_read = 0
-        self.records_read = 0
         self._source: conversations.RecordSource | None = None
         self._ended = False
         self._peeked: list[Sample] = []
@@ -145,9 +144,10 @@ class InputStream:
         if self._ended or source is None or not self.samples_read:
             return self.samples_read, self._ended
         if source.rows is not None:
-            if self.samples_read == self.records_read:
+            rows_read = source.line  # a container that knows its row count numbers its rows from 1
+            if self.samples_read == rows_read:
                 return source.rows, True
-            left = max(source.rows - self.records_read, 0) * self.samples_read / self.records_read
+            left = max(source.rows - rows_read, 0) * self.samples_read / rows_read
         elif source.size and source.bytes_read:
             left = max(source.size - source.bytes_read, 0) * self.samples_read / source.bytes_read
         else:
@@ -168,11 +168,7 @@ class InputStream:
         return self.tokenizer
 
     def _samples(self, source: conversations.RecordSource) -> Iterator[Sample]:
-        last = None
         for record, _, ids, mask in tokenized_rows(source, self._tokenizer):
-            if record is not last:
-                self.records_read += 1
-                last = record
             sample = validate({"input_ids": ids, "loss_mask": mask}, record.where, self.samples_read, record.line,
                               self.vocab_size)
             self.samples_read += 1

@@ -307,16 +307,16 @@ def too_long(path: str, sample: Sample, max_seq_len: int) -> str:
     return f"{path}:{sample.line}: {len(sample.input_ids)} tokens, more than --max-seq-len {max_seq_len} (--strict)"
 
 
-def estimate_tokens(stream: InputStream, max_seq_len: int) -> int:
-    """The tokens the whole input makes, as extracted (each sample cut to ``max_seq_len``): the
-    samples the input is expected to hold (``InputStream.expected_samples``: from its row count, or
-    a JSONL file's size, at the rate of the rows read so far; conversations as tokenized) times the
-    first samples' mean length."""
-    samples = stream.peek(FIRST_LINES)
-    if not samples:
+def estimate_tokens(stream: InputStream, max_seq_len: int, samples: int | None = None) -> int:
+    """The tokens ``samples`` of the input's samples make, as extracted (each cut to ``max_seq_len``),
+    at the first samples' mean length; None: the whole input's (``InputStream.expected_samples``: from
+    its row count, or a JSONL file's size, at the rate of the rows read so far; conversations as
+    tokenized)."""
+    first = stream.peek(FIRST_LINES)
+    if not first:
         return 0
-    mean = sum(min(len(s.input_ids), max_seq_len) for s in samples) / len(samples)
-    return round(stream.expected_samples()[0] * mean)
+    count = stream.expected_samples()[0] if samples is None else samples
+    return round(count * sum(min(len(s.input_ids), max_seq_len) for s in first) / len(first))
 
 
 def check_disk(output_dir: Path, tokens: int, facts: ModelFacts, layer_ids: list[int], state_dtype: str = "model"

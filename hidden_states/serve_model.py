@@ -65,7 +65,7 @@ class ServedModel:
         planned = self._extraction
         if planned.cpu_kv_cache is not None:  # vLLM reads it in this process, as it builds its config
             os.environ.setdefault(CPU_KV_CACHE_ENV, str(planned.cpu_kv_cache))
-        run_plan = RunPlan(self.settings, planned.facts, FORMAT, tuple(self.layer_ids), planned.layers, None, {})
+        run_plan = RunPlan(self.settings, planned.model_plan, None, {})
         backend_settings = run_plan.backend_settings()
         self.layer_order = [backend_settings.layer_ids.index(layer) for layer in planned.layers.ids]
         self.backend = backends.create(self.settings.backend, backend_settings)

@@ -83,6 +83,12 @@ class Settings:
                 "max_writer_threads", max(1, min(WRITER_THREADS_CAP, (os.cpu_count() or 2) // 2)))
         self.max_writer_threads = max(self.max_writer_threads, self.writer_threads)
 
+    @property
+    def end_index(self) -> int | None:
+        """The end of the range of sample indices (exclusive): ``start_index + max_samples``; None: the
+        input's end."""
+        return self.start_index + self.max_samples if self.max_samples is not None else None
+
     def record(self) -> dict:
         """Every setting as the run used it (defaults applied), for ``data_config.json``."""
         record = {f.name: getattr(self, f.name) for f in fields(self)}

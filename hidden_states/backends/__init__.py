@@ -29,6 +29,12 @@ class BackendSettings:
     share_prefixes: bool = True  # rows may share their first tokens' states (vllm-engine: vLLM's prefix cache on)
     sequences_in_flight: int = 16  # most sequences whose states are submitted and not yet written (vllm-engine's pool)
     state_dtype: str = "model"  # fp8: a backend that can quantizes where the states are (vllm-engine's worker)
+    num_layers: int | None = None  # the model's decoder layers, as the plan read its config (vllm-native needs it)
+
+
+# tokens_ahead of a backend that runs one batch while the one before it is copied out: any token
+# submitted after the batch awaited is enough, so one batch is kept ahead, whatever its length
+ONE_BATCH_AHEAD = 1
 
 
 class Backend(Protocol):
@@ -40,8 +46,8 @@ class Backend(Protocol):
     """
 
     name: str
-    # Tokens the extraction keeps submitted beyond the batch whose states it waits for (1: one batch
-    # ahead). The engine backends set it at start: three engine steps.
+    # Tokens the extraction keeps submitted beyond the batch whose states it waits for: ONE_BATCH_AHEAD
+    # by default; the engine backends set it at start (engine_feed.steps_of_tokens_ahead).
     tokens_ahead: int
     # The most tokens one submit should hold (None: the whole batch). The engine backends set one
     # engine step's: the extraction submits a batch to them in groups of that size (submit_groups).
@@ -71,7 +77,7 @@ def completed(function, *args) -> Future:
 class OneBatchAtATime:
     """``submit`` for a backend whose ``extract`` runs a batch start to end before it returns."""
 
-    tokens_ahead = 1
+    tokens_ahead = ONE_BATCH_AHEAD
     tokens_per_submit: int | None = None
 
     def submit(self, batch: list[list[int]]) -> Future:

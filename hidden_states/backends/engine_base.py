@@ -25,7 +25,7 @@ from packaging.version import Version
 from vllm_compat import extractor_api
 
 from ..errors import ExtractError
-from . import BackendSettings
+from . import ONE_BATCH_AHEAD, BackendSettings
 from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
 
 
@@ -44,7 +44,7 @@ class EngineBackend:
         self.settings = settings
         self._llm = None
         self._feed: EngineFeed | None = None
-        self.tokens_ahead = 1
+        self.tokens_ahead = ONE_BATCH_AHEAD  # until start() knows the engine's step
         self.tokens_per_submit: int | None = None
 
     # -- start

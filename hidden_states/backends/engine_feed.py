@@ -35,9 +35,16 @@ FEED_TOUCHPOINTS = [
     (Exists("vllm.inputs:TokensPrompt"), frozenset({PRESENT})),
     *present("vllm.sampling_params:SamplingParams", "max_tokens"),
     *[(Param("vllm.outputs:RequestOutput.__init__", name), GIVEN) for name in ("request_id", "finished")],
-    # how many tokens make an engine step (the extraction keeps three steps' worth submitted ahead)
+    # how many tokens make an engine step (the extraction keeps STEPS_AHEAD steps' worth submitted ahead)
     *present("vllm.config.scheduler:SchedulerConfig", "max_num_batched_tokens"),
 ]
+
+
+# engine steps of tokens the extraction keeps submitted beyond the batch it waits for: the step
+# running, the one vLLM schedules while it runs (async scheduling), and one more: a batch submitted
+# while the feed waits on a step enters the engine only when that step ends (two leave steps
+# scheduled half full: docs/performance.md, "The extractor's defaults")
+STEPS_AHEAD = 3
 
 
 def step_tokens(llm) -> int:
@@ -47,12 +54,9 @@ def step_tokens(llm) -> int:
 
 
 def steps_of_tokens_ahead(llm) -> int:
-    """Tokens the extraction keeps submitted beyond the batch it waits for: three of the engine's
-    steps (its scheduler's token budget each), whatever the batches' lengths. The step running, the
-    one vLLM schedules while it runs (async scheduling), and one more: a batch submitted while the
-    feed waits on a step enters the engine only when that step ends (two leave steps scheduled half
-    full: docs/performance.md, "The extractor's defaults")."""
-    return 3 * step_tokens(llm)
+    """The engine backends' ``tokens_ahead``: ``STEPS_AHEAD`` of the engine's steps (its scheduler's
+    token budget each), whatever the batches' lengths."""
+    return STEPS_AHEAD * step_tokens(llm)
 
 
 class Batch:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from . import BackendSettings, completed
+from . import ONE_BATCH_AHEAD, BackendSettings, completed
 from .overlap import OverlappedCalls
 
 
 class SpeculatorsBackend:
     name = "speculators"
     tokens_per_submit = None  # a batch is one generator call
-    tokens_ahead = 1  # one call runs while the one before it is copied out (overlap.py): one batch ahead
+    tokens_ahead = ONE_BATCH_AHEAD  # one call runs while the one before it is copied out (overlap.py)
 
     def __init__(self, settings: BackendSettings):
         self.settings = settings

@@ -26,7 +26,6 @@ from vllm_compat.extractor_api import (PRESENT, BackendTouchpoints, Branch, Disp
                                        Registered)
 
 from ..errors import ExtractError
-from ..preflight import model_facts
 from . import BackendSettings
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
@@ -72,7 +71,9 @@ class VllmNativeBackend(EngineBackend):
         self._reader_thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-states-read")
 
     def vllm_layer_ids(self, version: Version) -> list[int]:
-        num_layers = model_facts(self.settings.model_path).num_layers
+        num_layers = self.settings.num_layers  # the plan's read of the model's config
+        if num_layers is None:
+            raise ValueError("BackendSettings.num_layers is needed by --backend vllm-native (RunPlan.backend_settings)")
         ids = [layer + 1 for layer in self.settings.layer_ids]
         if num_layers in ids and version < LAST_LAYER_FROM:
             raise ExtractError(f"--layer-ids {num_layers - 1} (the last layer's output) needs vLLM >= "

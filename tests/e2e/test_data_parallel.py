@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.e2e import harness
 from tests.e2e.test_extractor import _alive, _descendants, cli, extract_args, run_cli, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.data_parallel]
@@ -29,11 +28,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.data_parallel]
 # test's reader got that line (CI, 2026-12-03), and held no batch to lose.
 ROWS = 64
 BATCH = ["--batch-size", "2"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return harness.tiny_model("llama")
 
 
 @pytest.fixture(scope="module")

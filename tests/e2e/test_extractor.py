@@ -74,11 +74,6 @@ def data_files(out: Path) -> dict[int, os.stat_result]:
 
 
 @pytest.fixture(scope="module")
-def model():
-    return harness.tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def extracted(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("extract")
     rows = write_jsonl(root / "data.jsonl", 50, long_every=25)

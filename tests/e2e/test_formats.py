@@ -72,11 +72,6 @@ def layout_args(model, data, out, fmt, ids):
             "cpu-tiny", "--format", fmt, "--layer-ids", *map(str, ids), "--progress-interval", "1"]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return harness.tiny_model("llama")
-
-
 def with_datasets() -> dict:
     """speculators 0.3.0 (the generator), then the 0.9.0 folder, which brings ``datasets`` for the 0.5
     layout's dataset index."""

@@ -50,11 +50,6 @@ def expect_broken(verdict: str, expected: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def model():
-    return harness.tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def refs(model):
     return harness.reference(model, CALLS)
 

@@ -150,11 +150,6 @@ def judged(model: Path, out: Path, ids: list[list[int]]) -> str:
 
 
 @pytest.fixture(scope="module")
-def model():
-    return harness.tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def setup(model, tmp_path_factory):
     """The server, the states folder, two jobs' datasets; the server is stopped at the end whatever happened."""
     root = tmp_path_factory.mktemp("serve")

@@ -42,6 +42,13 @@ def tokenizers(tmp_path_factory):
     return {family: AutoTokenizer.from_pretrained(build_tokenizer(family, root / family)) for family in FAMILIES}
 
 
+def test_a_chat_tokenizer_names_the_class_transformers_4_and_5_both_load(tmp_path):
+    from hidden_states.fixtures.chat_templates import build_tokenizer
+
+    path = build_tokenizer("qwen3", tmp_path / "qwen3")  # the matrix shares it across vLLM releases
+    assert json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
 def trained(tokenizer, ids, mask) -> list[str]:
     """The trained stretches of a row, decoded."""
     spans, current = [], []

@@ -152,6 +152,25 @@ def test_nothing_left_to_do_loads_no_model(job):
     assert FakeBackend.created == 1
 
 
+def test_the_backend_gets_the_plans_layer_count(job, monkeypatch):
+    seen = []
+    monkeypatch.setattr(backends, "create", lambda name, settings: seen.append(settings) or FakeBackend(settings))
+    Extraction(job, log=quiet).run()
+    assert [s.num_layers for s in seen] == [4]  # the fake model's config.json, as the plan read it
+
+
+def test_the_extraction_reads_the_plans_it_holds_not_copies(job):
+    run = Extraction(job, log=quiet)
+    run.plan()
+    run.prepare()
+    plan = run.run_plan
+    assert plan.model is run.model_plan and run.config is plan.config
+    assert (run.facts, run.layers, run.format_layer_ids) == (plan.model.facts, plan.model.layers, [3, 1])
+    replica = Extraction.executing(plan.for_replica(0), log=quiet)
+    assert replica.model_plan is plan.model and replica.config is plan.config
+    assert replica.summary.layer_ids == [3, 1] and replica.output.tag == "replica-0"
+
+
 def test_progress_lines_go_through_the_extractions_logger(job):
     job.progress_interval = 0
     said = []
@@ -177,6 +196,25 @@ def test_a_jsonl_files_sample_count_is_estimated_while_streaming_and_exact_at_it
     assert stream.expected_samples() == (100, False)
     assert [s.index for s in stream] == list(range(100))  # the peeked ones first, then the rest, once
     assert stream.expected_samples() == (100, True)
+
+
+class _DropsSkip:
+    """A chat tokenizer that makes one row of a text, none of a text "skip" (as a conversation whose
+    every turn is dropped makes none)."""
+
+    def rows(self, record, kind):
+        text = record.value["text"]
+        return [] if text == "skip" else [types.SimpleNamespace(input_ids=[len(text)], loss_mask=[1])]
+
+
+def test_a_counted_inputs_estimate_counts_the_rows_that_made_no_sample(tmp_path):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"text": "skip"}] + [{"text": "x" * 3}] * 9))  # 10 rows, 9 samples
+    stream = InputStream(data, chat=types.SimpleNamespace(tokenizer=_DropsSkip))
+    assert len(stream.peek(3)) == 3  # 4 rows read: 3 samples is not one per row
+    assert stream.expected_samples() == (7, False)  # 3 + the 6 rows left at 3 samples per 4 rows
+    assert len(list(stream)) == 9
+    assert stream.expected_samples() == (9, True)
 
 
 def test_a_bad_line_after_the_peek_first_hands_out_the_samples_before_it(tmp_path):

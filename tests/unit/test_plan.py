@@ -60,6 +60,23 @@ def test_plan_says_everything_before_the_load_in_seconds_and_writes_nothing(tiny
         assert f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB per rank, from the estimate" in said
 
 
+@pytest.mark.parametrize("flags, shown", [([], True), (["--log-level", "warning"], True), (["--quiet"], False)])
+def test_plan_shows_what_planning_prints_at_its_log_level_and_the_plan_at_every_level(fake_model, tmp_path,
+                                                                                   monkeypatch, capfd, flags, shown):
+    def audit(backend, touched, speculators):
+        os.write(2, b"WARNING 12-03 10:00:00 [loader.py:9] a library's warning while planning\n")
+        return AUDIT
+
+    monkeypatch.setattr(extraction, "check_vllm", audit)
+    data = rows(tmp_path / "rows.jsonl", [3, 4])
+    assert cli.main(["plan", "--model-path", str(fake_model), "--data", str(data), "--output-dir",
+                     str(tmp_path / "out"), "--format", "speculators-0.3", *flags]) == 0
+    out, err = capfd.readouterr()
+    assert "plan (no model loaded, nothing written):" in out and f"audit: {AUDIT}" in out
+    assert ("a library's warning while planning" in err) == shown
+    assert not (tmp_path / "out").exists()  # nor a log file
+
+
 @pytest.mark.vllm
 def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_starts(tiny, tmp_path, no_audit,
                                                                                      monkeypatch, capsys):
