@@ -66,7 +66,7 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #         host without a GPU it imports vLLM and runs the contract suite (what needs a device skips,
 #         saying so); no engine starts, so no end-to-end suite.
 #   minutes: the release's suites (contract and e2e) on a 2-core host like CI's, to balance the lanes
-#            (docs/performance.md, "What the CPU test suites are sized by").
+#            (docs/performance.md, "Both extractor backends on CPU").
 MATRIX: dict[str, dict] = {
     "0.16.0": {"minutes": 13, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
                "data_parallel": False, "tp8": False, "generate": False, "cuda": False},
