@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         cuda = plan_of(version)["cuda"]
         pythons[version] = vllm_venv.build_venv(version, rebuild=False, cuda=cuda)
-        for folder in [None, *(vllm_venv.CACHE / "speculators" / spec for spec in SPECULATORS)]:
-            vllm_venv.compile_bytecode(pythons[version], folder)
+        for spec in SPECULATORS:  # the venv itself is compiled as it is built or first reused
+            vllm_venv.compile_bytecode(pythons[version], vllm_venv.CACHE / "speculators" / spec)
         results.append((f"venv vllm {version}{' (CUDA wheel)' if cuda else ''}", 0, time.monotonic() - started))
     if args.vllm:
         pytest(pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results, live=True)

