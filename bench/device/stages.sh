@@ -269,6 +269,14 @@ case "${1:?stage}" in
     step 100 "rm -rf /tmp/p32w && extract --backend vllm-engine --batch 32 $MT --writer-threads 8 --work /tmp/p32w; rm -rf /tmp/p32w"
     step 100 "rm -rf /tmp/p32n && extract --backend vllm-engine --batch 32 $MT --no-shared-prefix --work /tmp/p32n; rm -rf /tmp/p32n"
     ;;
+  prefix-writer)  # issue 31 item 1 after the sixth session (2.15x with the writer growing one thread per interval,
+                  # 2.99x with 8 threads from the start): vLLM's prefix-cached prefill (the ceiling, same call), the
+                  # extractor with the doubling writer (the default), then with 16 writer threads from the start
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 70 "$B prefill --model $M8 $MT --prefix-caching 2>&1 | grep RESULT | tail -1"
+    step 100 "rm -rf /tmp/p32 && extract --backend vllm-engine --batch 32 $MT --work /tmp/p32; rm -rf /tmp/p32"
+    step 100 "rm -rf /tmp/p32x && extract --backend vllm-engine --batch 32 $MT --writer-threads 16 --work /tmp/p32x; rm -rf /tmp/p32x"
+    ;;
   generate)  # issue 33 item 3, 8B shape: 256 prompts of 512 tokens, 1,024 new tokens each (ignore_eos), one call:
              # vLLM's generation alone in graph mode (and eager), then extract (vllm-engine) of the rows it made:
              # the best two passes; then hidden-states generate on the same prompts (one pass, eager engine backend
