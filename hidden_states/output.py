@@ -279,16 +279,16 @@ class BackgroundWriter:
         max_threads: the threads double every ``GROW_INTERVAL`` seconds in which ``submit`` waited
             for queue space for at least ``GROW_STALL`` of that time, up to this many (None:
             ``threads``, a fixed number; doubling, not one at a time: a run of a few seconds is over
-            before one thread per interval reaches what its disk needs). A run whose files grow faster than its forward (rows served
-            from shared prefixes write several times the bytes they compute) gets the threads its
-            disk needs, and one that keeps up gets none.
+            before one thread per interval reaches what its disk needs). A run whose files grow
+            faster than its forward (rows served from shared prefixes write several times the bytes
+            they compute) gets the threads its disk needs, and one that keeps up gets none.
         format: the output format (``formats.create``) whose files this writer writes.
         tag: this writer's name among several writing into one directory (a shard, a replica):
             its ledger is ``done.<tag>.jsonl`` and its temporary files carry the tag.
     """
 
     GROW_INTERVAL = 0.5  # seconds between two growths: each gets time to show what it changes
-    # the share of an interval spent waiting that adds a thread. Counted over the interval, not per
+    # the share of an interval spent waiting that doubles the threads. Counted over the interval, not per
     # wait: with files of tens of MB a slot frees every few ms, so a starved run waits often and briefly
     GROW_STALL = 0.1
 
