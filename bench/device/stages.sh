@@ -273,6 +273,7 @@ case "${1:?stage}" in
                   # 2.99x with 8 threads from the start): vLLM's prefix-cached prefill (the ceiling, same call), the
                   # extractor with the doubling writer (the default), then with 16 writer threads from the start
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 70 "$B prefill --model $M8 $MT 2>&1 | grep RESULT | tail -1"  # the target's denominator, in this call
     step 70 "$B prefill --model $M8 $MT --prefix-caching 2>&1 | grep RESULT | tail -1"
     step 100 "rm -rf /tmp/p32 && extract --backend vllm-engine --batch 32 $MT --work /tmp/p32; rm -rf /tmp/p32"
     step 100 "rm -rf /tmp/p32x && extract --backend vllm-engine --batch 32 $MT --writer-threads 16 --work /tmp/p32x; rm -rf /tmp/p32x"
@@ -322,17 +323,22 @@ case "${1:?stage}" in
   release-generator)  # release-one's first steps alone: the generator (speculators 0.3.0) and its files vs HF, the fault
     generator_steps
     ;;
-  release-8b)  # the release's eager prefill beside each way to extract, 128 x 2048 each, each one's files against HF fp32
+  release-8b)  # the release's eager prefill beside each way to extract, 128 x 2048 each, each one's files against HF fp32;
+               # what no earlier call of the release ran first (RELEASE_8B_ORDER, default engine native s04 s03)
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     S04=${SPEC%/*}/0.4.0
     step 80 "$B prefill --model $M8 --samples 128 --length $LENGTH 2>&1 | grep RESULT | tail -1"
-    step 90 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 128 --work /tmp/e8"
-    step 60 "$B check --model $M8 --samples 4 --work /tmp/e8 2>&1 | grep RESULT; rm -rf /tmp/e8"
-    step 100 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 128 --work /tmp/n8"
-    step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT; rm -rf /tmp/n8"
-    step 90 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 8 --samples 128 --work /tmp/s04"
-    step 60 "PYTHONPATH=$S04:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/s04 2>&1 | grep RESULT; rm -rf /tmp/s04"
-    step 90 "rm -rf /tmp/s03 && extract --batch 8 --samples 128 --work /tmp/s03; rm -rf /tmp/s03"
+    for way in ${RELEASE_8B_ORDER:-engine native s04 s03}; do
+      case $way in
+        engine) step 90 "rm -rf /tmp/e8 && extract --backend vllm-engine --batch 8 --samples 128 --work /tmp/e8"
+                step 60 "$B check --model $M8 --samples 4 --work /tmp/e8 2>&1 | grep RESULT; rm -rf /tmp/e8" ;;
+        native) step 100 "rm -rf /tmp/n8 && extract --backend vllm-native --batch 8 --samples 128 --work /tmp/n8"
+                step 60 "$B check --model $M8 --samples 4 --work /tmp/n8 2>&1 | grep RESULT; rm -rf /tmp/n8" ;;
+        s04) step 90 "rm -rf /tmp/s04 && SPEC=$S04 extract --batch 8 --samples 128 --work /tmp/s04"
+             step 60 "PYTHONPATH=$S04:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/s04 2>&1 | grep RESULT; rm -rf /tmp/s04" ;;
+        s03) step 90 "rm -rf /tmp/s03 && extract --batch 8 --samples 128 --work /tmp/s03; rm -rf /tmp/s03" ;;
+      esac
+    done
     ;;
   release-tiny)  # the e2e suite on the tiny models: both generators on every family, both engine backends
     # (Model Runner V2 is the only runner from 0.34.0: its runner-v2 cases repeat the default ones there)
@@ -454,10 +460,11 @@ case "${1:?stage}" in
   fp8)  # issue 31 item 2: FP8 states (quantized in vllm-engine's worker) against the model's bf16, same 64 x $LENGTH
     $B env 2>&1 | grep RESULT
     [ -f $M8/config.json ] || step 120 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
-    for dtype in model fp8; do
+    # FP8_DTYPES=fp8: only the FP8 files and their check (bf16's error against HF is every other stage's)
+    for dtype in ${FP8_DTYPES:-model fp8}; do
       step 150 "extract --backend vllm-engine --batch 32 --format speculators-0.5 --state-dtype $dtype --work /tmp/fp8-$dtype"
     done
-    for dtype in model fp8; do  # HF fp32 on the GPU against each (FP8 dequantized as its trainer does)
+    for dtype in ${FP8_DTYPES:-model fp8}; do  # HF fp32 on the GPU against each (FP8 dequantized as its trainer does)
       step 90 "PYTHONPATH=$SPEC:\$PYTHONPATH $B check --model $M8 --samples 4 --work /tmp/fp8-$dtype 2>&1 | grep RESULT"
     done
     for dtype in model fp8; do  # the pair again, while time is left: the second of each is the steadier
