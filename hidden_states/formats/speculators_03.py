@@ -75,8 +75,8 @@ class Speculators03:
             # zip CRCs cost a pass over every byte on one core; torch.load does not check them
             config.save.compute_crc32 = False
         # A layer handed over as a view (vllm-native's are columns of vLLM's [tokens, layers, hidden]
-        # file; a row served from a longer row's states is its first rows) is made its own storage
-        # here, on a writer thread: torch.save writes a view's whole storage, and the trainer's
+        # file; a row served from a longer row's states is its first rows) gets a storage of its own
+        # bytes here, on a writer thread: torch.save writes a view's whole storage, and the trainer's
         # tensors would load as views of it.
         record = {**record, "hidden_states": [own_storage(layer) for layer in record["hidden_states"]]}
         # into a Python file: torch's own C++ writer reports a full disk as a RuntimeError
@@ -102,9 +102,21 @@ FORMAT = Speculators03
 
 
 def own_storage(tensor):
-    """``tensor`` if it is the whole of its storage, else a contiguous copy of it."""
+    """``tensor`` on a storage of exactly its own bytes, so that ``torch.save`` writes only those.
+
+    Itself where it is the whole of its storage; where it is one contiguous run inside a larger
+    storage (a row served from a longer row's states: its first rows), a tensor on that run's slice of
+    the storage, sharing its memory: no copy, where a clone would cost the writer a pass over every
+    byte and fresh pages for it; else (a column of a stacked tensor) a contiguous copy.
+    """
     import torch
 
-    whole = (tensor.is_contiguous() and tensor.storage_offset() == 0
-             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
-    return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
+    size = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and storage.nbytes() == size:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        storage[start:start + size], 0, tensor.shape, tensor.stride())

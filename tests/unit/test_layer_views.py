@@ -134,3 +134,24 @@ def test_a_tensor_a_sample_file_cannot_hold_is_refused(tmp_path, stacked):
             write_safetensors({"hidden_states": torch.zeros(2, dtype=torch.uint8)}, handle)
         with pytest.raises(ValueError, match="hidden_states: not contiguous"):
             write_safetensors({"hidden_states": stacked[:, 1]}, handle)
+
+
+def test_a_contiguous_run_of_a_longer_rows_states_is_written_without_a_copy(tmp_path):
+    from hidden_states.formats.speculators_03 import own_storage
+
+    longer = torch.arange(12 * HIDDEN, dtype=torch.float32).reshape(12, HIDDEN).to(torch.bfloat16)
+    for run in (longer[:5], longer[3:9]):  # a served row's first rows; a run that starts inside the storage
+        mine = own_storage(run)
+        assert mine.data_ptr() == run.data_ptr()  # the same memory: no copy
+        assert mine.untyped_storage().nbytes() == run.numel() * run.element_size()
+        assert torch.equal(mine, run)
+        buffer = io.BytesIO()
+        torch.save({"hidden_states": [mine]}, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)["hidden_states"][0]
+        assert torch.equal(loaded, run) and loaded.untyped_storage().nbytes() == run.numel() * run.element_size()
+    whole = longer.clone()
+    assert own_storage(whole) is whole
+    column = longer.reshape(12, 2, HIDDEN // 2)[:, 1]  # not one run: copied
+    copied = own_storage(column)
+    assert copied.data_ptr() != column.data_ptr() and copied.is_contiguous() and torch.equal(copied, column)
