@@ -153,7 +153,12 @@ def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data,
     command, env = cli(*extract_args(model, data, out, *BATCH, "--data-parallel-size", "2"))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         pid = freeze_a_replica_mid_batch(proc, time.monotonic() + 900)
