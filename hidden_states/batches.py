@@ -21,6 +21,7 @@ from typing import Protocol
 from .errors import InputError
 from .inputs import InputStream, Sample
 from .preflight import too_long
+from .settings import Settings
 
 
 class Pending:
@@ -28,23 +29,22 @@ class Pending:
 
     Args:
         stream: the input (its peeked samples come first).
-        start, end: the range of sample indices (``end`` None: to the end of the input).
+        settings: the run's (``settings.Settings``): its range of sample indices (``Settings.in_range``), and
+            ``max_seq_len``: longer samples are truncated to it, or refused with ``strict``.
         finished: indices whose files are whole.
-        max_seq_len: longer samples are truncated to it, or refused when ``strict``.
 
     Attributes:
         skipped: finished samples in range passed over so far (those a source wanted).
         truncated: samples handed out truncated so far.
     """
 
-    def __init__(self, stream: InputStream, *, start: int, end: int | None, finished: Collection[int],
-                 max_seq_len: int, strict: bool):
+    def __init__(self, stream: InputStream, settings: Settings, finished: Collection[int]):
         self.stream = stream
-        self.start = start
-        self.end = end
+        self.settings = settings
+        self.start, self.end = settings.start_index, settings.end_index
         self.finished = finished
-        self.max_seq_len = max_seq_len
-        self.strict = strict
+        self.max_seq_len = settings.max_seq_len
+        self.strict = settings.strict
         self.skipped = 0
         self.truncated = 0
         self._finished_sorted = sorted(finished)
@@ -53,20 +53,16 @@ class Pending:
         """The samples in range that ``wanted`` picks and that are not finished, in input order, fitted
         to ``max_seq_len``; an input error is raised where the stream meets it."""
         for sample in self.stream:
-            if sample.index < self.start:
-                continue
-            if self.end is not None and sample.index >= self.end:
-                return
+            if not self.settings.in_range(sample.index):
+                if sample.index < self.start:
+                    continue
+                return  # past the range: the rest of the input is not read
             if not wanted(sample.index):
                 continue
             if sample.index in self.finished:
                 self.skipped += 1
                 continue
             yield self._fit(sample)
-
-    def in_range(self, index: int) -> bool:
-        """Whether sample ``index`` is in the range this run extracts (finished or not)."""
-        return index >= self.start and (self.end is None or index < self.end)
 
     def todo(self) -> tuple[int, bool]:
         """(samples in range not finished before this run, whether exact): from the input's expected

@@ -453,7 +453,7 @@ class Extraction:
         todo, exact = pending.todo()
         if self.input.expected_samples()[1] and self.source.tag is None:  # the whole input was read: count
             tokens = sum(min(len(s.input_ids), settings.max_seq_len) for s in self.input.peek(0)
-                         if pending.in_range(s.index) and s.index not in finished)
+                         if settings.in_range(s.index) and s.index not in finished)
         else:  # the samples to do at the first samples' mean length
             todo, exact = self.source.expected(todo), False
             tokens = estimate_tokens(self.input, settings.max_seq_len, todo)
@@ -508,16 +508,14 @@ class Extraction:
                      f"disk?) and are redone: {shown}")
         self.pending = self._pending(self.finished)
         todo, exact = self.pending.todo()
-        done = sum(1 for index in self.finished if self.pending.in_range(index))
+        done = sum(1 for index in self.finished if settings.in_range(index))
         about = "" if exact else "about "
         self.log(f"debug: {about}{todo + done} samples in range, {done} already finished, {about}{todo} to extract")
 
     def _pending(self, finished: set[int] | dict[int, int | None]) -> Pending:
         """The samples of the run's range still to do, ``finished`` passed over: what the plan counts
         (the files it found) and what :meth:`prepare` hands to the batch source (the directory's)."""
-        settings = self.settings
-        return Pending(self.input, start=settings.start_index, end=settings.end_index, finished=finished,
-                       max_seq_len=settings.max_seq_len, strict=settings.strict)
+        return Pending(self.input, self.settings, finished)
 
     @classmethod
     def executing(cls, plan: RunPlan, *, log=None) -> Extraction:

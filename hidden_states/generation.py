@@ -108,7 +108,6 @@ class Generation(Extraction):
         """(Regeneration, its sample indices) of each conversation in range not finished yet; the
         skipped ones counted. Reads the whole input (conversations, checked as they are read)."""
         settings, per_reply = self.settings, self.format_name == SPECULATORS_05
-        end = settings.end_index
         source = conversations.open_source(self.input.path)
         self._all, base = [], 0
         for number, record in enumerate(source):
@@ -119,7 +118,7 @@ class Generation(Extraction):
             what = kept(conversations.conversation(record, kind))
             indices = list(range(base, base + what.replies)) if per_reply else [number]
             base += what.replies
-            if number < settings.start_index or (end is not None and number >= end):
+            if not settings.in_range(number):
                 continue
             if what.skip:
                 self.tally.skip(what.skip)

@@ -89,6 +89,12 @@ class Settings:
         input's end."""
         return self.start_index + self.max_samples if self.max_samples is not None else None
 
+    def in_range(self, index: int) -> bool:
+        """Whether the sample (or conversation) at ``index`` of the input is in the range this run
+        extracts, finished or not: ``start_index <= index < end_index``."""
+        end = self.end_index
+        return index >= self.start_index and (end is None or index < end)
+
     def record(self) -> dict:
         """Every setting as the run used it (defaults applied), for ``data_config.json``."""
         record = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -17,6 +17,14 @@ from tests.conftest import CACHE, ROOT
 DRIVER = Path(__file__).with_name("generator_driver.py")
 LAYER_IDS = [0, 2, 3, 5]  # the speculators default for 6 layers is [2, 3, 3, 5]: 0 adds the first layer
 MAX_MODEL_LEN = 1024
+# The generator's KV cache on a host without CUDA (``generator_driver.sized_kv_cache``): a fixed size,
+# not its share of the memory the host has free at the moment, so that a loaded host schedules the
+# same steps. A cache under one step's token budget (8192 tokens: 512 blocks of 16, and a block per
+# prompt) never splits a prompt across steps, and the capture_attribution and prefill_abort_deferral
+# negative proofs then come out right (docs/performance.md, "Timing-dependent tests"). 128 MiB: 87k
+# tokens of the tiny Llama (1.5 KiB a token), 19k of the tiny MLA models (6.75 KiB). On a CUDA device
+# the generator keeps its share of the device's free memory.
+KV_CACHE_BYTES = 128 * 2**20
 # what vLLM's executor raises when a worker process ended before saying it was ready (read in 0.11-0.33)
 WORKER_START_FAILED = "WorkerProc initialization failed"
 # the last line of a Python traceback, behind whatever prefix a process's logger puts on it
@@ -153,6 +161,7 @@ class Run:
     error: str | None
     log: str
     ended_children: list[str] = field(default_factory=list)
+    kv_cache_blocks: int | None = None  # the generator's, where it got as far as building its scheduler
 
 
 def run_generator(model: Path, speculators: str, calls, *, apply: bool = True, disable: str = "",
@@ -180,6 +189,7 @@ def _run_driver(model, speculators, calls, apply, disable, timeout, extra_env) -
         spec.write_text(json.dumps({
             "model": str(model), "layer_ids": LAYER_IDS, "calls": calls, "apply": apply,
             "generator_kwargs": {"max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": 0.02},
+            "kv_cache_bytes": KV_CACHE_BYTES,
         }))
         env = dict(os.environ)
         env.update({
@@ -197,7 +207,8 @@ def _run_driver(model, speculators, calls, apply, disable, timeout, extra_env) -
         if not out.exists():
             raise AssertionError(f"driver died (exit {proc.returncode}):\n{log[-6000:]}")
         saved = torch.load(out, weights_only=False)
-        return Run(saved["calls"], saved["report"], saved["error"], log, saved.get("ended_children", []))
+        return Run(saved["calls"], saved["report"], saved["error"], log, saved.get("ended_children", []),
+                   saved.get("kv_cache_blocks"))
 
 
 _REFERENCE_CACHE: dict = {}

@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.e2e.test_extractor import _alive, _descendants, cli, extract_args, run_cli, write_jsonl
+from tests.e2e.test_extractor import _alive, _cmdline, _descendants, cli, extract_args, run_cli, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.data_parallel]
 
-# 32 batches: both replicas get many. The frozen-replica test freezes replica 1 when the driver says
-# it loaded; with 12 batches (24 rows), on a loaded 2-core host, it once finished its share before the
-# test's reader got that line (CI, 2026-12-03), and held no batch to lose.
+# 32 batches: both replicas get many, and the frozen-replica test has the whole of its half (16
+# batches) to catch one of them mid-batch.
 ROWS = 64
 BATCH = ["--batch-size", "2"]
 
@@ -112,42 +111,74 @@ def test_static_shards_give_the_same_set_and_status_sees_both(model, data, refer
     assert f"done.shard-0-of-2.jsonl: {ROWS // 2} files written" in status.stdout
 
 
+# Ray titles an actor's process ``ray::Replica.<method>`` while a call runs, and ``ray::Replica`` again
+# only once the call's result is stored (``_changeproctitle`` around the whole call in Ray's
+# _raylet.pyx): an actor stopped while titled this holds a batch whose result the driver has not got.
+EXTRACTING = b"ray::Replica.extract"
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] in "Tt"
+    except (OSError, IndexError):
+        return False
+
+
+def freeze_a_replica_mid_batch(proc: subprocess.Popen, deadline: float) -> int:
+    """SIGSTOP the first replica seen running a batch (still running one once stopped); its pid.
+    Watched from the run's start, so from before any batch is handed out, and only a replica caught
+    mid-batch is kept frozen: frozen when its load was logged instead (CI, 2026-12-03), a replica on a
+    loaded host had already finished its share, and held no batch to lose."""
+    while proc.poll() is None and time.monotonic() < deadline:
+        for pid in _descendants(proc.pid):
+            if not _cmdline(pid).startswith(EXTRACTING):
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            while not _stopped(pid) and _alive(pid):
+                time.sleep(0.01)
+            if _cmdline(pid).startswith(EXTRACTING):
+                return pid
+            os.kill(pid, signal.SIGCONT)  # its call ended before the stop landed: look again
+        time.sleep(0.1)
+    raise AssertionError(f"no replica was caught running a batch (run ended: {proc.poll() is not None})")
+
+
 def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data, reference, shard_zero, tmp_path):
-    """Replica 1 is frozen (SIGSTOP) as soon as it is up, so it holds batches in flight, then killed
-    (SIGKILL): its batches go to replica 0, its vLLM worker dies with it. The directory starts with
-    static shard 0's files: the run extracts the rest, whatever wrote the first half."""
+    """A replica is frozen (SIGSTOP) in the middle of a batch, so it holds batches in flight, then
+    killed (SIGKILL): its batches go to the other replica, its vLLM worker dies with it. The directory
+    starts with static shard 0's files: the run extracts the rest, whatever wrote the first half."""
     pytest.importorskip("ray")
     out = tmp_path / "mixed"
     shutil.copytree(shard_zero, out)
     command, env = cli(*extract_args(model, data, out, *BATCH, "--data-parallel-size", "2"))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines: list[str] = []
-    frozen: dict = {}
 
     def read() -> None:
         for line in proc.stderr:
             lines.append(line)
-            found = re.search(r"replica 1 loaded in \d+ s \(pid (\d+)", line)
-            if found and not frozen:
-                pid = int(found.group(1))
-                os.kill(pid, signal.SIGSTOP)
-                frozen.update(pid=pid, workers=_descendants(pid))
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    deadline = time.monotonic() + 900
-    while not any("extracting" in line for line in lines) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(3)  # replica 0 works on; replica 1 holds its batches, frozen
-    assert frozen, "".join(lines)[-4000:]
-    assert proc.poll() is None, "the run ended with replica 1 frozen: it held no batch\n" + "".join(lines)[-4000:]
-    os.kill(frozen["pid"], signal.SIGKILL)
+    try:
+        pid = freeze_a_replica_mid_batch(proc, time.monotonic() + 900)
+    except AssertionError as exc:
+        proc.kill()
+        reader.join(timeout=10)
+        raise AssertionError(f"{exc}\n{''.join(lines)[-4000:]}") from None
+    workers = _descendants(pid)
+    print(f"froze pid {pid} mid-batch after {len(lines)} lines of the run's output")
+    assert proc.poll() is None, "the run ended with a replica frozen mid-batch\n" + "".join(lines)[-4000:]
+    os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=600)
     reader.join(timeout=10)
     log = "".join(lines)
     assert proc.returncode == 0, log[-6000:]
-    assert re.search(r"replica 1 died on samples .*; its unfinished batches go to the 1 other replicas", log), log[-4000:]
-    assert frozen["workers"] and not any(_alive(p) for p in frozen["workers"]), "replica 1's vLLM workers outlived it"
+    replica = re.search(rf"replica (\d) loaded in \d+ s \(pid {pid} ", log)
+    assert replica, log[-4000:]
+    assert re.search(rf"replica {replica.group(1)} died on samples .*; its unfinished batches go to the 1 other replicas",
+                     log), log[-4000:]
+    assert workers and not any(_alive(p) for p in workers), "the killed replica's vLLM workers outlived it"
     assert f"{ROWS // 2} already finished" in log
     assert_identical(out, reference)
     assert_written_once(out)

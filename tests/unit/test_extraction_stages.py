@@ -220,23 +220,46 @@ def test_a_counted_inputs_estimate_counts_the_rows_that_made_no_sample(tmp_path)
 def test_a_bad_line_after_the_peek_first_hands_out_the_samples_before_it(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"input_ids": [1]}\n' * 5 + '{"input_ids": ["x"]}\n' + '{"input_ids": [1]}\n')
-    pending = Pending(InputStream(data), start=0, end=None, finished=set(), max_seq_len=8, strict=False)
+    pending = Pending(InputStream(data), _settings(max_seq_len=8), set())
     batches = batched(pending.samples(), 2)
     assert [[s.index for s in next(batches)] for _ in range(3)] == [[0, 1], [2, 3], [4]]
     with pytest.raises(InputError, match=r"data.jsonl:6: input_ids\[0\] is 'x', not an integer"):
         next(batches)
 
 
+def _settings(**fields) -> Settings:
+    return Settings(model_path="m", prepared_data="d", output_dir="o", **fields)
+
+
+def test_the_range_runs_from_start_index_up_to_but_not_including_start_index_plus_max_samples():
+    ranged = _settings(start_index=2, max_samples=3)
+    assert [index for index in range(8) if ranged.in_range(index)] == [2, 3, 4]
+    assert ranged.end_index == 5 and not ranged.in_range(5) and ranged.in_range(4) and not ranged.in_range(1)
+    to_the_end = _settings(start_index=2)
+    assert not to_the_end.in_range(1) and to_the_end.in_range(2) and to_the_end.in_range(10**9)
+    assert not any(_settings(start_index=2, max_samples=0).in_range(index) for index in range(8))
+
+
+def test_pending_hands_out_the_range_and_stops_reading_at_its_end(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in range(1, 11)))
+    stream = InputStream(data)
+    pending = Pending(stream, _settings(start_index=3, max_samples=4), finished={4, 9})
+    assert [s.index for s in pending.samples()] == [3, 5, 6]
+    assert stream.samples_read == 8  # the first past the range (7) read, nothing after it
+    assert (pending.skipped, pending.todo()) == (1, (3, True))
+
+
 def test_pending_skips_finished_and_fits_lengths(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"input_ids": [1] * n, "loss_mask": [1] * n}) + "\n" for n in (2, 9, 3, 12)))
-    pending = Pending(InputStream(data), start=0, end=None, finished={2}, max_seq_len=8, strict=False)
+    pending = Pending(InputStream(data), _settings(max_seq_len=8), {2})
     got = list(pending.samples())
     assert [(s.index, len(s.input_ids), len(s.loss_mask)) for s in got] == [(0, 2, 2), (1, 8, 8), (3, 8, 8)]
     assert (pending.skipped, pending.truncated) == (1, 2)
     assert pending.todo() == (3, True)
 
-    strict = Pending(InputStream(data), start=0, end=None, finished=set(), max_seq_len=8, strict=True)
+    strict = Pending(InputStream(data), _settings(max_seq_len=8, strict=True), set())
     with pytest.raises(InputError, match=r"data.jsonl:2: 9 tokens, more than --max-seq-len 8 \(--strict\)"):
         list(strict.samples())
 

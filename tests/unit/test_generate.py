@@ -411,6 +411,17 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
 
 
+def test_the_range_counts_conversations_and_ends_before_start_index_plus_max_samples(fake_run, tmp_path):
+    model, data, _ = fake_run
+    # conversations 0 and 1 (1: tool turns, skipped); 2 lies at the range's end, outside it
+    summary, _, _ = run_generation(model, data, tmp_path / "first", "speculators-0.3",
+                                   ("start_index", 0), ("max_samples", 2))
+    assert (summary.extracted, sorted(p.name for p in (tmp_path / "first").glob("data_*.pt"))) == (1, ["data_0.pt"])
+    summary, _, _ = run_generation(model, data, tmp_path / "last", "speculators-0.3",
+                                   ("start_index", 2), ("max_samples", 5))
+    assert (summary.extracted, sorted(p.name for p in (tmp_path / "last").glob("data_*.pt"))) == (1, ["data_2.pt"])
+
+
 @pytest.mark.datasets
 def test_per_turn_rows_are_numbered_by_their_reply(fake_run, tmp_path):
     model, data, _ = fake_run
