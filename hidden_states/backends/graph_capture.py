@@ -66,20 +66,16 @@ def install_copies(stack, store: GraphStore) -> None:
             store.keep_layer(index, layer_output(output))
         return keep
 
+    def keep_ids(module, args):
+        store.keep_ids(args[0])
+
+    def keep_positions(module, args, kwargs):
+        store.keep_positions(kwargs["positions"] if "positions" in kwargs else args[0])
+
     for index, layer_id in enumerate(store.layer_ids):
         stack.layers[layer_id].register_forward_hook(keeper(index))
-    kept_ids = []  # the embedding runs first: its ids wait for the first layer's positions
-
-    def keep_ids(module, args):
-        kept_ids[:] = [args[0]]
-
-    def keep_inputs(module, args, kwargs):
-        positions = kwargs["positions"] if "positions" in kwargs else args[0]
-        store.keep_inputs(kept_ids[0], positions)
-        kept_ids.clear()
-
     embedding.register_forward_pre_hook(keep_ids)
-    stack.layers[first].register_forward_pre_hook(keep_inputs, with_kwargs=True)
+    stack.layers[first].register_forward_pre_hook(keep_positions, with_kwargs=True)
 
 
 def install_at_model_load() -> None:

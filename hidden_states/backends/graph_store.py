@@ -41,9 +41,12 @@ class GraphStore:
         """In the forward (traced): layer ``self.layer_ids[index]``'s rows into its buffer's first rows."""
         write_rows(self.layers[index], output)
 
-    def keep_inputs(self, input_ids, positions) -> None:
-        """In the forward (traced): the forward's token ids and positions."""
+    def keep_ids(self, input_ids) -> None:
+        """In the forward (traced): its token ids."""
         write_rows(self.input_ids, input_ids)
+
+    def keep_positions(self, positions) -> None:
+        """In the forward (traced): its positions."""
         write_rows(self.positions, positions)
 
     def taken(self, num_tokens: int, clone: bool) -> tuple[list, object, object]:

@@ -222,7 +222,7 @@ class VllmEngineBackend(EngineBackend):
             self.capture = OWN
             graph_capture_environment(self.settings.layer_ids)
             return {"capture": OWN, "capture_chosen_because": "--cuda-graphs (its copies inside vLLM's compiled "
-                                                              "forward and CUDA graphs)", "cuda_graphs": True}
+                                                              "forward and CUDA graphs)"}
         self.capture, why = chosen_capture()
         return {"capture": self.capture, "capture_chosen_because": why}
 
