@@ -787,6 +787,7 @@ def settings_line(settings: Settings) -> str:
                if settings.max_writer_threads > settings.writer_threads else "")
             + (f" --data-parallel-size {settings.data_parallel_size}" if settings.data_parallel_size > 1 else "")
             + (f" --state-dtype {settings.state_dtype}" if settings.state_dtype != "model" else "")
+            + (" --cuda-graphs" if settings.cuda_graphs else "")
             + (f" --shard {settings.shard.index}/{settings.shard.count}" if settings.shard is not None else "")
             + (f" (--config {settings.config_file}, flags over it)" if settings.config_file else ""))
 

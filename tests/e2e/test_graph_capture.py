@@ -10,7 +10,7 @@ graph's replay does, runs no Python hook), the capture's copies traced into it
 * ``extract --backend vllm-engine --cuda-graphs``: prompts longer than one engine step (chunked) and
   short ones, every layer of every token HF's;
 * negative proof (``graph_negative_driver.py``): the same generate run with the eager capture's
-  hooks instead of the traced copies stores no row, and fails naming the rows missing.
+  hooks instead of the traced copies runs none of them, stores no row, and fails saying so.
 
 vLLM's compile cache is off in these runs as the backend turns it off (``graph_capture_environment``;
 why: docs/extractor.md). A cached compiled forward without the copies is not reproduced here:
@@ -64,7 +64,10 @@ def test_hooks_added_after_vllm_compiled_store_nothing(runs):
     compiled forward runs no hook: the run fails on the rows missing, it writes no sample."""
     _, root, hooks, _ = runs
     assert hooks.returncode != 0, hooks.stderr[-3000:]
-    assert "the worker stored 0 of" in hooks.stderr, hooks.stderr[-3000:]
+    # vLLM 0.32.0 calls the compiled code without the wrapper on the decoder stack's forward: no row
+    # reaches a region; 0.26.0 calls through it, and the wrapper finds that no layer's hook ran
+    assert "the worker stored 0 of" in hooks.stderr or "the forward ran layers [] of [0, 2, 3, 5]" in hooks.stderr, \
+        hooks.stderr[-3000:]
     assert not list((root / "hooks").glob("data_*.pt"))
 
 
