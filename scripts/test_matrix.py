@@ -55,7 +55,9 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #            And ``hidden-states serve`` with speculators 0.9.0's real client and trainer (tests/e2e/test_serve.py,
 #            three engine starts, about 5 minutes).
 #   generate: ``hidden-states generate`` end to end (tests/e2e/test_generate.py, three engine starts,
-#             about 3 minutes; marked extractor too), on 0.26.0: the other lane, so that the lanes stay
+#             about 3 minutes; marked extractor too), and ``--cuda-graphs`` (tests/e2e/test_graph_capture.py,
+#             three engine starts with vLLM compiling the forward, about 5 minutes on a loaded host),
+#             on 0.26.0: the other lane, so that the lanes stay
 #             even (0.32.0's carries the extractor, formats, serve, data-parallel and tp8 suites). What
 #             it adds to the extractor (decode rows in a reply's region, the prefix cache under a
 #             reply's salt) goes through the same shim touchpoints on every release.

@@ -111,6 +111,14 @@ generator_steps() {
       step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
     fi
 }
+# issue 33's workload (G: GSAMPLES prompts of GLENGTH tokens, GNEW new tokens each) and its best two passes: vLLM's
+# graph-mode generation alone (its rows in /tmp/g/rows.jsonl, left for the stage), then extract (vllm-engine) of them
+G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}"
+two_passes() {
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 120 "$B generate $G --backend vllm --work /tmp/g 2>&1 | grep -E 'RESULT|Error' | tail -2"
+    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32 --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx"
+}
 case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
     $B env 2>&1 | grep RESULT
@@ -283,10 +291,7 @@ case "${1:?stage}" in
              # vLLM's generation alone in graph mode (and eager), then extract (vllm-engine) of the rows it made:
              # the best two passes; then hidden-states generate on the same prompts (one pass, eager engine backend:
              # generate-graphs runs it with --cuda-graphs). GSAMPLES / GLENGTH / GNEW shrink it for the CPU dry run.
-    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
-    G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}"
-    step 120 "$B generate $G --backend vllm --work /tmp/g 2>&1 | grep -E 'RESULT|Error' | tail -2"
-    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32 --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx"
+    two_passes
     step 200 "$B generate $G --backend hidden-states --batch ${GSAMPLES:-256} --work /tmp/gh 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-1200; rm -rf /tmp/gh"
     step 120 "$B generate $G --backend vllm --eager --work /tmp/ge 2>&1 | grep -E 'RESULT|Error' | tail -2; rm -rf /tmp/ge /tmp/g"
     ;;
@@ -295,10 +300,8 @@ case "${1:?stage}" in
                     # passes: the sum), hidden-states generate --cuda-graphs on the same prompts (one pass, the capture's
                     # copies inside vLLM's compiled forward and CUDA graphs), its first rows' files against HF fp32.
                     # GSAMPLES / GLENGTH / GNEW shrink it for the CPU dry run.
-    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
-    G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}"
-    step 120 "$B generate $G --backend vllm --work /tmp/g 2>&1 | grep -E 'RESULT|Error' | tail -2"
-    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32 --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx /tmp/g"
+    two_passes
+    rm -rf /tmp/g
     step 200 "$B generate $G --backend hidden-states --cuda-graphs --batch ${GSAMPLES:-256} --work /tmp/gg 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-1200"
     step 90 "$B check --model $M8 --samples ${GCHECK:-4} --work /tmp/gg 2>&1 | grep -E 'RESULT|Error' | tail -2; rm -rf /tmp/gg"
     ;;

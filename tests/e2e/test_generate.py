@@ -83,12 +83,17 @@ def run_generate(model, data, out, *extra, driver=("-m", "hidden_states"), env_e
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
+def conversations_in(root: Path, conversations: list[dict]) -> tuple[Path, Path]:
+    """(the chat model, ``conversations`` as JSONL), both under ``root``."""
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    return chat_model(root), data
+
+
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
-    model = chat_model(root)
-    data = root / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    model, data = conversations_in(root, CONVERSATIONS)
     out = root / "out"
     first = run_generate(model, data, out, "--max-samples", str(FIRST_RUN))
     files_after_first = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}

@@ -29,7 +29,7 @@ import pytest
 
 from tests.e2e import harness
 from tests.e2e.test_extractor import extract_args, run_cli
-from tests.e2e.test_generate import CONVERSATIONS, LAYERS, chat_model, judge_rows, run_generate
+from tests.e2e.test_generate import CONVERSATIONS, LAYERS, conversations_in, judge_rows, run_generate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.generate]
 
@@ -41,9 +41,7 @@ CHOSEN = [CONVERSATIONS[3], CONVERSATIONS[2], CONVERSATIONS[4]]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
-    model = chat_model(root)
-    data = root / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CHOSEN))
+    model, data = conversations_in(root, CHOSEN)
     graphs = run_generate(model, data, root / "graphs", "--cuda-graphs")
     hooks = run_generate(model, data, root / "hooks", "--cuda-graphs", driver=(str(NEGATIVE),))
     return model, root, hooks, graphs

@@ -10,33 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hidden_states.backends import BackendSettings, engine_capture, graph_capture, own_capture
+from hidden_states.backends import BackendSettings, graph_capture, own_capture
 from hidden_states.backends.graph_store import LAYERS_ENV, GraphStore, buffer_rows
-from hidden_states.backends.regions import REGION, RegionPool
-from hidden_states.backends.vllm_engine import (CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend, _RegionBatch,
+from hidden_states.backends.vllm_engine import (CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend,
                                                 graph_capture_environment)
 from hidden_states.cli import main
+from tests.unit.test_own_capture import HIDDEN, Layer, extract_through_the_worker
 
-HIDDEN = 4
 LAYER_IDS = [0, 2]
 ROWS = 16  # the buffers' rows: the most tokens one forward holds
 PADDED = 8  # the batch the compiled forward runs (a CUDA graph's size): the step's tokens, then padding
-
-
-class Layer(torch.nn.Module):
-    """A fused-residual decoder layer as vLLM writes them (positions first; the residual it was
-    handed updated in place, as vLLM's fused_add_rms_norm does)."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states.clone()
-        else:
-            residual.add_(hidden_states)
-        return residual * self.scale + positions[:, None], residual
 
 
 class Stack(torch.nn.Module):
@@ -204,32 +187,18 @@ class Worker(graph_capture.GraphStreamingCapture):
 def test_rows_reach_each_requests_region_from_the_compiled_forward(monkeypatch):
     """One step of two requests, padded, through the compiled forward: each request's region holds
     its own rows of every captured layer (not the padding's), and its token ids pass the parent's check."""
-    monkeypatch.setattr(engine_capture, "tp_rank", lambda: 0)
     prompts = {"a": [11, 12, 13], "b": [21, 22]}
-    backend = VllmEngineBackend(BackendSettings("m", LAYER_IDS, 16, 1, 0.1, cuda_graphs=True))
-    backend._layout, backend._row_bytes, backend.rows_timeout = {"dtype": "float32", "hidden_size": HIDDEN}, HIDDEN * 4, 0.1
-    backend._pool = RegionPool(4 * backend._region_bytes(16))
-    try:
-        work = _RegionBatch(list(prompts.values()),
-                            [backend._pool.reserve(backend._region_bytes(len(p)), timeout=1) for p in prompts.values()])
-        worker = Worker(monkeypatch)
-        worker._setup_hidden_states_capture(LAYER_IDS)
-        worker._hidden_states_stream_to(backend._pool.path)
-        requests = [SimpleNamespace(req_id=r, prompt_token_ids=p, num_computed_tokens=0,
-                                    sampling_params=SimpleNamespace(extra_args={REGION: (work.offsets[i], len(p))}))
-                    for i, (r, p) in enumerate(prompts.items())]
-        worker.execute_model(SimpleNamespace(
-            finished_req_ids=set(), scheduled_new_reqs=requests, num_scheduled_tokens={r: len(p) for r, p in prompts.items()},
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
-        stack = worker.model_runner.model.model
-        for position, ids in enumerate(work.ids):
-            work.finished[position] = SimpleNamespace(prompt_token_ids=ids)
-            got = backend._states(work, position)
-            want = reference(stack, torch.tensor(ids), torch.arange(len(ids)))
-            assert all(torch.allclose(g, w) for g, w in zip(got, want, strict=True))
-            del got
-    finally:
-        backend._pool.close()
+    workers = []
+
+    def make_worker():
+        workers.append(Worker(monkeypatch))
+        return workers[-1]
+
+    results = extract_through_the_worker(monkeypatch, list(prompts), list(prompts), prompts, make_worker)
+    stack = workers[0].model_runner.model.model
+    for got, ids in zip(results, prompts.values(), strict=True):
+        want = reference(stack, torch.tensor(ids), torch.arange(len(ids)))
+        assert all(torch.allclose(g, w) for g, w in zip(got, want, strict=True)), got
 
 
 def test_the_backend_starts_vllm_compiled_with_the_graph_capture(monkeypatch):
