@@ -202,6 +202,10 @@ def test_rows_reach_each_requests_region_from_the_compiled_forward(monkeypatch):
 
 
 def test_the_backend_starts_vllm_compiled_with_the_graph_capture(monkeypatch):
+    """Its own capture even where speculators 0.4 is installed (whose capture is a patched forward)."""
+    from packaging.version import Version
+
+    monkeypatch.setattr("vllm_compat.extractor_api.speculators_version", lambda: Version("0.4.0"))
     monkeypatch.delenv(CAPTURE_ENV, raising=False)
     monkeypatch.delenv(LAYERS_ENV, raising=False)
     monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
@@ -213,6 +217,14 @@ def test_the_backend_starts_vllm_compiled_with_the_graph_capture(monkeypatch):
 
     assert os.environ[LAYERS_ENV] == "1,3" and os.environ["VLLM_DISABLE_COMPILE_CACHE"] == "1"
     assert VllmEngineBackend(BackendSettings("m", [3], 8, 1, 0.1)).enforce_eager is True
+
+
+def test_the_plan_says_the_flag():
+    from hidden_states.extraction import settings_line
+    from hidden_states.settings import Settings
+
+    assert settings_line(Settings("m", "d", "o", backend="vllm-engine", cuda_graphs=True)).endswith(" --cuda-graphs")
+    assert "--cuda-graphs" not in settings_line(Settings("m", "d", "o", backend="vllm-engine"))
 
 
 # -- where --cuda-graphs cannot run: one line naming the flag, exit 2, before any model loads
