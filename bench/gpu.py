@@ -19,7 +19,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py native    --model M --samples 64 --length 2048           # vLLM's extract_hidden_states
     python bench/gpu.py generate  --model M --samples 256 --length 512 --new-tokens 1024 --backend vllm [--eager]
     python bench/gpu.py extract   --model M --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32
-    python bench/gpu.py generate  --model M --samples 256 --length 512 --new-tokens 1024 --backend hidden-states
+    python bench/gpu.py generate  --model M --samples 256 --length 512 --new-tokens 1024 --backend hidden-states [--cuda-graphs]
     python bench/gpu.py table
 
 Layers: speculators' default for the model (2, N/2, N-3, N-1). Token ids: uniform random, seeded.
@@ -423,7 +423,8 @@ def phase_generate(args) -> None:
     """issue 33: ``--samples`` prompts of ``--length`` tokens, ``--new-tokens`` each (``ignore_eos``), one call.
     ``--backend vllm``: vLLM's ``LLM.generate`` alone (CUDA graphs unless ``--eager``); the rows (prompt +
     reply) go to ``--work``/rows.jsonl for ``extract --rows-file``. ``--backend hidden-states``: ``hidden-states
-    generate`` on the same prompts (the rows' states captured while generating)."""
+    generate`` on the same prompts (the rows' states captured while generating; ``--cuda-graphs``: vLLM
+    compiled, with CUDA graphs, the capture inside them), its files in ``--work``/out for ``check``."""
     import shutil
 
     work = Path(args.work)
@@ -440,7 +441,7 @@ def phase_generate(args) -> None:
                    "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--temperature", "0",
                    "--tp-size", str(args.tp), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                    "--progress-interval", "30", "--format", args.format,
-                   "--layer-ids", *map(str, format_layers(args))]
+                   "--layer-ids", *map(str, format_layers(args)), *(["--cuda-graphs"] if args.cuda_graphs else [])]
         proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
         summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
         generated = next((l for l in proc.stderr.splitlines() if "] generate:" in l), "")
@@ -449,7 +450,8 @@ def phase_generate(args) -> None:
             return
         seconds = float(re.search(r"in ([\d.]+) s", summary).group(1))
         new = int(re.search(r"([\d,]+) tokens generated", generated).group(1).replace(",", ""))
-        emit("generate", model=Path(args.model).name, backend=args.backend, mode="eager (engine backends)",
+        emit("generate", model=Path(args.model).name, backend=args.backend,
+             mode="cuda graphs (--cuda-graphs)" if args.cuda_graphs else "eager (engine backends)",
              samples=args.samples, prompt_tokens=args.length, new_tokens=new, seconds=seconds,
              generated_tokens_per_s=round(new / seconds), generate=generated.split("] ", 1)[-1], summary=summary)
         return
@@ -561,6 +563,8 @@ def main(argv=None) -> int:
                         help="extract: the extractor's backend; generate: vllm (LLM.generate alone) or hidden-states")
     parser.add_argument("--new-tokens", type=int, default=1024, help="generate: tokens per reply (ignore_eos)")
     parser.add_argument("--eager", action="store_true", help="generate --backend vllm: no CUDA graphs")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="generate --backend hidden-states: vLLM compiled, with CUDA graphs, the capture inside them")
     parser.add_argument("--rows-file", help="prefill, extract: the rows of a JSONL of input_ids (generate's rows.jsonl)")
     parser.add_argument("--configs", default="", help="generator: batch x length list, e.g. 8x2048,32x512")
     parser.add_argument("--token-budget", type=int, default=0,

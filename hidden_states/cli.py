@@ -144,6 +144,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--no-shared-prefix", action="store_true",
                        help="extract every row whole: by default a row that is an exact prefix of another row of "
                             "its batch (per-turn rows of one conversation) is written from that row's states")
+    speed.add_argument("--cuda-graphs", action="store_true",
+                       help="run vLLM compiled, with its CUDA graphs on a GPU (decode, where generate spends its "
+                            "time), the capture's copies traced into them; --backend vllm-engine only (default: "
+                            "vLLM eager, whose forward runs the capture's hooks)")
     scale = parser.add_argument_group("scale-out")
     scale.add_argument("--data-parallel-size", type=at_least(1), metavar="N", default=default("data_parallel_size"),
                        help="replicas of the model, each a Ray actor owning --tp-size devices; batches go to "
@@ -326,7 +330,7 @@ def settings_from(args) -> Settings:
                           max_samples=args.max_samples, start_index=args.start_index, strict=args.strict,
                           format=args.format, state_dtype=args.state_dtype, progress_interval=args.progress_interval,
                           forward_check=not args.skip_forward_check, overlap=not args.no_overlap,
-                          share_prefixes=not args.no_shared_prefix,
+                          share_prefixes=not args.no_shared_prefix, cuda_graphs=args.cuda_graphs,
                           shard=shards.from_environment(args.shard), data_parallel_size=args.data_parallel_size,
                           ray_address=args.ray_address, start_over=args.start_over,
                           config_file=str(Path(args.config).resolve()) if args.config else None)

@@ -337,6 +337,10 @@ class Extraction:
             raise UsageError(f"--max-seq-len {settings.max_seq_len}: must be at least 1")
         if settings.writer_threads < 1:  # no thread would ever write: files lost, or a hang on a full queue
             raise UsageError(f"--writer-threads {settings.writer_threads}: must be at least 1")
+        if settings.cuda_graphs:
+            from .backends.vllm_engine import refuse_cuda_graphs
+
+            refuse_cuda_graphs(settings.backend)
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
             for line in check_environment():
                 self.log(line)
@@ -781,6 +785,7 @@ def settings_line(settings: Settings) -> str:
                if settings.max_writer_threads > settings.writer_threads else "")
             + (f" --data-parallel-size {settings.data_parallel_size}" if settings.data_parallel_size > 1 else "")
             + (f" --state-dtype {settings.state_dtype}" if settings.state_dtype != "model" else "")
+            + (" --cuda-graphs" if settings.cuda_graphs else "")
             + (f" --shard {settings.shard.index}/{settings.shard.count}" if settings.shard is not None else "")
             + (f" (--config {settings.config_file}, flags over it)" if settings.config_file else ""))
 

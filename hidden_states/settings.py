@@ -42,6 +42,8 @@ class Settings:
         ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
         start_over: replace another extraction the output directory holds, finished samples and
             all (its files are removed); without it such a directory is refused.
+        cuda_graphs: run vLLM's compiled forward and CUDA graphs, the capture's copies inside them
+            (``--backend vllm-engine`` only: ``backends/graph_capture.py``); False: vLLM runs eager.
         config_file: the TOML file the CLI read settings from (flags over it; ``config_file.py``);
             recorded with the rest in ``data_config.json``.
     """
@@ -72,6 +74,7 @@ class Settings:
     data_parallel_size: int = 1
     ray_address: str | None = None
     start_over: bool = False
+    cuda_graphs: bool = False
     config_file: str | None = None
 
     def __post_init__(self):

@@ -45,6 +45,8 @@
 #                                           hidden-states serve; ... serve-vllm: against vllm serve as speculators' launcher starts it
 #   bash bench/device/stages.sh generate    # issue 33: vLLM's graph-mode generation alone, + extract of its rows (two passes),
 #                                           hidden-states generate (one pass); 256 x 512 prompts, 1,024 new tokens each
+#   bash bench/device/stages.sh generate-graphs  # issue 33 item 3: the same, hidden-states generate --cuda-graphs (the capture
+#                                           inside vLLM's CUDA graphs), its files against HF fp32
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -108,6 +110,14 @@ generator_steps() {
     if python3 -c "import sys, vllm; from packaging.version import Version; sys.exit(Version(vllm.__version__) < Version('0.34.0'))"; then
       step 60 "rm -rf /tmp/fault && VLLM_COMPAT_DISABLE=extensible_kv_cache timeout 100 bash -c 'extract --batch 32 --samples 64 --work /tmp/fault' | cut -c1-400; rm -rf /tmp/fault"
     fi
+}
+# issue 33's workload (G: GSAMPLES prompts of GLENGTH tokens, GNEW new tokens each) and its best two passes: vLLM's
+# graph-mode generation alone (its rows in /tmp/g/rows.jsonl, left for the stage), then extract (vllm-engine) of them
+G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}"
+two_passes() {
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 120 "$B generate $G --backend vllm --work /tmp/g 2>&1 | grep -E 'RESULT|Error' | tail -2"
+    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32 --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx"
 }
 case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
@@ -280,14 +290,21 @@ case "${1:?stage}" in
     ;;
   generate)  # issue 33 item 3, 8B shape: 256 prompts of 512 tokens, 1,024 new tokens each (ignore_eos), one call:
              # vLLM's generation alone in graph mode (and eager), then extract (vllm-engine) of the rows it made:
-             # the best two passes; then hidden-states generate on the same prompts (one pass, eager engine backend
-             # until the capture runs inside CUDA graphs). GSAMPLES / GLENGTH / GNEW shrink it for the CPU dry run.
-    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
-    G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}"
-    step 120 "$B generate $G --backend vllm --work /tmp/g 2>&1 | grep -E 'RESULT|Error' | tail -2"
-    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32 --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx"
+             # the best two passes; then hidden-states generate on the same prompts (one pass, eager engine backend:
+             # generate-graphs runs it with --cuda-graphs). GSAMPLES / GLENGTH / GNEW shrink it for the CPU dry run.
+    two_passes
     step 200 "$B generate $G --backend hidden-states --batch ${GSAMPLES:-256} --work /tmp/gh 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-1200; rm -rf /tmp/gh"
     step 120 "$B generate $G --backend vllm --eager --work /tmp/ge 2>&1 | grep -E 'RESULT|Error' | tail -2; rm -rf /tmp/ge /tmp/g"
+    ;;
+  generate-graphs)  # issue 33 item 3 (one pass <= 0.75x the best two passes), 8B shape, the generate stage's workload in one
+                    # call: vLLM's graph-mode generation alone, extract (vllm-engine) of the rows it made (the best two
+                    # passes: the sum), hidden-states generate --cuda-graphs on the same prompts (one pass, the capture's
+                    # copies inside vLLM's compiled forward and CUDA graphs), its first rows' files against HF fp32.
+                    # GSAMPLES / GLENGTH / GNEW shrink it for the CPU dry run.
+    two_passes
+    rm -rf /tmp/g
+    step 200 "$B generate $G --backend hidden-states --cuda-graphs --batch ${GSAMPLES:-256} --work /tmp/gg 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-1200"
+    step 90 "$B check --model $M8 --samples ${GCHECK:-4} --work /tmp/gg 2>&1 | grep -E 'RESULT|Error' | tail -2; rm -rf /tmp/gg"
     ;;
   release-one)  # one call for a release (most important first): the generator with the shim and its files vs HF,
                 # from 0.34.0 the same without extensible_kv_cache (the fault), eager prefill, vllm-engine (vs HF),

@@ -30,6 +30,7 @@ class BackendSettings:
     sequences_in_flight: int = 16  # most sequences whose states are submitted and not yet written (vllm-engine's pool)
     state_dtype: str = "model"  # fp8: a backend that can quantizes where the states are (vllm-engine's worker)
     num_layers: int | None = None  # the model's decoder layers, as the plan read its config (vllm-native needs it)
+    cuda_graphs: bool = False  # vllm-engine: vLLM compiled, with CUDA graphs, the capture inside them (graph_capture)
 
 
 # tokens_ahead of a backend that runs one batch while the one before it is copied out: any token

@@ -40,6 +40,9 @@ class EngineBackend:
     # vLLM's prefix cache: off, since a cached token gets no forward and so no states; a backend that
     # fills those rows itself (vllm-engine, cached_rows.py) turns it on
     prefix_caching = False
+    # vLLM eager: a capture that hooks vLLM's modules runs only when vLLM's forward runs as Python;
+    # a backend whose capture is traced into the compiled forward (vllm-engine --cuda-graphs) turns it off
+    enforce_eager = True
 
     def __init__(self, settings: BackendSettings):
         self.settings = settings
@@ -66,7 +69,7 @@ class EngineBackend:
         before = set(multiprocessing.active_children())
         self._llm = LLM(
             model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=True,
+            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=self.enforce_eager,
             enable_prefix_caching=self.prefix_caching,
             trust_remote_code=settings.trust_remote_code, **self.llm_keywords())
         self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]

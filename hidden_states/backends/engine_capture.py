@@ -121,7 +121,9 @@ def note_step(wrapped, worker, args, kwargs):
             worker._hidden_states_prompts[new.req_id] = list(new.prompt_token_ids)
     worker._hidden_states_step = (dict(scheduler_output.num_scheduled_tokens), step_starts(scheduler_output))
     try:
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        worker._hidden_states_step_ran()
+        return result
     finally:
         worker._hidden_states_step = None
 
@@ -171,6 +173,9 @@ class StreamingStates:
     the model hand its target layers' rows to ``_store_captured_states``."""
 
     _hidden_states_fp8 = False  # --state-dtype fp8 (set up by _hidden_states_stream_setup)
+    # the forward's token ids and positions read off the decoder stack's forward as it runs (the eager
+    # captures); False: the capture keeps them itself (graph_capture: no Python runs in a CUDA graph)
+    _hidden_states_ids_from_forward = True
 
     def _hidden_states_stream_setup(self, layer_ids: list[int], state_dtype: str = "model") -> dict | None:
         """Install the capture; the capturing rank says how its rows look (``state_dtype`` ``fp8``:
@@ -203,13 +208,19 @@ class StreamingStates:
         self._hidden_states_first: dict[str, int] = {}  # request id -> the lowest position stored at
         self._hidden_states_input_ids = self._hidden_states_positions = None
         wrap_method(self, "execute_model", note_step)
-        stack = base_model(self.model_runner.model)  # the forward the capture hooked or replaced
-        stack._hidden_states_extension = self
-        wrap_method(stack, "forward", note_input_ids)
+        if self._hidden_states_ids_from_forward:
+            stack = base_model(self.model_runner.model)  # the forward the capture hooked or replaced
+            stack._hidden_states_extension = self
+            wrap_method(stack, "forward", note_input_ids)
         on_gpu = getattr(self.model_runner, "device", torch.device("cpu")).type == "cuda"
         self._hidden_states_copies = torch.cuda.Stream() if on_gpu else None
         self._hidden_states_done = CopiesDone(self._hidden_states_host) if on_gpu else None
         return pin_host_memory(self._hidden_states_host) if on_gpu else False
+
+    def _hidden_states_step_ran(self) -> None:
+        """After ``execute_model``, the step's scheduler output still noted: the eager captures have
+        stored the step's rows from within its forward already; a capture whose forward runs no
+        Python (``graph_capture``) stores them here."""
 
     def _store_captured_states(self, aux_hidden_states):
         import torch

@@ -46,6 +46,7 @@ from ..tokenization import common_prefix
 from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
+from .graph_store import LAYERS_ENV
 from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
@@ -81,6 +82,8 @@ ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its
 OWN, SPECULATORS = "own", "speculators"
 EXTENSIONS = {SPECULATORS: f"{__package__}.speculators_capture.StreamingCapture",
               OWN: f"{__package__}.own_capture.OwnStreamingCapture"}
+# --cuda-graphs: the own capture, its copies traced into vLLM's compiled forward (graph_capture.py)
+GRAPH_EXTENSION = f"{__package__}.graph_capture.GraphStreamingCapture"
 CAPTURE_ENV = "VLLM_COMPAT_ENGINE_CAPTURE"  # own or speculators; unset: speculators' where 0.3/0.4 is installed
 
 
@@ -104,9 +107,31 @@ def chosen_capture(environ=os.environ) -> tuple[str, str]:
     return OWN, f"speculators {installed} has no in-process capture" if installed else "speculators is not installed"
 
 
+def refuse_cuda_graphs(backend: str, environ=os.environ) -> None:
+    """``--cuda-graphs`` where it cannot run: another backend than this one, or speculators' capture
+    asked for (its capture is a patched forward, not traced into vLLM's compiled one)."""
+    if backend != "vllm-engine":
+        raise UsageError(f"--cuda-graphs: needs --backend vllm-engine (its own capture is the one traced into vLLM's "
+                         f"compiled forward), not --backend {backend}")
+    if environ.get(CAPTURE_ENV) == SPECULATORS:
+        raise UsageError(f"--cuda-graphs: runs the extractor's own capture, not speculators' "
+                         f"({CAPTURE_ENV}={SPECULATORS}): unset {CAPTURE_ENV} or set it to {OWN}")
+
+
 def needs_speculators() -> bool:
     """Whether this backend runs speculators' capture here (the preflight audits its generator then)."""
     return chosen_capture()[0] == SPECULATORS
+
+
+def graph_capture_environment(layer_ids: list[int], environ=os.environ) -> None:
+    """What vLLM's workers need, before the engine starts, to run ``--cuda-graphs``' capture: the
+    layers (the copies go onto the model at its load, before any call reaches the workers), and
+    vLLM's compile cache off. Why off: vLLM loads a cached compiled forward (its AOT artifact and
+    inductor's) by a hash of its configuration, not of the hooks on the modules, so an artifact
+    compiled without the copies (a plain vLLM run of the same model and settings) would be loaded
+    and run, its buffers never written: the rows would be stale or zero, silently."""
+    environ[LAYERS_ENV] = ",".join(str(layer) for layer in sorted(set(layer_ids)))
+    environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
 
 
 class _RegionBatch(Batch):
@@ -188,14 +213,21 @@ class VllmEngineBackend(EngineBackend):
         self._scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
         self.rows_timeout = ROWS_TIMEOUT
         self.capture = SPECULATORS
+        self.enforce_eager = not settings.cuda_graphs
 
     def prepare(self, version) -> dict:
         """Choose the capture (before ``apply()``: speculators' needs its adapters armed)."""
+        if self.settings.cuda_graphs:
+            refuse_cuda_graphs(self.name)
+            self.capture = OWN
+            graph_capture_environment(self.settings.layer_ids)
+            return {"capture": OWN, "capture_chosen_because": "--cuda-graphs (its copies inside vLLM's compiled "
+                                                              "forward and CUDA graphs)"}
         self.capture, why = chosen_capture()
         return {"capture": self.capture, "capture_chosen_because": why}
 
     def llm_keywords(self) -> dict:
-        return {"worker_extension_cls": EXTENSIONS[self.capture]}
+        return {"worker_extension_cls": GRAPH_EXTENSION if self.settings.cuda_graphs else EXTENSIONS[self.capture]}
 
     def started(self) -> dict:
         """Install the capture in the workers and map them the region pool."""

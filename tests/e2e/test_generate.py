@@ -72,22 +72,28 @@ def chat_model(root: Path) -> Path:
     return model
 
 
-def run_generate(model, data, out, *extra):
+def run_generate(model, data, out, *extra, driver=("-m", "hidden_states"), env_extra=None):
+    """``hidden-states generate`` (``driver``: how Python runs it) on the test's conversations."""
     env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_COMPAT_ENGINE_CAPTURE": "own"}
-    command = [sys.executable, "-m", "hidden_states", "generate", "--model-path", str(model), "--data", str(data),
+           "VLLM_COMPAT_ENGINE_CAPTURE": "own", **(env_extra or {})}
+    command = [sys.executable, *driver, "generate", "--model-path", str(model), "--data", str(data),
                "--output-dir", str(out), "--preset", "cpu-tiny", "--format", "speculators-0.3", "--layer-ids",
                *map(str, LAYERS), "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--progress-interval",
                "1", *extra]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
+def conversations_in(root: Path, conversations: list[dict]) -> tuple[Path, Path]:
+    """(the chat model, ``conversations`` as JSONL), both under ``root``."""
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    return chat_model(root), data
+
+
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
-    model = chat_model(root)
-    data = root / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    model, data = conversations_in(root, CONVERSATIONS)
     out = root / "out"
     first = run_generate(model, data, out, "--max-samples", str(FIRST_RUN))
     files_after_first = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
@@ -145,13 +151,22 @@ def test_replies_are_vllms_own_greedy_generation(generated, tmp_path):
 
 
 def test_rows_are_the_regenerated_conversations_with_hfs_states(generated):
+    model, out, _, _, second = generated
+    judge_rows(model, out, second.stderr, first_index=FIRST_RUN)
+
+
+def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0) -> None:
+    """Every row of ``out`` is its regenerated conversation as ``extract`` tokenizes it, with states
+    within the bf16 floor of HF's forward of it, layer by layer, token by token; and the run whose
+    log is ``stderr`` (the conversations from ``first_index`` on) took from its replies' regions
+    exactly the whole blocks of vLLM's prefix cache that each row shares with its reply, decode-time
+    rows among them."""
     import torch
 
     from hidden_states.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
     from hidden_states.tokenization import ChatTokenizer, common_prefix, load_tokenizer
 
-    model, out, _, _, second = generated
     chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
     hf = load_model(model)
     lines = {line["index"]: line for line in regenerated(out)}
@@ -173,14 +188,14 @@ def test_rows_are_the_regenerated_conversations_with_hfs_states(generated):
             pooled[j].append(errors)
     for j, errors in enumerate(pooled):
         assert float(torch.cat(errors).mean()) <= harness.MEAN_TOLERANCE, f"layer {LAYERS[j]}"
-    # the states came from the generation: the second run's rows took from their replies' regions every
+    # the states came from the generation: the run's rows took from their replies' regions every
     # whole block of vLLM's prefix cache they share with the reply (prompt and decode rows alike)
-    said = re.search(r"([\d,]+) row tokens from the generation's states, ([\d,]+) computed again", second.stderr)
-    assert said, second.stderr[-3000:]
+    said = re.search(r"([\d,]+) row tokens from the generation's states, ([\d,]+) computed again", stderr)
+    assert said, stderr[-3000:]
     reused = int(said.group(1).replace(",", ""))
     expected, decode_rows_reused = 0, 0
     for index, line in lines.items():
-        if index < FIRST_RUN:
+        if index < first_index:
             continue
         prompt = chat.prompt_ids(line["messages"][:-1])
         replied = prompt + line["generated"][-1]["token_ids"]

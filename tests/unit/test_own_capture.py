@@ -124,8 +124,9 @@ class Worker(own_capture.OwnStreamingCapture):
         self.model_runner.model.model(input_ids=torch.tensor(ids), positions=torch.tensor(positions))
 
 
-def extract_through_the_worker(monkeypatch, rows, claimed, prompts):
-    """One step of the two requests through ``Worker``; the parent's tensors (or its error) per request."""
+def extract_through_the_worker(monkeypatch, rows, claimed, prompts, make_worker=None):
+    """One step of the two requests through ``Worker`` (or the worker ``make_worker()`` makes); the
+    parent's tensors (or its error) per request."""
     monkeypatch.setattr(engine_capture, "tp_rank", lambda: 0)
     backend = VllmEngineBackend(BackendSettings("m", sorted(LAYER_IDS), 16, 1, 0.1))
     backend._layout, backend._row_bytes, backend.rows_timeout = {"dtype": "float32", "hidden_size": HIDDEN}, HIDDEN * 4, 0.1
@@ -133,7 +134,7 @@ def extract_through_the_worker(monkeypatch, rows, claimed, prompts):
     try:
         work = _RegionBatch(list(prompts.values()),
                             [backend._pool.reserve(backend._region_bytes(len(p)), timeout=1) for p in prompts.values()])
-        worker = Worker(rows, claimed)
+        worker = Worker(rows, claimed) if make_worker is None else make_worker()
         worker._setup_hidden_states_capture(sorted(LAYER_IDS))
         worker._hidden_states_stream_to(backend._pool.path)
         # the parent's region for each request, in its sampling parameters (VllmEngineBackend.params)
