@@ -269,7 +269,7 @@ CHAT = '{"messages": [{"role": "user", "content": "hi"}]}'
     (['{"input_ids": [5, 6]}'], (), "data.jsonl:1: a tokenized row; generate regenerates conversations"),
     ([CHAT], ("--backend", "speculators"), "--backend speculators: generate runs on --backend vllm-engine"),
     ([CHAT], ("--max-new-tokens", "64", "--max-seq-len", "64"), "--max-new-tokens 64: must be below --max-seq-len 64"),
-    ([CHAT], ("--data-parallel-size", "2"), "generate runs in one process"),
+    ([CHAT], ("--shard", "2/2"), "--shard '2/2': needs 0 <= I < N"),
     ([CHAT], ("--temperature", "-0.5"), "--temperature -0.5: must be at least 0"),
     ([CHAT], ("--top-p", "0"), "--top-p 0.0: must be more than 0 and at most 1"),
     ([CHAT, '{"text": "plain"}'], ("--skip-forward-check",), "data.jsonl:2: a text row; generate regenerates"),
