@@ -145,6 +145,7 @@ class Tally:
 
 REGENERATED = "regenerated.jsonl"
 REGENERATED_PARTS = "regenerated.*.jsonl"  # a static shard's own (regenerated.shard-I-of-N.jsonl)
+REGENERATED_FILES = "regenerated*.jsonl"  # both
 
 
 def regenerated_name(tag: str | None) -> str:
