@@ -97,11 +97,17 @@ class RowSource:
 
 
 def row_source(row: list[int], replies: list) -> RowSource:
-    """The reply of ``replies`` (``.ids``: prompt + generated; ``.stored``: rows its region holds) whose
-    ids share the most of ``row``'s start; on a tie the earlier one (a per-turn row that is a whole
-    reply also begins the next turn's prompt: it is the earlier turn's row)."""
+    """The reply of ``replies`` (``.prompt``, ``.ids``: prompt + generated; ``.stored``: rows its region
+    holds) a row takes its first states from: the latest whose prompt the row begins with. A per-turn
+    row (``speculators-0.5``) begins with its own turn's prompt and never with a later one's, which
+    holds the reply the row ends with and the next user turn; this holds when the template renders
+    the reply otherwise than it was generated too (then a later prompt can share more of the row's
+    start than the row's own reply does). A whole-conversation row begins with every prompt: the last
+    reply's. Where the row begins with no prompt (a template rendering earlier turns otherwise than
+    their prompts did), the reply sharing the most of its start, the earlier on a tie."""
     shared = [common_prefix(row, reply.ids) for reply in replies]
-    best = max(range(len(replies)), key=lambda number: (shared[number], -number))
+    begun = [number for number, reply in enumerate(replies) if shared[number] >= len(reply.prompt)]
+    best = begun[-1] if begun else max(range(len(replies)), key=lambda number: (shared[number], -number))
     reply = replies[best]
     # a row cut short by --max-seq-len within the reply still begins with it
     rerendered = shared[best] < min(len(reply.ids), len(row))
