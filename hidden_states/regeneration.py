@@ -10,8 +10,8 @@ tool-call parser).
 
 The training rows are the regenerated conversation tokenized as ``extract`` tokenizes conversations
 (``tokenization.ChatTokenizer``: ``--format``'s layout, the assistant-only mask). Each row takes its
-first states from the reply whose prompt + generated ids share the most of its start
-(:func:`row_source`); a row that does not begin with those ids (the template trims the reply,
+first states from the latest reply whose prompt it begins with (:func:`row_source`: a per-turn row's
+own turn, a whole conversation's last reply); a row that does not begin with those ids (the template trims the reply,
 strips reasoning, moves special tokens) is *re-rendered*: its differing tail is prefilled again.
 """
 from __future__ import annotations
