@@ -72,22 +72,28 @@ def chat_model(root: Path) -> Path:
     return model
 
 
-def run_generate(model, data, out, *extra):
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_COMPAT_ENGINE_CAPTURE": "own"}
+def run_generate(model, data, out, *extra, layout="speculators-0.3", layers=LAYERS, new_tokens=NEW_TOKENS,
+                 pythonpath=(ROOT,)):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)), "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_COMPAT_ENGINE_CAPTURE": "own"}
     command = [sys.executable, "-m", "hidden_states", "generate", "--model-path", str(model), "--data", str(data),
-               "--output-dir", str(out), "--preset", "cpu-tiny", "--format", "speculators-0.3", "--layer-ids",
-               *map(str, LAYERS), "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--progress-interval",
+               "--output-dir", str(out), "--preset", "cpu-tiny", "--format", layout, "--layer-ids",
+               *map(str, layers), "--max-new-tokens", str(new_tokens), "--temperature", "0", "--progress-interval",
                "1", *extra]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+def model_and_conversations(root: Path) -> tuple[Path, Path]:
+    """The chat model (:func:`chat_model`) and ``CONVERSATIONS`` as a JSONL file, in ``root``."""
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    return chat_model(root), data
 
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
-    model = chat_model(root)
-    data = root / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    model, data = model_and_conversations(root)
     out = root / "out"
     first = run_generate(model, data, out, "--max-samples", str(FIRST_RUN))
     files_after_first = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}

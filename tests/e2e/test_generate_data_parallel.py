@@ -22,8 +22,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e import harness
+from tests.e2e import test_generate as single_process
 from tests.e2e.test_formats import speculators_09
-from tests.e2e.test_generate import CONVERSATIONS, chat_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.data_parallel]
 
@@ -34,15 +34,12 @@ PER_REPLY = {0: [0], 1: [1], 2: [2, 3], 3: [4], 4: [5]}
 
 
 def run_generate(model, data, out, *extra):
-    path = os.pathsep.join(p for p in [str(speculators_09()), ROOT, os.environ.get("PYTHONPATH", "")] if p)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_COMPAT_ENGINE_CAPTURE": "own"}
-    command = [sys.executable, "-m", "hidden_states", "generate", "--model-path", str(model), "--data", str(data),
-               "--output-dir", str(out), "--preset", "cpu-tiny", "--batch-size", "1", "--format", "speculators-0.5",
-               "--layer-ids", *map(str, LAYERS), "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
-               "--progress-interval", "1", *extra]
+    """``generate`` as tests/e2e/test_generate.py runs it, in ``--format speculators-0.5`` (speculators
+    0.9.0's folder brings ``datasets`` for its index; the lane's own PYTHONPATH brings Ray)."""
+    path = [speculators_09(), ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
     started = time.monotonic()
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = single_process.run_generate(model, data, out, "--batch-size", "1", *extra, layout="speculators-0.5",
+                                       layers=LAYERS, new_tokens=NEW_TOKENS, pythonpath=path)
     print(f"generate {' '.join(extra) or '(one process)'}: {time.monotonic() - started:.0f} s")
     return proc
 
@@ -50,9 +47,7 @@ def run_generate(model, data, out, *extra):
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate-dp")
-    model = chat_model(root)
-    data = root / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    model, data = single_process.model_and_conversations(root)
     single = root / "single"
     proc = run_generate(model, data, single)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -20,7 +20,7 @@ from hidden_states.regeneration import row_source
 from hidden_states.settings import Settings
 from hidden_states.shards import Shard
 from hidden_states.status import status
-from tests.unit.test_generate import chat_model  # noqa: F401  (a fixture)
+from tests.unit.test_generate import FakeGenerating, chat_model  # noqa: F401  (chat_model: a fixture)
 from tests.unit.test_replicas import FakeRay
 
 # conversation 2 has tool turns (skipped: no rows, no sample numbers); 0 and 4 have two user turns
@@ -39,23 +39,10 @@ CONVERSATIONS = [
 PER_REPLY = {0: [0, 1], 1: [2], 3: [3], 4: [4, 5], 5: [6], 6: [7]}
 
 
-class PromptReplies:
-    """``vllm-engine``'s generate interface in miniature, the same whoever runs it: a prompt's reply is
-    ``ok <number>`` (its number from the prompt's ids) then <|eot_id|>; a row's state at layer l and
+class PromptReplies(FakeGenerating):
+    """test_generate's fake, its replies the same whoever runs them: a prompt's reply is ``ok
+    <number>`` (its number from the prompt's ids) then <|eot_id|>; a row's state at layer l and
     position p is ``1000 l + p + (sum of its ids)/1000``."""
-
-    name = "vllm-engine"
-    tokens_ahead, tokens_per_submit = 1, None
-
-    def __init__(self, settings, tokenizer):
-        self.settings, self.tokenizer = settings, tokenizer
-        self.reply_rows_reused = 0
-
-    def start(self):
-        return {"backend": self.name}
-
-    def check_forward(self, probe):
-        return []
 
     def generate(self, prompts, sampling):
         eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
@@ -71,12 +58,6 @@ class PromptReplies:
             self.reply_rows_reused += row_source(row, [source]).reused
         return done([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
                       + sum(row) / 1000 for layer in self.settings.layer_ids] for row in rows])
-
-    def release_replies(self, replies):
-        pass
-
-    def close(self):
-        pass
 
 
 def done(value):
