@@ -21,7 +21,7 @@ from hidden_states.settings import Settings
 from hidden_states.shards import Shard
 from hidden_states.status import status
 from tests.unit.test_generate import FakeGenerating, chat_model  # noqa: F401  (chat_model: a fixture)
-from tests.unit.test_replicas import FakeRay
+from tests.unit.test_replicas import ActorDied, FakeRay
 
 # conversation 2 has tool turns (skipped: no rows, no sample numbers); 0 and 4 have two user turns
 CONVERSATIONS = [
@@ -58,6 +58,64 @@ class PromptReplies(FakeGenerating):
             self.reply_rows_reused += row_source(row, [source]).reused
         return done([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
                       + sum(row) / 1000 for layer in self.settings.layer_ids] for row in rows])
+
+
+class SampledReplies(PromptReplies):
+    """Replies that differ from one backend to the next (sampling without a seed): ``ok <number>
+    <backend>``."""
+
+    made = 0
+
+    def __init__(self, settings, tokenizer):
+        super().__init__(settings, tokenizer)
+        SampledReplies.made += 1
+        self.number = SampledReplies.made
+
+    def generate(self, prompts, sampling):
+        replies = super().generate(prompts, sampling).result()
+        texts = [f"{reply.text} {self.number}" for reply in replies]
+        eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
+        generated = [self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eot] for text in texts]
+        return done([Reply(r.prompt, ids, text, "stop", 0, 0, len(r.prompt) + len(ids) - 1, "salt")
+                     for r, ids, text in zip(replies, generated, texts)])
+
+
+DIED = object()
+
+
+class DiesAfterRunning(FakeRay):
+    """Replica 1 runs its first batch whole (its files reach the disk) and dies before the call
+    returns: the driver has its files on disk and no line of it."""
+
+    def remote(self, cls):
+        made = super().remote(cls)
+
+        class ActorClass:
+            @staticmethod
+            def options(**kwargs):
+                return ActorClass
+
+            @staticmethod
+            def remote(plan, replica_id, env):
+                actor = made.remote(plan, replica_id, env)
+                if replica_id == 1:
+                    instance, run = actor.instance, actor.instance.extract
+
+                    def extract(*args):
+                        run(*args)
+                        instance.extraction.writer.close()
+                        actor.dead = True
+                        return DIED
+
+                    instance.extract = extract
+                return actor
+
+        return ActorClass
+
+    def get(self, ref, timeout=None):
+        if ref.value is DIED:
+            raise ActorDied("The actor died unexpectedly before finishing this task.")
+        return super().get(ref, timeout)
 
 
 def done(value):
@@ -168,6 +226,32 @@ def test_a_dead_replica_loses_nothing_and_no_file_or_line_is_written_twice(scale
     assert_same_output(out, Path(settings("single").output_dir))
     written = [i for indices in ledgers(out).values() for i in indices]
     assert sorted(written) == [0, 1, 3, 4, 5, 6], ledgers(out)  # each once
+    assert summary.extracted == 6
+
+
+def test_a_batch_lost_with_its_files_on_disk_is_regenerated_whole_and_its_files_match_its_line(scale, monkeypatch):
+    """Replica 1 wrote its batch's files and died before returning the line: the batch is regenerated
+    whole on replica 0, whose replies differ (sampling), and every file is rewritten from them: each
+    file holds the rows of its conversation as ``regenerated.jsonl`` has it."""
+    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+
+    settings, use_ray = scale
+    tokenizer = load_tokenizer(settings("ray").model_path)
+    monkeypatch.setattr(backends, "create", lambda name, given: SampledReplies(given, tokenizer))
+    use_ray(DiesAfterRunning)
+    summary, said = run(replace(settings("ray"), data_parallel_size=2), on_ray=True)
+    out = Path(settings("ray").output_dir)
+    assert any(line.startswith("replica 1 died on samples [1]") for line in said), said
+    lines = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 3, 4, 5, 6]
+    chat = ChatTokenizer(tokenizer, "speculators-0.3", 256)
+    for line in lines:
+        saved = torch.load(out / f"data_{line['index']}.pt", weights_only=True)
+        row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0]
+        assert saved["input_ids"].tolist() == row.input_ids, line["index"]
+    shares = ledgers(out)
+    assert 1 in shares["done.replica-1.jsonl"] and 1 in shares["done.replica-0.jsonl"]  # written again
     assert summary.extracted == 6
 
 
