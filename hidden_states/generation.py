@@ -123,8 +123,10 @@ class Generation(Extraction):
         return self.loaded(lambda: self.generate(todo))
 
     def unfinished(self) -> tuple[int, bool]:
+        """(conversations of the range, or the shard's share, not done: a file missing, or the line)."""
         done = set(self.finished)
-        return sum(1 for conv in self._all if not set(conv[1]) <= done), True
+        return sum(1 for number, indices in self._all
+                   if not set(indices) <= done or number not in self._with_lines), True
 
     def _conversations_to_do(self):
         """(Regeneration, its sample indices) of each conversation in range not finished yet; the
@@ -188,6 +190,7 @@ class Generation(Extraction):
     def write_lines(self, lines: list[dict]) -> None:
         for line in lines:
             self._lines.write(json.dumps(line, ensure_ascii=False) + "\n")
+            self._with_lines.add(line["index"])
         self._lines.flush()
 
     def replica_batch(self, batch, skip: frozenset[int]) -> dict:
@@ -326,6 +329,11 @@ class RayGeneration(RayExtraction, Generation):
         self.summary.tokens += result["tokens"]
         self.summary.computed_tokens += result["computed_tokens"]
         self.progress.update(len(result["lines"]), result["tokens"])
+
+    def _unreturned(self, replica_id: int, failed: Batch) -> list[Batch]:
+        """Its batch that failed and its calls still queued: their lines never came back, whatever
+        of their files the replica wrote (its writer drained as it retired)."""
+        return [failed, *(batch for rid, batch in self.calls.values() if rid == replica_id and batch.result is None)]
 
     def _again(self, lost: Batch) -> Batch | None:
         """A batch of a retired replica: done when its call returned and every file it wrote is whole

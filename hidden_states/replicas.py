@@ -10,9 +10,10 @@ loaded in the actor: the same backend and forward check, and ``extract_batch`` w
 own :class:`~hidden_states.output.BackgroundWriter` into the shared directory (tag ``replica-K``: its
 ledger is ``done.replica-K.jsonl``). Hidden states never travel through Ray; each call returns the
 samples its writer has put on disk since the last one. What differs between the two commands is
-four methods of the driver: :meth:`RayExtraction._batch_of` (a batch's sample indices),
-:meth:`~RayExtraction._account` (a returned call in the summary), :meth:`~RayExtraction._again`
-(what of a lost batch runs again) and :meth:`~RayExtraction._progressed` (after files were confirmed);
+five methods of the driver: :meth:`RayExtraction._batch_of` (a batch's sample indices),
+:meth:`~RayExtraction._account` (a returned call in the summary), :meth:`~RayExtraction._unreturned`
+and :meth:`~RayExtraction._again` (which batches of a retired replica are lost, what of them runs
+again) and :meth:`~RayExtraction._progressed` (after files were confirmed);
 ``generation.RayGeneration`` overrides them.
 
 Faults. A replica whose actor dies (killed, its vLLM worker crashed, its node lost) or whose call
@@ -287,7 +288,7 @@ class RayExtraction(Extraction):
             except Exception:  # noqa: BLE001 - broken for good: what it did not confirm is checked on disk
                 pass
         self.ray.kill(handle.actor)
-        lost = {id(b): b for b in handle.unconfirmed.values()}
+        lost = {id(b): b for b in [*handle.unconfirmed.values(), *self._unreturned(replica_id, batch)]}
         for lost_batch in lost.values():
             again = self._again(lost_batch)
             if again is None:
@@ -297,6 +298,11 @@ class RayExtraction(Extraction):
             else:
                 self.retry.append(again)
         self._progressed()
+
+    def _unreturned(self, replica_id: int, failed: Batch) -> list[Batch]:
+        """Batches of a retired replica to look at besides those with files unconfirmed: none here
+        (a batch whose files are all on disk is done; ``generate`` needs the lines its call returns)."""
+        return []
 
     def _again(self, lost: Batch) -> Batch | None:
         """What of a batch whose replica retired runs again: the batch, less the samples whose files

@@ -80,15 +80,18 @@ class SampledReplies(PromptReplies):
                      for r, ids, text in zip(replies, generated, texts)])
 
 
-DIED = object()
+DIED, RAISED = object(), object()
 
 
-class DiesAfterRunning(FakeRay):
-    """Replica 1 runs its first batch whole (its files reach the disk) and dies before the call
-    returns: the driver has its files on disk and no line of it."""
+class WrappingRay(FakeRay):
+    """FakeRay whose replicas' ``extract`` goes through :meth:`call` (``run``: the real one); a call
+    that returns DIED is an actor's death, RAISED a batch that raised, when the driver gets it."""
+
+    def call(self, replica_id, actor, run, batch, skip):
+        return run(batch, skip)
 
     def remote(self, cls):
-        made = super().remote(cls)
+        made, ray = super().remote(cls), self
 
         class ActorClass:
             @staticmethod
@@ -98,16 +101,8 @@ class DiesAfterRunning(FakeRay):
             @staticmethod
             def remote(plan, replica_id, env):
                 actor = made.remote(plan, replica_id, env)
-                if replica_id == 1:
-                    instance, run = actor.instance, actor.instance.extract
-
-                    def extract(*args):
-                        run(*args)
-                        instance.extraction.writer.close()
-                        actor.dead = True
-                        return DIED
-
-                    instance.extract = extract
+                run = actor.instance.extract
+                actor.instance.extract = lambda batch, skip: ray.call(replica_id, actor, run, batch, skip)
                 return actor
 
         return ActorClass
@@ -115,7 +110,29 @@ class DiesAfterRunning(FakeRay):
     def get(self, ref, timeout=None):
         if ref.value is DIED:
             raise ActorDied("The actor died unexpectedly before finishing this task.")
+        if ref.value is RAISED:
+            raise RuntimeError("Traceback (most recent call last):\n  ...\nValueError: boom")
         return super().get(ref, timeout)
+
+
+class DiesAfterRunning(WrappingRay):
+    """Replica 1 runs its first batch whole (its files reach the disk) and dies before the call
+    returns: the driver has its files on disk and no line of it."""
+
+    def call(self, replica_id, actor, run, batch, skip):
+        result = run(batch, skip)
+        if replica_id != 1:
+            return result
+        actor.instance.extraction.writer.close()
+        actor.dead = True
+        return DIED
+
+
+class PoisonedConversation(WrappingRay):
+    """Conversation 3 raises wherever it goes."""
+
+    def call(self, replica_id, actor, run, batch, skip):
+        return RAISED if any(regen.index == 3 for regen, _ in batch) else run(batch, skip)
 
 
 def done(value):
@@ -253,6 +270,21 @@ def test_a_batch_lost_with_its_files_on_disk_is_regenerated_whole_and_its_files_
     shares = ledgers(out)
     assert 1 in shares["done.replica-1.jsonl"] and 1 in shares["done.replica-0.jsonl"]  # written again
     assert summary.extracted == 6
+
+
+def test_a_conversation_given_up_leaves_the_others_lines_and_files_and_says_so(scale):
+    settings, use_ray = scale
+    use_ray(PoisonedConversation)
+    with pytest.raises(extraction.ExtractionFailed) as failed:
+        run(replace(settings("ray"), data_parallel_size=3), on_ray=True)
+    message = str(failed.value)
+    assert message.startswith("1 samples were not extracted") and message.count("ValueError: boom") == 2
+    assert "samples [3] (" in message
+    out = Path(settings("ray").output_dir)
+    assert sorted(int(p.stem.split("_")[1]) for p in out.glob("data_*.pt")) == [0, 1, 4, 5, 6]
+    # the lines after the batch given up are written too: their conversations are done
+    assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] \
+        == [0, 1, 4, 5, 6]
 
 
 def test_a_batch_whose_call_raised_is_regenerated_whole_elsewhere(scale):
