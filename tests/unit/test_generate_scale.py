@@ -91,21 +91,16 @@ class WrappingRay(FakeRay):
         return run(batch, skip)
 
     def remote(self, cls):
-        made, ray = super().remote(cls), self
+        actor_class, create = super().remote(cls), None
 
-        class ActorClass:
-            @staticmethod
-            def options(**kwargs):
-                return ActorClass
+        def wrapped(plan, replica_id, env):
+            actor = create(plan, replica_id, env)
+            run = actor.instance.extract
+            actor.instance.extract = lambda batch, skip: self.call(replica_id, actor, run, batch, skip)
+            return actor
 
-            @staticmethod
-            def remote(plan, replica_id, env):
-                actor = made.remote(plan, replica_id, env)
-                run = actor.instance.extract
-                actor.instance.extract = lambda batch, skip: ray.call(replica_id, actor, run, batch, skip)
-                return actor
-
-        return ActorClass
+        create, actor_class.remote = actor_class.remote, staticmethod(wrapped)  # a class of this call's own
+        return actor_class
 
     def get(self, ref, timeout=None):
         if ref.value is DIED:
