@@ -126,6 +126,9 @@ class BatchSource(Protocol):
 
     def expected(self, todo: int) -> int: ...  # of ``todo`` samples left in range, about how many come here
 
+    # whether item ``index`` of the range (a sample; ``generate``: a conversation) is this process's
+    def owns(self, index: int, start: int, batch_size: int) -> bool: ...
+
 
 class Sequential:
     """One process extracts every pending sample, in input order."""
@@ -139,6 +142,9 @@ class Sequential:
     def expected(self, todo: int) -> int:
         return todo
 
+    def owns(self, index: int, start: int, batch_size: int) -> bool:
+        return True
+
 
 class ShardBatches:
     """One static shard (``shards.Shard``): every ``count``-th batch of the range, starting at its
@@ -150,10 +156,13 @@ class ShardBatches:
 
     def batches(self, pending: Pending, batch_size: int) -> Iterator[list[Sample]]:
         start = pending.start
-        return batched(pending.samples(lambda index: self.shard.owns(index, start, batch_size)), batch_size)
+        return batched(pending.samples(lambda index: self.owns(index, start, batch_size)), batch_size)
 
     def expected(self, todo: int) -> int:
         return -(-todo // self.shard.count)  # about: the shards' shares differ by a batch at most
+
+    def owns(self, index: int, start: int, batch_size: int) -> bool:
+        return self.shard.owns(index, start, batch_size)
 
 
 def batch_source(settings) -> BatchSource:

@@ -11,6 +11,7 @@
     python -m hidden_states serve --model-path M [--port 8000]       # speculators >= 0.9's client and trainer
     python -m hidden_states generate --model-path M --data conversations.jsonl --output-dir OUT \
         [--temperature 0.6 --top-p 0.95 --max-new-tokens 1024 --seed 0]   # on-policy rows in one pass
+    python -m hidden_states generate ... --data-parallel-size 2 | --shard 0/4   # as extract's
     python -m hidden_states status OUT
     python -m hidden_states demo [--output-dir demo-output]
 
@@ -197,7 +198,10 @@ GENERATE_EXAMPLES = """examples:
   hidden-states generate --model-path /models/llama-8b --data chats.jsonl --output-dir out   # greedy
   hidden-states generate --model-path /models/llama-8b --data chats.jsonl --output-dir out \\
       --temperature 0.6 --top-p 0.95 --max-new-tokens 2048 --seed 0
-the regenerated conversations: out/regenerated.jsonl; the rows and their states: as extract writes them
+  hidden-states generate ... --data-parallel-size 4          # Ray replicas: whole conversations to whichever is free
+  hidden-states generate ... --shard 0/4                     # static shard 0 of 4: every 4th batch of conversations
+the regenerated conversations: out/regenerated.jsonl (a shard's: out/regenerated.shard-I-of-N.jsonl, merged
+into regenerated.jsonl as each shard ends); the rows and their states: as extract writes them
 """
 
 SERVE_EXAMPLES = """examples:
@@ -336,9 +340,15 @@ def settings_from(args) -> Settings:
                           config_file=str(Path(args.config).resolve()) if args.config else None)
 
 
-def extraction_for(settings: Settings, **kwargs):
-    """The run ``settings`` ask for: on Ray replicas, or in this process."""
-    if settings.data_parallel_size > 1 or settings.ray_address:
+def extraction_for(settings: Settings, sampling=None, **kwargs):
+    """The run ``settings`` ask for: ``extract``'s, or ``generate``'s with ``sampling``
+    (``vllm_engine.Sampling``); on Ray replicas, or in this process (a static shard's too)."""
+    on_ray = settings.data_parallel_size > 1 or settings.ray_address
+    if sampling is not None:
+        from .generation import Generation, RayGeneration
+
+        return (RayGeneration if on_ray else Generation)(settings, sampling, **kwargs)
+    if on_ray:
         from .replicas import RayExtraction
 
         return RayExtraction(settings, **kwargs)
@@ -360,7 +370,8 @@ def _plan(args) -> int:
     return 0
 
 
-def _extract(args) -> int:
+def _extract(args, sampling=None) -> int:
+    """``extract``, and ``generate`` (``sampling``: its sampling flags)."""
     from .progress import log_to_stderr as log
 
     settings = settings_from(args)
@@ -369,7 +380,7 @@ def _extract(args) -> int:
         devices = shards.leave_torchrun(tp_size=settings.tp_size)
         if devices is not None:
             log(f"torchrun rank: devices {devices}")
-    summary = extraction_for(settings, log=log).run()
+    summary = extraction_for(settings, sampling, log=log).run()
     log(summary.line())
     if summary.shared_rows or summary.cached_tokens:
         log(summary.shared_line())
@@ -429,15 +440,9 @@ def _prepare(args) -> int:
 
 
 def _generate(args) -> int:
-    from .generation import Generation, sampling_from
-    from .progress import log_to_stderr as log
+    from .generation import sampling_from
 
-    summary = Generation(settings_from(args), sampling_from(args), log=log).run()
-    log(summary.line())
-    if summary.interrupted is not None:
-        log(summary.next_step)
-        return 128 + summary.interrupted
-    return 0
+    return _extract(args, sampling_from(args))
 
 
 def _demo(args) -> int:

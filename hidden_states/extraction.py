@@ -162,12 +162,15 @@ class RunPlan:
         model: the model, the format and the layers (:class:`ModelPlan`).
         tag: the ledger's tag (``done.<tag>.jsonl``: a shard's, a replica's); None: ``done.jsonl``.
         config: ``data_config.json`` before the backend's own facts (read, never changed).
+        runner: the class a Ray replica executes it with (:attr:`Extraction.replica_class`: extract's
+            or generate's); None: :class:`Extraction`.
     """
 
     settings: Settings
     model: ModelPlan
     tag: str | None
     config: dict
+    runner: type | None = None
 
     def for_replica(self, replica_id: int) -> RunPlan:
         """The plan of Ray replica ``replica_id``: its own ledger (a static shard's replicas carry the
@@ -496,7 +499,8 @@ class Extraction:
             **self.identity,
             "settings": settings.record(),
         }
-        self.run_plan = RunPlan(dataclasses.replace(settings), self.model_plan, self.source.tag, config)
+        self.run_plan = RunPlan(dataclasses.replace(settings), self.model_plan, self.source.tag, config,
+                                self.replica_class)
         self.output.create()
         held = self.output.check(identity, settings.start_over)
         removed = self.output.claim(identity, self.config,
@@ -529,6 +533,12 @@ class Extraction:
         extraction = cls(plan.settings, log=log)
         extraction._adopt(plan)
         return extraction
+
+    @property
+    def replica_class(self) -> type:
+        """What a Ray replica of this run executes (``replicas.Replica``): a class with
+        :meth:`executing`, :meth:`load`, :meth:`open_sink` and :meth:`replica_batch`."""
+        return Extraction
 
     def _adopt(self, plan: RunPlan) -> None:
         self.run_plan = plan
@@ -678,6 +688,15 @@ class Extraction:
         alone."""
         carriers = self._carriers(batch)
         return self.write_batch(carriers, self._submit(carriers), skip)
+
+    def replica_batch(self, batch: list[Sample], skip: frozenset[int]) -> dict:
+        """One batch in a Ray replica (``replicas.Replica.extract``): :meth:`extract_batch`; returns its
+        tokens and its rows served from a shared prefix and tokens run (the driver's summary counts them)."""
+        summary = self.summary
+        shared, computed, cached = summary.shared_rows, summary.computed_tokens, summary.cached_tokens
+        tokens = self.extract_batch(batch, skip)
+        return {"tokens": tokens, "shared_rows": summary.shared_rows - shared,
+                "computed_tokens": summary.computed_tokens - computed, "cached_tokens": summary.cached_tokens - cached}
 
     def _submit(self, batch: list[Sample]):
         return self.backend.submit([s.input_ids for s in batch])

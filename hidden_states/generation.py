@@ -19,8 +19,18 @@ The loop reads conversations, not samples:
 
 Sample indices: conversation ``i`` is sample ``i`` (``speculators-0.3``, one row per conversation);
 with ``speculators-0.5`` (a row per reply) a conversation's rows are numbered on from the replies of
-the conversations before it. A conversation is finished when every one of its rows' files is whole;
-``regenerated.jsonl`` keeps, at the start of a run, only the lines of finished conversations.
+the conversations before it, counted in the input (one per user turn of each conversation regenerated;
+none for one skipped for its tool turns) before anything is generated: so a conversation's numbers
+depend on the input alone, never on which process or replica runs what. A conversation is finished
+when every one of its rows' files is whole; ``regenerated.jsonl`` keeps, at the start of a run, only
+the lines of finished conversations.
+
+Scale-out, through ``extract``'s own machinery: a static shard (``--shard I/N``) regenerates every
+``N``-th batch of conversations (``ShardBatches.owns`` on conversation numbers) with its own ledger and
+its own ``regenerated.<tag>.jsonl`` (``regeneration.merge_shards``); Ray replicas
+(``--data-parallel-size``): :class:`RayGeneration`, ``replicas.RayExtraction`` handing out batches of
+whole conversations (a conversation's later turns need its earlier replies), each replica running
+:meth:`Generation.generate_batch` on its own backend, the driver writing the lines.
 """
 from __future__ import annotations
 
@@ -35,10 +45,11 @@ from .extraction import PLAN_DETAILS, Extraction
 from .inputs import Sample
 from .layer_conventions import SPECULATORS_05
 from .progress import Progress
-from .regeneration import TOO_LONG, Kept, Regeneration, Tally, kept, row_source
+from .regeneration import (TOO_LONG, Kept, Regeneration, Tally, keep_finished_lines, kept, merge_shards,
+                           regenerated_name, row_source)
+from .replicas import Batch, Handle, RayExtraction
 from .tokenization import ChatTokenizer, load_tokenizer
 
-REGENERATED = "regenerated.jsonl"
 BACKEND = "vllm-engine"
 
 
@@ -47,12 +58,25 @@ class Generation(Extraction):
 
     batches_held = 4  # a batch's replies and its rows at once, besides what extract holds
 
-    def __init__(self, settings, sampling: Sampling, *, log=None):
-        super().__init__(settings, log=log)
+    def __init__(self, settings, sampling: Sampling, **kwargs):
+        super().__init__(settings, **kwargs)
         self.sampling = sampling
         self.tally = Tally()
         self.chat: ChatTokenizer | None = None
         self._all: list[tuple[int, list[int]]] = []  # (conversation, its sample indices) of the range
+        self._with_lines: set[int] = set()  # conversations whose line a regenerated file holds
+        self._lines = None  # the regenerated lines' file this process appends to
+
+    @classmethod
+    def executing(cls, plan, *, log=None) -> Generation:
+        """A Ray replica's generation of ``plan`` (the sampling is in its config's identity)."""
+        generation = cls(plan.settings, Sampling(**plan.config["generation"]), log=log)
+        generation._adopt(plan)
+        return generation
+
+    @property
+    def replica_class(self) -> type:
+        return Generation
 
     # -- plan and prepare: extract's, with the sampling in the identity
     def plan(self) -> None:
@@ -60,9 +84,6 @@ class Generation(Extraction):
         if settings.backend != BACKEND:
             raise UsageError(f"--backend {settings.backend}: generate runs on --backend {BACKEND} (the replies' "
                              f"rows are kept in its regions)")
-        if settings.data_parallel_size > 1 or settings.ray_address or settings.shard is not None:
-            raise UsageError("generate runs in one process: --data-parallel-size, --ray-address and --shard are "
-                             "not supported yet")
         if self.sampling.temperature < 0:
             raise UsageError(f"--temperature {self.sampling.temperature}: must be at least 0 (0: greedy)")
         if not 0 < self.sampling.top_p <= 1:
@@ -93,21 +114,25 @@ class Generation(Extraction):
         for line in self.plan_lines:  # as extract: the plan's details to the log file
             self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
         self.prepare()
-        self._keep_finished_lines()
+        self._with_lines = keep_finished_lines(self.output.path, self.source.tag, self.finished)
         todo = list(self._conversations_to_do())
         if not todo:
             self.output.finish(self.finished)
+            self._merge_shard_lines()
             return self.summary
         return self.loaded(lambda: self.generate(todo))
 
     def unfinished(self) -> tuple[int, bool]:
+        """(conversations of the range, or the shard's share, not done: a file missing, or the line)."""
         done = set(self.finished)
-        return sum(1 for conv in self._all if not set(conv[1]) <= done), True
+        return sum(1 for number, indices in self._all
+                   if not set(indices) <= done or number not in self._with_lines), True
 
     def _conversations_to_do(self):
         """(Regeneration, its sample indices) of each conversation in range not finished yet; the
         skipped ones counted. Reads the whole input (conversations, checked as they are read)."""
         settings, per_reply = self.settings, self.format_name == SPECULATORS_05
+        owns = self.source.owns
         source = conversations.open_source(self.input.path)
         self._all, base = [], 0
         for number, record in enumerate(source):
@@ -120,37 +145,72 @@ class Generation(Extraction):
             base += what.replies
             if not settings.in_range(number):
                 continue
+            if not owns(number, settings.start_index, settings.batch_size):  # another shard's
+                continue
             if what.skip:
                 self.tally.skip(what.skip)
                 continue
             self._all.append((number, indices))
-            if set(indices) <= set(self.finished):
+            # done: every row's file whole and the conversation's line kept (a run that stopped between
+            # them regenerates it)
+            if set(indices) <= set(self.finished) and number in self._with_lines:
                 self.summary.skipped += 1
                 continue
             yield Regeneration(number, record.where, record.line, what), indices
 
     def generate(self, todo) -> None:
-        """Regenerate ``todo`` a batch at a time; hand each batch's rows to the writer."""
+        """Regenerate ``todo`` a batch of ``--batch-size`` conversations at a time, each handed out
+        (:meth:`hand_out`: here, or to a Ray replica)."""
         settings = self.settings
-        self.chat = ChatTokenizer(load_tokenizer(settings.model_path, settings.trust_remote_code), self.format_name,
-                                  settings.max_seq_len, settings.strict)
         self.log("generating")
         self._started = time.monotonic()
         self.open_sink()
         self.progress = Progress(len(todo), log=self.log, exact=True, interval=settings.progress_interval)
         self.interrupt.extracting = True
-        with open(self.output.path / REGENERATED, "a", encoding="utf-8") as lines:
-            for start in range(0, len(todo), settings.batch_size):
-                self._batch(todo[start:start + settings.batch_size], lines)
-                if self.interrupt.requested is not None:
-                    self.summary.interrupted = self.interrupt.requested
-                    break
+        self._lines = open(self.output.path / regenerated_name(self.source.tag), "a", encoding="utf-8")
+        for start in range(0, len(todo), settings.batch_size):
+            self.hand_out(todo[start:start + settings.batch_size])
+            if self.interrupt.requested is not None:
+                self.summary.interrupted = self.interrupt.requested
+                break
         self.progress.close()
-        reused = self.backend.reply_rows_reused
-        self.log(self.tally.line(reused, self.summary.tokens - reused))
 
-    def _batch(self, batch, lines) -> None:
+    def open_sink(self) -> None:
+        super().open_sink()
+        self.chat = ChatTokenizer(load_tokenizer(self.settings.model_path, self.settings.trust_remote_code),
+                                  self.format_name, self.settings.max_seq_len, self.settings.strict)
+
+    def hand_out(self, batch) -> None:
+        """Regenerate ``batch`` here: its rows to the writer, its lines to the file."""
+        tokens = self.summary.tokens
+        lines, _ = self.generate_batch(batch)
+        self.write_lines(lines)
+        self.progress.update(len(lines), self.summary.tokens - tokens)
+
+    def write_lines(self, lines: list[dict]) -> None:
+        for line in lines:
+            self._lines.write(json.dumps(line, ensure_ascii=False) + "\n")
+            self._with_lines.add(line["index"])
+        self._lines.flush()
+
+    def replica_batch(self, batch, skip: frozenset[int]) -> dict:
+        """One batch in a Ray replica: :meth:`generate_batch`; returns the lines, the sample indices
+        handed to the writer and the batch's counts (summary and tally) for the driver. ``skip`` is
+        always empty: a generation batch runs again whole (``RayGeneration._again``)."""
+        summary = self.summary
+        before = (summary.extracted, summary.tokens, summary.computed_tokens)
+        self.tally = Tally()
+        lines, rows = self.generate_batch(batch)
+        return {"lines": lines, "rows": rows, "tally": dataclasses.asdict(self.tally),
+                "extracted": summary.extracted - before[0], "tokens": summary.tokens - before[1],
+                "computed_tokens": summary.computed_tokens - before[2]}
+
+    def generate_batch(self, batch) -> tuple[list[dict], list[int]]:
+        """Regenerate ``batch`` ((Regeneration, sample indices) pairs) turn by turn, hand its rows to
+        the writer; returns the conversations' lines and the sample indices written. Each
+        conversation starts afresh from what is kept of it, so a batch run again is run whole."""
         settings, sampling = self.settings, self.sampling
+        batch = [(Regeneration(regen.index, regen.where, regen.line, regen.kept), indices) for regen, indices in batch]
         active = [regen for regen, _ in batch]
         while active:
             asked, prompts = [], []
@@ -178,11 +238,11 @@ class Generation(Extraction):
             active = asked
         done = [(regen, indices) for regen, indices in batch if regen.kept.skip is None and regen.replies]
         try:
-            self._write_rows(done, lines)
+            return self._write_rows(done)
         finally:
             self.backend.release_replies([reply for regen, _ in batch for reply in regen.replies])
 
-    def _write_rows(self, done, lines) -> None:
+    def _write_rows(self, done) -> tuple[list[dict], list[int]]:
         rows, sources, samples = [], [], []
         for regen, indices in done:
             record = conversations.Record(regen.where, regen.line,
@@ -199,34 +259,105 @@ class Generation(Extraction):
             self.tally.rows += len(made)
             if len({sample.index for sample in samples}) != len(samples):
                 raise RuntimeError(f"{regen.where}: two rows of the regenerated conversation match one reply")
+        reused = self.backend.reply_rows_reused
         states = self.backend.row_states(rows, sources).result() if rows else []
+        self.tally.reused += self.backend.reply_rows_reused - reused
         for sample, layers in zip(samples, states, strict=True):
             layers = fp8_states.pick(layers, self._layer_order)
             self.writer.submit(sample.index, self.format.record(sample, layers))
             self.summary.extracted += 1
             self.summary.tokens += len(sample.input_ids)
             self.summary.computed_tokens += len(sample.input_ids)
-        for regen, indices in done:
-            lines.write(json.dumps(regenerated_line(regen, indices), ensure_ascii=False) + "\n")
-            self.tally.conversations += 1
-        lines.flush()
-        self.progress.update(len(done), sum(len(ids) for ids in rows))
+        self.tally.conversations += len(done)
+        return [regenerated_line(regen, indices) for regen, indices in done], [sample.index for sample in samples]
 
-    def _keep_finished_lines(self) -> None:
-        """``regenerated.jsonl`` as left by earlier runs, less the lines of conversations whose rows are
-        not all finished (a run that stopped between the line and the files): they are regenerated."""
-        path = self.output.path / REGENERATED
-        if not path.exists():
-            return
-        done, kept_lines = set(self.finished), []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                indices = json.loads(line)["sample_indices"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            if set(indices) <= done:
-                kept_lines.append(line)
-        path.write_text("".join(line + "\n" for line in kept_lines), encoding="utf-8")
+    def finish(self) -> None:
+        """Extract's end of run, then the lines' file closed (a shard's merged into
+        ``regenerated.jsonl``) and what regeneration did said."""
+        try:
+            super().finish()
+        finally:
+            self.flush_lines()
+            if self._lines is not None:
+                self._lines.close()
+                self._merge_shard_lines()
+                self.log(self.tally.line(self.tally.reused, self.summary.tokens - self.tally.reused))
+
+    def flush_lines(self) -> None:
+        """The lines still held when the run ends (none here; a Ray driver's)."""
+
+    def _merge_shard_lines(self) -> None:
+        if self.source.tag is not None:
+            merge_shards(self.output.path, self.finished)
+
+
+class RayGeneration(RayExtraction, Generation):
+    """``generate`` on ``--data-parallel-size`` Ray replicas: ``replicas.RayExtraction`` hands out the
+    batches of conversations a single run makes, each replica regenerating them on its own
+    ``vllm-engine`` backend (:meth:`Generation.replica_batch`). A batch's lines come back with its call;
+    the driver writes them, in hand-out order, once every file the batch wrote is confirmed on disk,
+    and counts the batch then: ``regenerated.jsonl``, the summary and the tally are a single run's."""
+
+    def __init__(self, settings, sampling: Sampling, **kwargs):
+        super().__init__(settings, sampling=sampling, **kwargs)
+        self._returned: dict[int, Batch] = {}  # by hand-out number: returned, lines not written yet
+        self._next_line = 0  # the batch whose lines are written next
+
+    def _batch_of(self, conversations_batch) -> Batch:
+        return Batch(conversations_batch, [index for _, indices in conversations_batch for index in indices],
+                     ", ".join(f"{indices} ({regen.where})" for regen, indices in conversations_batch))
+
+    def _account(self, handle: Handle, batch: Batch, result: dict) -> None:
+        batch.result = result
+        written = set(result["rows"])
+        for index in set(batch.indices) - written:  # a conversation the replica skipped (too long): no file
+            handle.unconfirmed.pop(index, None)
+        batch.outstanding &= written
+        self._returned[batch.number] = batch
+
+    def _progressed(self) -> None:
+        """Write the lines of the batches whose files are all on disk, in hand-out order."""
+        while self._next_line in self._returned and not self._returned[self._next_line].outstanding:
+            self._complete(self._returned.pop(self._next_line))
+            self._next_line += 1
+
+    def _complete(self, batch: Batch) -> None:
+        result = batch.result
+        self.write_lines(result["lines"])
+        self.tally.add(result["tally"])
+        self.summary.extracted += result["extracted"]
+        self.summary.tokens += result["tokens"]
+        self.summary.computed_tokens += result["computed_tokens"]
+        self.progress.update(len(result["lines"]), result["tokens"])
+
+    def _unreturned(self, replica_id: int, failed: Batch) -> list[Batch]:
+        """Its batch that failed and its calls still queued: their lines never came back, whatever
+        of their files the replica wrote (its writer drained as it retired)."""
+        return [failed, *(batch for rid, batch in self.calls.values() if rid == replica_id and batch.result is None)]
+
+    def _again(self, lost: Batch) -> Batch | None:
+        """A batch of a retired replica: done when its call returned and every file it wrote is whole
+        (renamed into place before the death); else run again whole: every conversation regenerated,
+        its files rewritten, its line the new run's (no file of a first attempt beside a line of the
+        second, whatever the sampling)."""
+        if lost.result is not None:
+            lost.outstanding = {index for index in lost.outstanding if not self._whole(index)}
+            if not lost.outstanding:
+                for index in lost.result["rows"]:
+                    self.finished.setdefault(index, None)
+                return None
+        self._returned.pop(lost.number, None)
+        return dataclasses.replace(lost, result=None, skip=frozenset())
+
+    def flush_lines(self) -> None:
+        """At the end: the lines of every batch whose files are whole, those after a batch given up
+        included (the files decide what a rerun redoes: a conversation is done with its line)."""
+        self._progressed()
+        for number in sorted(self._returned):
+            batch = self._returned[number]
+            batch.outstanding = {index for index in batch.outstanding if not self._whole(index)}
+            if not batch.outstanding:
+                self._complete(self._returned.pop(number))
 
 
 def regenerated_line(regen: Regeneration, indices: list[int]) -> dict:

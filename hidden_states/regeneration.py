@@ -10,13 +10,16 @@ tool-call parser).
 
 The training rows are the regenerated conversation tokenized as ``extract`` tokenizes conversations
 (``tokenization.ChatTokenizer``: ``--format``'s layout, the assistant-only mask). Each row takes its
-first states from the reply whose prompt + generated ids share the most of its start
-(:func:`row_source`); a row that does not begin with those ids (the template trims the reply,
+first states from the latest reply whose prompt it begins with (:func:`row_source`: a per-turn row's
+own turn, a whole conversation's last reply); a row that does not begin with those ids (the template trims the reply,
 strips reasoning, moves special tokens) is *re-rendered*: its differing tail is prefilled again.
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .conversations import Conversation
 from .tokenization import common_prefix
@@ -94,11 +97,17 @@ class RowSource:
 
 
 def row_source(row: list[int], replies: list) -> RowSource:
-    """The reply of ``replies`` (``.ids``: prompt + generated; ``.stored``: rows its region holds) whose
-    ids share the most of ``row``'s start; on a tie the earlier one (a per-turn row that is a whole
-    reply also begins the next turn's prompt: it is the earlier turn's row)."""
+    """The reply of ``replies`` (``.prompt``, ``.ids``: prompt + generated; ``.stored``: rows its region
+    holds) a row takes its first states from: the latest whose prompt the row begins with. A per-turn
+    row (``speculators-0.5``) begins with its own turn's prompt and never with a later one's, which
+    holds the reply the row ends with and the next user turn; this holds when the template renders
+    the reply otherwise than it was generated too (then a later prompt can share more of the row's
+    start than the row's own reply does). A whole-conversation row begins with every prompt: the last
+    reply's. Where the row begins with no prompt (a template rendering earlier turns otherwise than
+    their prompts did), the reply sharing the most of its start, the earlier on a tie."""
     shared = [common_prefix(row, reply.ids) for reply in replies]
-    best = max(range(len(replies)), key=lambda number: (shared[number], -number))
+    begun = [number for number, reply in enumerate(replies) if shared[number] >= len(reply.prompt)]
+    best = begun[-1] if begun else max(range(len(replies)), key=lambda number: (shared[number], -number))
     reply = replies[best]
     # a row cut short by --max-seq-len within the reply still begins with it
     rerendered = shared[best] < min(len(reply.ids), len(row))
@@ -114,10 +123,20 @@ class Tally:
     generated_tokens: int = 0
     rows: int = 0
     rerendered: int = 0
+    reused: int = 0  # row tokens whose states were copied from their reply's region
     skipped: dict = field(default_factory=dict)  # reason -> conversations
 
-    def skip(self, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def skip(self, reason: str, count: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
+
+    def add(self, other: dict) -> None:
+        """Add another tally's counts (``dataclasses.asdict`` of it: a Ray replica's, for a batch)."""
+        for name, value in other.items():
+            if name == "skipped":
+                for reason, count in value.items():
+                    self.skip(reason, count)
+            else:
+                setattr(self, name, getattr(self, name) + value)
 
     def line(self, reused: int, computed_again: int) -> str:
         """``reused``: row tokens whose states the generation computed; ``computed_again``: the others."""
@@ -126,3 +145,79 @@ class Tally:
                 f"{reused:,} row tokens from the generation's states, {computed_again:,} computed again"]
         said += [f"{n} skipped: {why}" for why, n in sorted(self.skipped.items())]
         return "generate: " + ", ".join(said)
+
+
+# -- regenerated.jsonl: the conversations as regenerated, one line each
+
+REGENERATED = "regenerated.jsonl"
+REGENERATED_PARTS = "regenerated.*.jsonl"  # a static shard's own (regenerated.shard-I-of-N.jsonl)
+REGENERATED_FILES = "regenerated*.jsonl"  # both
+
+
+def regenerated_name(tag: str | None) -> str:
+    """The file a run appends its conversations to: ``regenerated.jsonl``; a static shard's own
+    ``regenerated.<tag>.jsonl`` (no two processes append to one file)."""
+    return f"regenerated.{tag}.jsonl" if tag else REGENERATED
+
+
+def finished_lines(path: Path, finished: Collection[int]) -> list[tuple[int, str]]:
+    """(conversation index, line) of ``path``'s lines whose sample files are all finished, in file
+    order; a line cut short or without its indices is left out."""
+    kept_lines = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else ():
+        try:
+            record = json.loads(line)
+            index, indices = record["index"], record["sample_indices"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if set(indices) <= finished:
+            kept_lines.append((index, line))
+    return kept_lines
+
+
+def keep_finished_lines(directory: Path, tag: str | None, finished: Collection[int]) -> set[int]:
+    """At the start of a run: its file (:func:`regenerated_name`) less the lines of conversations whose
+    rows are not all finished (a run that stopped between a line and its files: they are redone). A
+    run that is no shard (one process, or a Ray driver: the only writer then) also folds the shards'
+    files into ``regenerated.jsonl`` and removes them. Returns the conversations whose finished line
+    any of the files holds."""
+    finished = set(finished)
+    own = directory / regenerated_name(tag)
+    parts = [] if tag else shard_files(directory)
+    if not parts:
+        if own.exists():
+            _write(own, [line for _, line in finished_lines(own, finished)])
+    else:
+        _write(own, merged_lines(directory, finished))
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return {index for path in [directory / REGENERATED, *shard_files(directory)]
+            for index, _ in finished_lines(path, finished)}
+
+
+def merge_shards(directory: Path, finished: Collection[int]) -> None:
+    """At a static shard's end: ``regenerated.jsonl`` made of every finished conversation of it and of
+    every shard's file (which stay: the other shards may still append to theirs), so the shard that
+    ends last leaves the whole set there, as it leaves the format's index listing every shard's files."""
+    _write(directory / REGENERATED, merged_lines(directory, set(finished)))
+
+
+def shard_files(directory: Path) -> list[Path]:
+    """The shards' files, oldest change first."""
+    return sorted(directory.glob(REGENERATED_PARTS), key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
+def merged_lines(directory: Path, finished: set[int]) -> list[str]:
+    """Every finished conversation's line of ``regenerated.jsonl`` and the shards' files, in input
+    order, one per conversation (one regenerated twice, by runs that stopped before its files were
+    all whole: the line of the file changed last)."""
+    by_index: dict[int, str] = {}
+    for path in [directory / REGENERATED, *shard_files(directory)]:
+        by_index.update(finished_lines(path, finished))
+    return [by_index[index] for index in sorted(by_index)]
+
+
+def _write(path: Path, lines: list[str]) -> None:
+    from .output import atomic_write_bytes
+
+    atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode("utf-8"))

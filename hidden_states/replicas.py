@@ -1,5 +1,6 @@
 """Data parallelism on Ray: ``--data-parallel-size N`` replicas of the model, each a Ray actor, fed
-batches by this process (the driver).
+batches by this process (the driver); ``extract``'s batches of samples and ``generate``'s batches of
+conversations alike (the run's class says what a batch is: :attr:`Extraction.replica_class`).
 
 The driver runs the extraction's plan and prepare as a single run does (one output directory, one
 config, one finished set, one batch source: a single run's batches, or a static shard's), then hands
@@ -8,7 +9,12 @@ so a slow replica gets fewer. A replica is the same :class:`~hidden_states.extra
 loaded in the actor: the same backend and forward check, and ``extract_batch`` writing through its
 own :class:`~hidden_states.output.BackgroundWriter` into the shared directory (tag ``replica-K``: its
 ledger is ``done.replica-K.jsonl``). Hidden states never travel through Ray; each call returns the
-samples its writer has put on disk since the last one.
+samples its writer has put on disk since the last one. What differs between the two commands is
+five methods of the driver: :meth:`RayExtraction._batch_of` (a batch's sample indices),
+:meth:`~RayExtraction._account` (a returned call in the summary), :meth:`~RayExtraction._unreturned`
+and :meth:`~RayExtraction._again` (which batches of a retired replica are lost, what of them runs
+again) and :meth:`~RayExtraction._progressed` (after files were confirmed);
+``generation.RayGeneration`` overrides them.
 
 Faults. A replica whose actor dies (killed, its vLLM worker crashed, its node lost) or whose call
 raises is retired; every sample handed to it and not confirmed on disk goes back to the queue as the
@@ -21,6 +27,7 @@ waits for the calls in flight; a second kills every replica (their vLLM workers 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import sys
 import time
@@ -57,7 +64,7 @@ class Replica:
     def __init__(self, plan: RunPlan, replica_id: int, env: dict[str, str]):
         self.driver_env = env  # the driver's variables this replica got (FORWARDED_ENV)
         self.replica_id = replica_id
-        self.extraction = Extraction.executing(plan, log=self._log)
+        self.extraction = (plan.runner or Extraction).executing(plan, log=self._log)
         self._reported: set[int] = set()
 
     def _log(self, message: str) -> None:
@@ -83,14 +90,11 @@ class Replica:
         return {"pid": os.getpid(), "host": socket.gethostname(), "load_seconds": time.monotonic() - started,
                 "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
-    def extract(self, batch: list[Sample], skip: frozenset[int]) -> dict:
-        """One batch; returns its tokens, what the writer has finished since the last call, and the
-        batch's rows served from a shared prefix and tokens run (the driver's summary counts them)."""
-        summary = self.extraction.summary
-        shared, computed, cached = summary.shared_rows, summary.computed_tokens, summary.cached_tokens
-        tokens = self.extraction.extract_batch(batch, skip)
-        return {"tokens": tokens, "written": self._written(), "shared_rows": summary.shared_rows - shared,
-                "computed_tokens": summary.computed_tokens - computed, "cached_tokens": summary.cached_tokens - cached}
+    def extract(self, batch: list, skip: frozenset[int]) -> dict:
+        """One batch (``replica_batch`` of the plan's runner: samples, or conversations); returns what
+        it says of the batch for the driver's summary and what the writer has finished since the
+        last call."""
+        return {**self.extraction.replica_batch(batch, skip), "written": self._written()}
 
     def finish(self) -> dict:
         """Drain the writer (raises its first error), shut vLLM down; the last files written."""
@@ -113,12 +117,20 @@ class Replica:
 
 @dataclass
 class Batch:
-    samples: list[Sample]
+    """One batch handed out: ``items`` go to the replica as they are (samples; ``generate``:
+    conversations), writing the sample files ``indices``."""
+
+    items: list
+    indices: list[int]
+    described: str  # the batch in messages: each item's sample index or indices and input line
+    number: int = 0  # in hand-out order (a retry keeps it)
     skip: frozenset[int] = frozenset()
     errors: list[str] = field(default_factory=list)  # one full traceback per failed attempt
+    result: dict | None = None  # what its call returned (``generate``: held until its files are confirmed)
+    outstanding: set[int] = field(default_factory=set)  # its files not confirmed on disk yet
 
     def where(self) -> str:
-        return ", ".join(f"{s.index} ({s.where})" for s in self.samples)
+        return self.described
 
 
 @dataclass
@@ -145,6 +157,7 @@ class RayExtraction(Extraction):
         self.retry: collections.deque[Batch] = collections.deque()
         self.failed: list[Batch] = []
         self.shutdown_seconds = 0.0  # the slowest replica's vLLM shutdown, after its last file
+        self.handed_out = 0  # batches, for their numbers
 
     # -- load: start Ray and the replicas
     def load(self) -> None:
@@ -190,20 +203,27 @@ class RayExtraction(Extraction):
         self.summary.load_seconds = time.monotonic() - started
 
     # -- loop: the one loop of Extraction hands every batch out here
-    def hand_out(self, batch: list[Sample]) -> None:
+    def hand_out(self, batch: list) -> None:
         self._retry_lost()  # batches of a retired replica first: they are older
-        self._dispatch(Batch(batch))
+        handed = self._batch_of(batch)
+        handed.number, self.handed_out = self.handed_out, self.handed_out + 1
+        self._dispatch(handed)
+
+    def _batch_of(self, samples: list[Sample]) -> Batch:
+        """A batch as the driver follows it: its items, its sample files."""
+        return Batch(samples, [s.index for s in samples], ", ".join(f"{s.index} ({s.where})" for s in samples))
 
     def _dispatch(self, batch: Batch) -> None:
         while True:
             free = [h for h in self.replicas.values() if h.in_flight < IN_FLIGHT]
             if free:
                 handle = min(free, key=lambda h: h.in_flight)
-                ref = handle.actor.extract.remote(batch.samples, batch.skip)
+                ref = handle.actor.extract.remote(batch.items, batch.skip)
                 self.calls[ref] = (handle.replica_id, batch)
                 handle.in_flight += 1
-                for sample in batch.samples:
-                    handle.unconfirmed[sample.index] = batch
+                batch.outstanding = set(batch.indices) - batch.skip
+                for index in batch.indices:
+                    handle.unconfirmed[index] = batch
                 return
             if not self.replicas:
                 raise self._all_failed()
@@ -224,20 +244,31 @@ class RayExtraction(Extraction):
                 continue
             handle.in_flight -= 1
             self._confirm(handle, result["written"])
-            extracted = [s for s in batch.samples if s.index not in batch.skip]
-            tokens = sum(len(s.input_ids) for s in extracted)
-            self.summary.extracted += len(extracted)
-            self.summary.tokens += tokens
-            self.summary.shared_rows += result["shared_rows"]
-            self.summary.computed_tokens += result["computed_tokens"]
-            self.summary.cached_tokens += result["cached_tokens"]
-            todo, exact = self.pending.todo()
-            self.progress.retotal(self.source.expected(todo), exact)
-            self.progress.update(len(extracted), tokens)
+            self._account(handle, batch, result)
+            self._progressed()
+
+    def _account(self, handle: Handle, batch: Batch, result: dict) -> None:
+        """A batch's call returned: its samples and tokens in the summary and the progress."""
+        extracted = [s for s in batch.items if s.index not in batch.skip]
+        tokens = sum(len(s.input_ids) for s in extracted)
+        self.summary.extracted += len(extracted)
+        self.summary.tokens += tokens
+        self.summary.shared_rows += result["shared_rows"]
+        self.summary.computed_tokens += result["computed_tokens"]
+        self.summary.cached_tokens += result["cached_tokens"]
+        todo, exact = self.pending.todo()
+        self.progress.retotal(self.source.expected(todo), exact)
+        self.progress.update(len(extracted), tokens)
+
+    def _progressed(self) -> None:
+        """After files were confirmed or a replica retired: nothing more here (``generate`` writes the
+        lines of the batches whose files are all on disk)."""
 
     def _confirm(self, handle: Handle, written: dict[int, int]) -> None:
         for index, length in written.items():
-            handle.unconfirmed.pop(index, None)
+            batch = handle.unconfirmed.pop(index, None)
+            if batch is not None:
+                batch.outstanding.discard(index)
             self.finished[index] = length
 
     def _retire(self, replica_id: int, batch: Batch, exc: BaseException) -> None:
@@ -257,18 +288,30 @@ class RayExtraction(Extraction):
             except Exception:  # noqa: BLE001 - broken for good: what it did not confirm is checked on disk
                 pass
         self.ray.kill(handle.actor)
-        lost = {id(b): b for b in handle.unconfirmed.values()}
+        lost = {id(b): b for b in [*handle.unconfirmed.values(), *self._unreturned(replica_id, batch)]}
         for lost_batch in lost.values():
-            whole = frozenset(s.index for s in lost_batch.samples if self._whole(s.index))
-            for index in whole:
-                self.finished.setdefault(index, None)  # renamed into place before the death: kept
-            again = Batch(lost_batch.samples, lost_batch.skip | whole, lost_batch.errors)
-            if len(again.skip) == len(again.samples):
+            again = self._again(lost_batch)
+            if again is None:
                 continue
             if len(again.errors) >= ATTEMPTS:
                 self.failed.append(again)
             else:
                 self.retry.append(again)
+        self._progressed()
+
+    def _unreturned(self, replica_id: int, failed: Batch) -> list[Batch]:
+        """Batches of a retired replica to look at besides those with files unconfirmed: none here
+        (a batch whose files are all on disk is done; ``generate`` needs the lines its call returns)."""
+        return []
+
+    def _again(self, lost: Batch) -> Batch | None:
+        """What of a batch whose replica retired runs again: the batch, less the samples whose files
+        are whole (renamed into place before the death: kept); None when they all are."""
+        whole = frozenset(index for index in lost.indices if self._whole(index))
+        for index in whole:
+            self.finished.setdefault(index, None)
+        again = dataclasses.replace(lost, skip=lost.skip | whole, result=None)
+        return None if len(again.skip) == len(again.indices) else again
 
     def _whole(self, index: int) -> bool:
         path = self.output.path / self.format.sample_file(index)
@@ -326,6 +369,7 @@ class RayExtraction(Extraction):
                          f"disk, a rerun extracts them):\n{remote_traceback(exc)}")
                 continue
             self._confirm(handle, result["written"])
+            self._progressed()
             self.summary.bytes_written += result["bytes"]
             self.summary.stall_seconds += result["stall_seconds"]
             self.shutdown_seconds = max(self.shutdown_seconds, result["shutdown_seconds"])

@@ -10,6 +10,7 @@ from .errors import InputError
 from .identity import SHORT, describe_input, recorded, same_input
 from .inputs import InputStream
 from .output import CONFIG, LEDGERS, TEMP_PREFIX, OutputDir, format_name, read_json
+from .regeneration import REGENERATED_FILES
 from .tokenization import ChatSettings
 
 
@@ -53,6 +54,11 @@ def status(path: str | Path) -> str:
         with ledger.open("rb") as handle:
             count = sum(1 for line in handle if line.strip())
         lines.append(f"  {ledger.name}: {count} files written")
+    # generate's conversations as regenerated: a single run's file, each static shard's own
+    for regenerated in sorted(directory.glob(REGENERATED_FILES)):
+        with regenerated.open("rb") as handle:
+            count = sum(1 for line in handle if line.strip())
+        lines.append(f"  {regenerated.name}: {count} conversations")
     return "\n".join(lines)
 
 

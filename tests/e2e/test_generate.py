@@ -72,13 +72,14 @@ def chat_model(root: Path) -> Path:
     return model
 
 
-def run_generate(model, data, out, *extra, driver=("-m", "hidden_states"), env_extra=None):
+def run_generate(model, data, out, *extra, driver=("-m", "hidden_states"), env_extra=None, layout="speculators-0.3",
+                 layers=LAYERS, new_tokens=NEW_TOKENS, pythonpath=(ROOT,)):
     """``hidden-states generate`` (``driver``: how Python runs it) on the test's conversations."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_COMPAT_ENGINE_CAPTURE": "own", **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)), "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_COMPAT_ENGINE_CAPTURE": "own", **(env_extra or {})}
     command = [sys.executable, *driver, "generate", "--model-path", str(model), "--data", str(data),
-               "--output-dir", str(out), "--preset", "cpu-tiny", "--format", "speculators-0.3", "--layer-ids",
-               *map(str, LAYERS), "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--progress-interval",
+               "--output-dir", str(out), "--preset", "cpu-tiny", "--format", layout, "--layer-ids",
+               *map(str, layers), "--max-new-tokens", str(new_tokens), "--temperature", "0", "--progress-interval",
                "1", *extra]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
 

@@ -210,6 +210,15 @@ def test_a_row_takes_the_reply_sharing_most_of_its_start():
     assert row_source([1, 2, 3], [first]) == RowSource(0, 3, False)  # a row cut by --max-seq-len within the reply
 
 
+def test_a_per_turn_row_the_template_rerenders_takes_its_own_turns_reply():
+    """The first turn's row renders its reply's last token otherwise ([3, 8]: generated [3, 9]); the
+    second turn's prompt holds that rendering, so it shares more of the first row than the first
+    reply does: the row is still the first reply's (its prompt begins the row, the second's does not)."""
+    first, second = reply([1, 2], [3, 9]), reply([1, 2, 3, 8, 4], [5, 9])
+    assert row_source([1, 2, 3, 8], [first, second]) == RowSource(0, 3, True)
+    assert row_source([1, 2, 3, 8, 4, 5, 7], [first, second]) == RowSource(1, 6, True)
+
+
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     from hidden_states.fixtures.chat_templates import build_tokenizer
@@ -269,7 +278,7 @@ CHAT = '{"messages": [{"role": "user", "content": "hi"}]}'
     (['{"input_ids": [5, 6]}'], (), "data.jsonl:1: a tokenized row; generate regenerates conversations"),
     ([CHAT], ("--backend", "speculators"), "--backend speculators: generate runs on --backend vllm-engine"),
     ([CHAT], ("--max-new-tokens", "64", "--max-seq-len", "64"), "--max-new-tokens 64: must be below --max-seq-len 64"),
-    ([CHAT], ("--data-parallel-size", "2"), "generate runs in one process"),
+    ([CHAT], ("--shard", "2/2"), "--shard '2/2': needs 0 <= I < N"),
     ([CHAT], ("--temperature", "-0.5"), "--temperature -0.5: must be at least 0"),
     ([CHAT], ("--top-p", "0"), "--top-p 0.0: must be more than 0 and at most 1"),
     ([CHAT, '{"text": "plain"}'], ("--skip-forward-check",), "data.jsonl:2: a text row; generate regenerates"),

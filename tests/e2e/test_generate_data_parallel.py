@@ -1,0 +1,154 @@
+"""``hidden-states generate`` beyond one process, on CPU vLLM (0.32.0's lane, with Ray laid out for
+it): two Ray replicas, and static shards 0/2 + 1/2, each write what one process writes for the same
+conversations: the same sample files (``--format speculators-0.5``: a row per reply, numbered on
+through the input, so the numbers must not depend on who regenerated what), the same ids and masks,
+the same ``regenerated.jsonl``; every row's states within the bf16 floor of HF's forward of the row
+(``harness``'s tolerances). The shards' own files partition the conversations; the check that says
+so is shown to catch a pair that misses or duplicates one.
+
+Engine starts: the one-process run, two replicas, two shards (five); the conversations and the tiny
+Llama of tests/e2e/test_generate.py, 16 new tokens each. Marked ``extractor`` and ``data_parallel``:
+the lane that lays Ray out (scripts/test_matrix.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e import harness
+from tests.e2e import test_generate as single_process
+from tests.e2e.test_formats import speculators_09
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.data_parallel]
+
+LAYERS = [1, 3, 4, 6]  # speculators-0.5 counts layers done: the extractor's 0, 2, 3, 5
+NEW_TOKENS = 16
+# conversation 2 has two user turns: two rows, so every later conversation's numbers are shifted by one
+PER_REPLY = {0: [0], 1: [1], 2: [2, 3], 3: [4], 4: [5]}
+
+
+def run_generate(model, data, out, *extra):
+    """``generate`` as tests/e2e/test_generate.py runs it, in ``--format speculators-0.5`` (speculators
+    0.9.0's folder brings ``datasets`` for its index; the lane's own PYTHONPATH brings Ray)."""
+    path = [speculators_09(), ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+    started = time.monotonic()
+    proc = single_process.run_generate(model, data, out, "--batch-size", "1", *extra, layout="speculators-0.5",
+                                       layers=LAYERS, new_tokens=NEW_TOKENS, pythonpath=path)
+    print(f"generate {' '.join(extra) or '(one process)'}: {time.monotonic() - started:.0f} s")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate-dp")
+    model, data = single_process.conversations_in(root, single_process.CONVERSATIONS)
+    single = root / "single"
+    proc = run_generate(model, data, single)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return model, data, single, proc
+
+
+def samples(out: Path) -> dict[int, dict]:
+    from safetensors.torch import load_file
+
+    return {int(p.stem.split("_")[1]): load_file(str(p)) for p in (out / "hidden_states").glob("hs_*.safetensors")}
+
+
+def regenerated(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_one_process_output(out: Path, single: Path) -> None:
+    """The files of the one-process run, no other, each with its ids and mask; every row's states
+    within the bf16 floor of HF's forward of it; ``regenerated.jsonl`` the same, line for line."""
+    import torch
+
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+
+    got, want = samples(out), samples(single)
+    assert sorted(got) == sorted(want) == sorted(i for indices in PER_REPLY.values() for i in indices)
+    hf = load_model(out.parent / "tiny-llama-llama3")
+    worst = 0.0
+    for index, saved in sorted(got.items()):
+        assert torch.equal(saved["token_ids"], want[index]["token_ids"]), index
+        assert torch.equal(saved["loss_mask"], want[index]["loss_mask"]), index
+        reference = decoder_layer_outputs(hf, [saved["token_ids"].tolist()], [layer - 1 for layer in LAYERS])[0]
+        for j, ref in enumerate(reference):
+            errors = relative_errors(saved["hidden_states"][:, j, :], ref)
+            assert float(errors.max()) <= harness.TOLERANCE, f"sample {index} layer {LAYERS[j]}"
+            assert float(errors.mean()) <= harness.MEAN_TOLERANCE, f"sample {index} layer {LAYERS[j]}"
+            worst = max(worst, float(errors.max()))
+    print(f"{out.name}: {len(got)} rows, worst token {worst:.4f} of HF")
+    assert (out / "regenerated.jsonl").read_text() == (single / "regenerated.jsonl").read_text()
+    assert {line["index"]: line["sample_indices"] for line in regenerated(out / "regenerated.jsonl")} == PER_REPLY
+
+
+def ledgers(out: Path) -> dict[str, list[int]]:
+    return {p.name: [json.loads(line)["index"] for line in p.read_text().splitlines() if line.strip()]
+            for p in out.glob("done*.jsonl")}
+
+
+def assert_partition(parts: list[Path], single: Path) -> None:
+    """The shards' own files hold every conversation of the one-process run, each in one of them only,
+    with its line."""
+    held = [line["index"] for part in parts for line in regenerated(part)]
+    assert len(held) == len(set(held)), f"a conversation in two shards: {sorted(held)}"
+    wanted = {line["index"]: line for line in regenerated(single / "regenerated.jsonl")}
+    assert sorted(held) == sorted(wanted), f"shards hold {sorted(held)}, one process {sorted(wanted)}"
+    for part in parts:
+        for line in regenerated(part):
+            assert line == wanted[line["index"]], line["index"]
+
+
+def test_one_process_numbers_rows_per_reply(workspace):
+    _, _, single, proc = workspace
+    assert {line["index"]: line["sample_indices"] for line in regenerated(single / "regenerated.jsonl")} == PER_REPLY
+    assert "done: 6 samples extracted" in proc.stderr
+
+
+def test_two_replicas_write_what_one_process_writes(workspace):
+    pytest.importorskip("ray")
+    model, data, single, reference = workspace
+    out = single.parent / "replicas"
+    proc = run_generate(model, data, out, "--data-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_one_process_output(out, single)
+    shares = ledgers(out)
+    assert sorted(shares) == ["done.replica-0.jsonl", "done.replica-1.jsonl"] and all(shares.values()), shares
+    written = [index for indices in shares.values() for index in indices]
+    assert sorted(written) == list(range(6)), shares  # each file once
+    said = next(line for line in proc.stderr.splitlines() if "conversations regenerated" in line)
+    want = next(line for line in reference.stderr.splitlines() if "conversations regenerated" in line)
+    assert said.split("; ")[0] == want.split("; ")[0]  # conversations, replies, tokens generated, rows
+
+
+def test_static_shards_union_is_one_process_and_a_bad_union_is_caught(workspace):
+    model, data, single, _ = workspace
+    out = single.parent / "shards"
+    for shard in ("0/2", "1/2"):
+        proc = run_generate(model, data, out, "--shard", shard)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert f"shard {shard} (from --shard)" in proc.stderr
+    parts = sorted(out.glob("regenerated.shard-*.jsonl"))
+    assert [p.name for p in parts] == ["regenerated.shard-0-of-2.jsonl", "regenerated.shard-1-of-2.jsonl"]
+    assert [line["index"] for line in regenerated(parts[0])] == [0, 2, 4]  # every other batch of one
+    assert_partition(parts, single)
+    assert_one_process_output(out, single)  # the shard that ended last merged both into regenerated.jsonl
+    assert sorted(ledgers(out)) == ["done.shard-0-of-2.jsonl", "done.shard-1-of-2.jsonl"]
+    status = subprocess.run([sys.executable, "-m", "hidden_states", "status", str(out)], capture_output=True,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert status.returncode == 0, status.stderr
+    assert "6 sample files whole" in status.stdout
+    assert "done.shard-0-of-2.jsonl: 4 files written" in status.stdout
+    assert "regenerated.shard-1-of-2.jsonl: 2 conversations" in status.stdout
+    # the negative proof: a pair that misses a shard's conversations, and one holding them twice
+    with pytest.raises(AssertionError, match="shards hold"):
+        assert_partition([parts[0]], single)
+    with pytest.raises(AssertionError, match="a conversation in two shards"):
+        assert_partition([parts[0], parts[0]], single)
