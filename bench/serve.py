@@ -8,7 +8,7 @@ Both servers are started the same way their users start them, on the same model,
 the same layers (speculators 0.9's default, 2, N/2, N-3, N), and driven by the same call:
 ``speculators generate-offline-data --endpoint URL/v1 --concurrency C`` (``--spec09``: a folder holding
 speculators 0.9 and its requirements, put on the client's ``PYTHONPATH``), once per concurrency, each
-into a fresh output folder, then once more (the second job on the warm server) for the time to its
+into a fresh output folder, each run on rows of its own, then once more (the second job on the warm server) for the time to its
 first file. Each run is a ``RESULT`` line (and a record in ``$OUT/results.jsonl``): its row tokens, the
 client's own time (its ``Timing: ... elapsed``, from its first call to its last file moved) and
 tokens per second over it, its wall time from start to exit (imports and the dataset's load too),
@@ -54,14 +54,17 @@ def client_env(spec09: str) -> dict:
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "COLUMNS": "400"}  # its log unwrapped
 
 
-def prepared(args, work: Path) -> Path:
-    """The rows as speculators 0.9's ``prepare-data`` leaves them, written with the client's ``datasets``."""
-    rows = work / "rows.json"
-    rows.write_text(json.dumps(sequences(args.model, args.samples, args.length)))
+def prepared(args, work: Path, seed: int) -> Path:
+    """Rows of their own (``seed``) as speculators 0.9's ``prepare-data`` leaves them, written with the
+    client's ``datasets``. Every run gets rows no earlier run sent: ``vllm serve``'s prefix cache (on by
+    default) would serve a repeated row's blocks, and its ``extract_hidden_states`` keeps the states in
+    those blocks, so a repeat costs it no forward (the 2026-12-04 run: 1.8x on repeated rows)."""
+    rows = work / f"rows-{seed}.json"
+    rows.write_text(json.dumps(sequences(args.model, args.samples, args.length, seed=seed)))
     driver = ROOT / "tests" / "e2e" / "prepared_driver.py"
-    subprocess.run([sys.executable, str(driver), str(rows), str(work / "prepared")], check=True,
+    subprocess.run([sys.executable, str(driver), str(rows), str(work / f"prepared-{seed}")], check=True,
                    env=client_env(args.spec09))
-    return work / "prepared"
+    return work / f"prepared-{seed}"
 
 
 def server_command(args, states: Path) -> list[str]:
@@ -121,7 +124,8 @@ def main(argv=None) -> int:
     work = Path(args.work) / args.server
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    data = prepared(args, work)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    data = {seed: prepared(args, work, seed) for seed in range(len(concurrencies) + 1)}  # the last: the second job
     tokens = args.samples * args.length
     log = work / "server.log"
     url = f"http://127.0.0.1:{PORT}/v1"
@@ -133,10 +137,10 @@ def main(argv=None) -> int:
     try:
         wait_ready(server, url, log, args.start_timeout)
         emit("serve_load", server=args.server, seconds=round(time.monotonic() - started, 1))
-        for concurrency in [int(c) for c in args.concurrency.split(",")]:
+        for seed, concurrency in enumerate(concurrencies):
             out = work / f"out-{concurrency}"
             began = time.perf_counter()
-            job = client(args, url, data, out, concurrency)
+            job = client(args, url, data[seed], out, concurrency)
             output, _ = job.communicate()
             seconds = time.perf_counter() - began
             files = len(list(out.glob("hs_*.safetensors")))
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
         # a second job on the warm server: the time to its first file
         out = work / "out-second"
         began = time.perf_counter()
-        job = client(args, url, data, out, 32)
+        job = client(args, url, data[len(concurrencies)], out, 32)
         first = None
         while job.poll() is None and first is None:
             if any(out.glob("hs_*.safetensors")):

@@ -253,7 +253,7 @@ case "${1:?stage}" in
     done
     python3 bench/steps.py /tmp/steps/* 2>&1 | tee "$OUT/steps.txt"
     ;;
-  serve|serve-vllm)  # issue 32: the same rows, layers and client call (speculators 0.9's generate-offline-data at
+  serve|serve-vllm)  # issue 32: the same rows (each run its own, never repeated), layers and client call (speculators 0.9's generate-offline-data at
           # concurrency 32, 64, 128, then a second job's first file on the warm server) against hidden-states serve
           # (serve) and, in the next call, against vllm serve with extract_hidden_states as speculators'
           # scripts/launch_vllm.py configures it (serve-vllm); row tokens/s at the client. VLLM_SHIM=1: the shim's
