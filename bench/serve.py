@@ -98,6 +98,27 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> N
     raise SystemExit(f"the server did not answer within {timeout:.0f} s:\n{log.read_text(errors='replace')[-4000:]}")
 
 
+def server_stats(args, url: str) -> dict | None:
+    """hidden-states serve's ``GET /stats`` (None for vllm serve)."""
+    if args.server != "hidden-states":
+        return None
+    return json.loads(urllib.request.urlopen(url.removesuffix("/v1") + "/stats", timeout=10).read())
+
+
+def stages_between(before: dict | None, after: dict | None) -> dict:
+    """What the server did during one client run: rows per batch, and each stage's mean seconds per request."""
+    if before is None or after is None:
+        return {}
+    requests = after["stages"]["requests"] - before["stages"]["requests"]
+    batches = after["batches"] - before["batches"]
+    if not requests or not batches:
+        return {}
+    return {"rows_per_batch": round((after["rows"] - before["rows"]) / batches, 1),
+            "most_rows_at_writers_so_far": after["stages"]["most_rows_at_writers"],
+            "mean_seconds": {stage: round((after["stages"]["seconds"][stage] - before["stages"]["seconds"][stage])
+                                          / requests, 3) for stage in after["stages"]["seconds"]}}
+
+
 def client(args, url: str, data: Path, out: Path, concurrency: int) -> subprocess.Popen:
     shutil.rmtree(out, ignore_errors=True)
     return subprocess.Popen([sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", url,
@@ -139,10 +160,12 @@ def main(argv=None) -> int:
         emit("serve_load", server=args.server, seconds=round(time.monotonic() - started, 1))
         for seed, concurrency in enumerate(concurrencies):
             out = work / f"out-{concurrency}"
+            stats = server_stats(args, url)
             began = time.perf_counter()
             job = client(args, url, data[seed], out, concurrency)
             output, _ = job.communicate()
             seconds = time.perf_counter() - began
+            stages = stages_between(stats, server_stats(args, url))
             files = len(list(out.glob("hs_*.safetensors")))
             # the client's own time, from its first call to its last file moved (its start-up, seconds of
             # imports and the dataset's load, left out): "Timing: 12.3s elapsed"
@@ -150,7 +173,7 @@ def main(argv=None) -> int:
             elapsed = float(timing.group(1)) if timing else None
             emit("serve", server=args.server, model=Path(args.model).name, concurrency=concurrency, tokens=tokens,
                  seconds=elapsed, tokens_per_s=round(tokens / elapsed) if elapsed else None, wall_seconds=round(seconds, 2),
-                 files=files, exit=job.returncode,
+                 files=files, exit=job.returncode, **({"server_stages": stages} if stages else {}),
                  **({} if job.returncode == 0 and files == args.samples else {"client_tail": output[-1500:]}))
             shutil.rmtree(out, ignore_errors=True)
         # a second job on the warm server: the time to its first file

@@ -96,6 +96,13 @@ def models_reply(model_id: str, max_seq_len: int, created: int) -> dict:
                                         "max_model_len": max_seq_len}]}
 
 
+def stats_reply(server: StatesServer, gatherer: Gatherer) -> dict:
+    """``GET /stats``: what the server did since it started (counters only grow: a client takes two
+    readings and their difference)."""
+    return {"served": server.served, "refused": server.refused, "batches": gatherer.batches, "rows": gatherer.rows,
+            "tokens": gatherer.tokens, "stages": gatherer.stages.snapshot()}
+
+
 def error_reply(status: HTTPStatus, message: str, param: str | None = None) -> dict:
     kind = "NotFoundError" if status == HTTPStatus.NOT_FOUND else \
         "BadRequestError" if status < 500 else "InternalServerError"
@@ -136,6 +143,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, models_reply(self.server.model_id, self.server.max_seq_len, self.server.created))
         elif self.path.rstrip("/") in ("/health", "/v1/health"):
             self._send(HTTPStatus.OK, {})
+        elif self.path.rstrip("/") == "/stats" and self.server.gatherer is not None:
+            self._send(HTTPStatus.OK, stats_reply(self.server, self.server.gatherer))
         else:
             self._fail(HTTPStatus.NOT_FOUND, f"GET {self.path}: not served (GET /v1/models, POST /v1/completions)")
 

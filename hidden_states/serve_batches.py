@@ -32,6 +32,47 @@ class _Request:
     def __init__(self, ids: list[int]):
         self.ids = ids
         self.future: Future = Future()  # the file's path
+        self.taken = time.monotonic()  # the moments it passes each stage (``Stages``)
+        self.submitted = self.resolved = self.writing = 0.0
+
+
+class Stages:
+    """Where the answered requests spent their time, summed over requests (``GET /stats``): in the
+    gatherer's queue, in the backend's ``submit`` (waiting for a free region: backpressure), in the
+    engine, waiting for a writer thread, writing. Divided by ``requests``, each is a mean latency;
+    which one grows with the clients' concurrency says where a server's rate goes."""
+
+    FIELDS = ("queued", "in_submit", "in_engine", "to_writer", "writing")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.seconds = dict.fromkeys(self.FIELDS, 0.0)
+        self.writing_now = self.most_writing = 0  # rows handed to the writers, not yet in their files
+
+    def handed_to_writers(self, rows: int) -> None:
+        with self._lock:
+            self.writing_now += rows
+            self.most_writing = max(self.most_writing, self.writing_now)
+
+    def left_writers(self) -> None:
+        with self._lock:
+            self.writing_now -= 1
+
+    def answered(self, request: _Request, submit_returned: float, written: float) -> None:
+        with self._lock:
+            self.requests += 1
+            seconds = self.seconds
+            seconds["queued"] += request.submitted - request.taken
+            seconds["in_submit"] += submit_returned - request.submitted
+            seconds["in_engine"] += request.resolved - submit_returned
+            seconds["to_writer"] += request.writing - request.resolved
+            seconds["writing"] += written - request.writing
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"requests": self.requests, "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                    "most_rows_at_writers": self.most_writing}
 
 
 class Gatherer:
@@ -58,6 +99,7 @@ class Gatherer:
         self._idle = threading.Condition()
         self.batches = self.rows = self.tokens = 0
         self.failure: BaseException | None = None  # the backend refused a batch: its engine is gone
+        self.stages = Stages()
         self._thread = threading.Thread(target=self._gather, name="hidden-states-gatherer", daemon=True)
         self._thread.start()
 
@@ -117,6 +159,9 @@ class Gatherer:
                 return
 
     def _submit(self, batch: list[_Request]) -> None:
+        now = time.monotonic()
+        for request in batch:
+            request.submitted = now
         try:
             submitted = self.backend.submit([request.ids for request in batch])
         except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, and the server stops
@@ -127,9 +172,10 @@ class Gatherer:
         self.batches += 1
         self.rows += len(batch)
         self.tokens += sum(len(request.ids) for request in batch)
-        submitted.add_done_callback(lambda done: self._resolved(batch, done))
+        returned = time.monotonic()
+        submitted.add_done_callback(lambda done: self._resolved(batch, done, returned))
 
-    def _resolved(self, batch: list[_Request], done: Future) -> None:
+    def _resolved(self, batch: list[_Request], done: Future, submit_returned: float) -> None:
         """On the backend's thread: hand each row to a writer thread (nothing here may block)."""
         try:
             states = done.result()
@@ -137,14 +183,21 @@ class Gatherer:
             for request in batch:
                 request.future.set_exception(exc)
             return
+        now = time.monotonic()
+        self.stages.handed_to_writers(len(batch))
         for request, layers in zip(batch, states, strict=True):
-            self._writers.submit(self._write, request, fp8_states.pick(layers, self.layer_order))
+            request.resolved = now
+            self._writers.submit(self._write, request, fp8_states.pick(layers, self.layer_order), submit_returned)
         states.clear()  # each row's layers now live only in its writer's task: its region frees as it ends
 
-    def _write(self, request: _Request, layers: list) -> None:
+    def _write(self, request: _Request, layers: list, submit_returned: float) -> None:
+        request.writing = time.monotonic()
         try:
             path = self.files.write(request.ids, layers)
         except Exception as exc:  # noqa: BLE001 - the request's reply says it
             request.future.set_exception(exc)
         else:
+            self.stages.answered(request, submit_returned, time.monotonic())
             request.future.set_result(str(path))
+        finally:
+            self.stages.left_writers()
