@@ -48,6 +48,7 @@ from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, w
 
 from .. import fp8_states
 from .regions import FIRST_ROW, HEADER, REGION, layer_start, scales_start
+from .row_scatter import GATHER_ROWS, GatheredRows
 
 logger = logging.getLogger(__name__)
 
@@ -136,15 +137,18 @@ class CopiesDone:
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, name="hidden-states-copies-done", daemon=True).start()
 
-    def after(self, event, counts: list[tuple[int, int]]) -> None:
-        self._queue.put((event, counts))
+    def after(self, event, counts: list[tuple[int, int]], gathered: GatheredRows | None = None, staged=None) -> None:
+        """Once ``event`` has passed: place the ``gathered`` rows (``staged`` on the host), then write the counts."""
+        self._queue.put((event, counts, gathered, staged))
 
     def _run(self) -> None:
         import torch
 
         while True:
-            event, counts = self._queue.get()
+            event, counts, gathered, staged = self._queue.get()
             event.synchronize()
+            if gathered:
+                gathered.place(self._host, staged)
             for offset, count in counts:
                 self._host[offset:offset + 8].view(torch.int64)[0] = count
 
@@ -255,6 +259,8 @@ class StreamingStates:
                 scales = scales.view(-1)
         hidden = aux_hidden_states[0].shape[1]
         row_bytes = hidden * aux_hidden_states[0].element_size()
+        # requests with a few rows this step (decoding): moved together, in one copy per kind
+        gathered = GatheredRows(len(aux_hidden_states), row_bytes, scales is not None)
         for request_id in order:
             count = tokens[request_id]
             region, start = self._hidden_states_regions.get(request_id), starts.get(request_id)
@@ -266,24 +272,39 @@ class StreamingStates:
                     if self._hidden_states_first.get(request_id) != lowest:
                         self._hidden_states_first[request_id] = lowest
                         host[offset + FIRST_ROW:offset + FIRST_ROW + 8].view(torch.int64)[0] = lowest
-                    first = offset + HEADER + 4 * start
-                    host[first:first + 4 * take].view(torch.int32).copy_(input_ids[row:row + take], non_blocking=True)
-                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                        if scales is not None:
-                            first = offset + scales_start(length) + 4 * start
-                            host[first:first + 4 * take].view(torch.float32).copy_(scales[row:row + take],
-                                                                                   non_blocking=True)
-                        for index, layer in enumerate(aux_hidden_states):
-                            first = offset + layer_start(length, index, row_bytes, scales is not None) \
-                                + start * row_bytes
-                            target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
-                            target.copy_(layer[row:row + take], non_blocking=True)
+                    if take <= GATHER_ROWS:
+                        gathered.add(row, take, offset, length, start)
+                    else:
+                        self._copy_rows(aux_hidden_states, scales, row, take, offset, length, start, row_bytes)
                     counts.append((offset, start + take))
             row += count
+        staged = gathered.stage(aux_hidden_states, input_ids, scales, stream) if gathered else None
         if stream is None:
+            if gathered:
+                gathered.place(host, staged)
             for offset, count in counts:
                 host[offset:offset + 8].view(torch.int64)[0] = count
         elif counts:
             done = torch.cuda.Event()
             done.record(stream)
-            self._hidden_states_done.after(done, counts)
+            self._hidden_states_done.after(done, counts, gathered, staged)
+
+    def _copy_rows(self, aux_hidden_states, scales, row: int, take: int, offset: int, length: int, start: int,
+                   row_bytes: int) -> None:
+        """Rows ``row .. row + take`` of the forward straight into positions ``start ..`` of the
+        ``length``-token region at ``offset``: the token ids on the compute stream, the rest on the
+        copies' stream."""
+        import torch
+
+        host, stream, hidden = self._hidden_states_host, self._hidden_states_copies, aux_hidden_states[0].shape[1]
+        first = offset + HEADER + 4 * start
+        host[first:first + 4 * take].view(torch.int32).copy_(self._hidden_states_input_ids[row:row + take],
+                                                             non_blocking=True)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if scales is not None:
+                first = offset + scales_start(length) + 4 * start
+                host[first:first + 4 * take].view(torch.float32).copy_(scales[row:row + take], non_blocking=True)
+            for index, layer in enumerate(aux_hidden_states):
+                first = offset + layer_start(length, index, row_bytes, scales is not None) + start * row_bytes
+                target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
+                target.copy_(layer[row:row + take], non_blocking=True)

@@ -6,11 +6,14 @@ A region: a 64-byte header whose first int64 is the number of prompt rows stored
 second is the first prompt position the worker stored a row at (0 unless vLLM's prefix cache gave the
 request its first tokens: those rows are left to this process, ``cached_rows.py``); the token id of
 every stored row (int32), padded to 64 bytes; with FP8 states (``--state-dtype fp8``), each row's
-scale (float32), padded to 64 bytes; then the layers one after the other, each
-``[prompt_len, hidden]`` contiguous.
+scale (float32), padded to 64 bytes; all that padded to a whole number of rows; then the layers one
+after the other, each ``[prompt_len, hidden]`` contiguous. Regions start at a multiple of a row's
+bytes too, so every stored row of every region is one row of the file seen as ``[rows, row_bytes]``:
+the worker moves a step's scattered rows (one per decoding request) with one indexed copy.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -40,8 +43,9 @@ def scales_start(length: int) -> int:
 
 def layer_start(length: int, index: int, row_bytes: int, scales: bool = False) -> int:
     """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
-    header, the token ids and, with ``scales``, the row scales)."""
-    return HEADER + _per_row(length) * (2 if scales else 1) + index * length * row_bytes
+    header, the token ids and, with ``scales``, the row scales, padded to a whole row)."""
+    before = HEADER + _per_row(length) * (2 if scales else 1)
+    return -(-before // row_bytes) * row_bytes + index * length * row_bytes
 
 
 def region_bytes(length: int, layers: int, row_bytes: int, scales: bool = False) -> int:
@@ -62,10 +66,11 @@ def regions_root(needed_bytes: int) -> str | None:
 
 class RegionPool:
     """A shared-memory file cut into regions: first fit, freed regions merged, ``reserve`` waits for
-    room (the writer frees regions as it writes)."""
+    room (the writer frees regions as it writes). Every region starts at a multiple of ``align``
+    bytes (and of 64)."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, align: int = ALIGN):
+        self.capacity, self.align = capacity, math.lcm(ALIGN, align)
         fd, self.path = tempfile.mkstemp(prefix="hidden-states-regions-", dir=regions_root(capacity))
         try:
             os.ftruncate(fd, capacity)
@@ -77,7 +82,7 @@ class RegionPool:
         self._room = threading.Condition()
 
     def reserve(self, nbytes: int, timeout: float) -> int:
-        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        nbytes = -(-nbytes // self.align) * self.align
         if nbytes > self.capacity:
             raise ExtractError(f"a sequence needs {nbytes} bytes of states, the region pool holds {self.capacity}")
         with self._room:

@@ -241,7 +241,7 @@ class VllmEngineBackend(EngineBackend):
         self._row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len)
-                                + self._region_bytes(self.tokens_ahead))
+                                + self._region_bytes(self.tokens_ahead), align=self._row_bytes)
         pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self._pool.path,))
                       if r is not None)
         self._pool.unlink()  # the worker and this process hold it mapped: no name left to leak

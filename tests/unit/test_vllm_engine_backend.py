@@ -82,6 +82,40 @@ def test_rows_land_in_each_requests_region_at_their_positions(capture):
         assert torch.equal(data, expected(int(request[1:]), length))
 
 
+def test_decoding_rows_gathered_into_one_copy_land_as_direct_copies_would(capture, monkeypatch):
+    """A step mixing a prompt chunk (over GATHER_ROWS rows: copied straight to its region) and requests
+    with a row or a few (gathered, moved with one indexed copy per kind): every region holds what it
+    holds when every request is copied directly, byte for byte."""
+    import hidden_states.backends.row_scatter as row_scatter
+
+    lengths = {"r1": 40, "r2": 3, "r3": 6, "r4": 1}
+    regions, offset = {}, 0
+    for request, length in lengths.items():
+        regions[request] = (offset, length)
+        offset += region_bytes(length, LAYERS, HIDDEN * 4)
+    steps = [({"r1": 36, "r2": 3, "r3": 2}, {"r1": 0, "r2": 0, "r3": 0}),
+             ({"r1": 4, "r3": 1, "r4": 1}, {"r1": 36, "r3": 2, "r4": 0}),
+             ({"r3": 3}, {"r3": 3})]
+    hosts = []
+    for gather_rows in (0, row_scatter.GATHER_ROWS):
+        monkeypatch.setattr(capture, "GATHER_ROWS", gather_rows)
+        extension = worker(capture, regions, order=["r3", "r1", "r2", "r4"])
+        for tokens, starts in steps:
+            run_step(extension, [r for r in ["r3", "r1", "r2", "r4"] if r in tokens], tokens, starts)
+        for request, (at, length) in regions.items():
+            stored, ids, data = rows_of(extension, capture, at, length)
+            assert stored == length and ids == [token(int(request[1:]), p) for p in range(length)]
+            assert torch.equal(data, expected(int(request[1:]), length)), request
+        hosts.append(extension._hidden_states_host)
+    assert torch.equal(*hosts)
+
+
+def test_a_region_whose_layers_are_not_on_whole_rows_is_refused_when_gathered(capture):
+    extension = worker(capture, {"r1": (8, 2)}, order=["r1"])
+    with pytest.raises(RuntimeError, match="does not start its layers on a whole row"):
+        run_step(extension, ["r1"], {"r1": 2}, {"r1": 0})
+
+
 def test_rows_of_a_prompt_recomputed_after_preemption_overwrite_in_place(capture):
     extension = worker(capture, {"r1": (0, 4)}, order=["r1"])
     for tokens, starts in (({"r1": 3}, {"r1": 0}), ({"r1": 2}, {"r1": 0}), ({"r1": 2}, {"r1": 2})):
