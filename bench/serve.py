@@ -72,7 +72,8 @@ def server_command(args, states: Path) -> list[str]:
     if args.server == "hidden-states":
         return [sys.executable, "-m", "hidden_states", "serve", "--model-path", args.model, "--port", str(PORT),
                 "--states-dir", str(states), "--max-seq-len", str(args.length), "--tp-size", str(args.tp),
-                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--layer-ids", *map(str, ids)]
+                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--layer-ids", *map(str, ids),
+                *(["--engine-tokens", str(args.engine_tokens)] if args.engine_tokens is not None else [])]
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
     transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
@@ -136,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", default="32,64,128")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--engine-tokens", type=int, default=None,
+                        help="hidden-states: the server's --engine-tokens (default: the server's own)")
     parser.add_argument("--work", default="/tmp/serve-bench")
     parser.add_argument("--start-timeout", type=float, default=400)
     parser.add_argument("--shim", action="store_true",

@@ -35,7 +35,7 @@ from .errors import ExtractError, UsageError
 from .formats import FORMATS
 from .fp8_states import STATE_DTYPES
 from .presets import PRESETS
-from .settings import SERVE_DEFAULTS, WRITER_THREADS_CAP, ServeSettings, Settings, default
+from .settings import ENGINE_STEPS_HELD, SERVE_DEFAULTS, WRITER_THREADS_CAP, ServeSettings, Settings, default
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
 RUN_COMMANDS = ("extract", "plan")
@@ -247,6 +247,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--gather-ms", type=float, metavar="MS", default=1000 * serve_default("gather_window"),
                        help=f"milliseconds the server waits for more requests after the first of a batch "
                             f"(default {1000 * serve_default('gather_window'):g})")
+    speed.add_argument("--engine-tokens", type=int, metavar="N", default=None,
+                       help=f"most tokens of requests in vLLM's engine at once, the rest waiting in the server's "
+                            f"queue (default {ENGINE_STEPS_HELD} engine steps' worth; 0: as many as the regions "
+                            f"hold)")
     speed.add_argument("--no-shared-prefix", action="store_true",
                        help="vLLM's prefix cache off: by default requests gathered into one batch share the "
                             "states of their common first tokens")
@@ -407,10 +411,12 @@ def serve_settings_from(args) -> tuple[Settings, ServeSettings]:
         raise UsageError(f"--sweep-after {args.sweep_after:g}: must be more than 0 seconds")
     if args.gather_ms < 0:
         raise UsageError(f"--gather-ms {args.gather_ms:g}: must be at least 0")
+    if args.engine_tokens is not None and args.engine_tokens < 0:
+        raise UsageError(f"--engine-tokens {args.engine_tokens}: must be at least 0")
     return settings, ServeSettings(host=args.host, port=args.port,
                                    served_model_name=args.served_model_name or args.model_path,
                                    states_dir=args.states_dir, sweep_after=args.sweep_after,
-                                   gather_window=args.gather_ms / 1000)
+                                   gather_window=args.gather_ms / 1000, engine_tokens=args.engine_tokens)
 
 
 def _serve(args) -> int:

@@ -30,7 +30,7 @@ from . import processes
 from .errors import UsageError
 from .serve_batches import Draining, Gatherer
 from .serve_model import ServedModel
-from .settings import ServeSettings, Settings
+from .settings import ENGINE_STEPS_HELD, ServeSettings, Settings
 from .state_files import StateFiles
 
 MAX_BODY = 64 * 1024 * 1024  # bytes of one request's JSON: far above any row's token ids
@@ -253,6 +253,14 @@ def serve_until_signal(server: StatesServer, gatherer: Gatherer, log, drain_time
             signal.signal(signum, handler)
 
 
+def engine_tokens(options: ServeSettings, backend) -> int | None:
+    """The gatherer's limit on the tokens in the engine (None: the regions' only)."""
+    if options.engine_tokens is None:
+        step = backend.tokens_per_submit
+        return None if step is None else ENGINE_STEPS_HELD * step
+    return options.engine_tokens or None
+
+
 def serve(settings: Settings, options: ServeSettings, log) -> int:
     """``hidden-states serve``: plan, bind the port, load the model, serve until SIGTERM/SIGINT, drain,
     shut vLLM down. Returns the exit code (0: drained and stopped)."""
@@ -271,13 +279,16 @@ def serve(settings: Settings, options: ServeSettings, log) -> int:
             try:
                 model.load()
                 gatherer = Gatherer(model.backend, files, model.layer_order, batch_size=model.settings.batch_size,
-                                    window=options.gather_window, writer_threads=model.settings.writer_threads)
+                                    window=options.gather_window, writer_threads=model.settings.writer_threads,
+                                    engine_tokens=engine_tokens(options, model.backend))
                 server.gatherer = gatherer
                 files.start_sweeping()
                 host, port = server.server_address[:2]
                 log(f"serving {model_id} at http://{host}:{port}/v1: layers {model.layer_ids} (speculators 0.9's "
                     f"--target-layer-ids {' '.join(map(str, model.layer_ids[:-1]))}), files in {files.directory}, "
-                    f"swept after {options.sweep_after:g} s")
+                    f"swept after {options.sweep_after:g} s; at most "
+                    f"{f'{gatherer.engine_tokens:,} tokens' if gatherer.engine_tokens else 'what the regions hold'} "
+                    f"in the engine")
                 started = time.monotonic()
                 signum = serve_until_signal(server, gatherer, log)
                 seconds = time.monotonic() - started

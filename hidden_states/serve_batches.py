@@ -8,8 +8,10 @@ cache. When the batch resolves, each row's states (views of the backend's shared
 written to a file on a writer thread and the request's future gets its path; the region returns to
 the backend as the file is written.
 
-Backpressure is holding: while the backend's regions are all taken (the writers behind, the engine
-full), its ``submit`` waits, the gatherer with it, and requests wait in its queue; none is refused.
+Backpressure is holding: while the engine holds ``engine_tokens`` tokens of requests, or the
+backend's regions are all taken (the writers behind), the gatherer waits before its next submit and
+requests wait in its queue; none is refused. The engine is kept as full as ``extract`` keeps it, not
+fuller: every request gathered at once would wait inside vLLM's scheduler instead.
 """
 from __future__ import annotations
 
@@ -85,12 +87,16 @@ class Gatherer:
         batch_size: the most rows of one submit.
         window: seconds the gatherer waits for more rows after the first.
         writer_threads: threads writing files.
+        engine_tokens: the most tokens of submitted, unresolved requests (a batch is submitted alone
+            past it); None: as many as the backend's regions hold.
     """
 
     def __init__(self, backend, files: StateFiles, layer_order: list[int], *, batch_size: int, window: float,
-                 writer_threads: int):
+                 writer_threads: int, engine_tokens: int | None = None):
         self.backend, self.files, self.layer_order = backend, files, layer_order
-        self.batch_size, self.window = batch_size, window
+        self.batch_size, self.window, self.engine_tokens = batch_size, window, engine_tokens
+        self._in_engine = 0  # tokens submitted, not yet resolved
+        self._engine_room = threading.Condition()
         self._incoming: queue.Queue = queue.Queue()
         self._writers = ThreadPoolExecutor(writer_threads, thread_name_prefix="hidden-states-serve-writer")
         self._open = threading.Lock()
@@ -162,21 +168,33 @@ class Gatherer:
         now = time.monotonic()
         for request in batch:
             request.submitted = now
+        tokens = sum(len(request.ids) for request in batch)
+        with self._engine_room:
+            if self.engine_tokens is not None:
+                self._engine_room.wait_for(lambda: not self._in_engine or self._in_engine + tokens <= self.engine_tokens)
+            self._in_engine += tokens
         try:
             submitted = self.backend.submit([request.ids for request in batch])
         except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, and the server stops
+            self._left_engine(tokens)
             self.failure = self.failure or exc
             for request in batch:
                 request.future.set_exception(exc)
             return
         self.batches += 1
         self.rows += len(batch)
-        self.tokens += sum(len(request.ids) for request in batch)
+        self.tokens += tokens
         returned = time.monotonic()
         submitted.add_done_callback(lambda done: self._resolved(batch, done, returned))
 
+    def _left_engine(self, tokens: int) -> None:
+        with self._engine_room:
+            self._in_engine -= tokens
+            self._engine_room.notify_all()
+
     def _resolved(self, batch: list[_Request], done: Future, submit_returned: float) -> None:
         """On the backend's thread: hand each row to a writer thread (nothing here may block)."""
+        self._left_engine(sum(len(request.ids) for request in batch))
         try:
             states = done.result()
         except Exception as exc:  # noqa: BLE001

@@ -158,6 +158,9 @@ class ServeSettings:
         states_dir: where the states' files go until the client collects them.
         sweep_after: seconds a file may wait for its client before it is removed.
         gather_window: seconds the gatherer waits for more rows after the first of a batch.
+        engine_tokens: the most tokens of requests in the engine at once (the rest wait in the
+            server's queue); None: ``ENGINE_STEPS_HELD`` of the engine's steps; 0: no limit but the
+            backend's regions.
     """
 
     host: str = "127.0.0.1"
@@ -166,3 +169,10 @@ class ServeSettings:
     states_dir: str = "/tmp/hidden_states"
     sweep_after: float = 600.0
     gather_window: float = 0.005
+    engine_tokens: int | None = None
+
+
+# engine steps of tokens `hidden-states serve` keeps in vLLM's engine: about what `extract` keeps
+# there at its best (a batch of 32 rows of 2,048 and three steps ahead); more only wait in vLLM's
+# scheduler (docs/performance.md, "`hidden-states serve` against `vllm serve`")
+ENGINE_STEPS_HELD = 8

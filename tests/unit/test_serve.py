@@ -39,6 +39,7 @@ class FakeBackend:
         self.batches: list[list[list[int]]] = []
         self.room = threading.Semaphore(capacity) if capacity else None
         self.held = self.most_held = 0
+        self.unresolved = self.most_unresolved = 0  # tokens submitted, not yet resolved (in the engine)
         self.lock = threading.Lock()
 
     def submit(self, batch):
@@ -49,10 +50,14 @@ class FakeBackend:
             self.batches.append(batch)
             self.held += len(batch)
             self.most_held = max(self.most_held, self.held)
+            self.unresolved += sum(map(len, batch))
+            self.most_unresolved = max(self.most_unresolved, self.unresolved)
         future: Future = Future()
 
         def resolve():
             time.sleep(self.delay)
+            with self.lock:
+                self.unresolved -= sum(map(len, batch))
             if self.fail:
                 future.set_exception(RuntimeError(self.fail))
                 self.release(len(batch))
@@ -251,6 +256,28 @@ def test_stats_say_where_the_requests_waited(served):
     assert seconds["writing"] < seconds["in_engine"], seconds
 
 
+@pytest.mark.parametrize("engine_tokens, most", [(8, 8), (None, 12 * 4)])
+def test_the_engine_holds_at_most_engine_tokens_the_rest_wait_in_the_queue(tmp_path, engine_tokens, most):
+    """Twelve requests of 4 tokens at once: with a limit of 8 tokens, two at a time reach the engine (the
+    others wait, all are answered); without one, all twelve do."""
+    backend = FakeBackend(delay=0.1)
+    gatherer = Gatherer(backend, StateFiles(tmp_path, "model", 600), [0, 1, 2], batch_size=1, window=0.0,
+                        writer_threads=2, engine_tokens=engine_tokens)
+    futures = [gatherer.submit([i + 1] * 4) for i in range(12)]
+    assert all(future.result(timeout=30) for future in futures)
+    gatherer.drain(timeout=5)
+    assert backend.most_unresolved == most, backend.most_unresolved
+
+
+def test_a_batch_over_engine_tokens_goes_alone(tmp_path):
+    backend = FakeBackend(delay=0.05)
+    gatherer = Gatherer(backend, StateFiles(tmp_path, "model", 600), [0, 1, 2], batch_size=1, window=0.0,
+                        writer_threads=1, engine_tokens=3)
+    assert [f.result(timeout=30) for f in [gatherer.submit([7] * 5), gatherer.submit([8] * 5)]]
+    gatherer.drain(timeout=5)
+    assert backend.most_unresolved == 5
+
+
 def test_files_nobody_collected_are_swept_and_nothing_else(tmp_path):
     files = StateFiles(tmp_path, "model", sweep_after=60)
     path = files.write([1, 2, 3], fake_layers([1, 2, 3]))
@@ -334,9 +361,28 @@ def test_serve_flags_the_servers_defaults_under_a_preset_and_the_flags(tmp_path)
     settings, options = serve_settings_from(parse(["serve", "--model-path", given, "--preset", "h200",
                                                    "--served-model-name", "org/m", "--gather-ms", "20"]))
     assert settings.batch_size == 8 and options.served_model_name == "org/m" and options.gather_window == 0.02
+    assert options.engine_tokens is None
+    assert serve_settings_from(parse(["serve", "--model-path", given, "--engine-tokens", "0"]))[1].engine_tokens == 0
     settings, _ = serve_settings_from(parse(["serve", "--model-path", given, "--preset", "h200", "--batch-size", "64",
                                              "--state-dtype", "fp8", "--layer-ids", "1", "3"]))
     assert settings.batch_size == 64 and settings.state_dtype == "fp8" and settings.layer_ids == [1, 3]
+
+
+def test_engine_tokens_default_to_engine_steps_and_a_negative_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from hidden_states.cli import parse, serve_settings_from
+    from hidden_states.errors import UsageError
+    from hidden_states.serve import engine_tokens
+    from hidden_states.settings import ENGINE_STEPS_HELD, ServeSettings
+
+    steps = SimpleNamespace(tokens_per_submit=8192)
+    assert engine_tokens(ServeSettings(), steps) == ENGINE_STEPS_HELD * 8192
+    assert engine_tokens(ServeSettings(engine_tokens=0), steps) is None
+    assert engine_tokens(ServeSettings(engine_tokens=5000), steps) == 5000
+    assert engine_tokens(ServeSettings(), SimpleNamespace(tokens_per_submit=None)) is None
+    with pytest.raises(UsageError, match="--engine-tokens -1: must be at least 0"):
+        serve_settings_from(parse(["serve", "--model-path", str(tmp_path), "--engine-tokens", "-1"]))
 
 
 def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path, capsys, monkeypatch):
