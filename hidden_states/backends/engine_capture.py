@@ -261,17 +261,18 @@ class StreamingStates:
         row_bytes = hidden * aux_hidden_states[0].element_size()
         # requests with a few rows this step (decoding): moved together, in one copy per kind
         gathered = GatheredRows(len(aux_hidden_states), row_bytes, scales is not None)
-        for request_id in order:
+        regions, first_stored = self._hidden_states_regions, self._hidden_states_first
+        for request_id in order:  # hundreds of decoding requests a step: the least work each
             count = tokens[request_id]
-            region, start = self._hidden_states_regions.get(request_id), starts.get(request_id)
+            region, start = regions.get(request_id), starts.get(request_id)
             if region is not None and start is not None:
                 offset, length = region
                 take = min(count, length - start)
                 if take > 0:
-                    lowest = min(start, self._hidden_states_first.get(request_id, start))
-                    if self._hidden_states_first.get(request_id) != lowest:
-                        self._hidden_states_first[request_id] = lowest
-                        host[offset + FIRST_ROW:offset + FIRST_ROW + 8].view(torch.int64)[0] = lowest
+                    stored = first_stored.get(request_id)
+                    if stored is None or start < stored:  # the lowest position stored at, in the header
+                        first_stored[request_id] = start
+                        host[offset + FIRST_ROW:offset + FIRST_ROW + 8].view(torch.int64)[0] = start
                     if take <= GATHER_ROWS:
                         gathered.add(row, take, offset, length, start)
                     else:

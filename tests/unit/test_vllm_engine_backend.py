@@ -88,20 +88,22 @@ def test_decoding_rows_gathered_into_one_copy_land_as_direct_copies_would(captur
     holds when every request is copied directly, byte for byte."""
     import hidden_states.backends.row_scatter as row_scatter
 
-    lengths = {"r1": 40, "r2": 3, "r3": 6, "r4": 1}
+    lengths = {"r1": 40, "r2": 3, "r3": 6, "r4": 3, "r5": 1}
     regions, offset = {}, 0
     for request, length in lengths.items():
         regions[request] = (offset, length)
         offset += region_bytes(length, LAYERS, HIDDEN * 4)
-    steps = [({"r1": 36, "r2": 3, "r3": 2}, {"r1": 0, "r2": 0, "r3": 0}),
-             ({"r1": 4, "r3": 1, "r4": 1}, {"r1": 36, "r3": 2, "r4": 0}),
-             ({"r3": 3}, {"r3": 3})]
+    order = ["r3", "r1", "r2", "r4", "r5"]
+    steps = [({"r1": 36, "r2": 3, "r3": 2}, {"r1": 0, "r2": 0, "r3": 0}),  # gathered rows around a direct chunk
+             ({"r1": 4, "r3": 1, "r4": 1}, {"r1": 36, "r3": 2, "r4": 0}),  # the forward's first rows, runs of 1-4
+             ({"r3": 3, "r4": 1}, {"r3": 3, "r4": 1}),
+             ({"r4": 1, "r5": 1}, {"r4": 2, "r5": 0})]  # decoding: a row each
     hosts = []
     for gather_rows in (0, row_scatter.GATHER_ROWS):
         monkeypatch.setattr(capture, "GATHER_ROWS", gather_rows)
-        extension = worker(capture, regions, order=["r3", "r1", "r2", "r4"])
+        extension = worker(capture, regions, order=order)
         for tokens, starts in steps:
-            run_step(extension, [r for r in ["r3", "r1", "r2", "r4"] if r in tokens], tokens, starts)
+            run_step(extension, [r for r in order if r in tokens], tokens, starts)
         for request, (at, length) in regions.items():
             stored, ids, data = rows_of(extension, capture, at, length)
             assert stored == length and ids == [token(int(request[1:]), p) for p in range(length)]
