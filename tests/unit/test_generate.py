@@ -133,7 +133,7 @@ def test_replies_hold_every_fed_row_and_their_rows_are_copied_then_computed_past
     backend, engine = generating_backend({tuple(PROMPT): GENERATED, (1, 2, 3): [4, 5, 2]})
     try:
         sampling = Sampling(temperature=0.0, max_new_tokens=8, seed=3)
-        replies = backend.generate([PROMPT, [1, 2, 3]], sampling).result(timeout=WAIT)
+        replies = [backend.answer(prompt, sampling).result(timeout=WAIT) for prompt in (PROMPT, [1, 2, 3])]
         assert [(r.generated, r.stored, r.capacity) for r in replies] == [(GENERATED, 12, 14), ([4, 5, 2], 5, 11)]
         assert engine.params[0].max_tokens == 8 and engine.params[0].seed == 3
         assert replies[0].salt != replies[1].salt  # a request's blocks are shared with its own rows only
@@ -153,7 +153,7 @@ def test_replies_hold_every_fed_row_and_their_rows_are_copied_then_computed_past
 def test_a_row_given_more_cached_tokens_than_its_reply_holds_fails():
     backend, _ = generating_backend({tuple(PROMPT): GENERATED}, extra_hit=BLOCK)
     try:
-        replies = backend.generate([PROMPT], Sampling(max_new_tokens=8)).result(timeout=WAIT)
+        replies = [backend.answer(PROMPT, Sampling(max_new_tokens=8)).result(timeout=WAIT)]
         with pytest.raises(RuntimeError, match="its first 7 tokens, and its reply's region holds 6 of them"):
             backend.row_states([PROMPT + [99, 98]], replies).result(timeout=WAIT)
     finally:
@@ -164,7 +164,7 @@ def test_a_reply_whose_rows_hold_other_tokens_fails():
     backend, _ = generating_backend({tuple(PROMPT): GENERATED}, misattribute=True)
     try:
         with pytest.raises(RuntimeError, match="attributed rows to the wrong request"):
-            backend.generate([PROMPT], Sampling(max_new_tokens=8)).result(timeout=WAIT)
+            backend.answer(PROMPT, Sampling(max_new_tokens=8)).result(timeout=WAIT)
     finally:
         backend.close()
 
@@ -326,18 +326,15 @@ class FakeGenerating:
     def check_forward(self, probe):
         return []
 
-    def generate(self, prompts, sampling):
+    def answer(self, ids, sampling):
         from concurrent.futures import Future
 
         eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
-        replies = []
-        for ids in prompts:
-            self.asked += 1
-            generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
-            replies.append(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
-                                 len(ids) + len(generated) - 1, f"salt-{self.asked}"))
+        self.asked += 1
+        generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
         future = Future()
-        future.set_result(replies)
+        future.set_result(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
+                                len(ids) + len(generated) - 1, f"salt-{self.asked}"))
         return future
 
     def row_states(self, rows, sources):
