@@ -4,6 +4,7 @@ cache spared them), what is regenerated of a conversation, the rows matched with
 (re-rendered ones counted), and bad input (one line, exit 2). Real vLLM runs it in
 tests/e2e/test_generate.py, compared with vLLM's own generation and with HF."""
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -415,6 +416,91 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     summary, _, _ = run_generation(model, data, out, "speculators-0.3")
     assert (summary.extracted, summary.skipped, len(made)) == (1, 1, 2)
     assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
+
+
+LONG_REPLY = 1.0  # seconds a long reply takes in TimedReplies
+
+
+class TimedReplies(FakeGenerating):
+    """Replies that take time, as the engine's do: one to a prompt that says ``long`` resolves on a
+    timer thread after ``LONG_REPLY`` s, any other at once; one to ``broken`` fails (the backend's
+    checks of a reply's rows). ``events``: ("asked" or "answered", the prompt's last user turn), in
+    the order they happened."""
+
+    TURNS = ("second", "first", "long", "broken")  # the test conversations' user turns, latest first
+
+    def __init__(self, settings, tokenizer):
+        super().__init__(settings, tokenizer)
+        self.events, self.timers = [], []
+
+    def answer(self, ids, sampling):
+        from concurrent.futures import Future
+
+        reply = super().answer(ids, sampling).result()
+        said = self.tokenizer.decode(ids)
+        turn = next(word for word in self.TURNS if word in said)
+        self.events.append(("asked", turn))
+        future = Future()
+
+        def finish():
+            self.events.append(("answered", turn))
+            if turn == "broken":
+                future.set_exception(RuntimeError("the states stored for a reply come from other tokens' rows"))
+            else:
+                future.set_result(reply)
+
+        if turn == "long":
+            self.timers.append(threading.Timer(LONG_REPLY, finish))
+            self.timers[-1].start()
+        else:
+            finish()
+        return future
+
+
+def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra):
+    """A run of ``conversations`` on :class:`TimedReplies`: (its backend, what the run returned or raised)."""
+    from hidden_states import backends
+    from hidden_states.tokenization import load_tokenizer
+
+    model, _, _ = fake_run
+    tokenizer, made = load_tokenizer(str(model)), []
+    monkeypatch.setattr(backends, "create", lambda name, settings: made.append(TimedReplies(settings, tokenizer))
+                        or made[-1])
+    data = tmp_path / "timed.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
+    try:
+        result = run_generation(model, data, tmp_path / "out", "speculators-0.3", *extra)
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        result = exc
+    for timer in made[0].timers:
+        timer.join()
+    return made[0], result
+
+
+def test_a_conversations_next_turn_is_asked_while_another_reply_still_runs(fake_run, tmp_path, monkeypatch):
+    """Conversation 0's first reply comes at once, conversation 1's takes a second: 0's second turn is
+    asked before 1's reply is in (a run staged per turn asks it after). Each conversation's rows
+    are written once the batch is done, every reply given back."""
+    backend, (summary, _, lines) = timed_run(fake_run, tmp_path, monkeypatch, [
+        [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}],
+        [{"role": "user", "content": "long"}]])
+    events = backend.events
+    assert events.index(("asked", "second")) < events.index(("answered", "long")), events
+    assert summary.extracted == 2 and len(backend.released) == 3
+    regenerated = [json.loads(line) for line in (tmp_path / "out" / "regenerated.jsonl").read_text().splitlines()]
+    assert [[m["content"] for m in line["messages"]] for line in regenerated] == \
+        [["first", "ok 1", "second", "ok 3"], ["long", "ok 2"]]
+    assert "2 conversations regenerated (3 replies" in next(line for line in lines if "regenerated (" in line)
+
+
+def test_a_reply_still_running_when_its_batch_fails_is_given_back_as_it_finishes(fake_run, tmp_path, monkeypatch):
+    """Conversation 1's reply fails at once: the batch fails while conversation 0's reply still
+    runs, and that reply's region is given back once it comes."""
+    backend, raised = timed_run(fake_run, tmp_path, monkeypatch, [
+        [{"role": "user", "content": "long"}], [{"role": "user", "content": "broken"}]])
+    assert isinstance(raised, RuntimeError) and "come from other tokens' rows" in str(raised), raised
+    assert backend.events == [("asked", "long"), ("asked", "broken"), ("answered", "broken"), ("answered", "long")]
+    assert [reply.text for reply in backend.released] == ["ok 1"]
 
 
 def test_the_range_counts_conversations_and_ends_before_start_index_plus_max_samples(fake_run, tmp_path):
