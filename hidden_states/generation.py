@@ -227,28 +227,34 @@ class Generation(Extraction):
         given back as they finish."""
         asked: dict[Future, Regeneration] = {}
         try:
-            for regen in regenerations:
-                self._ask_next(regen, asked)
-            while asked:
+            answered = regenerations
+            while True:
+                # rendered first, then submitted at once: prompts that are ready together enter one step
+                prompts = [(regen, ids) for regen in answered if (ids := self._next_prompt_ids(regen)) is not None]
+                for regen, ids in prompts:
+                    asked[self.backend.answer(ids, self.sampling)] = regen
+                if not asked:
+                    return
                 finished, _ = wait(asked, return_when=FIRST_COMPLETED)
-                for future in sorted(finished, key=lambda one: asked[one].index):  # input order, whatever finished first
+                answered = []
+                for future in sorted(finished, key=lambda one: asked[one].index):  # input order
                     regen = asked.pop(future)
                     reply = future.result()
                     regen.answered(reply)
                     self.tally.replies += 1
                     self.tally.generated_tokens += len(reply.generated)
-                    self._ask_next(regen, asked)
+                    answered.append(regen)
         finally:
             for future in asked:
                 future.add_done_callback(self._release_reply)
 
-    def _ask_next(self, regen: Regeneration, asked: dict) -> None:
-        """Submit ``regen``'s next prompt into ``asked``; none once every turn is answered, nor for a
-        prompt too long to answer (the conversation skipped, counted; ``--strict`` refuses it)."""
+    def _next_prompt_ids(self, regen: Regeneration) -> list[int] | None:
+        """``regen``'s next prompt, as token ids; None once every turn is answered, or for a prompt
+        too long to answer (the conversation skipped, counted; ``--strict`` refuses it)."""
         settings, sampling = self.settings, self.sampling
         messages = regen.next_prompt()
         if messages is None:
-            return
+            return None
         ids = self.chat.prompt_ids(messages, regen.kept.tools)
         if len(ids) + sampling.max_new_tokens > settings.max_seq_len:
             if settings.strict:
@@ -257,8 +263,8 @@ class Generation(Extraction):
                                  f"(--strict refuses it)")
             self.tally.skip(TOO_LONG)
             regen.kept = Kept([], regen.kept.tools, TOO_LONG)
-            return
-        asked[self.backend.answer(ids, sampling)] = regen
+            return None
+        return ids
 
     def _release_reply(self, future: Future) -> None:
         if not future.cancelled() and future.exception() is None:
