@@ -8,9 +8,10 @@ with the sampling settings added: a rerun with other sampling is another extract
 otherwise), load (``--backend vllm-engine`` only: the replies' rows are in its regions) and finish.
 The loop reads conversations, not samples:
 
-* a batch of ``--batch-size`` conversations is regenerated turn by turn (``regeneration``: every
-  conversation's first user turn answered, then the second, ...), each reply's rows streamed into
-  its region as the engine generates (``VllmEngineBackend.generate``);
+* a batch of ``--batch-size`` conversations is regenerated turn by turn (``regeneration``), each
+  conversation's next turn submitted as soon as its reply is in, while the others' still run
+  (:meth:`Generation.regenerate`); each reply's rows streamed into its region as the engine generates
+  (``VllmEngineBackend.answer``);
 * the regenerated conversations are tokenized as ``extract`` tokenizes conversations (``--format``'s
   layout), each row matched with its reply (``regeneration.row_source``) and prefilled under that
   reply's cache salt: vLLM computes only what its prefix cache lacks, the rest is copied from the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from . import conversations, fp8_states
 from .backends.vllm_engine import Reply, Sampling
@@ -206,41 +208,67 @@ class Generation(Extraction):
                 "computed_tokens": summary.computed_tokens - before[2]}
 
     def generate_batch(self, batch) -> tuple[list[dict], list[int]]:
-        """Regenerate ``batch`` ((Regeneration, sample indices) pairs) turn by turn, hand its rows to
-        the writer; returns the conversations' lines and the sample indices written. Each
-        conversation starts afresh from what is kept of it, so a batch run again is run whole."""
-        settings, sampling = self.settings, self.sampling
+        """Regenerate ``batch`` ((Regeneration, sample indices) pairs) (:meth:`regenerate`), hand its
+        rows to the writer once every conversation of it is done; returns the conversations' lines and
+        the sample indices written. Each conversation starts afresh from what is kept of it, so a
+        batch run again is run whole."""
         batch = [(Regeneration(regen.index, regen.where, regen.line, regen.kept), indices) for regen, indices in batch]
-        active = [regen for regen, _ in batch]
-        while active:
-            asked, prompts = [], []
-            for regen in active:
-                messages = regen.next_prompt()
-                if messages is None:
-                    continue
-                ids = self.chat.prompt_ids(messages, regen.kept.tools)
-                if len(ids) + sampling.max_new_tokens > settings.max_seq_len:
-                    if settings.strict:
-                        raise InputError(f"{regen.where}: a prompt of {len(ids)} tokens and --max-new-tokens "
-                                         f"{sampling.max_new_tokens} exceed --max-seq-len {settings.max_seq_len} "
-                                         f"(--strict refuses it)")
-                    self.tally.skip(TOO_LONG)
-                    regen.kept = Kept([], regen.kept.tools, TOO_LONG)
-                    continue
-                asked.append(regen)
-                prompts.append(ids)
-            if not asked:
-                break
-            for regen, reply in zip(asked, self.backend.generate(prompts, sampling).result(), strict=True):
-                regen.answered(reply)
-                self.tally.replies += 1
-                self.tally.generated_tokens += len(reply.generated)
-            active = asked
-        done = [(regen, indices) for regen, indices in batch if regen.kept.skip is None and regen.replies]
         try:
-            return self._write_rows(done)
+            self.regenerate([regen for regen, _ in batch])
+            return self._write_rows([(regen, indices) for regen, indices in batch
+                                     if regen.kept.skip is None and regen.replies])
         finally:
             self.backend.release_replies([reply for regen, _ in batch for reply in regen.replies])
+
+    def regenerate(self, regenerations: list[Regeneration]) -> None:
+        """Answer every user turn of ``regenerations``, each conversation's next prompt submitted as soon
+        as its reply is in, while the other conversations' replies still run: the engine never waits
+        for the batch's longest reply between two turns. Replies still running when this fails are
+        given back as they finish."""
+        asked: dict[Future, Regeneration] = {}
+        try:
+            answered = regenerations
+            while True:
+                # rendered first, then submitted at once: prompts that are ready together enter one step
+                prompts = [(regen, ids) for regen in answered if (ids := self._next_prompt_ids(regen)) is not None]
+                for regen, ids in prompts:
+                    asked[self.backend.answer(ids, self.sampling)] = regen
+                if not asked:
+                    return
+                finished, _ = wait(asked, return_when=FIRST_COMPLETED)
+                answered = []
+                for future in sorted(finished, key=lambda one: asked[one].index):  # input order
+                    regen = asked.pop(future)
+                    reply = future.result()
+                    regen.answered(reply)
+                    self.tally.replies += 1
+                    self.tally.generated_tokens += len(reply.generated)
+                    answered.append(regen)
+        finally:
+            for future in asked:
+                future.add_done_callback(self._release_reply)
+
+    def _next_prompt_ids(self, regen: Regeneration) -> list[int] | None:
+        """``regen``'s next prompt, as token ids; None once every turn is answered, or for a prompt
+        too long to answer (the conversation skipped, counted; ``--strict`` refuses it)."""
+        settings, sampling = self.settings, self.sampling
+        messages = regen.next_prompt()
+        if messages is None:
+            return None
+        ids = self.chat.prompt_ids(messages, regen.kept.tools)
+        if len(ids) + sampling.max_new_tokens > settings.max_seq_len:
+            if settings.strict:
+                raise InputError(f"{regen.where}: a prompt of {len(ids)} tokens and --max-new-tokens "
+                                 f"{sampling.max_new_tokens} exceed --max-seq-len {settings.max_seq_len} "
+                                 f"(--strict refuses it)")
+            self.tally.skip(TOO_LONG)
+            regen.kept = Kept([], regen.kept.tools, TOO_LONG)
+            return None
+        return ids
+
+    def _release_reply(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.backend.release_replies([future.result()])
 
     def _write_rows(self, done) -> tuple[list[dict], list[int]]:
         rows, sources, samples = [], [], []

@@ -173,17 +173,15 @@ class Reply:
         return self.prompt + self.generated
 
 
-class _GenerationBatch(_RegionBatch):
-    """Prompts to answer: each request's region holds its prompt and up to ``max_new_tokens`` rows
-    more (the decode steps'), each under a cache salt of its own."""
+class _Prompt(_RegionBatch):
+    """A prompt to answer, a batch of its own, so that its reply resolves as soon as it is done,
+    whatever else the engine runs. Its region holds the prompt and up to ``max_new_tokens`` rows more
+    (the decode steps'), under a cache salt of its own."""
 
-    def __init__(self, ids, offsets, sampling: Sampling, salts: list[str]):
-        super().__init__(ids, offsets)
-        self.sampling, self.salts = sampling, salts
-        self.lengths = [len(one) + sampling.max_new_tokens for one in ids]
-
-    def salt(self, position: int) -> str:
-        return self.salts[position]
+    def __init__(self, ids: list[int], offset: int, sampling: Sampling, salt: str):
+        super().__init__([ids], [offset], salt)
+        self.sampling = sampling
+        self.lengths = [len(ids) + sampling.max_new_tokens]
 
 
 class _RowBatch(_RegionBatch):
@@ -264,14 +262,15 @@ class VllmEngineBackend(EngineBackend):
                 for layers in self.submit(batch).result()]
 
     # -- hidden-states generate: replies, then their rows (docs/extractor.md, "On-policy rows in one pass")
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Future:
-        """Answer ``prompts``; the future resolves to a :class:`Reply` each, whose region holds the
-        rows of its prompt and of every generated token a step fed back (all but the last). The
-        regions stay reserved until :meth:`release_replies`."""
+    def answer(self, prompt: list[int], sampling: Sampling) -> Future:
+        """Answer ``prompt``, a request of its own: the future resolves to its :class:`Reply` once that
+        request has finished, while the engine goes on with the others (and with whatever is
+        submitted meanwhile: a conversation's next turn). The reply's region holds the rows of its
+        prompt and of every generated token a step fed back (all but the last); it stays reserved
+        until :meth:`release_replies`."""
         self._check_feed()
-        offsets = [self._pool.reserve(self._region_bytes(len(ids) + sampling.max_new_tokens), timeout=600.0)
-                   for ids in prompts]
-        work = _GenerationBatch(prompts, offsets, sampling, [f"hs-gen-{next(self._salts)}" for _ in prompts])
+        offset = self._pool.reserve(self._region_bytes(len(prompt) + sampling.max_new_tokens), timeout=600.0)
+        work = _Prompt(prompt, offset, sampling, f"hs-gen-{next(self._salts)}")
         self._feed.put(work)
         return work.future
 
@@ -294,30 +293,26 @@ class VllmEngineBackend(EngineBackend):
         if self._feed.failure is not None:
             raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
 
-    def _replies(self, work: _GenerationBatch) -> list[Reply]:
-        """Each request's reply, once its region holds every row a step fed (checked: the prompt is
-        the one submitted, every stored row's token id is the reply's)."""
-        replies = []
-        for position, (prompt, offset) in enumerate(zip(work.ids, work.offsets)):
-            output = work.finished[position]
-            if list(output.prompt_token_ids) != prompt:
-                raise RuntimeError(f"vLLM's request at batch position {position} holds other token ids")
-            completion = output.outputs[0]
-            ids = prompt + list(completion.token_ids)
-            fed = len(ids) - 1  # the last sampled token is fed by no step
-            stored = self._pool.rows_stored(offset, fed, timeout=self.rows_timeout)
-            if stored < fed:
-                raise RuntimeError(f"the worker stored {stored} of the {fed} rows generation fed for batch position "
-                                   f"{position}")
-            stored = min(stored, len(ids))  # a step async scheduling ran for the last token too
-            import torch
+    def _reply(self, work: _Prompt) -> Reply:
+        """The request's reply, once its region holds every row a step fed (checked: the prompt is the
+        one submitted, every stored row's token id is the reply's)."""
+        import torch
 
-            if self._pool.view(offset + HEADER, torch.int32, stored).tolist() != ids[:stored]:
-                raise RuntimeError(f"the states stored for generated batch position {position} come from other "
-                                   f"tokens' rows: the worker attributed rows to the wrong request")
-            replies.append(Reply(prompt, list(completion.token_ids), completion.text, completion.finish_reason,
-                                 offset, work.lengths[position], stored, work.salts[position]))
-        return replies
+        prompt, offset, output = work.ids[0], work.offsets[0], work.finished[0]
+        if list(output.prompt_token_ids) != prompt:
+            raise RuntimeError("vLLM's request for a prompt to answer holds other token ids")
+        completion = output.outputs[0]
+        ids = prompt + list(completion.token_ids)
+        fed = len(ids) - 1  # the last sampled token is fed by no step
+        stored = self._pool.rows_stored(offset, fed, timeout=self.rows_timeout)
+        if stored < fed:
+            raise RuntimeError(f"the worker stored {stored} of the {fed} rows generation fed for a reply")
+        stored = min(stored, len(ids))  # a step async scheduling ran for the last token too
+        if self._pool.view(offset + HEADER, torch.int32, stored).tolist() != ids[:stored]:
+            raise RuntimeError("the states stored for a reply come from other tokens' rows: the worker attributed "
+                               "rows to the wrong request")
+        return Reply(prompt, list(completion.token_ids), completion.text, completion.finish_reason, offset,
+                     work.lengths[0], stored, work.cache_salt)
 
     def _fill_from_replies(self, work: _RowBatch) -> None:
         """Copy into each row's region the rows vLLM's prefix cache spared it, from its reply's region."""
@@ -336,7 +331,7 @@ class VllmEngineBackend(EngineBackend):
         from vllm import SamplingParams
 
         region = {REGION: (work.offsets[position], work.lengths[position])}
-        if isinstance(work, _GenerationBatch):
+        if isinstance(work, _Prompt):
             sampling = work.sampling
             return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                   max_tokens=sampling.max_new_tokens, seed=sampling.seed,
@@ -348,14 +343,14 @@ class VllmEngineBackend(EngineBackend):
             self._pool.release(offset)
 
     def finished(self, work: _RegionBatch) -> None:
-        if isinstance(work, _GenerationBatch):
+        if isinstance(work, _Prompt):
             try:
-                replies = self._replies(work)
-            except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+                reply = self._reply(work)
+            except Exception as exc:  # noqa: BLE001 - the reply fails, the loop goes on
                 self.failed(work)
                 work.future.set_exception(exc)
             else:
-                work.future.set_result(replies)
+                work.future.set_result(reply)
             return
         states: list = []
         try:

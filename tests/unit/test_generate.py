@@ -4,6 +4,7 @@ cache spared them), what is regenerated of a conversation, the rows matched with
 (re-rendered ones counted), and bad input (one line, exit 2). Real vLLM runs it in
 tests/e2e/test_generate.py, compared with vLLM's own generation and with HF."""
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -133,7 +134,7 @@ def test_replies_hold_every_fed_row_and_their_rows_are_copied_then_computed_past
     backend, engine = generating_backend({tuple(PROMPT): GENERATED, (1, 2, 3): [4, 5, 2]})
     try:
         sampling = Sampling(temperature=0.0, max_new_tokens=8, seed=3)
-        replies = backend.generate([PROMPT, [1, 2, 3]], sampling).result(timeout=WAIT)
+        replies = [backend.answer(prompt, sampling).result(timeout=WAIT) for prompt in (PROMPT, [1, 2, 3])]
         assert [(r.generated, r.stored, r.capacity) for r in replies] == [(GENERATED, 12, 14), ([4, 5, 2], 5, 11)]
         assert engine.params[0].max_tokens == 8 and engine.params[0].seed == 3
         assert replies[0].salt != replies[1].salt  # a request's blocks are shared with its own rows only
@@ -153,7 +154,7 @@ def test_replies_hold_every_fed_row_and_their_rows_are_copied_then_computed_past
 def test_a_row_given_more_cached_tokens_than_its_reply_holds_fails():
     backend, _ = generating_backend({tuple(PROMPT): GENERATED}, extra_hit=BLOCK)
     try:
-        replies = backend.generate([PROMPT], Sampling(max_new_tokens=8)).result(timeout=WAIT)
+        replies = [backend.answer(PROMPT, Sampling(max_new_tokens=8)).result(timeout=WAIT)]
         with pytest.raises(RuntimeError, match="its first 7 tokens, and its reply's region holds 6 of them"):
             backend.row_states([PROMPT + [99, 98]], replies).result(timeout=WAIT)
     finally:
@@ -164,7 +165,7 @@ def test_a_reply_whose_rows_hold_other_tokens_fails():
     backend, _ = generating_backend({tuple(PROMPT): GENERATED}, misattribute=True)
     try:
         with pytest.raises(RuntimeError, match="attributed rows to the wrong request"):
-            backend.generate([PROMPT], Sampling(max_new_tokens=8)).result(timeout=WAIT)
+            backend.answer(PROMPT, Sampling(max_new_tokens=8)).result(timeout=WAIT)
     finally:
         backend.close()
 
@@ -326,18 +327,15 @@ class FakeGenerating:
     def check_forward(self, probe):
         return []
 
-    def generate(self, prompts, sampling):
+    def answer(self, ids, sampling):
         from concurrent.futures import Future
 
         eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
-        replies = []
-        for ids in prompts:
-            self.asked += 1
-            generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
-            replies.append(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
-                                 len(ids) + len(generated) - 1, f"salt-{self.asked}"))
+        self.asked += 1
+        generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
         future = Future()
-        future.set_result(replies)
+        future.set_result(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
+                                len(ids) + len(generated) - 1, f"salt-{self.asked}"))
         return future
 
     def row_states(self, rows, sources):
@@ -418,6 +416,91 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     summary, _, _ = run_generation(model, data, out, "speculators-0.3")
     assert (summary.extracted, summary.skipped, len(made)) == (1, 1, 2)
     assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
+
+
+LONG_REPLY = 1.0  # seconds a long reply takes in TimedReplies
+
+
+class TimedReplies(FakeGenerating):
+    """Replies that take time, as the engine's do: one to a prompt that says ``long`` resolves on a
+    timer thread after ``LONG_REPLY`` s, any other at once; one to ``broken`` fails (the backend's
+    checks of a reply's rows). ``events``: ("asked" or "answered", the prompt's last user turn), in
+    the order they happened."""
+
+    TURNS = ("second", "first", "long", "broken")  # the test conversations' user turns, latest first
+
+    def __init__(self, settings, tokenizer):
+        super().__init__(settings, tokenizer)
+        self.events, self.timers = [], []
+
+    def answer(self, ids, sampling):
+        from concurrent.futures import Future
+
+        reply = super().answer(ids, sampling).result()
+        said = self.tokenizer.decode(ids)
+        turn = next(word for word in self.TURNS if word in said)
+        self.events.append(("asked", turn))
+        future = Future()
+
+        def finish():
+            self.events.append(("answered", turn))
+            if turn == "broken":
+                future.set_exception(RuntimeError("the states stored for a reply come from other tokens' rows"))
+            else:
+                future.set_result(reply)
+
+        if turn == "long":
+            self.timers.append(threading.Timer(LONG_REPLY, finish))
+            self.timers[-1].start()
+        else:
+            finish()
+        return future
+
+
+def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra):
+    """A run of ``conversations`` on :class:`TimedReplies`: (its backend, what the run returned or raised)."""
+    from hidden_states import backends
+    from hidden_states.tokenization import load_tokenizer
+
+    model, _, _ = fake_run
+    tokenizer, made = load_tokenizer(str(model)), []
+    monkeypatch.setattr(backends, "create", lambda name, settings: made.append(TimedReplies(settings, tokenizer))
+                        or made[-1])
+    data = tmp_path / "timed.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
+    try:
+        result = run_generation(model, data, tmp_path / "out", "speculators-0.3", *extra)
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        result = exc
+    for timer in made[0].timers:
+        timer.join()
+    return made[0], result
+
+
+def test_a_conversations_next_turn_is_asked_while_another_reply_still_runs(fake_run, tmp_path, monkeypatch):
+    """Conversation 0's first reply comes at once, conversation 1's takes a second: 0's second turn is
+    asked before 1's reply is in (a run staged per turn asks it after). Each conversation's rows
+    are written once the batch is done, every reply given back."""
+    backend, (summary, _, lines) = timed_run(fake_run, tmp_path, monkeypatch, [
+        [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}],
+        [{"role": "user", "content": "long"}]])
+    events = backend.events
+    assert events.index(("asked", "second")) < events.index(("answered", "long")), events
+    assert summary.extracted == 2 and len(backend.released) == 3
+    regenerated = [json.loads(line) for line in (tmp_path / "out" / "regenerated.jsonl").read_text().splitlines()]
+    assert [[m["content"] for m in line["messages"]] for line in regenerated] == \
+        [["first", "ok 1", "second", "ok 3"], ["long", "ok 2"]]
+    assert "2 conversations regenerated (3 replies" in next(line for line in lines if "regenerated (" in line)
+
+
+def test_a_reply_still_running_when_its_batch_fails_is_given_back_as_it_finishes(fake_run, tmp_path, monkeypatch):
+    """Conversation 1's reply fails at once: the batch fails while conversation 0's reply still
+    runs, and that reply's region is given back once it comes."""
+    backend, raised = timed_run(fake_run, tmp_path, monkeypatch, [
+        [{"role": "user", "content": "long"}], [{"role": "user", "content": "broken"}]])
+    assert isinstance(raised, RuntimeError) and "come from other tokens' rows" in str(raised), raised
+    assert backend.events == [("asked", "long"), ("asked", "broken"), ("answered", "broken"), ("answered", "long")]
+    assert [reply.text for reply in backend.released] == ["ok 1"]
 
 
 def test_the_range_counts_conversations_and_ends_before_start_index_plus_max_samples(fake_run, tmp_path):

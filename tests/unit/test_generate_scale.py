@@ -44,14 +44,11 @@ class PromptReplies(FakeGenerating):
     <number>`` (its number from the prompt's ids) then <|eot_id|>; a row's state at layer l and
     position p is ``1000 l + p + (sum of its ids)/1000``."""
 
-    def generate(self, prompts, sampling):
+    def answer(self, ids, sampling):
         eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
-        replies = []
-        for ids in prompts:
-            text = f"ok {sum(ids) % 89}"
-            generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
-            replies.append(Reply(ids, generated, text, "stop", 0, 0, len(ids) + len(generated) - 1, "salt"))
-        return done(replies)
+        text = f"ok {sum(ids) % 89}"
+        generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
+        return done(Reply(ids, generated, text, "stop", 0, 0, len(ids) + len(generated) - 1, "salt"))
 
     def row_states(self, rows, sources):
         for row, source in zip(rows, sources):
@@ -71,13 +68,11 @@ class SampledReplies(PromptReplies):
         SampledReplies.made += 1
         self.number = SampledReplies.made
 
-    def generate(self, prompts, sampling):
-        replies = super().generate(prompts, sampling).result()
-        texts = [f"{reply.text} {self.number}" for reply in replies]
-        eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
-        generated = [self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eot] for text in texts]
-        return done([Reply(r.prompt, ids, text, "stop", 0, 0, len(r.prompt) + len(ids) - 1, "salt")
-                     for r, ids, text in zip(replies, generated, texts)])
+    def answer(self, ids, sampling):
+        text = f"{super().answer(ids, sampling).result().text} {self.number}"
+        generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] \
+            + [self.tokenizer.convert_tokens_to_ids("<|eot_id|>")]
+        return done(Reply(ids, generated, text, "stop", 0, 0, len(ids) + len(generated) - 1, "salt"))
 
 
 DIED, RAISED = object(), object()
