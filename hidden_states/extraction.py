@@ -747,6 +747,9 @@ class Extraction:
             if self.backend is not None:
                 self.log("debug: shutting vLLM down")
                 self.backend.close()
+                closing = getattr(self.backend, "closing_line", None)  # the engine backends' (engine_base)
+                if closing:
+                    self.log(closing)
             self.summary.shutdown_seconds = time.monotonic() - started - self.summary.seconds
             if self.writer is not None:
                 self.summary.bytes_written = self.writer.stats.bytes

@@ -47,8 +47,8 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #           own process and file handling, the same on every release), on 0.26.0: the other lane.
 #   data_parallel: the data-parallel suite (Ray replicas, static shards; Ray laid out for it): extract's
 #                  (tests/e2e/test_data_parallel.py) and generate's (tests/e2e/test_generate_data_parallel.py,
-#                  five engine starts, about 4 minutes; marked extractor too, not generate, so that it
-#                  runs in the lane that has Ray).
+#                  five engine starts, the two replicas' compiled with ``--cuda-graphs``, about 4 minutes;
+#                  marked extractor too, not generate, so that it runs in the lane that has Ray).
 #   formats: both output layouts with the real trainers (tests/e2e/test_formats.py): speculators 0.9.0
 #            needs Python >= 3.11 and transformers >= 5, so the newest release; its 0.3.0 trainer
 #            borrows the 0.17.0 venv (transformers 4), built earlier in the matrix. Also the

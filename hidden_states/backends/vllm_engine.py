@@ -46,7 +46,7 @@ from ..tokenization import common_prefix
 from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
-from .graph_store import LAYERS_ENV
+from .graph_store import LAYERS_ENV, report_line
 from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
@@ -432,6 +432,17 @@ class VllmEngineBackend(EngineBackend):
         for view in views:
             weakref.finalize(view, release)
         return layers
+
+    def close(self) -> None:
+        """``--cuda-graphs``: first ask the capturing worker whether its copies ran inside vLLM's
+        compiled forward (``closing_line``), while the engine still runs."""
+        if self.settings.cuda_graphs and self._llm is not None and self.engine_alive():
+            try:
+                replies = self._llm.collective_rpc("_hidden_states_graph_report")
+                self.closing_line = report_line(next((r for r in replies if r is not None), None))
+            except Exception as exc:  # noqa: BLE001 - the engine failing at the end: the run's error says why
+                self.closing_line = f"warning: --cuda-graphs: the capture's report could not be read ({exc})"
+        super().close()
 
     def release(self) -> None:
         if self._pool is not None:

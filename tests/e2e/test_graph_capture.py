@@ -38,6 +38,19 @@ NEGATIVE = Path(__file__).with_name("graph_negative_driver.py")
 CHOSEN = [CONVERSATIONS[3], CONVERSATIONS[2], CONVERSATIONS[4]]
 
 
+# what a --cuda-graphs run's end says when no forward ran the copies as Python (graph_store.report_line)
+COMPILED = "--cuda-graphs: the capture ran inside vLLM's compiled forward"
+
+
+def assert_compiled_capture(stderr: str, processes: tuple[str, ...] = ("",)) -> None:
+    """Each of ``processes`` (the prefix of its lines: a Ray replica's ``replica K: ``) said at its end
+    that the capture's copies ran inside vLLM's compiled forward, in engine steps, none as Python."""
+    for prefix in processes:
+        said = [line for line in stderr.splitlines() if f"{prefix}{COMPILED}" in line]
+        assert said, f"no {prefix!r}'{COMPILED}' line:\n{stderr[-3000:]}"
+        assert "no forward ran its copies as Python" in said[0], said[0]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
@@ -85,6 +98,7 @@ def test_extract_with_cuda_graphs_is_hfs(tmp_path):
                                  "--cuda-graphs"), env_extra={"VLLM_COMPAT_ENGINE_CAPTURE": "own"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "data_config.json").read_text())["settings"]["cuda_graphs"] is True
+    assert_compiled_capture(proc.stderr)
     reference = decoder_layer_outputs(load_model(model), rows, LAYERS)
     for i, ids in enumerate(rows):
         saved = torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True)
