@@ -109,7 +109,9 @@ def chosen_capture(environ=os.environ) -> tuple[str, str]:
 
 def refuse_cuda_graphs(backend: str, environ=os.environ) -> None:
     """``--cuda-graphs`` where it cannot run: another backend than this one, or speculators' capture
-    asked for (its capture is a patched forward, not traced into vLLM's compiled one)."""
+    asked for (its capture is a patched forward, not traced into vLLM's compiled one). The plan checks
+    it (``Extraction.plan_model``), once: a run's plan (``RunPlan``) holds only settings that passed,
+    and the backend, in whichever process executes the plan (a Ray replica's), does not ask again."""
     if backend != "vllm-engine":
         raise UsageError(f"--cuda-graphs: needs --backend vllm-engine (its own capture is the one traced into vLLM's "
                          f"compiled forward), not --backend {backend}")
@@ -216,9 +218,10 @@ class VllmEngineBackend(EngineBackend):
         self.enforce_eager = not settings.cuda_graphs
 
     def prepare(self, version) -> dict:
-        """Choose the capture (before ``apply()``: speculators' needs its adapters armed)."""
+        """Choose the capture (before ``apply()``: speculators' needs its adapters armed). With
+        ``cuda_graphs`` the own capture, whatever ``CAPTURE_ENV`` says: the run's plan refused the
+        conflict (``refuse_cuda_graphs``, once), and its settings reach every process that runs it."""
         if self.settings.cuda_graphs:
-            refuse_cuda_graphs(self.name)
             self.capture = OWN
             graph_capture_environment(self.settings.layer_ids)
             return {"capture": OWN, "capture_chosen_because": "--cuda-graphs (its copies inside vLLM's compiled "
