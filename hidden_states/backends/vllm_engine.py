@@ -64,6 +64,9 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
     (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), GIVEN),
     # the worker (engine_capture.py): execute_model's scheduler output says whose rows go where
     (Param("vllm.v1.worker.gpu_worker:Worker.execute_model", "scheduler_output"), GIVEN),
+    # --cuda-graphs (graph_capture.py): the copies go onto the model as Worker.load_model returns, before
+    # vLLM's first forward compiles it (wrapped on the class, which the CPU worker loads through)
+    *present("vllm.v1.worker.gpu_worker:Worker", "load_model"),
     *present(f"{_OUTPUT}:SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs",
              "num_scheduled_tokens", "finished_req_ids"),
     *present(f"{_OUTPUT}:NewRequestData", "req_id", "prompt_token_ids", "sampling_params",
