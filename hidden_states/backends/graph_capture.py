@@ -154,7 +154,6 @@ class GraphLayerCopies:
             self._hidden_states_graph_store.taken(num_tokens, clone=self._hidden_states_copies is not None)
         self._store_captured_states(layers)
 
-
     def _hidden_states_graph_report(self) -> dict | None:
         """The run so far, for its end (``graph_store.report_line``): the steps whose rows were taken,
         and the forwards that ran the copies as Python (None: not the capturing rank)."""
