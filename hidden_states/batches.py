@@ -41,10 +41,7 @@ class Pending:
     def __init__(self, stream: InputStream, settings: Settings, finished: Collection[int]):
         self.stream = stream
         self.settings = settings
-        self.start, self.end = settings.start_index, settings.end_index
         self.finished = finished
-        self.max_seq_len = settings.max_seq_len
-        self.strict = settings.strict
         self.skipped = 0
         self.truncated = 0
         self._finished_sorted = sorted(finished)
@@ -52,11 +49,12 @@ class Pending:
     def samples(self, wanted: Callable[[int], bool] = lambda index: True) -> Iterator[Sample]:
         """The samples in range that ``wanted`` picks and that are not finished, in input order, fitted
         to ``max_seq_len``; an input error is raised where the stream meets it."""
+        settings = self.settings
         for sample in self.stream:
-            if not self.settings.in_range(sample.index):
-                if sample.index < self.start:
-                    continue
-                return  # past the range: the rest of the input is not read
+            if sample.index < settings.start_index:
+                continue
+            if not settings.in_range(sample.index):
+                return  # past the range's end: the rest of the input is not read
             if not wanted(sample.index):
                 continue
             if sample.index in self.finished:
@@ -75,23 +73,25 @@ class Pending:
         return self._left(sorted(finished))
 
     def _left(self, finished_sorted: list[int]) -> tuple[int, bool]:
+        start, end = self.settings.start_index, self.settings.end_index
         total, exact = self.stream.expected_samples()
-        limit = min(total, self.end) if self.end is not None else total
-        if self.end is not None and self.stream.samples_read >= self.end:
+        limit = min(total, end) if end is not None else total
+        if end is not None and self.stream.samples_read >= end:
             exact = True  # the range ends inside what has been read
-        if limit <= self.start:
+        if limit <= start:
             return 0, exact
-        done = bisect.bisect_left(finished_sorted, limit) - bisect.bisect_left(finished_sorted, self.start)
-        return limit - self.start - done, exact
+        done = bisect.bisect_left(finished_sorted, limit) - bisect.bisect_left(finished_sorted, start)
+        return limit - start - done, exact
 
     def _fit(self, sample: Sample) -> Sample:
-        if len(sample.input_ids) <= self.max_seq_len:
+        max_seq_len = self.settings.max_seq_len
+        if len(sample.input_ids) <= max_seq_len:
             return sample
-        if self.strict:
-            raise InputError(too_long(str(self.stream.path), sample, self.max_seq_len))
+        if self.settings.strict:
+            raise InputError(too_long(str(self.stream.path), sample, max_seq_len))
         self.truncated += 1
-        mask = sample.loss_mask[: self.max_seq_len] if sample.loss_mask is not None else None
-        return Sample(sample.index, sample.line, sample.input_ids[: self.max_seq_len], mask)
+        mask = sample.loss_mask[:max_seq_len] if sample.loss_mask is not None else None
+        return Sample(sample.index, sample.line, sample.input_ids[:max_seq_len], mask)
 
 
 def batched(samples: Iterator[Sample], size: int) -> Iterator[list[Sample]]:
@@ -155,7 +155,7 @@ class ShardBatches:
         self.name = self.tag = shard.tag
 
     def batches(self, pending: Pending, batch_size: int) -> Iterator[list[Sample]]:
-        start = pending.start
+        start = pending.settings.start_index
         return batched(pending.samples(lambda index: self.owns(index, start, batch_size)), batch_size)
 
     def expected(self, todo: int) -> int:

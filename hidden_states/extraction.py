@@ -158,7 +158,9 @@ class RunPlan:
     The extraction that made it or executes it reads the model's plan and the config from it.
 
     Attributes:
-        settings: the run's settings, every default applied (a copy: the caller's object may change).
+        settings: the run's settings, every default applied (a copy: the caller's object may change),
+            as the plan checked them: a process executing the plan (a Ray replica) does not check them
+            again (``--cuda-graphs`` where it cannot run: ``refuse_cuda_graphs``, in ``plan_model``).
         model: the model, the format and the layers (:class:`ModelPlan`).
         tag: the ledger's tag (``done.<tag>.jsonl``: a shard's, a replica's); None: ``done.jsonl``.
         config: ``data_config.json`` before the backend's own facts (read, never changed).
@@ -747,6 +749,9 @@ class Extraction:
             if self.backend is not None:
                 self.log("debug: shutting vLLM down")
                 self.backend.close()
+                closing = getattr(self.backend, "closing_line", None)  # the engine backends' (engine_base)
+                if closing:
+                    self.log(closing)
             self.summary.shutdown_seconds = time.monotonic() - started - self.summary.seconds
             if self.writer is not None:
                 self.summary.bytes_written = self.writer.stats.bytes

@@ -106,7 +106,8 @@ class Replica:
             ext.backend.close()
         stats = ext.writer.stats
         return {"written": self._written(), "bytes": stats.bytes, "stall_seconds": stats.stall_seconds,
-                "shutdown_seconds": time.monotonic() - started}
+                "shutdown_seconds": time.monotonic() - started,
+                "closing_line": getattr(ext.backend, "closing_line", None)}
 
     def _written(self) -> dict[int, int]:
         lengths = self.extraction.writer.lengths_written()
@@ -370,6 +371,8 @@ class RayExtraction(Extraction):
                 continue
             self._confirm(handle, result["written"])
             self._progressed()
+            if result["closing_line"]:  # what its backend said of the run (--cuda-graphs: where the capture ran)
+                self.log(f"replica {handle.replica_id}: {result['closing_line']}")
             self.summary.bytes_written += result["bytes"]
             self.summary.stall_seconds += result["stall_seconds"]
             self.shutdown_seconds = max(self.shutdown_seconds, result["shutdown_seconds"])

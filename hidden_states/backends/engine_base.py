@@ -43,6 +43,8 @@ class EngineBackend:
     # vLLM eager: a capture that hooks vLLM's modules runs only when vLLM's forward runs as Python;
     # a backend whose capture is traced into the compiled forward (vllm-engine --cuda-graphs) turns it off
     enforce_eager = True
+    # what the backend says of the run once it has closed, which the extraction logs (None: nothing)
+    closing_line: str | None = None
 
     def __init__(self, settings: BackendSettings):
         self.settings = settings

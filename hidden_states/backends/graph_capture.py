@@ -17,7 +17,9 @@ on persistent buffers (``graph_store.GraphStore``), which the trace keeps:
 
 After each ``execute_model`` (``_hidden_states_step_ran``) the step's real rows (the first
 ``num_tokens``: the scheduler's tokens, not the CUDA graph's padding) go to
-``_store_captured_states``, as the eager hooks' rows do. The layers to capture reach the workers
+``_store_captured_states``, as the eager hooks' rows do. The token-id pre-hook counts the forwards
+that run it as Python (none once vLLM has compiled), which the run's end reports
+(``_hidden_states_graph_report``, ``graph_store.report_line``). The layers to capture reach the workers
 before the load through ``LAYERS_ENV`` (the ``collective_rpc`` that sets the eager capture up comes
 after the engine has compiled). Only vLLM's workers import this module (``worker_extension_cls``).
 """
@@ -51,6 +53,8 @@ def install_copies(stack, store: GraphStore) -> None:
     """Make every forward of ``stack`` (a decoder stack: ``layers``, ``embed_tokens``) write its
     captured layers' outputs, token ids and positions into ``store``'s buffers. Must run before the
     stack is compiled: a compiled forward keeps only what was traced."""
+    import torch
+
     first, end = getattr(stack, "start_layer", 0), getattr(stack, "end_layer", len(stack.layers))
     outside = [layer for layer in store.layer_ids if not first <= layer < end]
     if outside:
@@ -67,6 +71,11 @@ def install_copies(stack, store: GraphStore) -> None:
         return keep
 
     def keep_ids(module, args):
+        # a forward that runs this as Python (vLLM eager) is counted; the trace of a compiled forward
+        # takes the other branch (is_compiling() is a constant True there), so the compiled code has
+        # no count: a count above zero says the copies ran as hooks, not inside the compiled forward
+        if not torch.compiler.is_compiling():
+            store.python_forwards += 1
         store.keep_ids(args[0])
 
     def keep_positions(module, args, kwargs):
@@ -144,6 +153,14 @@ class GraphLayerCopies:
         layers, self._hidden_states_input_ids, self._hidden_states_positions = \
             self._hidden_states_graph_store.taken(num_tokens, clone=self._hidden_states_copies is not None)
         self._store_captured_states(layers)
+
+    def _hidden_states_graph_report(self) -> dict | None:
+        """The run so far, for its end (``graph_store.report_line``): the steps whose rows were taken,
+        and the forwards that ran the copies as Python (None: not the capturing rank)."""
+        store = self._hidden_states_graph_store
+        if engine_capture.tp_rank() != 0 or store is None:
+            return None
+        return {"steps": store.steps, "python_forwards": store.python_forwards}
 
 
 class GraphStreamingCapture(GraphLayerCopies, StreamingStates):

@@ -33,6 +33,10 @@ class GraphStore:
 
         self.layer_ids = sorted(set(layer_ids))
         self.rows = rows
+        # what the run's end reports (report_line): the engine steps whose rows were taken, and the
+        # forwards that ran the copies as Python (eager: none once vLLM has compiled its forward)
+        self.steps = 0
+        self.python_forwards = 0
         self.layers = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in self.layer_ids]
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -58,6 +62,7 @@ class GraphStore:
         if not 0 < num_tokens <= self.rows:
             raise RuntimeError(f"hidden-states vllm-engine graph capture: a step of {num_tokens} tokens, the "
                                f"capture's buffers hold {self.rows}")
+        self.steps += 1
         layers = [layer[:num_tokens] for layer in self.layers]
         if clone:
             layers = [layer.clone() for layer in layers]
@@ -75,3 +80,17 @@ def buffer_rows(max_num_batched_tokens: int, capture_sizes, tp_size: int) -> int
     tensor-parallel size (vLLM pads a step's tokens to it where it splits the sequence across ranks)."""
     most = max([max_num_batched_tokens, *(capture_sizes or ())])
     return -(-most // tp_size) * tp_size
+
+
+def report_line(report: dict | None) -> str | None:
+    """The run's end, said by the parent from the capturing worker's ``report`` (``steps``,
+    ``python_forwards``: :class:`GraphStore`'s counts): whether the copies ran inside vLLM's compiled
+    forward; None where no step ran (or the worker could not be asked)."""
+    if not report or not report["steps"]:
+        return None
+    steps, python = report["steps"], report["python_forwards"]
+    if python:
+        return (f"warning: --cuda-graphs: {python} forwards ran the capture's copies as Python hooks "
+                f"({steps} engine steps): vLLM ran its forward eager, not compiled")
+    return (f"--cuda-graphs: the capture ran inside vLLM's compiled forward ({steps} engine steps, no forward ran "
+            f"its copies as Python)")

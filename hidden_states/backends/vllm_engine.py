@@ -46,7 +46,7 @@ from ..tokenization import common_prefix
 from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
-from .graph_store import LAYERS_ENV
+from .graph_store import LAYERS_ENV, report_line
 from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
@@ -64,6 +64,9 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
     (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), GIVEN),
     # the worker (engine_capture.py): execute_model's scheduler output says whose rows go where
     (Param("vllm.v1.worker.gpu_worker:Worker.execute_model", "scheduler_output"), GIVEN),
+    # --cuda-graphs (graph_capture.py): the copies go onto the model as Worker.load_model returns, before
+    # vLLM's first forward compiles it (wrapped on the class, which the CPU worker loads through)
+    *present("vllm.v1.worker.gpu_worker:Worker", "load_model"),
     *present(f"{_OUTPUT}:SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs",
              "num_scheduled_tokens", "finished_req_ids"),
     *present(f"{_OUTPUT}:NewRequestData", "req_id", "prompt_token_ids", "sampling_params",
@@ -109,7 +112,9 @@ def chosen_capture(environ=os.environ) -> tuple[str, str]:
 
 def refuse_cuda_graphs(backend: str, environ=os.environ) -> None:
     """``--cuda-graphs`` where it cannot run: another backend than this one, or speculators' capture
-    asked for (its capture is a patched forward, not traced into vLLM's compiled one)."""
+    asked for (its capture is a patched forward, not traced into vLLM's compiled one). The plan checks
+    it (``Extraction.plan_model``), once: a run's plan (``RunPlan``) holds only settings that passed,
+    and the backend, in whichever process executes the plan (a Ray replica's), does not ask again."""
     if backend != "vllm-engine":
         raise UsageError(f"--cuda-graphs: needs --backend vllm-engine (its own capture is the one traced into vLLM's "
                          f"compiled forward), not --backend {backend}")
@@ -214,9 +219,10 @@ class VllmEngineBackend(EngineBackend):
         self.enforce_eager = not settings.cuda_graphs
 
     def prepare(self, version) -> dict:
-        """Choose the capture (before ``apply()``: speculators' needs its adapters armed)."""
+        """Choose the capture (before ``apply()``: speculators' needs its adapters armed). With
+        ``cuda_graphs`` the own capture, whatever ``CAPTURE_ENV`` says: the run's plan refused the
+        conflict (``refuse_cuda_graphs``, once), and its settings reach every process that runs it."""
         if self.settings.cuda_graphs:
-            refuse_cuda_graphs(self.name)
             self.capture = OWN
             graph_capture_environment(self.settings.layer_ids)
             return {"capture": OWN, "capture_chosen_because": "--cuda-graphs (its copies inside vLLM's compiled "
@@ -427,6 +433,17 @@ class VllmEngineBackend(EngineBackend):
         for view in views:
             weakref.finalize(view, release)
         return layers
+
+    def close(self) -> None:
+        """``--cuda-graphs``: first ask the capturing worker whether its copies ran inside vLLM's
+        compiled forward (``closing_line``), while the engine still runs."""
+        if self.settings.cuda_graphs and self._llm is not None and self.engine_alive():
+            try:
+                replies = self._llm.collective_rpc("_hidden_states_graph_report")
+                self.closing_line = report_line(next((r for r in replies if r is not None), None))
+            except Exception as exc:  # noqa: BLE001 - the engine failing at the end: the run's error says why
+                self.closing_line = f"warning: --cuda-graphs: the capture's report could not be read ({exc})"
+        super().close()
 
     def release(self) -> None:
         if self._pool is not None:

@@ -64,3 +64,24 @@ def test_a_field_gone_from_the_scheduler_output_is_named_for_vllm_engine_alone(t
         ("vllm-engine", "vllm.v1.core.sched.output:NewRequestData.num_computed_tokens", "absent")]
     assert result.exit_code == 1
     assert "PROBLEMS: 1 in the extractor's --backend vllm-engine (it would break)" in result.render()
+
+
+def test_a_worker_without_load_model_is_named_for_vllm_engine_alone(tmp_path):
+    """The installed vLLM with ``load_model`` renamed on its workers (``Worker`` and the ``WorkerBase``
+    it inherits from): where ``--cuda-graphs`` puts its copies on the model (graph_capture.py wraps
+    it). The audit names that touch point, for vllm-engine alone."""
+    installed = versions.package_dir("vllm")
+    copy = tmp_path / "vllm"
+    shutil.copytree(installed, copy, copy_function=os.symlink, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("gpu_worker.py", "worker_base.py"):
+        module = copy / "v1" / "worker" / name
+        text = module.read_text()
+        assert "    def load_model(self" in text, name
+        module.unlink()
+        module.write_text(text.replace("    def load_model(self", "    def load_weights(self"))
+
+    result = audit(tmp_path, consumer="speculators==0.3.0")
+    assert [(f.scope, f.id, f.found) for f in result.backend_problems()] == [
+        ("vllm-engine", "vllm.v1.worker.gpu_worker:Worker.load_model", "absent")]
+    assert result.exit_code == 1
+    assert "PROBLEMS: 1 in the extractor's --backend vllm-engine (it would break)" in result.render()

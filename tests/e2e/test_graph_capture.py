@@ -9,8 +9,10 @@ graph's replay does, runs no Python hook), the capture's copies traced into it
   judge);
 * ``extract --backend vllm-engine --cuda-graphs``: prompts longer than one engine step (chunked) and
   short ones, every layer of every token HF's;
+* each run's end says the capture ran inside vLLM's compiled forward (``assert_compiled_capture``);
 * negative proof (``graph_negative_driver.py``): the same generate run with the eager capture's
-  hooks instead of the traced copies runs none of them, stores no row, and fails saying so.
+  hooks instead of the traced copies runs none of them, stores no row, and fails saying so (and
+  says no such thing).
 
 vLLM's compile cache is off in these runs as the backend turns it off (``graph_capture_environment``;
 why: docs/extractor.md). A cached compiled forward without the copies is not reproduced here:
@@ -38,6 +40,19 @@ NEGATIVE = Path(__file__).with_name("graph_negative_driver.py")
 CHOSEN = [CONVERSATIONS[3], CONVERSATIONS[2], CONVERSATIONS[4]]
 
 
+# what a --cuda-graphs run's end says when no forward ran the copies as Python (graph_store.report_line)
+COMPILED = "--cuda-graphs: the capture ran inside vLLM's compiled forward"
+
+
+def assert_compiled_capture(stderr: str, processes: tuple[str, ...] = ("",)) -> None:
+    """Each of ``processes`` (the prefix of its lines: a Ray replica's ``replica K: ``) said at its end
+    that the capture's copies ran inside vLLM's compiled forward, in engine steps, none as Python."""
+    for prefix in processes:
+        said = [line for line in stderr.splitlines() if f"{prefix}{COMPILED}" in line]
+        assert said, f"no {prefix!r}'{COMPILED}' line:\n{stderr[-3000:]}"
+        assert "no forward ran its copies as Python" in said[0], said[0]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
@@ -54,6 +69,7 @@ def test_generate_rows_with_cuda_graphs_are_hfs(runs):
     assert config["settings"]["cuda_graphs"] is True and config["capture"] == "own"
     log = (root / "graphs" / "hidden-states.log").read_text()
     assert "enforce_eager=False" in log and "GraphStreamingCapture" in log
+    assert_compiled_capture(graphs.stderr)
     judge_rows(model, root / "graphs", graphs.stderr)
 
 
@@ -67,6 +83,8 @@ def test_hooks_added_after_vllm_compiled_store_nothing(runs):
     assert "the worker stored 0 of" in hooks.stderr or "the forward ran layers [] of [0, 2, 3, 5]" in hooks.stderr, \
         hooks.stderr[-3000:]
     assert not list((root / "hooks").glob("data_*.pt"))
+    with pytest.raises(AssertionError, match="inside vLLM's compiled forward"):  # nor says it ran compiled
+        assert_compiled_capture(hooks.stderr)
 
 
 def test_extract_with_cuda_graphs_is_hfs(tmp_path):
@@ -85,6 +103,7 @@ def test_extract_with_cuda_graphs_is_hfs(tmp_path):
                                  "--cuda-graphs"), env_extra={"VLLM_COMPAT_ENGINE_CAPTURE": "own"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "data_config.json").read_text())["settings"]["cuda_graphs"] is True
+    assert_compiled_capture(proc.stderr)
     reference = decoder_layer_outputs(load_model(model), rows, LAYERS)
     for i, ids in enumerate(rows):
         saved = torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True)

@@ -85,6 +85,25 @@ def test_a_backend_is_checked_from_its_first_release_and_its_breaks_are_named(tm
     assert "PROBLEMS: " in after.render() and "in the extractor's --backend vllm-engine, vllm-native" in after.render()
 
 
+LOAD_MODEL = "vllm.v1.worker.gpu_worker:Worker.load_model"
+
+
+def test_a_worker_without_load_model_is_named_for_vllm_engine(tmp_path):
+    """``--cuda-graphs`` puts its copies on the model as ``Worker.load_model`` returns (graph_capture.py
+    wraps it): a vLLM whose Worker has no ``load_model`` is a vllm-engine problem; with it, that touch
+    point is ok."""
+    worker = "class Worker:\n    def execute_model(self, scheduler_output):\n        pass\n"
+    without = audit(tree(tmp_path / "without", "0.32.0", {"vllm/v1/worker/gpu_worker.py": worker}),
+                    consumer="speculators==0.3.0")
+    assert [(f.id, f.found) for f in without.backend_problems("vllm-engine") if "gpu_worker:Worker" in f.id] == \
+        [(LOAD_MODEL, "absent")]
+    loading = worker + "\n    def load_model(self):\n        pass\n"
+    with_it = audit(tree(tmp_path / "with", "0.32.0", {"vllm/v1/worker/gpu_worker.py": loading}),
+                    consumer="speculators==0.3.0")
+    assert backend_findings(with_it, "vllm-engine")[LOAD_MODEL] == ("ok", "present")
+    assert LOAD_MODEL not in {f.id for f in with_it.backend_problems("vllm-engine")}
+
+
 def result_with(*findings) -> AuditResult:
     return AuditResult("installed", "static", "0.33.0", "speculators==0.3.0", findings)
 

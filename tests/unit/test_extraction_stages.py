@@ -171,6 +171,37 @@ def test_the_extraction_reads_the_plans_it_holds_not_copies(job):
     assert replica.summary.layer_ids == [3, 1] and replica.output.tag == "replica-0"
 
 
+def test_a_replicas_plan_takes_cuda_graphs_to_its_backend_checked_once(job, monkeypatch):
+    """``--cuda-graphs`` travels in the run's plan (pickled, as it crosses to a Ray actor) to the
+    replica's backend, which starts vLLM compiled with the graph capture on the plan's word: it does
+    not check the environment again (speculators' capture asked for there: the plan refused that)."""
+    import pickle
+
+    from hidden_states.backends.graph_store import LAYERS_ENV
+    from hidden_states.backends.vllm_engine import CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend
+    from hidden_states.errors import UsageError
+
+    run = Extraction(job, log=quiet)
+    run.plan()
+    run.prepare()
+    planned = dataclasses.replace(run.run_plan, settings=dataclasses.replace(run.run_plan.settings,
+                                                                             backend="vllm-engine", cuda_graphs=True))
+    replica = pickle.loads(pickle.dumps(planned.for_replica(1)))
+    monkeypatch.setenv(CAPTURE_ENV, "speculators")
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    backend = VllmEngineBackend(replica.backend_settings())
+    assert backend.prepare(None)["capture"] == OWN and backend.enforce_eager is False
+    assert backend.llm_keywords() == {"worker_extension_cls": GRAPH_EXTENSION}
+    # the negative: a plan without it leaves vLLM eager, and the capture to the environment (which
+    # asks here for a capture that no installed speculators has)
+    monkeypatch.setattr("vllm_compat.extractor_api.speculators_version", lambda: None)
+    eager = VllmEngineBackend(run.run_plan.for_replica(1).backend_settings())
+    assert eager.enforce_eager is True
+    with pytest.raises(UsageError, match=f"{CAPTURE_ENV}=speculators"):
+        eager.prepare(None)
+
+
 def test_progress_lines_go_through_the_extractions_logger(job):
     job.progress_interval = 0
     said = []

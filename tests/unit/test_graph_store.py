@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hidden_states.backends import BackendSettings, graph_capture, own_capture
-from hidden_states.backends.graph_store import LAYERS_ENV, GraphStore, buffer_rows
+from hidden_states.backends.graph_store import LAYERS_ENV, GraphStore, buffer_rows, report_line
 from hidden_states.backends.vllm_engine import (CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend,
                                                 graph_capture_environment)
 from hidden_states.cli import main
@@ -148,6 +148,34 @@ def test_negative_hooks_put_on_after_the_compile_never_run():
     assert stored == []
 
 
+def test_the_count_of_python_forwards_tells_an_eager_forward_from_the_compiled_one():
+    """What the run's end reports: the eager forward runs the copies as Python hooks and is counted;
+    the compiled forward runs them (their rows land) and counts nothing."""
+    stack = Stack()
+    store = GraphStore(LAYER_IDS, ROWS, HIDDEN, torch.float32, "cpu")
+    graph_capture.install_copies(stack, store)
+    input_ids, positions = padded([5, 6, 7])
+    with torch.no_grad():
+        stack(input_ids, positions)
+    assert store.python_forwards == 1
+    forward = compiled(stack)
+    for ids in ([8, 9], [10, 11, 12, 13]):
+        with torch.no_grad():
+            forward(*padded(ids))
+        assert store.taken(len(ids), clone=False)[1].tolist() == ids
+    assert (store.python_forwards, store.steps) == (1, 2)
+
+
+def test_the_report_says_where_the_copies_ran():
+    assert report_line({"steps": 7, "python_forwards": 0}) == (
+        "--cuda-graphs: the capture ran inside vLLM's compiled forward (7 engine steps, no forward ran its copies "
+        "as Python)")
+    eager = report_line({"steps": 7, "python_forwards": 9})
+    assert eager.startswith("warning: --cuda-graphs: 9 forwards ran the capture's copies as Python hooks")
+    assert "inside vLLM's compiled forward" not in eager
+    assert report_line({"steps": 0, "python_forwards": 0}) is None and report_line(None) is None
+
+
 def test_copies_need_the_stacks_layers_and_its_embedding():
     store = GraphStore([0, 3], ROWS, HIDDEN, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match=r"layers \[3\] are not among this worker's decoder layers 0-2"):
@@ -195,6 +223,8 @@ def test_rows_reach_each_requests_region_from_the_compiled_forward(monkeypatch):
         return workers[-1]
 
     results = extract_through_the_worker(monkeypatch, list(prompts), list(prompts), prompts, make_worker)
+    # what the run's end reports, before the eager reference forwards below run the hooks as Python
+    assert workers[0]._hidden_states_graph_report() == {"steps": 1, "python_forwards": 0}
     stack = workers[0].model_runner.model.model
     for got, ids in zip(results, prompts.values(), strict=True):
         want = reference(stack, torch.tensor(ids), torch.arange(len(ids)))
