@@ -75,8 +75,8 @@ class GatheredRows:
         return torch.arange(int(ends[-1])) - (ends - takes).repeat_interleave(takes)
 
     def _destinations(self):
-        """(each row's token id as an int32 index of the file, its scale as a float32 index, each
-        layer's rows as rows of the file's ``[rows, row_bytes]`` view, layer after layer)."""
+        """(each row's token id as an int32 index of the file, its scale as a float32 index, per layer
+        its rows as rows of the file's ``[rows, row_bytes]`` view)."""
         import torch
 
         offsets, lengths = self._per_row(self.offsets), self._per_row(self.lengths)
@@ -93,13 +93,14 @@ class GatheredRows:
                                    f"layers on a whole row of {self.row_bytes} bytes (the regions' layout differs "
                                    f"between the parent and this worker?)")
             layers_at.append(first // self.row_bytes + positions)
-        return ids_at, scales_at, torch.cat(layers_at)
+        return ids_at, scales_at, layers_at
 
     def stage(self, layers, input_ids, scales, stream):
         """Take the rows out of the step's tensors and start their copy to the host: on a GPU, the
         token ids on the compute stream (the runner rewrites their buffer in the next step), the
         rest on ``stream``, which the copies run on; on the host (``stream`` None) nothing is left
-        to wait for. Returns what :meth:`place` needs: [layers, ids] (+ [scales])."""
+        to wait for. Returns what :meth:`place` needs: [layers, ids] (+ [scales]), the layers a list on the host,
+        one stacked tensor from a GPU."""
         import torch
 
         leading = self.leading_rows()
@@ -113,8 +114,8 @@ class GatheredRows:
 
             def take(tensor):
                 return tensor.index_select(0, rows)
-        if stream is None:
-            return [torch.stack([take(layer) for layer in layers]), take(input_ids).to(torch.int32)] + \
+        if stream is None:  # each layer's rows placed from where they are: no stacked copy on the host
+            return [[take(layer) for layer in layers], take(input_ids).to(torch.int32)] + \
                 ([take(scales)] if self.scales else [])
         ids = take(input_ids).to(torch.int32, copy=True)  # a copy: a slice of the runner's buffer is rewritten
         stream.wait_stream(torch.cuda.current_stream())
@@ -138,7 +139,8 @@ class GatheredRows:
         wide = torch.int64 if self.row_bytes % 8 == 0 else torch.uint8  # fewer, wider items copy faster
         file_rows = host[:host.numel() // self.row_bytes * self.row_bytes].view(wide).view(
             -1, self.row_bytes // wide.itemsize)
-        file_rows.index_copy_(0, layers_at, layers.contiguous().view(torch.uint8).view(-1, self.row_bytes).view(wide))
+        for at, layer in zip(layers_at, layers, strict=True):  # ``layers``: a list on the host, stacked from a GPU
+            file_rows.index_copy_(0, at, layer.contiguous().view(torch.uint8).view(-1, self.row_bytes).view(wide))
         host[:host.numel() // 4 * 4].view(torch.int32).index_copy_(0, ids_at, ids)
         if self.scales:
             host[:host.numel() // 4 * 4].view(torch.float32).index_copy_(0, scales_at, staged[2].float())
