@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.m
 LAYERS = [1, 3, 4, 6]  # speculators-0.5 counts layers done: the extractor's 0, 2, 3, 5
 NEW_TOKENS = 16
 # conversation 2 has two user turns: two rows, so every later conversation's numbers are shifted by one
-PER_REPLY = {0: [0], 1: [1], 2: [2, 3], 3: [4], 4: [5]}
+PER_REPLY = {0: [0], 1: [1], 2: [2, 3], 3: [4], 4: [5], 5: [6, 7]}
 REPLICAS = ("replica 0: ", "replica 1: ")  # their lines in the driver's log
 
 
