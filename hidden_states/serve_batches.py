@@ -35,13 +35,13 @@ class _Request:
         self.ids = ids
         self.future: Future = Future()  # the file's path
         self.taken = time.monotonic()  # the moments it passes each stage (``Stages``)
-        self.submitted = self.resolved = self.writing = 0.0
+        self.submitted = self.returned = self.resolved = self.writing = 0.0
 
 
 class Stages:
     """Where the answered requests spent their time, summed over requests (``GET /stats``): in the
-    gatherer's queue, in the backend's ``submit`` (waiting for a free region: backpressure), in the
-    engine, waiting for a writer thread, writing. Divided by ``requests``, each is a mean latency;
+    gatherer's queue, in submit (backpressure: waiting for room under ``engine_tokens``, then for a
+    free region in the backend's ``submit``), in the engine, waiting for a writer thread, writing. Divided by ``requests``, each is a mean latency;
     which one grows with the clients' concurrency says where a server's rate goes."""
 
     FIELDS = ("queued", "in_submit", "in_engine", "to_writer", "writing")
@@ -61,13 +61,13 @@ class Stages:
         with self._lock:
             self.writing_now -= 1
 
-    def answered(self, request: _Request, submit_returned: float, written: float) -> None:
+    def answered(self, request: _Request, written: float) -> None:
         with self._lock:
             self.requests += 1
             seconds = self.seconds
             seconds["queued"] += request.submitted - request.taken
-            seconds["in_submit"] += submit_returned - request.submitted
-            seconds["in_engine"] += request.resolved - submit_returned
+            seconds["in_submit"] += request.returned - request.submitted
+            seconds["in_engine"] += request.resolved - request.returned
             seconds["to_writer"] += request.writing - request.resolved
             seconds["writing"] += written - request.writing
 
@@ -185,16 +185,18 @@ class Gatherer:
         self.rows += len(batch)
         self.tokens += tokens
         returned = time.monotonic()
-        submitted.add_done_callback(lambda done: self._resolved(batch, done, returned))
+        for request in batch:
+            request.returned = returned
+        submitted.add_done_callback(lambda done: self._resolved(batch, tokens, done))
 
     def _left_engine(self, tokens: int) -> None:
         with self._engine_room:
             self._in_engine -= tokens
             self._engine_room.notify_all()
 
-    def _resolved(self, batch: list[_Request], done: Future, submit_returned: float) -> None:
+    def _resolved(self, batch: list[_Request], tokens: int, done: Future) -> None:
         """On the backend's thread: hand each row to a writer thread (nothing here may block)."""
-        self._left_engine(sum(len(request.ids) for request in batch))
+        self._left_engine(tokens)
         try:
             states = done.result()
         except Exception as exc:  # noqa: BLE001
@@ -205,17 +207,17 @@ class Gatherer:
         self.stages.handed_to_writers(len(batch))
         for request, layers in zip(batch, states, strict=True):
             request.resolved = now
-            self._writers.submit(self._write, request, fp8_states.pick(layers, self.layer_order), submit_returned)
+            self._writers.submit(self._write, request, fp8_states.pick(layers, self.layer_order))
         states.clear()  # each row's layers now live only in its writer's task: its region frees as it ends
 
-    def _write(self, request: _Request, layers: list, submit_returned: float) -> None:
+    def _write(self, request: _Request, layers: list) -> None:
         request.writing = time.monotonic()
         try:
             path = self.files.write(request.ids, layers)
         except Exception as exc:  # noqa: BLE001 - the request's reply says it
             request.future.set_exception(exc)
         else:
-            self.stages.answered(request, submit_returned, time.monotonic())
+            self.stages.answered(request, time.monotonic())
             request.future.set_result(str(path))
         finally:
             self.stages.left_writers()

@@ -50,17 +50,21 @@ class GatheredRows:
         self.lengths.append(length)
         self.starts.append(start)
 
+    def _one_row_each(self) -> bool:
+        """Every request has one row in the step (decoding): nothing to repeat per row."""
+        return len(self.takes) == sum(self.takes)
+
     def leading_rows(self) -> int | None:
         """How many rows there are where they are the forward's first rows in order (a step of
         decoding requests alone: each layer's slice, no gather), else None."""
         total = sum(self.takes)  # rows of the forward below the last one's end, as many as there are below it
         return total if self.first_rows[-1] + self.takes[-1] == total else None
 
-    def _per_row(self, values: list[int]):
+    def _for_each_row(self, values: list[int]):
         """Each gathered row's value of its request (``values``: one per request)."""
         import torch
 
-        if len(self.takes) == sum(self.takes):  # a row per request (decoding): nothing to repeat
+        if self._one_row_each():
             return torch.tensor(values)
         return torch.tensor(values).repeat_interleave(torch.tensor(self.takes))
 
@@ -68,7 +72,7 @@ class GatheredRows:
         """Each gathered row's place among its request's rows of the step (0 where each has one)."""
         import torch
 
-        if len(self.takes) == sum(self.takes):
+        if self._one_row_each():
             return 0
         takes = torch.tensor(self.takes)
         ends = takes.cumsum(0)
@@ -79,8 +83,8 @@ class GatheredRows:
         its rows as rows of the file's ``[rows, row_bytes]`` view)."""
         import torch
 
-        offsets, lengths = self._per_row(self.offsets), self._per_row(self.lengths)
-        positions = self._per_row(self.starts) + self._into_request()
+        offsets, lengths = self._for_each_row(self.offsets), self._for_each_row(self.lengths)
+        positions = self._for_each_row(self.starts) + self._into_request()
         ids_at = (offsets + HEADER) // 4 + positions
         scales_at = (offsets + scales_start(lengths)) // 4 + positions if self.scales else None
         layers_at = []
@@ -108,7 +112,7 @@ class GatheredRows:
             def take(tensor):
                 return tensor[:leading]
         else:
-            rows = self._per_row(self.first_rows) + self._into_request()
+            rows = self._for_each_row(self.first_rows) + self._into_request()
             if stream is not None:  # the indices travel without a sync: page-locked
                 rows = rows.pin_memory().to(layers[0].device, non_blocking=True)
 
