@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     order = [f"r{i}" for i in range(args.requests)]
     worker = object.__new__(capture.StreamingStates)
     worker._hidden_states_host = torch.zeros(args.requests * size, dtype=torch.uint8)
-    worker._hidden_states_regions = {r: (i * size, args.length) for i, r in enumerate(order)}
+    worker._hidden_states_regions = {r: (i * size, args.length, 0) for i, r in enumerate(order)}
     worker._hidden_states_prompts, worker._hidden_states_first = {}, {}
     worker._hidden_states_copies = worker._hidden_states_done = None
     worker.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))

@@ -214,9 +214,14 @@ class Generation(Extraction):
         batch run again is run whole."""
         batch = [(Regeneration(regen.index, regen.where, regen.line, regen.kept), indices) for regen, indices in batch]
         try:
+            started = time.monotonic()
             self.regenerate([regen for regen, _ in batch])
-            return self._write_rows([(regen, indices) for regen, indices in batch
-                                     if regen.kept.skip is None and regen.replies])
+            replied = time.monotonic()
+            self.tally.replying_seconds += replied - started
+            written = self._write_rows([(regen, indices) for regen, indices in batch
+                                        if regen.kept.skip is None and regen.replies])
+            self.tally.row_states_seconds += time.monotonic() - replied
+            return written
         finally:
             self.backend.release_replies([reply for regen, _ in batch for reply in regen.replies])
 
@@ -287,9 +292,10 @@ class Generation(Extraction):
             self.tally.rows += len(made)
             if len({sample.index for sample in samples}) != len(samples):
                 raise RuntimeError(f"{regen.where}: two rows of the regenerated conversation match one reply")
-        reused = self.backend.reply_rows_reused
+        reused, in_place = self.backend.reply_rows_reused, self.backend.rows_in_place
         states = self.backend.row_states(rows, sources).result() if rows else []
         self.tally.reused += self.backend.reply_rows_reused - reused
+        self.tally.in_place += self.backend.rows_in_place - in_place
         for sample, layers in zip(samples, states, strict=True):
             layers = fp8_states.pick(layers, self._layer_order)
             self.writer.submit(sample.index, self.format.record(sample, layers))

@@ -9,9 +9,10 @@ this module does is the same for both: instead of accumulating on the GPU until 
 them, each request's rows are copied, as soon as the step that computed them has run, into that
 request's region of a page-locked ``/dev/shm`` segment shared with the parent.
 
-* A region belongs to one request: the parent names it in the request's sampling parameters
-  (``extra_args[REGION]``: offset and prompt length), so it reaches this worker with the request,
-  whatever id vLLM gives it internally.
+* A region belongs to one request at a time: the parent names it in the request's sampling
+  parameters (``extra_args[REGION]``: offset, the rows it is laid out for, and which of its header's
+  counters the request writes), so it reaches this worker with the request, whatever id vLLM gives it
+  internally.
 * Layout (``regions.layer_start``): a 64-byte header, whose first int64 is the number of prompt rows
   stored so far; the token id of every stored row (int32), taken from the same forward rows as its
   states, which the parent compares with the prompt (a row attributed to the wrong request cannot
@@ -118,7 +119,8 @@ def note_step(wrapped, worker, args, kwargs):
     for new in scheduler_output.scheduled_new_reqs:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
         if REGION in extra:
-            worker._hidden_states_regions[new.req_id] = tuple(extra[REGION])
+            offset, length, *counters = extra[REGION]
+            worker._hidden_states_regions[new.req_id] = (offset, length, counters[0] if counters else 0)
             worker._hidden_states_prompts[new.req_id] = list(new.prompt_token_ids)
     worker._hidden_states_step = (dict(scheduler_output.num_scheduled_tokens), step_starts(scheduler_output))
     try:
@@ -206,7 +208,7 @@ class StreamingStates:
         finally:
             os.close(fd)
         self._hidden_states_host = torch.frombuffer(self._hidden_states_mapping, dtype=torch.uint8)
-        self._hidden_states_regions: dict[str, tuple[int, int]] = {}
+        self._hidden_states_regions: dict[str, tuple[int, int, int]] = {}  # offset, rows, which counters
         self._hidden_states_step = None
         self._hidden_states_prompts: dict[str, list[int]] = {}
         self._hidden_states_first: dict[str, int] = {}  # request id -> the lowest position stored at
@@ -266,18 +268,19 @@ class StreamingStates:
             count = tokens[request_id]
             region, start = regions.get(request_id), starts.get(request_id)
             if region is not None and start is not None:
-                offset, length = region
+                offset, length, counters = region
                 take = min(count, length - start)
                 if take > 0:
                     stored = first_stored.get(request_id)
                     if stored is None or start < stored:  # the lowest position stored at, in the header
                         first_stored[request_id] = start
-                        host[offset + FIRST_ROW:offset + FIRST_ROW + 8].view(torch.int64)[0] = start
+                        at = offset + counters + FIRST_ROW
+                        host[at:at + 8].view(torch.int64)[0] = start
                     if take <= GATHER_ROWS:
                         gathered.add(row, take, offset, length, start)
                     else:
                         self._copy_rows(aux_hidden_states, scales, row, take, offset, length, start, row_bytes)
-                    counts.append((offset, start + take))
+                    counts.append((offset + counters, start + take))
             row += count
         staged = gathered.stage(aux_hidden_states, input_ids, scales, stream) if gathered else None
         if stream is None:

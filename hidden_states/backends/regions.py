@@ -4,7 +4,10 @@ request, and the layout of a region, which this process (``vllm_engine``) and th
 
 A region: a 64-byte header whose first int64 is the number of prompt rows stored so far and whose
 second is the first prompt position the worker stored a row at (0 unless vLLM's prefix cache gave the
-request its first tokens: those rows are left to this process, ``cached_rows.py``); the token id of
+request its first tokens: those rows are left to this process, ``cached_rows.py``); a second pair of
+the same counters at ``SECOND`` for a second request storing into the region (``hidden-states
+generate``'s training row, prefilled where its reply's rows already are: a late count of the reply's
+own last step lands in the first pair, never in the row's); the token id of
 every stored row (int32), padded to 64 bytes; with FP8 states (``--state-dtype fp8``), each row's
 scale (float32), padded to 64 bytes; all that padded to a whole number of rows; then the layers one
 after the other, each ``[prompt_len, hidden]`` contiguous. Regions start at a multiple of a row's
@@ -25,9 +28,11 @@ from ..errors import ExtractError
 
 ALIGN = 64
 # A request's region, shared by this process and the worker (engine_capture).
-REGION = "hidden_states_region"  # the sampling parameters' extra_args key: (offset, prompt length)
-HEADER = 64  # a region's first bytes: int64 rows stored, int64 first row stored, padding to keep what follows aligned
-FIRST_ROW = 8  # where in the header the first row stored is
+# the sampling parameters' extra_args key: (offset, rows the region is laid out for, which counters: 0 or SECOND)
+REGION = "hidden_states_region"
+HEADER = 64  # a region's first bytes: two pairs of counters (int64 rows stored, int64 first row stored), padding
+FIRST_ROW = 8  # where in a pair of counters the first row stored is
+SECOND = 16  # the second request's pair of counters
 SHM = "/dev/shm"
 
 
@@ -96,7 +101,7 @@ class RegionPool:
             else:
                 self._free[index] = (offset + nbytes, size - nbytes)
             self._reserved[offset] = nbytes
-            struct.pack_into("<qq", self.mapping, offset, 0, 0)  # no rows stored yet, none taken from a cache
+            struct.pack_into("<qqqq", self.mapping, offset, 0, 0, 0, 0)  # no rows stored yet, none taken from a cache
             return offset
 
     def release(self, offset: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
 import threading
 import weakref
 from concurrent.futures import Future
@@ -47,7 +48,7 @@ from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
 from .graph_store import LAYERS_ENV, report_line
-from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
+from .regions import HEADER, REGION, SECOND, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -81,6 +82,9 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
       for name in ("input_ids", "positions")],
 ]), requires=("v2_batch_order",))
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
+# rows a reply's region holds past its prompt and its most new tokens: room for what the chat template
+# puts after the reply (an end-of-turn token, a newline), so that its training row fits where it is
+ROW_TAIL = 32
 # The worker side, named to vLLM (worker_extension_cls): its workers import it, this process need not.
 OWN, SPECULATORS = "own", "speculators"
 EXTENSIONS = {SPECULATORS: f"{__package__}.speculators_capture.StreamingCapture",
@@ -144,6 +148,7 @@ class _RegionBatch(Batch):
         super().__init__(ids, cache_salt)
         self.offsets = offsets  # each sequence's region
         self.lengths = [len(one) for one in ids]  # each region's rows (its layout's length)
+        self.counters = [0] * len(ids)  # which of its region's counters each request writes (regions.SECOND)
 
 
 @dataclass(frozen=True)
@@ -180,22 +185,27 @@ class Reply:
 
 class _Prompt(_RegionBatch):
     """A prompt to answer, a batch of its own, so that its reply resolves as soon as it is done,
-    whatever else the engine runs. Its region holds the prompt and up to ``max_new_tokens`` rows more
-    (the decode steps'), under a cache salt of its own."""
+    whatever else the engine runs. Its region holds the prompt, up to ``max_new_tokens`` rows more
+    (the decode steps') and ``ROW_TAIL`` for its training row's end, under a cache salt of its own."""
 
     def __init__(self, ids: list[int], offset: int, sampling: Sampling, salt: str):
         super().__init__([ids], [offset], salt)
         self.sampling = sampling
-        self.lengths = [len(ids) + sampling.max_new_tokens]
+        self.lengths = [len(ids) + sampling.max_new_tokens + ROW_TAIL]
 
 
 class _RowBatch(_RegionBatch):
     """Training rows prefilled under their replies' cache salts: vLLM computes only what its prefix
-    cache does not hold; the rows before are copied from the reply's region."""
+    cache does not hold. A row that goes on from its whole reply is prefilled in the reply's region
+    (``in_place``: its rows before are there already, its own counters say how far it got); another
+    has a region of its own, the rows before copied into it from the reply's."""
 
-    def __init__(self, ids, offsets, sources: list[Reply]):
+    def __init__(self, ids, offsets, sources: list[Reply], in_place: list[bool]):
         super().__init__(ids, offsets)
         self.sources = sources
+        self.in_place = in_place
+        self.lengths = [source.capacity if here else len(row) for row, source, here in zip(ids, sources, in_place)]
+        self.counters = [SECOND if here else 0 for here in in_place]
 
     def salt(self, position: int) -> str:
         return self.sources[position].salt
@@ -210,7 +220,9 @@ class VllmEngineBackend(EngineBackend):
         self.prefix_caching = settings.share_prefixes
         self._salts = itertools.count()
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache held, their rows copied from another request
-        self.reply_rows_reused = 0  # generate: row tokens whose states were copied from the reply's region
+        self.reply_rows_reused = 0  # generate: row tokens whose states the reply's region held
+        self._adopted: set[int] = set()  # replies' regions their training rows took over (released with the rows)
+        self.rows_in_place = 0  # generate: training rows prefilled in their reply's region
         self._pool: RegionPool | None = None
         self._layout: dict | None = None
         self._scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
@@ -275,7 +287,8 @@ class VllmEngineBackend(EngineBackend):
         prompt and of every generated token a step fed back (all but the last); it stays reserved
         until :meth:`release_replies`."""
         self._check_feed()
-        offset = self._pool.reserve(self._region_bytes(len(prompt) + sampling.max_new_tokens), timeout=600.0)
+        offset = self._pool.reserve(self._region_bytes(len(prompt) + sampling.max_new_tokens + ROW_TAIL),
+                                    timeout=600.0)
         work = _Prompt(prompt, offset, sampling, f"hs-gen-{next(self._salts)}")
         self._feed.put(work)
         return work.future
@@ -283,17 +296,38 @@ class VllmEngineBackend(EngineBackend):
     def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future:
         """The states of ``rows``, each the training row of reply ``sources[i]``'s conversation: as
         ``submit``'s, every row whole. Each row is prefilled under its reply's cache salt (vLLM
-        computes what its prefix cache does not hold, at least the last token); the rows before are
-        copied from the reply's region, which must hold them (the same ids, stored)."""
+        computes what its prefix cache does not hold, at least the last token); the rows before come
+        from the reply's region, which must hold them (the same ids, stored).
+
+        A row that begins with its reply's every id, the reply's only row, and fits its region is
+        prefilled there: the region is the row's from now on (released with its states, not by
+        :meth:`release_replies`), and nothing is copied. Why only such a row: a step that vLLM had
+        scheduled for the reply before it finished may still store the reply's last row; that row
+        is then this row's own (same token, same ids before it)."""
         self._check_feed()
-        offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in rows]
-        work = _RowBatch(rows, offsets, sources)
+        rows_of = Counter(source.offset for source in sources)
+        in_place = [rows_of[source.offset] == 1 and source.offset not in self._adopted
+                    and len(ids) <= source.capacity and common_prefix(ids, source.ids) == len(source.ids)
+                    for ids, source in zip(rows, sources)]
+        offsets = []
+        for ids, source, here in zip(rows, sources, in_place):
+            if here:
+                self._adopted.add(source.offset)
+                offsets.append(source.offset)
+            else:
+                offsets.append(self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0))
+        work = _RowBatch(rows, offsets, sources, in_place)
+        self.rows_in_place += sum(in_place)
         self._feed.put(work)
         return work.future
 
     def release_replies(self, replies: list[Reply]) -> None:
+        """Give back the replies' regions, but those their training rows took over (released with the rows' states)."""
         for reply in replies:
-            self._pool.release(reply.offset)
+            if reply.offset in self._adopted:
+                self._adopted.discard(reply.offset)
+            else:
+                self._pool.release(reply.offset)
 
     def _check_feed(self) -> None:
         if self._feed.failure is not None:
@@ -321,22 +355,24 @@ class VllmEngineBackend(EngineBackend):
                      work.lengths[0], stored, work.cache_salt)
 
     def _fill_from_replies(self, work: _RowBatch) -> None:
-        """Copy into each row's region the rows vLLM's prefix cache spared it, from its reply's region."""
+        """Copy into each row's region the rows vLLM's prefix cache spared it, from its reply's region
+        (a row prefilled in place has them there)."""
         for position, (ids, offset, source) in enumerate(zip(work.ids, work.offsets, work.sources)):
-            if self._pool.rows_stored(offset, len(ids), timeout=self.rows_timeout) != len(ids):
+            counters = offset + work.counters[position]
+            if self._pool.rows_stored(counters, len(ids), timeout=self.rows_timeout) != len(ids):
                 continue  # left to _states, which names it
-            first = self._pool.first_row(offset)
+            first = self._pool.first_row(counters)
             if first > min(common_prefix(ids, source.ids), source.stored):
                 raise RuntimeError(f"vLLM's prefix cache gave row {position} its first {first} tokens, and its reply's "
                                    f"region holds {min(common_prefix(ids, source.ids), source.stored)} of them")
-            if first:
+            if first and not work.in_place[position]:
                 self._copy_rows(offset, len(ids), source.offset, source.capacity, first)
-                self.reply_rows_reused += first
+            self.reply_rows_reused += first
 
     def params(self, work: _RegionBatch, position: int):
         from vllm import SamplingParams
 
-        region = {REGION: (work.offsets[position], work.lengths[position])}
+        region = {REGION: (work.offsets[position], work.lengths[position], work.counters[position])}
         if isinstance(work, _Prompt):
             sampling = work.sampling
             return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
@@ -409,11 +445,11 @@ class VllmEngineBackend(EngineBackend):
         released when every one of them has been garbage collected."""
         import torch
 
-        ids, offset = work.ids[position], work.offsets[position]
+        ids, offset, length = work.ids[position], work.offsets[position], work.lengths[position]
         output = work.finished[position]
         if list(output.prompt_token_ids) != ids:
             raise RuntimeError(f"vLLM's request at batch position {position} holds other token ids")
-        stored = self._pool.rows_stored(offset, len(ids), timeout=self.rows_timeout)
+        stored = self._pool.rows_stored(offset + work.counters[position], len(ids), timeout=self.rows_timeout)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
         row_ids = self._pool.view(offset + HEADER, torch.int32, len(ids))
@@ -422,12 +458,12 @@ class VllmEngineBackend(EngineBackend):
             raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
                                f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
-        layers = [self._pool.view(offset + layer_start(len(ids), index, self._row_bytes, self._scales), dtype,
+        layers = [self._pool.view(offset + layer_start(length, index, self._row_bytes, self._scales), dtype,
                                   len(ids) * hidden).view(len(ids), hidden)
                   for index in range(len(self.settings.layer_ids))]
         views = list(layers)
         if self._scales:
-            scales = self._pool.view(offset + scales_start(len(ids)), torch.float32, len(ids)).view(-1, 1, 1)
+            scales = self._pool.view(offset + scales_start(length), torch.float32, len(ids)).view(-1, 1, 1)
             layers, views = fp8_states.Quantized(layers, scales), views + [scales]
         release = _Countdown(len(views), self._pool.release, offset)
         for view in views:

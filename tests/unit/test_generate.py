@@ -3,6 +3,7 @@ region, the backend's replies and their rows (copied from the reply's region whe
 cache spared them), what is regenerated of a conversation, the rows matched with their replies
 (re-rendered ones counted), and bad input (one line, exit 2). Real vLLM runs it in
 tests/e2e/test_generate.py, compared with vLLM's own generation and with HF."""
+import gc
 import json
 import threading
 from types import SimpleNamespace
@@ -12,8 +13,8 @@ import torch
 
 from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, RegionPool, layer_start
-from hidden_states.backends.vllm_engine import Reply, Sampling, VllmEngineBackend
+from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, SECOND, RegionPool, layer_start
+from hidden_states.backends.vllm_engine import ROW_TAIL, Reply, Sampling, VllmEngineBackend
 from hidden_states.cli import main
 from hidden_states.conversations import Conversation
 from hidden_states.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
@@ -50,6 +51,24 @@ def test_decode_rows_are_stored_at_their_positions_up_to_the_regions_length(capt
     assert stored == 3 and ids == [21, 22, 23]
 
 
+def test_a_second_request_in_a_region_writes_its_own_counters(capture):
+    """A training row prefilled in its reply's region (counters SECOND) counts there; the reply's
+    counters keep what the reply's steps wrote."""
+    extension = worker(capture, {"reply": (0, 6)}, order=["reply"])
+    extension._hidden_states_prompts = {"reply": [11, 12, 13]}
+    step(extension, ["reply"], {"reply": 3}, {"reply": 0}, [11, 12, 13])
+    step(extension, ["reply"], {"reply": 1}, {"reply": 3}, [14])
+    extension._hidden_states_regions["row"] = (0, 6, SECOND)
+    extension._hidden_states_prompts["row"] = [11, 12, 13, 14, 15, 16]
+    extension.model_runner.input_batch.req_ids = ["row"]
+    step(extension, ["row"], {"row": 3}, {"row": 3}, [14, 15, 16])  # the cache held its first 3 rows
+    host = extension._hidden_states_host
+    assert host[0:16].view(torch.int64).tolist() == [4, 0]  # the reply's: 4 rows from position 0
+    assert host[SECOND:SECOND + 16].view(torch.int64).tolist() == [6, 3]  # the row's: up to 6, from position 3
+    stored, ids, data = rows_of(extension, capture, 0, 6)
+    assert ids == [11, 12, 13, 14, 15, 16] and data[1, :, 0].tolist() == [1000.0 + i for i in range(11, 17)]
+
+
 def test_order_by_rows_takes_a_decode_row_for_any_id_and_still_checks_prompt_rows(capture):
     prompts = {"r1": [1, 2], "r2": [5, 6, 7]}
     # r2 still in its prompt (position 2), r1 decoding at position 2
@@ -70,9 +89,10 @@ class GenerationEngine:
     computed, in whole blocks (``extra_hit`` more: a cache gone wrong). A row's state at layer l of
     token t at position p: 1000 * l + 10 * p + t."""
 
-    def __init__(self, pool, row_bytes, replies, extra_hit=0, misattribute=False):
+    def __init__(self, pool, row_bytes, replies, extra_hit=0, misattribute=False, rows_land=True):
         self.pool, self.row_bytes, self.replies = pool, row_bytes, replies
         self.extra_hit, self.misattribute = extra_hit, misattribute
+        self.rows_land = rows_land  # False: a row request's count is never written (its copies never land)
         self.queue, self.computed, self.params = [], {}, []
 
     def add_request(self, request_id, prompt, params):
@@ -82,7 +102,7 @@ class GenerationEngine:
     def has_unfinished_requests(self):
         return bool(self.queue)
 
-    def write(self, offset, length, ids, start, end):
+    def write(self, offset, length, counters, ids, start, end, count=True):
         stored = self.pool.view(offset + HEADER, torch.int32, length)
         stored[start:end] = torch.tensor(ids[start:end])
         for layer in range(LAYERS):
@@ -90,23 +110,24 @@ class GenerationEngine:
                                   length * HIDDEN).view(length, HIDDEN)
             for p in range(start, end):
                 rows[p] = 1000.0 * layer + 10 * p + ids[p]
-        self.pool.view(offset + FIRST_ROW, torch.int64, 1).fill_(start)
-        self.pool.view(offset, torch.int64, 1).fill_(end)
+        self.pool.view(offset + counters + FIRST_ROW, torch.int64, 1).fill_(start)
+        if count:
+            self.pool.view(offset + counters, torch.int64, 1).fill_(end)
 
     def step(self):
         request_id, ids, salt, params = self.queue.pop(0)
-        offset, length = params.extra_args[REGION]
+        offset, length, counters = params.extra_args[REGION]
         if params.max_tokens > 1:
             generated = self.replies[tuple(ids)]
             full = ids + generated
-            self.write(offset, length, full, 0, len(full) - 1)
+            self.write(offset, length, counters, full, 0, len(full) - 1)
             if self.misattribute:
                 self.pool.view(offset + HEADER, torch.int32, 1).fill_(-5)
             self.computed[salt] = full[:-1]
             completion = SimpleNamespace(token_ids=generated, text=f"reply {generated}", finish_reason="stop")
             return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=ids, outputs=[completion])]
         hit = common_prefix(ids, self.computed.get(salt, [])) // BLOCK * BLOCK + self.extra_hit
-        self.write(offset, length, ids, min(hit, len(ids) - 1), len(ids))
+        self.write(offset, length, counters, ids, min(hit, len(ids) - 1), len(ids), count=self.rows_land)
         return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=ids, outputs=[])]
 
 
@@ -130,12 +151,13 @@ def expected_rows(ids):
 PROMPT, GENERATED = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 2]
 
 
-def test_replies_hold_every_fed_row_and_their_rows_are_copied_then_computed_past_the_cache():
+def test_replies_hold_every_fed_row_and_their_rows_are_prefilled_in_place_or_copied_then_computed():
     backend, engine = generating_backend({tuple(PROMPT): GENERATED, (1, 2, 3): [4, 5, 2]})
     try:
         sampling = Sampling(temperature=0.0, max_new_tokens=8, seed=3)
         replies = [backend.answer(prompt, sampling).result(timeout=WAIT) for prompt in (PROMPT, [1, 2, 3])]
-        assert [(r.generated, r.stored, r.capacity) for r in replies] == [(GENERATED, 12, 14), ([4, 5, 2], 5, 11)]
+        assert [(r.generated, r.stored, r.capacity) for r in replies] == [(GENERATED, 12, 14 + ROW_TAIL),
+                                                                           ([4, 5, 2], 5, 11 + ROW_TAIL)]
         assert engine.params[0].max_tokens == 8 and engine.params[0].seed == 3
         assert replies[0].salt != replies[1].salt  # a request's blocks are shared with its own rows only
         # the template reproduces the first reply (plus a token), re-renders the second from position 4
@@ -143,10 +165,52 @@ def test_replies_hold_every_fed_row_and_their_rows_are_copied_then_computed_past
         states = backend.row_states(rows, replies).result(timeout=WAIT)
         for row, layers in zip(rows, states):
             assert [layer[:, 0].tolist() for layer in layers] == expected_rows(row)
-        # first row: 12 rows held, the cache's whole blocks (12) copied; second: 4 shared, 4 copied
+        # the first row goes on from its whole reply: prefilled in the reply's region, its own counters
+        assert tuple(engine.params[2].extra_args[REGION]) == (replies[0].offset, replies[0].capacity, SECOND)
+        # the second was re-rendered: a region of its own, its first rows copied into it
+        offset, length, counters = engine.params[3].extra_args[REGION]
+        assert (length, counters) == (6, 0) and offset not in {reply.offset for reply in replies}
+        # first row: 12 rows held, the cache's whole blocks (12) kept where they are; second: 4 shared, 4 copied
         assert backend.reply_rows_reused == 12 + 4
+        backend.release_replies(replies)  # the first reply's region is its row's now: released with its states
+        assert replies[0].offset in backend._pool._reserved and replies[1].offset not in backend._pool._reserved
         del states, layers
-        backend.release_replies(replies)
+        gc.collect()
+        assert backend._pool._reserved == {}
+    finally:
+        backend.close()
+
+
+def test_a_late_count_of_a_reply_is_never_taken_for_the_row_prefilled_in_its_region():
+    """A step vLLM scheduled for the reply before it finished writes the reply's count late; the row in
+    its region waits for its own counters (here never written: its copies never land) and fails."""
+    backend, _ = generating_backend({tuple(PROMPT): GENERATED}, rows_land=False)
+    try:
+        reply = backend.answer(PROMPT, Sampling(max_new_tokens=8)).result(timeout=WAIT)
+        backend._pool.view(reply.offset, torch.int64, 1).fill_(len(reply.ids))  # the late count
+        with pytest.raises(RuntimeError, match="the worker stored 0 of 13 rows for batch position 0"):
+            backend.row_states([PROMPT + GENERATED], [reply]).result(timeout=WAIT)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("rows", [
+    [PROMPT + GENERATED[:3]],  # ends within its reply: a step for the reply may still store past it
+    [PROMPT + GENERATED + [40] * (ROW_TAIL + 2)],  # longer than its reply's region
+    [PROMPT + GENERATED[:2], PROMPT + GENERATED + [40]],  # two rows of one reply
+])
+def test_a_row_that_cannot_take_its_replys_region_gets_its_own(rows):
+    backend, engine = generating_backend({tuple(PROMPT): GENERATED})
+    try:
+        reply = backend.answer(PROMPT, Sampling(max_new_tokens=8)).result(timeout=WAIT)
+        states = backend.row_states(rows, [reply] * len(rows)).result(timeout=WAIT)
+        for row, layers in zip(rows, states):
+            assert [layer[:, 0].tolist() for layer in layers] == expected_rows(row)
+        assert [tuple(params.extra_args[REGION])[2] for params in engine.params[1:]] == [0] * len(rows)
+        del states, layers
+        backend.release_replies([reply])
+        gc.collect()
+        assert backend._pool._reserved == {}
     finally:
         backend.close()
 
@@ -251,7 +315,7 @@ def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
         trained = [t for t, m in zip(row.input_ids, row.loss_mask) if m]
         assert tokenizer.decode(trained).strip() == text.strip()  # the reply's tokens, nothing of the prompt
         assert not any(row.loss_mask[:len(prompt)])
-    assert "2 rows, 1 re-rendered by the chat template; 40 row tokens from the generation's states, 3 computed " \
+    assert "2 rows, 1 re-rendered by the chat template, 0 prefilled in their reply's region; 40 row tokens from the generation's states, 3 computed " \
         "again" in tally.line(40, 3)
 
 
@@ -318,7 +382,7 @@ class FakeGenerating:
 
     def __init__(self, settings, tokenizer):
         self.settings, self.tokenizer = settings, tokenizer
-        self.reply_rows_reused, self.released, self.asked = 0, [], 0
+        self.reply_rows_reused, self.rows_in_place, self.released, self.asked = 0, 0, [], 0
 
     def start(self):
         FakeGenerating.started_count += 1

@@ -199,7 +199,11 @@ def counts(summary_line: str) -> str:
 
 
 def tally(lines: list[str]) -> str:
-    return next(line for line in lines if line.startswith("generate: "))
+    """The ``generate:`` line less its times."""
+    line = next(line for line in lines if line.startswith("generate: "))
+    timed = re.fullmatch(r"(.*), replies [\d.]+ s, then the rows' states [\d.]+ s", line)
+    assert timed, line
+    return timed.group(1)
 
 
 @pytest.mark.parametrize("layout", ["speculators-0.3", pytest.param("speculators-0.5", marks=pytest.mark.datasets)])

@@ -30,7 +30,7 @@ def worker(capture, regions, order, size=1 << 16):
     """A capturing worker after ``_hidden_states_stream_to``: its segment, regions, batch order."""
     extension = object.__new__(capture.StreamingStates)
     extension._hidden_states_host = torch.zeros(size, dtype=torch.uint8)
-    extension._hidden_states_regions = dict(regions)
+    extension._hidden_states_regions = {request: (*region, 0)[:3] for request, region in regions.items()}
     extension._hidden_states_step = None
     extension._hidden_states_prompts = {}
     extension._hidden_states_first = {}
@@ -179,7 +179,7 @@ def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(ca
         return "output"
 
     extension._hidden_states_prompts = {"old": [1]}
-    params = SimpleNamespace(extra_args={REGION: [4096, 7]})
+    params = SimpleNamespace(extra_args={REGION: [4096, 7]})  # a region named without its counters: the first pair
     output = SimpleNamespace(
         finished_req_ids={"old"}, num_scheduled_tokens={"new-abc": 7, "cached-def": 2},
         scheduled_new_reqs=[SimpleNamespace(req_id="new-abc", num_computed_tokens=0, sampling_params=params,
@@ -188,7 +188,7 @@ def test_note_step_learns_regions_from_the_requests_and_forgets_finished_ones(ca
                                             prompt_token_ids=[5])],
         scheduled_cached_reqs=SimpleNamespace(req_ids=["cached-def"], num_computed_tokens=[6]))
     assert capture.note_step(execute_model, extension, (output,), {}) == "output"
-    assert extension._hidden_states_regions == {"new-abc": (4096, 7)}
+    assert extension._hidden_states_regions == {"new-abc": (4096, 7, 0)}
     assert extension._hidden_states_prompts == {"new-abc": list(range(7))}
     assert seen["step"] == ({"new-abc": 7, "cached-def": 2}, {"new-abc": 0, "other": 0, "cached-def": 6})
     assert extension._hidden_states_step is None
@@ -239,7 +239,7 @@ class FakeEngine:
         self.steps += 1
         if self.fail_after is not None and self.steps > self.fail_after:
             raise RuntimeError("EngineCore died")
-        request_id, ids, (offset, length) = self.queue.pop(0)
+        request_id, ids, (offset, length, counters) = self.queue.pop(0)
         skipped = self.cached.get(tuple(ids), 0)  # rows a prefix-cache hit leaves unwritten (stale here: -1)
         stored_ids = self.pool.view(offset + HEADER, torch.int32, length)
         stored_ids.fill_(-1)
