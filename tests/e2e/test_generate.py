@@ -14,9 +14,12 @@ them (each conversation's next turn enters the engine as soon as its reply is in
   whole blocks of the reply: the summary's count of row tokens taken from the replies' regions is
   exactly those, decode-time rows among them), the rest from the row's prefill;
 * a run stopped after its first conversations (``--max-samples``) is resumed by the same command
-  without it: the finished files untouched, ``regenerated.jsonl`` one line per conversation.
+  without it: the finished files untouched, ``regenerated.jsonl`` one line per conversation;
+* with a tokenizer that renders a reply back as its own ids (``marker_model``), a row that goes on
+  from its whole reply is prefilled in the reply's region, a cached first block included, and its
+  states are still HF's.
 
-Engine starts: the two runs, and the reference's ``LLM`` (three). Marked ``extractor`` and
+Engine starts: the two runs, the reference's ``LLM`` and the marker model's run (four). Marked ``extractor`` and
 ``generate``: the vLLM 0.26.0 release's run only, the lane beside 0.32.0's (scripts/test_matrix.py).
 """
 from __future__ import annotations
@@ -78,6 +81,24 @@ def chat_model(root: Path) -> Path:
     model = root / "tiny-llama-llama3"
     shutil.copytree(harness.tiny_model("llama"), model)
     (model / "chat_template.jinja").write_text(LLAMA3)
+    return model
+
+
+def marker_model(root: Path) -> Path:
+    """The chat model with the Llama-3 template's markers as special tokens of its tokenizer (in place
+    of four of its words): a reply that runs to ``--max-new-tokens`` renders back as its own ids, then
+    ``<|eot_id|>``, so its row goes on from the whole reply and is prefilled in the reply's region. A
+    reply ending on the model's ``</s>``, or holding a marker it sampled, is re-rendered (the copy path)."""
+    model = chat_model(root)
+    path = model / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    for marker, word in zip(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                            ["w100", "w101", "w102", "w103"]):  # words the model does not answer these with
+        vocab[marker] = vocab.pop(word)
+        tokenizer["added_tokens"].append({"id": vocab[marker], "content": marker, "single_word": False, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "special": True})
+    path.write_text(json.dumps(tokenizer))
     return model
 
 
@@ -169,6 +190,36 @@ def test_replies_are_vllms_own_greedy_generation(generated, tmp_path):
 def test_rows_are_the_regenerated_conversations_with_hfs_states(generated):
     model, out, _, _, second = generated
     judge_rows(model, out, second.stderr, first_index=FIRST_RUN)
+
+
+def test_rows_going_on_from_their_reply_are_prefilled_in_its_region(tmp_path):
+    """With a tokenizer that renders a reply back as its ids, a row is its reply's ids and the
+    template's end: it is prefilled in the reply's region, its first whole block of vLLM's prefix cache
+    (the system prompt and the first decode rows) kept where the reply's steps stored it. Its states
+    are still HF's, and the log counts the rows prefilled in place exactly."""
+    from hidden_states.tokenization import ChatTokenizer, common_prefix, load_tokenizer
+
+    conversations = [CONVERSATIONS[3], CONVERSATIONS[0]]  # the first row runs past one block of 128
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    model = marker_model(tmp_path)
+    out = tmp_path / "out"
+    proc = run_generate(model, data, out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
+    in_place, past_a_block = 0, 0
+    for line in regenerated(out):
+        from hidden_states.conversations import MESSAGES, Record
+
+        replied = chat.prompt_ids(line["messages"][:-1]) + line["generated"][-1]["token_ids"]
+        row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0].input_ids
+        if common_prefix(row, replied) == len(replied):
+            in_place += 1
+            past_a_block += len(replied) - 1 >= BLOCK
+    said = re.search(r"(\d+) prefilled in their reply's region", proc.stderr)
+    assert said and int(said.group(1)) == in_place, proc.stderr[-3000:]
+    assert past_a_block >= 1  # a row whose first block came from vLLM's prefix cache, prefilled in place
+    judge_rows(model, out, proc.stderr)
 
 
 def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0) -> None:
