@@ -276,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help=generate_help, description=generate_help, epilog=GENERATE_EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(generate)
+    # extract's flag, another unit here: a batch's conversations are all in the engine at once
+    next(action for action in generate._actions if action.dest == "batch_size").help = (
+        f"conversations generated together (default {default('batch_size')}; on a GPU give it hundreds, e.g. 256: "
+        f"decoding runs at vLLM's speed only with many sequences in the engine)")
     sampling = generate.add_argument_group("sampling (vLLM's SamplingParams)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     sampling.add_argument("--top-p", type=float, default=1.0)
