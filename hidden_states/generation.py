@@ -8,15 +8,17 @@ with the sampling settings added: a rerun with other sampling is another extract
 otherwise), load (``--backend vllm-engine`` only: the replies' rows are in its regions) and finish.
 The loop reads conversations, not samples:
 
-* a batch of ``--batch-size`` conversations is regenerated turn by turn (``regeneration``), each
-  conversation's next turn submitted as soon as its reply is in, while the others' still run
-  (:meth:`Generation.regenerate`); each reply's rows streamed into its region as the engine generates
-  (``VllmEngineBackend.answer``);
-* the regenerated conversations are tokenized as ``extract`` tokenizes conversations (``--format``'s
-  layout), each row matched with its reply (``regeneration.row_source``) and prefilled under that
-  reply's cache salt: vLLM computes only what its prefix cache lacks, the rest is copied from the
-  reply's region (``VllmEngineBackend.row_states``);
-* the rows go to the background writer; the conversation, as regenerated, to ``regenerated.jsonl``.
+* ``--batch-size`` conversations are in the engine at once, each regenerated turn by turn
+  (``regeneration``), its next turn submitted as soon as its reply is in, while the others' still run;
+  each reply's rows streamed into its region as the engine generates (``VllmEngineBackend.answer``);
+* a conversation whose every turn is answered is tokenized as ``extract`` tokenizes conversations
+  (``--format``'s layout), each row matched with its reply (``regeneration.row_source``) and
+  prefilled under that reply's cache salt: vLLM computes only what its prefix cache lacks, the rest
+  is the reply's (``VllmEngineBackend.row_states``);
+* its rows go to the background writer as soon as their states are in, its line (the conversation as
+  regenerated) to ``regenerated.jsonl`` in input order, and the next conversation takes its place in
+  the engine (:meth:`Generation.regenerate_continuously`). A Ray replica runs a batch of
+  conversations the same way, whole (:meth:`Generation.generate_batch`).
 
 Sample indices: conversation ``i`` is sample ``i`` (``speculators-0.3``, one row per conversation);
 with ``speculators-0.5`` (a row per reply) a conversation's rows are numbered on from the replies of
@@ -161,8 +163,9 @@ class Generation(Extraction):
             yield Regeneration(number, record.where, record.line, what), indices
 
     def generate(self, todo) -> None:
-        """Regenerate ``todo`` a batch of ``--batch-size`` conversations at a time, each handed out
-        (:meth:`hand_out`: here, or to a Ray replica)."""
+        """Regenerate ``todo``: here, ``--batch-size`` conversations at a time in the engine, the next
+        one started as soon as one is done (:meth:`regenerate_continuously`); a Ray driver hands out
+        batches of them (:meth:`hand_out`)."""
         settings = self.settings
         self.log("generating")
         self._started = time.monotonic()
@@ -170,24 +173,101 @@ class Generation(Extraction):
         self.progress = Progress(len(todo), log=self.log, exact=True, interval=settings.progress_interval)
         self.interrupt.extracting = True
         self._lines = open(self.output.path / regenerated_name(self.source.tag), "a", encoding="utf-8")
-        for start in range(0, len(todo), settings.batch_size):
-            self.hand_out(todo[start:start + settings.batch_size])
-            if self.interrupt.requested is not None:
-                self.summary.interrupted = self.interrupt.requested
-                break
+        self.generate_all(todo)
+        if self.interrupt.requested is not None:
+            self.summary.interrupted = self.interrupt.requested
         self.progress.close()
+
+    def generate_all(self, todo) -> None:
+        self.regenerate_continuously(todo, self.settings.batch_size, self.write_lines)
+
+    def regenerate_continuously(self, todo, window: int, write_lines) -> list[int]:
+        """Keep ``--batch-size`` conversations in the engine: each user turn answered as its turn comes
+        (the conversation's next prompt submitted as soon as its reply is in), each conversation's rows
+        prefilled as soon as its last reply is in and handed to the writer as soon as they are, and the
+        next conversation of ``todo`` started in its place. No conversation waits for another's longer
+        reply, and the engine never waits for the rows of a batch. The lines go to ``write_lines`` in
+        input order (a conversation's once those before it are written or skipped). After Ctrl-C no
+        conversation is started; those in the engine finish. Returns the sample indices handed to the
+        writer."""
+        backend, written = self.backend, []
+        reused, in_place = backend.reply_rows_reused, backend.rows_in_place
+        waiting = iter(todo)
+        asked: dict[Future, tuple[Regeneration, list[int]]] = {}  # a reply's request -> its conversation
+        rowed: dict[Future, tuple[Regeneration, list[int], list[Sample]]] = {}  # rows' states -> their conversation
+        lines = _InOrder([regen.index for regen, _ in todo], write_lines)
+        running = 0
+        last_reply = started = time.monotonic()
+        try:
+            while True:
+                while running < window and not self._interrupted():
+                    item = next(waiting, None)
+                    if item is None:
+                        break
+                    kept_of, indices = item  # each run of a conversation starts afresh from what is kept of it
+                    regen = Regeneration(kept_of.index, kept_of.where, kept_of.line, kept_of.kept)
+                    running += 1
+                    if self._go_on(regen, indices, asked, rowed):
+                        running -= 1
+                        lines.skip(regen.index)
+                if not asked and not rowed:
+                    break
+                finished, _ = wait([*rowed, *asked], return_when=FIRST_COMPLETED)
+                # rows first: handing them to the writer frees what the engine's next requests need
+                for future in sorted((f for f in finished if f in rowed), key=lambda one: rowed[one][0].index):
+                    regen, indices, samples = rowed.pop(future)
+                    running -= 1
+                    try:
+                        tokens = self._hand_rows(samples, future.result())
+                        written += [sample.index for sample in samples]
+                        self.tally.conversations += 1
+                        lines.put(regen.index, regenerated_line(regen, indices))
+                        if self.progress is not None:  # a Ray replica's driver keeps the progress
+                            self.progress.update(1, tokens)
+                    finally:
+                        backend.release_replies(regen.replies)
+                for future in sorted((f for f in finished if f in asked), key=lambda one: asked[one][0].index):
+                    regen, indices = asked.pop(future)
+                    reply = future.result()
+                    last_reply = time.monotonic()
+                    regen.answered(reply)
+                    self.tally.replies += 1
+                    self.tally.generated_tokens += len(reply.generated)
+                    if self._go_on(regen, indices, asked, rowed):
+                        running -= 1
+                        lines.skip(regen.index)
+        finally:
+            for future in asked:  # replies still running when this fails: given back as they finish
+                future.add_done_callback(self._release_reply)
+            for future, (regen, _, _) in rowed.items():
+                future.add_done_callback(lambda _, replies=regen.replies: backend.release_replies(replies))
+            self.tally.reused += backend.reply_rows_reused - reused
+            self.tally.in_place += backend.rows_in_place - in_place
+            self.tally.replying_seconds += last_reply - started
+            self.tally.row_states_seconds += time.monotonic() - last_reply
+        return written
+
+    def _interrupted(self) -> bool:
+        return self.interrupt is not None and self.interrupt.requested is not None
+
+    def _go_on(self, regen: Regeneration, indices: list[int], asked: dict, rowed: dict) -> bool:
+        """Submit ``regen``'s next prompt; once every turn is answered, its rows. Returns whether the
+        conversation is over without rows (skipped: a prompt too long)."""
+        ids = self._next_prompt_ids(regen)
+        if ids is not None:
+            asked[self.backend.answer(ids, self.sampling)] = (regen, indices)
+            return False
+        if regen.kept.skip is not None or not regen.replies:
+            self.backend.release_replies(regen.replies)
+            return True
+        samples, rows, sources = self._rows_of([(regen, indices)])
+        rowed[self.backend.row_states(rows, sources)] = (regen, indices, samples)
+        return False
 
     def open_sink(self) -> None:
         super().open_sink()
         self.chat = ChatTokenizer(load_tokenizer(self.settings.model_path, self.settings.trust_remote_code),
                                   self.format_name, self.settings.max_seq_len, self.settings.strict)
-
-    def hand_out(self, batch) -> None:
-        """Regenerate ``batch`` here: its rows to the writer, its lines to the file."""
-        tokens = self.summary.tokens
-        lines, _ = self.generate_batch(batch)
-        self.write_lines(lines)
-        self.progress.update(len(lines), self.summary.tokens - tokens)
 
     def write_lines(self, lines: list[dict]) -> None:
         for line in lines:
@@ -208,50 +288,13 @@ class Generation(Extraction):
                 "computed_tokens": summary.computed_tokens - before[2]}
 
     def generate_batch(self, batch) -> tuple[list[dict], list[int]]:
-        """Regenerate ``batch`` ((Regeneration, sample indices) pairs) (:meth:`regenerate`), hand its
-        rows to the writer once every conversation of it is done; returns the conversations' lines and
-        the sample indices written. Each conversation starts afresh from what is kept of it, so a
-        batch run again is run whole."""
-        batch = [(Regeneration(regen.index, regen.where, regen.line, regen.kept), indices) for regen, indices in batch]
-        try:
-            started = time.monotonic()
-            self.regenerate([regen for regen, _ in batch])
-            replied = time.monotonic()
-            self.tally.replying_seconds += replied - started
-            written = self._write_rows([(regen, indices) for regen, indices in batch
-                                        if regen.kept.skip is None and regen.replies])
-            self.tally.row_states_seconds += time.monotonic() - replied
-            return written
-        finally:
-            self.backend.release_replies([reply for regen, _ in batch for reply in regen.replies])
-
-    def regenerate(self, regenerations: list[Regeneration]) -> None:
-        """Answer every user turn of ``regenerations``, each conversation's next prompt submitted as soon
-        as its reply is in, while the other conversations' replies still run: the engine never waits
-        for the batch's longest reply between two turns. Replies still running when this fails are
-        given back as they finish."""
-        asked: dict[Future, Regeneration] = {}
-        try:
-            answered = regenerations
-            while True:
-                # rendered first, then submitted at once: prompts that are ready together enter one step
-                prompts = [(regen, ids) for regen in answered if (ids := self._next_prompt_ids(regen)) is not None]
-                for regen, ids in prompts:
-                    asked[self.backend.answer(ids, self.sampling)] = regen
-                if not asked:
-                    return
-                finished, _ = wait(asked, return_when=FIRST_COMPLETED)
-                answered = []
-                for future in sorted(finished, key=lambda one: asked[one].index):  # input order
-                    regen = asked.pop(future)
-                    reply = future.result()
-                    regen.answered(reply)
-                    self.tally.replies += 1
-                    self.tally.generated_tokens += len(reply.generated)
-                    answered.append(regen)
-        finally:
-            for future in asked:
-                future.add_done_callback(self._release_reply)
+        """A Ray replica's batch ((Regeneration, sample indices) pairs), all of it in the engine at once
+        (:meth:`regenerate_continuously`); returns the conversations' lines and the sample indices
+        handed to the writer. Each conversation starts afresh from what is kept of it, so a batch run
+        again is run whole."""
+        lines: list[dict] = []
+        written = self.regenerate_continuously(batch, len(batch), lines.extend)
+        return lines, written
 
     def _next_prompt_ids(self, regen: Regeneration) -> list[int] | None:
         """``regen``'s next prompt, as token ids; None once every turn is answered, or for a prompt
@@ -275,7 +318,9 @@ class Generation(Extraction):
         if not future.cancelled() and future.exception() is None:
             self.backend.release_replies([future.result()])
 
-    def _write_rows(self, done) -> tuple[list[dict], list[int]]:
+    def _rows_of(self, done) -> tuple[list[Sample], list[list[int]], list[Reply]]:
+        """The training rows of the conversations ``done`` as ``extract`` tokenizes them, each with its
+        sample and the reply it takes its first states from."""
         rows, sources, samples = [], [], []
         for regen, indices in done:
             record = conversations.Record(regen.where, regen.line,
@@ -292,18 +337,19 @@ class Generation(Extraction):
             self.tally.rows += len(made)
             if len({sample.index for sample in samples}) != len(samples):
                 raise RuntimeError(f"{regen.where}: two rows of the regenerated conversation match one reply")
-        reused, in_place = self.backend.reply_rows_reused, self.backend.rows_in_place
-        states = self.backend.row_states(rows, sources).result() if rows else []
-        self.tally.reused += self.backend.reply_rows_reused - reused
-        self.tally.in_place += self.backend.rows_in_place - in_place
+        return samples, rows, sources
+
+    def _hand_rows(self, samples: list[Sample], states: list) -> int:
+        """The rows' states to the writer; returns their tokens."""
+        tokens = 0
         for sample, layers in zip(samples, states, strict=True):
             layers = fp8_states.pick(layers, self._layer_order)
             self.writer.submit(sample.index, self.format.record(sample, layers))
             self.summary.extracted += 1
             self.summary.tokens += len(sample.input_ids)
             self.summary.computed_tokens += len(sample.input_ids)
-        self.tally.conversations += len(done)
-        return [regenerated_line(regen, indices) for regen, indices in done], [sample.index for sample in samples]
+            tokens += len(sample.input_ids)
+        return tokens
 
     def finish(self) -> None:
         """Extract's end of run, then the lines' file closed (a shard's merged into
@@ -336,6 +382,14 @@ class RayGeneration(RayExtraction, Generation):
         super().__init__(settings, sampling=sampling, **kwargs)
         self._returned: dict[int, Batch] = {}  # by hand-out number: returned, lines not written yet
         self._next_line = 0  # the batch whose lines are written next
+
+    def generate_all(self, todo) -> None:
+        """Batches of ``--batch-size`` conversations, each handed to a replica as one is free (whole
+        conversations: a later turn needs the earlier replies); after Ctrl-C none more."""
+        for start in range(0, len(todo), self.settings.batch_size):
+            self.hand_out(todo[start:start + self.settings.batch_size])
+            if self.interrupt.requested is not None:
+                break
 
     def _batch_of(self, conversations_batch) -> Batch:
         return Batch(conversations_batch, [index for _, indices in conversations_batch for index in indices],
@@ -392,6 +446,33 @@ class RayGeneration(RayExtraction, Generation):
             batch.outstanding = {index for index in batch.outstanding if not self._whole(index)}
             if not batch.outstanding:
                 self._complete(self._returned.pop(number))
+
+
+class _InOrder:
+    """Hands ``write`` the lines of conversations numbered ``order`` in that order, each as soon as every
+    one before it has its line or was skipped."""
+
+    def __init__(self, order: list[int], write):
+        self._order, self._write, self._next = order, write, 0
+        self._held: dict[int, dict | None] = {}
+
+    def put(self, number: int, line: dict) -> None:
+        self._held[number] = line
+        self._flush()
+
+    def skip(self, number: int) -> None:
+        self._held[number] = None
+        self._flush()
+
+    def _flush(self) -> None:
+        ready = []
+        while self._next < len(self._order) and self._order[self._next] in self._held:
+            line = self._held.pop(self._order[self._next])
+            if line is not None:
+                ready.append(line)
+            self._next += 1
+        if ready:
+            self._write(ready)
 
 
 def regenerated_line(regen: Regeneration, indices: list[int]) -> dict:

@@ -315,7 +315,8 @@ def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
         trained = [t for t, m in zip(row.input_ids, row.loss_mask) if m]
         assert tokenizer.decode(trained).strip() == text.strip()  # the reply's tokens, nothing of the prompt
         assert not any(row.loss_mask[:len(prompt)])
-    assert "2 rows, 1 re-rendered by the chat template, 0 prefilled in their reply's region; 40 row tokens from the generation's states, 3 computed " \
+    assert "2 rows, 1 re-rendered by the chat template, 0 prefilled in their reply's region; 40 row tokens from " \
+        "the generation's states, 3 computed " \
         "again" in tally.line(40, 3)
 
 
@@ -520,6 +521,10 @@ class TimedReplies(FakeGenerating):
             finish()
         return future
 
+    def row_states(self, rows, sources):
+        self.events.append(("rows", next(word for word in self.TURNS if word in self.tokenizer.decode(rows[0]))))
+        return super().row_states(rows, sources)
+
 
 def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra):
     """A run of ``conversations`` on :class:`TimedReplies`: (its backend, what the run returned or raised)."""
@@ -555,6 +560,24 @@ def test_a_conversations_next_turn_is_asked_while_another_reply_still_runs(fake_
     assert [[m["content"] for m in line["messages"]] for line in regenerated] == \
         [["first", "ok 1", "second", "ok 3"], ["long", "ok 2"]]
     assert "2 conversations regenerated (3 replies" in next(line for line in lines if "regenerated (" in line)
+
+
+def test_a_conversation_starts_as_soon_as_another_is_done_and_its_rows_go_out_at_once(fake_run, tmp_path,
+                                                                                      monkeypatch):
+    """Two conversations at once (``--batch-size 2``), three in the input, the first one's reply taking
+    a second: the second's rows go to the writer and the third starts while the first still runs (a
+    run of batches would wait for the first batch's longest reply before either). The lines are in
+    input order all the same."""
+    backend, (summary, _, lines) = timed_run(fake_run, tmp_path, monkeypatch, [
+        [{"role": "user", "content": "long"}], [{"role": "user", "content": "first"}],
+        [{"role": "user", "content": "second"}]])
+    events = backend.events
+    assert events.index(("rows", "first")) < events.index(("answered", "long")), events
+    assert events.index(("asked", "second")) < events.index(("answered", "long")), events
+    assert summary.extracted == 3 and len(backend.released) == 3
+    regenerated = [json.loads(line) for line in (tmp_path / "out" / "regenerated.jsonl").read_text().splitlines()]
+    assert [line["index"] for line in regenerated] == [0, 1, 2]
+    assert [line["messages"][0]["content"] for line in regenerated] == ["long", "first", "second"]
 
 
 def test_a_reply_still_running_when_its_batch_fails_is_given_back_as_it_finishes(fake_run, tmp_path, monkeypatch):
