@@ -5,6 +5,8 @@ cache spared them), what is regenerated of a conversation, the rows matched with
 tests/e2e/test_generate.py, compared with vLLM's own generation and with HF."""
 import gc
 import json
+import os
+import signal
 import threading
 from types import SimpleNamespace
 
@@ -449,9 +451,9 @@ def run_generation(model, data, out, layout, *extra):
     from hidden_states.generation import Generation
     from hidden_states.settings import Settings
 
-    settings = Settings(model_path=str(model), prepared_data=str(data), output_dir=str(out), batch_size=2,
-                        layer_ids=[0, 2] if layout == "speculators-0.3" else [1, 3], backend="vllm-engine", format=layout, max_seq_len=256, forward_check=False,
-                        **dict(extra))
+    given = {"batch_size": 2, "layer_ids": [0, 2] if layout == "speculators-0.3" else [1, 3], **dict(extra)}
+    settings = Settings(model_path=str(model), prepared_data=str(data), output_dir=str(out), backend="vllm-engine",
+                        format=layout, max_seq_len=256, forward_check=False, **given)
     lines = []
     generation = Generation(settings, Sampling(max_new_tokens=16), log=lines.append)
     return generation.run(), generation, lines
@@ -526,15 +528,16 @@ class TimedReplies(FakeGenerating):
         return super().row_states(rows, sources)
 
 
-def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra):
-    """A run of ``conversations`` on :class:`TimedReplies`: (its backend, what the run returned or raised)."""
+def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra, replies=None):
+    """A run of ``conversations`` on :class:`TimedReplies` (or ``replies``, a subclass): (its backend,
+    what the run returned or raised)."""
     from hidden_states import backends
     from hidden_states.tokenization import load_tokenizer
 
     model, _, _ = fake_run
     tokenizer, made = load_tokenizer(str(model)), []
-    monkeypatch.setattr(backends, "create", lambda name, settings: made.append(TimedReplies(settings, tokenizer))
-                        or made[-1])
+    monkeypatch.setattr(backends, "create", lambda name, settings: made.append((replies or TimedReplies)(
+        settings, tokenizer)) or made[-1])
     data = tmp_path / "timed.jsonl"
     data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
     try:
@@ -578,6 +581,33 @@ def test_a_conversation_starts_as_soon_as_another_is_done_and_its_rows_go_out_at
     regenerated = [json.loads(line) for line in (tmp_path / "out" / "regenerated.jsonl").read_text().splitlines()]
     assert [line["index"] for line in regenerated] == [0, 1, 2]
     assert [line["messages"][0]["content"] for line in regenerated] == ["long", "first", "second"]
+
+
+class InterruptedReplies(TimedReplies):
+    """:class:`TimedReplies`, with Ctrl-C pressed as the long reply is asked for."""
+
+    def answer(self, ids, sampling):
+        future = super().answer(ids, sampling)
+        if self.events[-1] == ("asked", "long"):
+            os.kill(os.getpid(), signal.SIGINT)
+        return future
+
+
+def test_ctrl_c_starts_no_conversation_and_lets_those_in_the_engine_finish(fake_run, tmp_path, monkeypatch):
+    """One conversation at a time, Ctrl-C while the first one's long reply runs: it finishes and is
+    written, no other starts, the run says it was interrupted; the same command again does the rest."""
+    conversations = [[{"role": "user", "content": "long"}], [{"role": "user", "content": "first"}],
+                     [{"role": "user", "content": "second"}]]
+    backend, (summary, _, lines) = timed_run(fake_run, tmp_path, monkeypatch, conversations, ("batch_size", 1),
+                                             replies=InterruptedReplies)
+    assert summary.interrupted == signal.SIGINT and summary.extracted == 1
+    assert [event for event in backend.events if event[0] == "asked"] == [("asked", "long")]
+    out = tmp_path / "out"
+    assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0]
+    assert sorted(p.name for p in out.glob("data_*.pt")) == ["data_0.pt"]
+    backend, (summary, _, _) = timed_run(fake_run, tmp_path, monkeypatch, conversations, ("batch_size", 1))
+    assert (summary.interrupted, summary.extracted, summary.skipped) == (None, 2, 1)
+    assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
 def test_a_reply_still_running_when_its_batch_fails_is_given_back_as_it_finishes(fake_run, tmp_path, monkeypatch):
