@@ -260,7 +260,7 @@ class Generation(Extraction):
         if regen.kept.skip is not None or not regen.replies:
             self.backend.release_replies(regen.replies)
             return True
-        samples, rows, sources = self._rows_of([(regen, indices)])
+        samples, rows, sources = self._rows_of(regen, indices)
         rowed[self.backend.row_states(rows, sources)] = (regen, indices, samples)
         return False
 
@@ -318,25 +318,23 @@ class Generation(Extraction):
         if not future.cancelled() and future.exception() is None:
             self.backend.release_replies([future.result()])
 
-    def _rows_of(self, done) -> tuple[list[Sample], list[list[int]], list[Reply]]:
-        """The training rows of the conversations ``done`` as ``extract`` tokenizes them, each with its
-        sample and the reply it takes its first states from."""
+    def _rows_of(self, regen: Regeneration, indices: list[int]) -> tuple[list[Sample], list[list[int]], list[Reply]]:
+        """The training rows of ``regen`` (every turn answered) as ``extract`` tokenizes them, each with
+        its sample and the reply it takes its first states from."""
+        record = conversations.Record(regen.where, regen.line, {"messages": regen.messages, "tools": regen.kept.tools})
+        made = self.chat.rows(record, conversations.MESSAGES)
         rows, sources, samples = [], [], []
-        for regen, indices in done:
-            record = conversations.Record(regen.where, regen.line,
-                                          {"messages": regen.messages, "tools": regen.kept.tools})
-            made = self.chat.rows(record, conversations.MESSAGES)
-            for row in made:
-                source = row_source(row.input_ids, regen.replies)
-                # a per-reply layout numbers rows by their reply; one row per conversation by it
-                index = indices[source.reply] if len(indices) > 1 else indices[0]
-                samples.append(Sample(index, regen.line, row.input_ids, row.loss_mask))
-                rows.append(row.input_ids)
-                sources.append(regen.replies[source.reply])
-                self.tally.rerendered += source.rerendered
-            self.tally.rows += len(made)
-            if len({sample.index for sample in samples}) != len(samples):
-                raise RuntimeError(f"{regen.where}: two rows of the regenerated conversation match one reply")
+        for row in made:
+            source = row_source(row.input_ids, regen.replies)
+            # a per-reply layout numbers rows by their reply; one row per conversation by it
+            index = indices[source.reply] if len(indices) > 1 else indices[0]
+            samples.append(Sample(index, regen.line, row.input_ids, row.loss_mask))
+            rows.append(row.input_ids)
+            sources.append(regen.replies[source.reply])
+            self.tally.rerendered += source.rerendered
+        self.tally.rows += len(made)
+        if len({sample.index for sample in samples}) != len(samples):
+            raise RuntimeError(f"{regen.where}: two rows of the regenerated conversation match one reply")
         return samples, rows, sources
 
     def _hand_rows(self, samples: list[Sample], states: list) -> int:
@@ -388,7 +386,7 @@ class RayGeneration(RayExtraction, Generation):
         conversations: a later turn needs the earlier replies); after Ctrl-C none more."""
         for start in range(0, len(todo), self.settings.batch_size):
             self.hand_out(todo[start:start + self.settings.batch_size])
-            if self.interrupt.requested is not None:
+            if self._interrupted():
                 break
 
     def _batch_of(self, conversations_batch) -> Batch:

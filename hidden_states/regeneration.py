@@ -124,8 +124,8 @@ class Tally:
     rows: int = 0
     rerendered: int = 0
     in_place: int = 0  # rows prefilled in their reply's region (nothing copied)
-    reused: int = 0  # row tokens whose states were copied from their reply's region
-    # wall seconds of the batches' two parts: until the last reply was in, then until the rows' states were
+    reused: int = 0  # row tokens whose states their reply's region held (copied, or there already)
+    # wall seconds of a run's two parts: until its last reply was in, then until its last rows were handed out
     replying_seconds: float = 0.0
     row_states_seconds: float = 0.0
     skipped: dict = field(default_factory=dict)  # reason -> conversations
@@ -145,8 +145,8 @@ class Tally:
     def line(self, reused: int, computed_again: int) -> str:
         """``reused``: row tokens whose states the generation computed; ``computed_again``: the others."""
         said = [f"{self.conversations} conversations regenerated ({self.replies} replies, {self.generated_tokens:,} "
-                f"tokens generated)", f"{self.rows} rows, {self.rerendered} re-rendered by the chat template, {self.in_place} prefilled in their "
-                f"reply's region; "
+                f"tokens generated)", f"{self.rows} rows, {self.rerendered} re-rendered by the chat template, "
+                f"{self.in_place} prefilled in their reply's region; "
                 f"{reused:,} row tokens from the generation's states, {computed_again:,} computed again"]
         said += [f"{n} skipped: {why}" for why, n in sorted(self.skipped.items())]
         said += [f"replies {self.replying_seconds:.1f} s, then the rows' states {self.row_states_seconds:.1f} s"]

@@ -41,8 +41,9 @@ class _Request:
 class Stages:
     """Where the answered requests spent their time, summed over requests (``GET /stats``): in the
     gatherer's queue, in submit (backpressure: waiting for room under ``engine_tokens``, then for a
-    free region in the backend's ``submit``), in the engine, waiting for a writer thread, writing. Divided by ``requests``, each is a mean latency;
-    which one grows with the clients' concurrency says where a server's rate goes."""
+    free region in the backend's ``submit``), in the engine, waiting for a writer thread, writing.
+    Divided by ``requests``, each is a mean latency; which one grows with the clients' concurrency
+    says where a server's rate goes."""
 
     FIELDS = ("queued", "in_submit", "in_engine", "to_writer", "writing")
 

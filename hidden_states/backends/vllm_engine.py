@@ -150,6 +150,10 @@ class _RegionBatch(Batch):
         self.lengths = [len(one) for one in ids]  # each region's rows (its layout's length)
         self.counters = [0] * len(ids)  # which of its region's counters each request writes (regions.SECOND)
 
+    def counts_at(self, position: int) -> int:
+        """Where the counters of the request at ``position`` are (its rows stored, its first row)."""
+        return self.offsets[position] + self.counters[position]
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -358,10 +362,10 @@ class VllmEngineBackend(EngineBackend):
         """Copy into each row's region the rows vLLM's prefix cache spared it, from its reply's region
         (a row prefilled in place has them there)."""
         for position, (ids, offset, source) in enumerate(zip(work.ids, work.offsets, work.sources)):
-            counters = offset + work.counters[position]
-            if self._pool.rows_stored(counters, len(ids), timeout=self.rows_timeout) != len(ids):
+            counts = work.counts_at(position)
+            if self._pool.rows_stored(counts, len(ids), timeout=self.rows_timeout) != len(ids):
                 continue  # left to _states, which names it
-            first = self._pool.first_row(counters)
+            first = self._pool.first_row(counts)
             if first > min(common_prefix(ids, source.ids), source.stored):
                 raise RuntimeError(f"vLLM's prefix cache gave row {position} its first {first} tokens, and its reply's "
                                    f"region holds {min(common_prefix(ids, source.ids), source.stored)} of them")
@@ -449,7 +453,7 @@ class VllmEngineBackend(EngineBackend):
         output = work.finished[position]
         if list(output.prompt_token_ids) != ids:
             raise RuntimeError(f"vLLM's request at batch position {position} holds other token ids")
-        stored = self._pool.rows_stored(offset + work.counters[position], len(ids), timeout=self.rows_timeout)
+        stored = self._pool.rows_stored(work.counts_at(position), len(ids), timeout=self.rows_timeout)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
         row_ids = self._pool.view(offset + HEADER, torch.int32, len(ids))
