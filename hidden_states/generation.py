@@ -46,6 +46,7 @@ from . import conversations, fp8_states
 from .backends.vllm_engine import Reply, Sampling
 from .errors import InputError, UsageError
 from .extraction import PLAN_DETAILS, Extraction
+from .formats.speculators_05 import StreamedFile
 from .inputs import Sample
 from .layer_conventions import SPECULATORS_05
 from .progress import Progress
@@ -70,6 +71,7 @@ class Generation(Extraction):
         self._all: list[tuple[int, list[int]]] = []  # (conversation, its sample indices) of the range
         self._with_lines: set[int] = set()  # conversations whose line a regenerated file holds
         self._lines = None  # the regenerated lines' file this process appends to
+        self._streams: dict[int, StreamedFile] = {}  # by sample index: its reply's file, begun while generating
 
     @classmethod
     def executing(cls, plan, *, log=None) -> Generation:
@@ -255,7 +257,7 @@ class Generation(Extraction):
         conversation is over without rows (skipped: a prompt too long)."""
         ids = self._next_prompt_ids(regen)
         if ids is not None:
-            asked[self.backend.answer(ids, self.sampling)] = (regen, indices)
+            asked[self.backend.answer(ids, self.sampling, stream=self._stream_for(regen, indices))] = (regen, indices)
             return False
         if regen.kept.skip is not None or not regen.replies:
             self.backend.release_replies(regen.replies)
@@ -268,6 +270,29 @@ class Generation(Extraction):
         super().open_sink()
         self.chat = ChatTokenizer(load_tokenizer(self.settings.model_path, self.settings.trust_remote_code),
                                   self.format_name, self.settings.max_seq_len, self.settings.strict)
+
+    def streams_files(self) -> bool:
+        """Whether a reply's file is written while it is generated: speculators-0.5's (a row's layers
+        side by side, so its rows go out as they come; speculators-0.3 stores each layer whole), when
+        the file's layers are the backend's, in its order."""
+        captured = len(getattr(self.backend, "settings", self.settings).layer_ids)
+        return (self.stream_files and self.format_name == SPECULATORS_05
+                and self._layer_order == list(range(captured)))
+
+    stream_files = True  # tests turn it off to compare
+
+    def _stream_for(self, regen: Regeneration, indices: list[int]) -> StreamedFile | None:
+        """The file of ``regen``'s next reply's row (a row per reply: its sample is the reply's number
+        among the conversation's), begun for its rows to go to as they land; None: not streamed."""
+        if not self.streams_files():
+            return None
+        index = indices[len(regen.replies)]
+        try:
+            stream = StreamedFile(self.writer.temp_path(index))
+        except OSError:  # written whole at the end, where the error, if it stays, is said
+            return None
+        self._streams[index] = stream
+        return stream
 
     def write_lines(self, lines: list[dict]) -> None:
         for line in lines:
@@ -342,7 +367,16 @@ class Generation(Extraction):
         tokens = 0
         for sample, layers in zip(samples, states, strict=True):
             layers = fp8_states.pick(layers, self._layer_order)
-            self.writer.submit(sample.index, self.format.record(sample, layers))
+            stream = self._streams.pop(sample.index, None)
+            if stream is not None and stream.kept is not None and stream.error is None:
+                record = self.format.streamed_record(sample, layers, stream)
+                self.tally.streamed += 1
+                self.tally.streamed_rows += min(stream.kept, stream.rows)
+            else:
+                if stream is not None:
+                    stream.discard()
+                record = self.format.record(sample, layers)
+            self.writer.submit(sample.index, record)
             self.summary.extracted += 1
             self.summary.tokens += len(sample.input_ids)
             self.summary.computed_tokens += len(sample.input_ids)

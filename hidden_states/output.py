@@ -255,6 +255,11 @@ class OutputDir:
         self.format.finish(complete)
 
 
+class Continued(dict):
+    """A record whose temporary file is begun already (``formats.speculators_05.StreamedFile``, at
+    :meth:`BackgroundWriter.temp_path`): the writer opens it to finish it, not to start it again."""
+
+
 @dataclass
 class WriterStats:
     files: int = 0
@@ -347,6 +352,10 @@ class BackgroundWriter:
         # the wait under way counts from here on: what of it came before is this interval's
         self._grown_at, self._stall_since_grown = now, -waiting
 
+    def temp_path(self, index: int) -> Path:
+        """Where sample ``index``'s file is written before its rename: this writer's temporary name for it."""
+        return self.directory / f"{self._temp_prefix}{Path(self.format.sample_file(index)).name}.{os.getpid()}"
+
     def lengths_written(self) -> dict[int, int]:
         """A copy of ``stats.lengths`` (sample index -> length of every file written and in the
         ledger so far), safe while the threads write."""
@@ -384,10 +393,10 @@ class BackgroundWriter:
                 continue  # drain: after a failure nothing more is written
             index, record = item
             final = self.directory / self.format.sample_file(index)
-            temp = self.directory / f"{self._temp_prefix}{final.name}.{os.getpid()}"
+            temp = self.temp_path(index)
             started = time.perf_counter()
             try:
-                with open(temp, "wb") as handle:
+                with open(temp, "r+b" if isinstance(record, Continued) else "wb") as handle:
                     self.format.save(record, handle)
                 os.replace(temp, final)
             except BaseException as exc:  # noqa: BLE001 - carried to the main thread

@@ -125,6 +125,8 @@ class Tally:
     rerendered: int = 0
     in_place: int = 0  # rows prefilled in their reply's region (nothing copied)
     reused: int = 0  # row tokens whose states their reply's region held (copied, or there already)
+    streamed: int = 0  # rows whose file was written while their reply was generated (speculators-0.5)
+    streamed_rows: int = 0  # of their tokens, those written then (the rest at the end)
     # wall seconds of a run's two parts: until its last reply was in, then until its last rows were handed out
     replying_seconds: float = 0.0
     row_states_seconds: float = 0.0
@@ -146,7 +148,9 @@ class Tally:
         """``reused``: row tokens whose states the generation computed; ``computed_again``: the others."""
         said = [f"{self.conversations} conversations regenerated ({self.replies} replies, {self.generated_tokens:,} "
                 f"tokens generated)", f"{self.rows} rows, {self.rerendered} re-rendered by the chat template, "
-                f"{self.in_place} prefilled in their reply's region; "
+                f"{self.in_place} prefilled in their reply's region"
+                + (f", {self.streamed} streamed to their files during generation ({self.streamed_rows:,} "
+                   f"token rows written then)" if self.streamed else "") + "; "
                 f"{reused:,} row tokens from the generation's states, {computed_again:,} computed again"]
         said += [f"{n} skipped: {why}" for why, n in sorted(self.skipped.items())]
         said += [f"replies {self.replying_seconds:.1f} s, then the rows' states {self.row_states_seconds:.1f} s"]

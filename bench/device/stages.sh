@@ -113,11 +113,11 @@ generator_steps() {
 }
 # issue 33's workload (G: GSAMPLES prompts of GLENGTH tokens, GNEW new tokens each) and its best two passes: vLLM's
 # graph-mode generation alone (its rows in /tmp/g/rows.jsonl, left for the stage), then extract (vllm-engine) of them
-G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}"
+G="--model $M8 --samples ${GSAMPLES:-256} --length ${GLENGTH:-512} --new-tokens ${GNEW:-1024}${GFORMAT:+ --format $GFORMAT}"
 two_passes() {
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 120 "$B generate $G --backend vllm --work /tmp/g 2>&1 | grep -E 'RESULT|Error' | tail -2"
-    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32 --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx"
+    step 150 "$B extract --model $M8 --rows-file /tmp/g/rows.jsonl --backend vllm-engine --batch 32${GFORMAT:+ --format $GFORMAT} --work /tmp/gx 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-900; rm -rf /tmp/gx"
 }
 case "${1:?stage}" in
   build)  # after install.sh, in the same call: the 8B checkpoint (~35 s) and the host copy bench (CPU, 2-3 min)
@@ -301,11 +301,13 @@ case "${1:?stage}" in
                     # passes: the sum), hidden-states generate --cuda-graphs on the same prompts (one pass, the capture's
                     # copies inside vLLM's compiled forward and CUDA graphs), its first rows' files against HF fp32.
                     # GSAMPLES / GLENGTH / GNEW shrink it for the CPU dry run; ONE_PASS=1: the one pass and its
-                    # check only (the two passes measured in an earlier call)
+                    # check only (the two passes measured in an earlier call); TWO_PASSES=1: the two passes only;
+                    # GFORMAT: the output format of both (default bench/gpu.py's, speculators-0.3)
     if [ -n "${ONE_PASS:-}" ]; then
       [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     else
       two_passes
+      [ -n "${TWO_PASSES:-}" ] && exit 0
     fi
     rm -rf /tmp/g
     step 200 "$B generate $G --backend hidden-states --cuda-graphs --batch ${GSAMPLES:-256} --work /tmp/gg 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-1200"

@@ -22,7 +22,8 @@ request's region of a page-locked ``/dev/shm`` segment shared with the parent.
   one scale per row over its layers), and each row's scale is stored after the token ids: half the
   bytes cross to the host.
 * Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
-  prompts recomputed after a preemption land in place; rows past the region's length and rows of
+  prompts recomputed after a preemption land in place (the lowest position stored at again noted at
+  ``regions.REWRITTEN``: a copy the parent took of counted rows knows from where to take it again); rows past the region's length and rows of
   requests without a region (warm-up, profiling) are not stored. A region is the prompt's length
   for ``extract`` (a decode step's row is past it); ``hidden-states generate`` gives a request the
   prompt plus its most new tokens, and each decode step's row (the token it feeds back, with its
@@ -48,7 +49,7 @@ import threading
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
 from .. import fp8_states
-from .regions import FIRST_ROW, HEADER, REGION, layer_start, scales_start
+from .regions import FIRST_ROW, HEADER, REGION, REWRITTEN, layer_start, scales_start
 from .row_scatter import GATHER_ROWS, GatheredRows
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def note_step(wrapped, worker, args, kwargs):
         worker._hidden_states_regions.pop(request_id, None)
         worker._hidden_states_prompts.pop(request_id, None)
         worker._hidden_states_first.pop(request_id, None)
+        worker._hidden_states_ends.pop(request_id, None)
     for new in scheduler_output.scheduled_new_reqs:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
         if REGION in extra:
@@ -212,6 +214,7 @@ class StreamingStates:
         self._hidden_states_step = None
         self._hidden_states_prompts: dict[str, list[int]] = {}
         self._hidden_states_first: dict[str, int] = {}  # request id -> the lowest position stored at
+        self._hidden_states_ends: dict[str, int] = {}  # request id -> the end of the rows it stored
         self._hidden_states_input_ids = self._hidden_states_positions = None
         wrap_method(self, "execute_model", note_step)
         if self._hidden_states_ids_from_forward:
@@ -264,6 +267,7 @@ class StreamingStates:
         # requests with a few rows this step (decoding): moved together, in one copy per kind
         gathered = GatheredRows(len(aux_hidden_states), row_bytes, scales is not None)
         regions, first_stored = self._hidden_states_regions, self._hidden_states_first
+        ends = self._hidden_states_ends
         for request_id in order:  # hundreds of decoding requests a step: the least work each
             count = tokens[request_id]
             region, start = regions.get(request_id), starts.get(request_id)
@@ -276,6 +280,11 @@ class StreamingStates:
                         first_stored[request_id] = start
                         at = offset + counters + FIRST_ROW
                         host[at:at + 8].view(torch.int64)[0] = start
+                    end = ends.get(request_id, 0)
+                    if start < end:  # rows counted before, stored again (a preempted request recomputed)
+                        again = host[offset + REWRITTEN:offset + REWRITTEN + 8].view(torch.int64)
+                        again[0] = min(int(again[0]), start)
+                    ends[request_id] = max(end, start + take)
                     if take <= GATHER_ROWS:
                         gathered.add(row, take, offset, length, start)
                     else:

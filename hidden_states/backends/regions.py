@@ -30,9 +30,11 @@ ALIGN = 64
 # A request's region, shared by this process and the worker (engine_capture).
 # the sampling parameters' extra_args key: (offset, rows the region is laid out for, which counters: 0 or SECOND)
 REGION = "hidden_states_region"
-HEADER = 64  # a region's first bytes: two pairs of counters (int64 rows stored, int64 first row stored), padding
+HEADER = 64  # a region's first bytes: two pairs of counters (int64 rows stored, int64 first row stored), REWRITTEN
 FIRST_ROW = 8  # where in a pair of counters the first row stored is
 SECOND = 16  # the second request's pair of counters
+REWRITTEN = 32  # the lowest position stored at again after it was counted (int64)
+UNREWRITTEN = (1 << 63) - 1
 SHM = "/dev/shm"
 
 
@@ -101,7 +103,8 @@ class RegionPool:
             else:
                 self._free[index] = (offset + nbytes, size - nbytes)
             self._reserved[offset] = nbytes
-            struct.pack_into("<qqqq", self.mapping, offset, 0, 0, 0, 0)  # no rows stored yet, none taken from a cache
+            # no rows stored yet, none taken from a cache, none stored again
+            struct.pack_into("<qqqqq", self.mapping, offset, 0, 0, 0, 0, UNREWRITTEN)
             return offset
 
     def release(self, offset: int) -> None:
@@ -134,6 +137,11 @@ class RegionPool:
         """The first prompt position the worker stored a row at in the region at ``offset`` (read once
         its rows are all stored)."""
         return struct.unpack_from("<q", self.mapping, offset + FIRST_ROW)[0]
+
+    def rewritten_from(self, offset: int) -> int:
+        """The lowest position of the region at ``offset`` stored at again after it was counted
+        (``UNREWRITTEN``: none)."""
+        return struct.unpack_from("<q", self.mapping, offset + REWRITTEN)[0]
 
     def view(self, offset: int, dtype, count: int):
         """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy).

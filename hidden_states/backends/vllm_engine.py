@@ -49,6 +49,7 @@ from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
 from .graph_store import LAYERS_ENV, report_line
 from .regions import HEADER, REGION, SECOND, RegionPool, layer_start, region_bytes, scales_start
+from .reply_streams import ReplyStreams, Sink
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -204,10 +205,11 @@ class _RowBatch(_RegionBatch):
     (``in_place``: its rows before are there already, its own counters say how far it got); another
     has a region of its own, the rows before copied into it from the reply's."""
 
-    def __init__(self, ids, offsets, sources: list[Reply], in_place: list[bool]):
+    def __init__(self, ids, offsets, sources: list[Reply], in_place: list[bool], streams: list):
         super().__init__(ids, offsets)
         self.sources = sources
         self.in_place = in_place
+        self.streams = streams  # an in-place row's reply's stream (reply_streams), told which rows it keeps
         self.lengths = [source.capacity if here else len(row) for row, source, here in zip(ids, sources, in_place)]
         self.counters = [SECOND if here else 0 for here in in_place]
 
@@ -228,6 +230,7 @@ class VllmEngineBackend(EngineBackend):
         self._adopted: set[int] = set()  # replies' regions their training rows took over (released with the rows)
         self.rows_in_place = 0  # generate: training rows prefilled in their reply's region
         self._pool: RegionPool | None = None
+        self._streams: ReplyStreams | None = None  # generate: replies' rows copied to their files as they land
         self._layout: dict | None = None
         self._scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
         self.rows_timeout = ROWS_TIMEOUT
@@ -284,18 +287,42 @@ class VllmEngineBackend(EngineBackend):
                 for layers in self.submit(batch).result()]
 
     # -- hidden-states generate: replies, then their rows (docs/extractor.md, "On-policy rows in one pass")
-    def answer(self, prompt: list[int], sampling: Sampling) -> Future:
+    def answer(self, prompt: list[int], sampling: Sampling, stream: Sink | None = None) -> Future:
         """Answer ``prompt``, a request of its own: the future resolves to its :class:`Reply` once that
         request has finished, while the engine goes on with the others (and with whatever is
         submitted meanwhile: a conversation's next turn). The reply's region holds the rows of its
         prompt and of every generated token a step fed back (all but the last); it stays reserved
-        until :meth:`release_replies`."""
+        until :meth:`release_replies`. ``stream``: the rows go there too as they land (token-major,
+        ``reply_streams``), until the reply's training row is prefilled; it is told which of them
+        that row's states keep (``kept``), or discarded (``discard``) when the row takes a region
+        of its own or the reply is given back."""
         self._check_feed()
-        offset = self._pool.reserve(self._region_bytes(len(prompt) + sampling.max_new_tokens + ROW_TAIL),
-                                    timeout=600.0)
+        capacity = len(prompt) + sampling.max_new_tokens + ROW_TAIL
+        offset = self._pool.reserve(self._region_bytes(capacity), timeout=600.0)
         work = _Prompt(prompt, offset, sampling, f"hs-gen-{next(self._salts)}")
+        if stream is not None:
+            self._reply_streams().follow(offset, capacity, stream)
         self._feed.put(work)
         return work.future
+
+    def _reply_streams(self) -> ReplyStreams:
+        if self._streams is None:
+            self._streams = ReplyStreams(lambda offset: (self._pool.rows_stored(offset, 0, timeout=0),
+                                                         self._pool.first_row(offset)), self._rows_token_major)
+        return self._streams
+
+    def _rows_token_major(self, offset: int, capacity: int, start: int, stop: int):
+        """Rows ``start .. stop`` of the region at ``offset`` (laid out for ``capacity``), each row's
+        layers one after another: uint8 ``[rows, layers, row bytes]``, a copy."""
+        import torch
+
+        size = (stop - start) * self._row_bytes
+        return torch.stack([self._pool.view(offset + layer_start(capacity, index, self._row_bytes, self._scales)
+                                            + start * self._row_bytes, torch.uint8, size).view(-1, self._row_bytes)
+                            for index in range(len(self.settings.layer_ids))], dim=1)
+
+    def _stop_stream(self, offset: int):
+        return self._streams.stop(offset) if self._streams is not None else None
 
     def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future:
         """The states of ``rows``, each the training row of reply ``sources[i]``'s conversation: as
@@ -313,14 +340,19 @@ class VllmEngineBackend(EngineBackend):
         in_place = [rows_of[source.offset] == 1 and source.offset not in self._adopted
                     and len(ids) <= source.capacity and common_prefix(ids, source.ids) == len(source.ids)
                     for ids, source in zip(rows, sources)]
-        offsets = []
+        offsets, streams = [], []
         for ids, source, here in zip(rows, sources, in_place):
+            stream = self._stop_stream(source.offset)  # before the row's prefill writes into the region
             if here:
                 self._adopted.add(source.offset)
                 offsets.append(source.offset)
             else:
                 offsets.append(self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0))
-        work = _RowBatch(rows, offsets, sources, in_place)
+                if stream is not None:
+                    stream.discard()
+                    stream = None
+            streams.append(stream)
+        work = _RowBatch(rows, offsets, sources, in_place, streams)
         self.rows_in_place += sum(in_place)
         self._feed.put(work)
         return work.future
@@ -331,7 +363,13 @@ class VllmEngineBackend(EngineBackend):
             if reply.offset in self._adopted:
                 self._adopted.discard(reply.offset)
             else:
+                self._discard_stream(reply.offset)
                 self._pool.release(reply.offset)
+
+    def _discard_stream(self, offset: int) -> None:
+        stream = self._stop_stream(offset)
+        if stream is not None:
+            stream.discard()
 
     def _check_feed(self) -> None:
         if self._feed.failure is not None:
@@ -371,6 +409,8 @@ class VllmEngineBackend(EngineBackend):
                                    f"region holds {min(common_prefix(ids, source.ids), source.stored)} of them")
             if first and not work.in_place[position]:
                 self._copy_rows(offset, len(ids), source.offset, source.capacity, first)
+            if work.streams[position] is not None:  # its rows from the prefill's first on are the row's own
+                work.streams[position].kept = min(first, self._pool.rewritten_from(offset))
             self.reply_rows_reused += first
 
     def params(self, work: _RegionBatch, position: int):
@@ -386,7 +426,11 @@ class VllmEngineBackend(EngineBackend):
 
     def failed(self, work: _RegionBatch) -> None:
         for offset in work.offsets:
+            self._discard_stream(offset)
             self._pool.release(offset)
+        for stream in getattr(work, "streams", ()):
+            if stream is not None:
+                stream.discard()
 
     def finished(self, work: _RegionBatch) -> None:
         if isinstance(work, _Prompt):
@@ -409,6 +453,9 @@ class VllmEngineBackend(EngineBackend):
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             for position in range(len(states), len(work.ids)):  # regions no tensor will release
                 self._pool.release(work.offsets[position])
+            for stream in getattr(work, "streams", ()):
+                if stream is not None:
+                    stream.discard()
             states.clear()  # the exception's traceback keeps this frame: its tensors must not keep their regions
             work.future.set_exception(exc)
         else:
@@ -486,6 +533,8 @@ class VllmEngineBackend(EngineBackend):
         super().close()
 
     def release(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
         if self._pool is not None:
             self._pool.close()
 

@@ -13,6 +13,11 @@ backend (``speculators/train/data.py``, ``hs_connectors/transfer.py:FileTransfer
   [T, 1, 1], as speculators 0.9's FP8 hs-connector writes them (``fp8_states``); its trainer reads
   them with ``--hidden-states-backend fp8``, which dequantizes.
 
+``hidden-states generate`` streams a reply's file while the engine generates (:class:`StreamedFile`):
+its states first, at a reserved header's end, then the ids and the FP8 scales, then the header, so
+a file may lay its tensors out in another order than :func:`write_safetensors` (readers go by the
+header's offsets).
+
 Layer ids count decoder layers done (``layer_conventions``): this format's ``k`` is the extractor's
 ``k - 1``. The dataset is written when a run ends, over samples ``0 .. n-1``, and only when every one
 of them has its file: the trainer maps row ``i`` to file ``i``, so a gap would misalign or stall it.
@@ -31,6 +36,7 @@ from .. import extras, fp8_states
 from ..errors import OutputError
 from ..inputs import Sample
 from ..layer_conventions import MEANING, SPECULATORS_05, from_extractor
+from ..output import Continued
 from . import Layers
 
 STATES_DIR = "hidden_states"
@@ -38,6 +44,8 @@ SAMPLE_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 DATASET_FILES = re.compile(r"^(data-\d{5}-of-\d{5}\.arrow|dataset_info\.json|state\.json)$")
 DATASET_TEMP = ".tmp-dataset"
 UNQUANTIZED = "unquantized states"  # a record's host states that its writer thread quantizes (FP8)
+STREAMED = "streamed states"  # a record's StreamedFile and its states' views, whose rows it holds from the start
+RESERVED_HEADER = 2048  # bytes a streamed file keeps for its header (8-byte length + JSON): the states start after
 # torch dtype -> safetensors' name for it: the dtypes a sample file holds (states in the model's dtype)
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64",
                       "float8_e4m3fn": "F8_E4M3"}
@@ -128,6 +136,102 @@ def state_tensors(states: list, state_dtype: str) -> dict:
     return {"hidden_states": stacked_states([layer.cpu() for layer in states])}
 
 
+class StreamedFile:
+    """A sample file begun while its reply is generated (``backends.reply_streams``'s sink), under the
+    writer's temporary name for the sample (``BackgroundWriter.temp_path``): each reply row's layers
+    go at their place after a reserved header as the region counts them. The writer finishes it
+    (:meth:`Speculators05.save`): the rows from ``kept`` on again, the rest of the tensors, the
+    header; a file never finished is the writer's leftover, removed by the next run's start.
+
+    Attributes:
+        rows: rows written, in order from the first.
+        kept: of those, the rows its sample's final states still hold (set once they are known,
+            ``VllmEngineBackend``: the rows before the training row's prefill and any row stored
+            again); None: not (yet) a sample's file, the writer writes it whole.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.rows = 0
+        self.row_bytes: int | None = None
+        self.kept: int | None = None
+        self.error: BaseException | None = None
+
+    def append(self, rows) -> None:
+        """Rows ``rows .. rows + len(rows)``: a uint8 tensor ``[n, layers, bytes per layer]``, contiguous."""
+        if not len(rows):
+            return
+        row_bytes = rows[0].numel()
+        if self.row_bytes is None:
+            self.row_bytes = row_bytes
+        elif row_bytes != self.row_bytes:
+            raise ValueError(f"a row of {row_bytes} bytes after rows of {self.row_bytes}")
+        _write_at(self._fd, memoryview(rows.reshape(-1).numpy()), RESERVED_HEADER + self.rows * row_bytes)
+        self.rows += len(rows)
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def discard(self) -> None:
+        """Close and remove it (its reply's row took a region of its own, or none came)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _write_at(fd: int, data: memoryview, position: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, position)
+        data, position = data[written:], position + written
+
+
+def finish_streamed(record: dict, handle: BinaryIO) -> bool:
+    """Finish a streamed file in ``handle`` (opened on it, not truncated): its states' rows from the
+    first its stream does not hold as final, then ``token_ids``, ``loss_mask`` and FP8's scales after
+    the states, then the header in the room reserved. False, nothing written: it cannot be (its
+    stream failed or never became the sample's; a tensor after the states would not start 8-byte
+    aligned; the header outgrows its room), and the file is written whole instead."""
+    import torch
+
+    stream, states = record[STREAMED]
+    tokens, count = int(record["token_ids"].shape[0]), len(states)
+    if stream.error is not None or stream.kept is None:
+        return False
+    dtype = SAFETENSORS_DTYPES.get(str(states[0].dtype).removeprefix("torch."))
+    row_bytes = count * states[0].shape[1] * states[0].element_size()
+    if dtype is None or (tokens * row_bytes) % 8 or (stream.row_bytes not in (None, row_bytes)):
+        return False
+    after = [("token_ids", record["token_ids"]), ("loss_mask", record["loss_mask"])]
+    if isinstance(states, fp8_states.Quantized):
+        after.append((fp8_states.SCALES, states.scales.contiguous()))
+    entries, offset = {"hidden_states": {"dtype": dtype, "shape": [tokens, count, states[0].shape[1]],
+                                         "data_offsets": [0, tokens * row_bytes]}}, tokens * row_bytes
+    for name, tensor in after:
+        size = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")],
+                         "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    if len(header) > RESERVED_HEADER - 8:
+        return False
+    start = min(stream.kept, stream.rows, tokens)
+    handle.seek(RESERVED_HEADER + start * row_bytes)
+    rows = torch.stack([layer[start:].contiguous().view(torch.uint8) for layer in states], dim=1)
+    handle.write(memoryview(rows.reshape(-1).numpy()))
+    for _, tensor in after:
+        handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    handle.truncate()
+    handle.seek(0)
+    handle.write(struct.pack("<Q", RESERVED_HEADER - 8) + header + b" " * (RESERVED_HEADER - 8 - len(header)))
+    return True
+
+
 def read_sample(path: Path) -> dict:
     """``hidden_states``, ``token_ids`` and ``loss_mask`` of one sample file (and an FP8 file's
     ``hidden_states_scales``)."""
@@ -193,7 +297,23 @@ class Speculators05:
             return {**id_tensors(sample.input_ids, mask), UNQUANTIZED: list(states)}
         return sample_tensors(sample.input_ids, mask, states, self.state_dtype)
 
+    def streamed_record(self, sample: Sample, states: list, stream: StreamedFile) -> Continued:
+        """The record of a sample whose file ``stream`` began (its rows before ``stream.kept`` in place);
+        ``states``: the sample's final states, one ``[T, hidden]`` per layer (or
+        ``fp8_states.Quantized``), whose rows past those the writer writes."""
+        n = len(sample.input_ids)
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+        return Continued({**id_tensors(sample.input_ids, mask), STREAMED: (stream, states)})
+
     def save(self, record: dict, handle: BinaryIO) -> None:
+        if STREAMED in record:
+            if finish_streamed(record, handle):
+                return
+            stream, states = record[STREAMED]
+            handle.seek(0)
+            handle.truncate()
+            record = {**{key: value for key, value in record.items() if key != STREAMED},
+                      **state_tensors(states, self.state_dtype)}
         if UNQUANTIZED in record:
             states = record[UNQUANTIZED]
             record = {**{key: value for key, value in record.items() if key != UNQUANTIZED},

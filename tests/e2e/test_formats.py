@@ -409,3 +409,74 @@ def test_convert_refuses_fp8_states_to_the_03_layout(both, tmp_path):
     proc = convert(root / "fp8", tmp_path / "to03", "speculators-0.3")
     assert proc.returncode == 2 and "holds fp8 states, which speculators-0.3's trainer cannot read" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "to03").exists()
+
+
+@pytest.mark.parametrize("state_dtype", ["model", "fp8"])
+def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, state_dtype):
+    """``generate --format speculators-0.5``: the file of a row prefilled in its reply's region is begun
+    while the reply is generated (its states first, written as the region counts them; the rows its
+    prefill computed again, the ids, FP8's scales and the header at its end), with the marker model of
+    tests/e2e/test_generate.py, whose rows go on from their whole reply. Every file streamed is one
+    prefilled in place (the log's counts), holds the states first (its header), and is HF's row, layer
+    by layer, token by token (FP8: within e4m3's step more); speculators 0.9.0's own dataset reads the
+    directory. The negative of the judge: tests/unit/test_streamed_files.py (stale rows kept fail)."""
+    import re
+
+    import torch
+
+    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+    from hidden_states.formats.speculators_05 import safetensors_header
+    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from tests.e2e import test_generate as generate
+
+    # a system prompt, a one-turn and a two-turn conversation: four rows, one per reply
+    conversations = [generate.CONVERSATIONS[3], generate.CONVERSATIONS[0], generate.CONVERSATIONS[2]]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    model = generate.marker_model(tmp_path)
+    out = tmp_path / "out"
+    extra = ("--state-dtype", "fp8") if state_dtype == "fp8" else ()
+    proc = generate.run_generate(model, data, out, *extra, layout="speculators-0.5", layers=IDS_05, new_tokens=64,
+                                 pythonpath=(speculators_09(), ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    in_place = int(re.search(r"(\d+) prefilled in their reply's region", proc.stderr).group(1))
+    said = re.search(r"(\d+) streamed to their files during generation \(([\d,]+) token rows", proc.stderr)
+    assert said, proc.stderr[-3000:]
+    assert int(said.group(1)) == in_place >= 1 and int(said.group(2).replace(",", "")) > 0, said.group(0)
+    chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.5", 1024)
+    hf = load_model(model)
+    states_first, worst = 0, 0.0
+    for line in (out / "regenerated.jsonl").read_text().splitlines():
+        line = json.loads(line)
+        rows = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)
+        assert len(rows) == len(line["sample_indices"])
+        for index, row in zip(line["sample_indices"], rows):
+            path = out / "hidden_states" / f"hs_{index}.safetensors"
+            states_first += safetensors_header(path)["hidden_states"]["data_offsets"][0] == 0
+            saved = load_05(out, index)
+            assert saved["token_ids"].tolist() == row.input_ids and saved["loss_mask"].tolist() == row.loss_mask
+            got = saved["hidden_states"].float()
+            if state_dtype == "fp8":
+                got = got * saved["hidden_states_scales"]
+            reference = decoder_layer_outputs(hf, [row.input_ids], [layer - 1 for layer in IDS_05])[0]
+            for j, ref in enumerate(reference):
+                errors = relative_errors(got[:, j, :], ref)
+                bound = harness.TOLERANCE + (FP8_STEP if state_dtype == "fp8" else 0)
+                assert float(errors.max()) <= bound, f"sample {index} layer {IDS_05[j]}: {float(errors.max()):.3f}"
+                worst = max(worst, float(errors.max()))
+    assert states_first == in_place  # every streamed file, and no other, lays its states out first
+    print(f"generate {state_dtype}: {in_place} files streamed ({said.group(2)} rows during generation), worst "
+          f"token {worst:.4f} of HF")
+    script = ("import json, sys\n"
+              "from speculators.train.data import ArrowDataset\n"
+              + ("from pathlib import Path\nfrom hs_connectors.transfer import FP8Transfer\n"
+                 "t = FP8Transfer(Path(sys.argv[1]) / 'hidden_states')\n" if state_dtype == "fp8" else "t = None\n")
+              + "kw = {'transfer': t} if t else {}\n"
+              "ds = ArrowDataset(max_len=2048, datapath=sys.argv[1], on_missing='raise', **kw)\n"
+              "print(json.dumps([list(ds[i]['hidden_states'].shape) for i in range(len(ds))]))\n")
+    read = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(speculators_09())})
+    assert read.returncode == 0, read.stderr[-3000:]
+    shapes = json.loads(read.stdout.strip().splitlines()[-1])
+    assert len(shapes) == 4 and all(shape[1] == 3 * 128 for shape in shapes), shapes

@@ -15,7 +15,7 @@ import torch
 
 from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, SECOND, RegionPool, layer_start
+from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, SECOND, RegionPool, layer_start
 from hidden_states.backends.vllm_engine import ROW_TAIL, Reply, Sampling, VllmEngineBackend
 from hidden_states.cli import main
 from hidden_states.conversations import Conversation
@@ -217,6 +217,65 @@ def test_a_row_that_cannot_take_its_replys_region_gets_its_own(rows):
         backend.close()
 
 
+class Sink:
+    """A reply stream's sink that keeps what it is given (token-major rows as float32)."""
+
+    def __init__(self):
+        self.rows, self.kept, self.taken, self.discarded, self.error = 0, None, [], False, None
+
+    def append(self, rows):
+        self.taken.append(rows.view(torch.float32))
+        self.rows += len(rows)
+
+    def fail(self, error):
+        self.error = error
+
+    def discard(self):
+        self.discarded = True
+
+
+def streamed_rows(sink):
+    return torch.cat(sink.taken)[:, :, 0].T.tolist()  # [layers, rows], each row's first value
+
+
+@pytest.mark.parametrize("rewritten", [None, 5])
+def test_a_replys_stream_takes_its_counted_rows_and_keeps_those_its_in_place_row_did_not_compute(rewritten):
+    """The rows a reply's region counts go to its stream token-major; its row, prefilled in place,
+    computes from the cache's last whole block on, and a row stored again (``REWRITTEN``, a preempted
+    request recomputed) lowers what the stream keeps."""
+    backend, _ = generating_backend({tuple(PROMPT): GENERATED})
+    try:
+        sink = Sink()
+        reply = backend.answer(PROMPT, Sampling(max_new_tokens=8), stream=sink).result(timeout=WAIT)
+        backend._streams.copy_round()
+        assert sink.rows == len(PROMPT + GENERATED) - 1 and streamed_rows(sink) == expected_rows(reply.ids[:-1])
+        if rewritten is not None:
+            backend._pool.view(reply.offset + REWRITTEN, torch.int64, 1).fill_(rewritten)
+        states = backend.row_states([PROMPT + GENERATED + [40]], [reply]).result(timeout=WAIT)
+        assert sink.kept == (12 if rewritten is None else rewritten) and not sink.discarded  # 12: 3 whole blocks
+        backend._pool.view(reply.offset, torch.int64, 1).fill_(len(reply.ids))  # a late count of the reply's
+        backend._streams.copy_round()
+        assert sink.rows == 12  # no copy after the row's prefill began
+        del states
+    finally:
+        backend.close()
+
+
+def test_a_replys_stream_is_discarded_when_its_row_takes_its_own_region_or_the_reply_is_given_back():
+    backend, _ = generating_backend({tuple(PROMPT): GENERATED, (1, 2, 3): [4, 5, 2]})
+    try:
+        sinks = [Sink(), Sink()]
+        replies = [backend.answer(prompt, Sampling(max_new_tokens=8), stream=sink).result(timeout=WAIT)
+                   for prompt, sink in zip((PROMPT, [1, 2, 3]), sinks)]
+        states = backend.row_states([PROMPT + GENERATED[:3]], [replies[0]]).result(timeout=WAIT)  # not in place
+        assert sinks[0].discarded and sinks[0].kept is None
+        backend.release_replies(replies)
+        assert sinks[1].discarded and backend._streams._followed == {}
+        del states
+    finally:
+        backend.close()
+
+
 def test_a_row_given_more_cached_tokens_than_its_reply_holds_fails():
     backend, _ = generating_backend({tuple(PROMPT): GENERATED}, extra_hit=BLOCK)
     try:
@@ -375,9 +434,21 @@ def test_the_sampling_is_part_of_the_output_directorys_identity():
 # -- the run around a fake backend: rows, indices per layout, regenerated.jsonl, resume
 
 
+def fake_rows(layer_ids, start, stop):
+    """FakeGenerating's states of positions ``start .. stop`` token-major, as a stream takes them."""
+    rows = torch.stack([torch.arange(start, stop, dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
+                        for layer in layer_ids], dim=1)
+    return rows.view(torch.uint8)
+
+
+STALE_ROWS = 2  # the last rows a FakeGenerating reply streams, which its row's prefill computes again
+
+
 class FakeGenerating:
     """``vllm-engine``'s generate interface in miniature: a reply is the words ``ok <n>``'s ids then
-    <|eot_id|>; a row's states at layer l are ``l * 1000 + position`` (the same whoever computes them)."""
+    <|eot_id|>; a row's states at layer l are ``l * 1000 + position`` (the same whoever computes them).
+    A reply given a stream streams its fed rows, its last ``STALE_ROWS`` stale (-1, as a decode's
+    state differs from the prefill's): its row, prefilled in place, keeps the rows before them."""
 
     name = "vllm-engine"
     tokens_ahead, tokens_per_submit = 1, None
@@ -386,6 +457,7 @@ class FakeGenerating:
     def __init__(self, settings, tokenizer):
         self.settings, self.tokenizer = settings, tokenizer
         self.reply_rows_reused, self.rows_in_place, self.released, self.asked = 0, 0, [], 0
+        self.streams = {}  # reply offset -> its stream
 
     def start(self):
         FakeGenerating.started_count += 1
@@ -394,12 +466,17 @@ class FakeGenerating:
     def check_forward(self, probe):
         return []
 
-    def answer(self, ids, sampling):
+    def answer(self, ids, sampling, stream=None):
         from concurrent.futures import Future
 
         eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
         self.asked += 1
         generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
+        if stream is not None:
+            fed = len(ids) + len(generated) - 1
+            stream.append(fake_rows(self.settings.layer_ids, 0, fed - STALE_ROWS))  # counted in two rounds
+            stream.append(torch.full((STALE_ROWS, len(self.settings.layer_ids), 8), -1.0).view(torch.uint8))
+            self.streams[self.asked] = stream
         future = Future()
         future.set_result(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
                                 len(ids) + len(generated) - 1, f"salt-{self.asked}"))
@@ -410,6 +487,11 @@ class FakeGenerating:
 
         for row, source in zip(rows, sources):
             self.reply_rows_reused += row_source(row, [source]).reused
+            stream = self.streams.pop(source.offset, None)
+            if stream is not None and common_prefix(row, source.ids) == len(source.ids):
+                stream.kept = source.stored - STALE_ROWS
+            elif stream is not None:
+                stream.discard()
         future = Future()
         future.set_result([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
                             for layer in self.settings.layer_ids] for row in rows])
@@ -500,7 +582,7 @@ class TimedReplies(FakeGenerating):
         super().__init__(settings, tokenizer)
         self.events, self.timers = [], []
 
-    def answer(self, ids, sampling):
+    def answer(self, ids, sampling, stream=None):
         from concurrent.futures import Future
 
         reply = super().answer(ids, sampling).result()
@@ -586,7 +668,7 @@ def test_a_conversation_starts_as_soon_as_another_is_done_and_its_rows_go_out_at
 class InterruptedReplies(TimedReplies):
     """:class:`TimedReplies`, with Ctrl-C pressed as the long reply is asked for."""
 
-    def answer(self, ids, sampling):
+    def answer(self, ids, sampling, stream=None):
         future = super().answer(ids, sampling)
         if self.events[-1] == ("asked", "long"):
             os.kill(os.getpid(), signal.SIGINT)
@@ -642,3 +724,31 @@ def test_per_turn_rows_are_numbered_by_their_reply(fake_run, tmp_path):
     assert [r["sample_indices"] for r in regenerated] == [[0, 1], [2]]
     assert sorted(p.name for p in (out / "hidden_states").glob("hs_*.safetensors")) == \
         [f"hs_{i}.safetensors" for i in range(3)]
+
+
+@pytest.mark.datasets
+@pytest.mark.parametrize("streamed", [True, False])
+def test_per_reply_files_begun_while_generating_end_as_files_written_at_the_end(fake_run, tmp_path, streamed):
+    """speculators-0.5: a reply's file is begun as its rows land; the writer takes the rows its row's
+    prefill computed again (the fake's stale ones) from the final states and finishes the header.
+    Both ways give the same tensors; the files streamed are counted."""
+    from hidden_states.formats.speculators_05 import read_sample
+    from hidden_states.generation import Generation
+
+    model, data, _ = fake_run
+    out = tmp_path / "out"
+    Generation.stream_files = streamed
+    try:
+        summary, generation, lines = run_generation(model, data, out, "speculators-0.5")
+    finally:
+        Generation.stream_files = True
+    assert generation.tally.streamed == (3 if streamed else 0)
+    assert ("3 streamed to their files during generation" in lines[-1]) == streamed
+    for index in range(3):
+        sample = read_sample(out / "hidden_states" / f"hs_{index}.safetensors")
+        tokens = sample["token_ids"].shape[0]
+        expected = torch.stack([torch.arange(tokens, dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
+                                for layer in (0, 2)], dim=1)  # --layer-ids 1 3 of speculators-0.5
+        assert torch.equal(sample["hidden_states"], expected), index
+        assert sample["loss_mask"].shape == (tokens,)
+    assert not list(out.glob(".tmp-*"))

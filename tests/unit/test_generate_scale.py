@@ -44,7 +44,7 @@ class PromptReplies(FakeGenerating):
     <number>`` (its number from the prompt's ids) then <|eot_id|>; a row's state at layer l and
     position p is ``1000 l + p + (sum of its ids)/1000``."""
 
-    def answer(self, ids, sampling):
+    def answer(self, ids, sampling, stream=None):
         eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
         text = f"ok {sum(ids) % 89}"
         generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
@@ -68,7 +68,7 @@ class SampledReplies(PromptReplies):
         SampledReplies.made += 1
         self.number = SampledReplies.made
 
-    def answer(self, ids, sampling):
+    def answer(self, ids, sampling, stream=None):
         text = f"{super().answer(ids, sampling).result().text} {self.number}"
         generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] \
             + [self.tokenizer.convert_tokens_to_ids("<|eot_id|>")]

@@ -12,7 +12,8 @@ import torch
 
 from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
+from hidden_states.backends.regions import (FIRST_ROW, HEADER, REGION, REWRITTEN, UNREWRITTEN, RegionPool, layer_start,
+                                           region_bytes, scales_start)
 from hidden_states.backends.vllm_engine import VllmEngineBackend, _RegionBatch
 
 HIDDEN = 4
@@ -34,6 +35,7 @@ def worker(capture, regions, order, size=1 << 16):
     extension._hidden_states_step = None
     extension._hidden_states_prompts = {}
     extension._hidden_states_first = {}
+    extension._hidden_states_ends = {}
     extension._hidden_states_copies = extension._hidden_states_done = None  # a CPU worker: copies done on return
     extension.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))
     return extension
@@ -118,12 +120,23 @@ def test_a_region_whose_layers_are_not_on_whole_rows_is_refused_when_gathered(ca
         run_step(extension, ["r1"], {"r1": 2}, {"r1": 0})
 
 
-def test_rows_of_a_prompt_recomputed_after_preemption_overwrite_in_place(capture):
+def rewritten_from(extension, offset):
+    return int(extension._hidden_states_host[offset + REWRITTEN:offset + REWRITTEN + 8].view(torch.int64)[0])
+
+
+@pytest.mark.parametrize("steps, rewritten", [
+    ([({"r1": 3}, {"r1": 0}), ({"r1": 1}, {"r1": 3})], UNREWRITTEN),  # a prompt, then a decode row: none again
+    ([({"r1": 3}, {"r1": 0}), ({"r1": 2}, {"r1": 0}), ({"r1": 2}, {"r1": 2})], 0),  # preempted, recomputed
+    ([({"r1": 2}, {"r1": 0}), ({"r1": 2}, {"r1": 2}), ({"r1": 1}, {"r1": 1}), ({"r1": 2}, {"r1": 2})], 1),
+])
+def test_rows_of_a_prompt_recomputed_after_preemption_overwrite_in_place_and_say_from_where(capture, steps, rewritten):
     extension = worker(capture, {"r1": (0, 4)}, order=["r1"])
-    for tokens, starts in (({"r1": 3}, {"r1": 0}), ({"r1": 2}, {"r1": 0}), ({"r1": 2}, {"r1": 2})):
+    extension._hidden_states_host[REWRITTEN:REWRITTEN + 8].view(torch.int64)[0] = UNREWRITTEN  # as reserved
+    for tokens, starts in steps:
         run_step(extension, ["r1"], tokens, starts)
     stored, _, data = rows_of(extension, capture, 0, 4)
     assert stored == 4 and torch.equal(data, expected(1, 4))
+    assert rewritten_from(extension, 0) == rewritten
 
 
 def test_a_forward_outside_any_step_stores_nothing(capture):
