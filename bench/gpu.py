@@ -450,7 +450,7 @@ def phase_generate(args) -> None:
             return
         seconds = float(re.search(r"in ([\d.]+) s", summary).group(1))
         new = int(re.search(r"([\d,]+) tokens generated", generated).group(1).replace(",", ""))
-        emit("generate", model=Path(args.model).name, backend=args.backend,
+        emit("generate", model=Path(args.model).name, backend=args.backend, format=args.format,
              mode="cuda graphs (--cuda-graphs)" if args.cuda_graphs else "eager (engine backends)",
              samples=args.samples, prompt_tokens=args.length, new_tokens=new, seconds=seconds,
              generated_tokens_per_s=round(new / seconds), generate=generated.split("] ", 1)[-1], summary=summary)
