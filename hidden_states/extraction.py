@@ -390,7 +390,7 @@ class Extraction:
         chat = ChatSettings(settings.model_path, self.format_name, settings.max_seq_len, settings.trust_remote_code,
                             settings.strict)
         self.input = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
-        check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
+        self.check_input()
         source, tokenization = self.input.identity(settings.max_seq_len)
         self.identity = {"model": facts.path, "layer_ids": self.format_layer_ids, "state_dtype": settings.state_dtype,
                          "input": source, "tokenization": tokenization}
@@ -409,6 +409,11 @@ class Extraction:
         if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
             self.plan_lines.append(audit_line(settings.backend))
         self.plan_lines += self._work_and_time()
+
+    def check_input(self) -> None:
+        """The input's first samples, read ahead and validated (their length too, with ``--strict``)."""
+        settings = self.settings
+        check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
 
     def _check_output_dir(self) -> set[int]:
         """What can be told of the output directory without writing: not a file, in a writable folder,

@@ -44,7 +44,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from . import conversations, fp8_states
 from .backends.vllm_engine import Reply, Sampling
-from .errors import InputError, UsageError
+from .errors import InputError, PreflightError, UsageError
 from .extraction import PLAN_DETAILS, Extraction
 from .formats.speculators_05 import StreamedFile
 from .inputs import Sample
@@ -98,12 +98,21 @@ class Generation(Extraction):
             raise UsageError(f"--max-new-tokens {self.sampling.max_new_tokens}: must be below --max-seq-len "
                              f"{settings.max_seq_len} (a prompt and its reply make one row)")
         first = next(iter(conversations.open_source(settings.prepared_data)), None)
-        if first is not None and conversations.kind_of(first) not in (conversations.SHAREGPT, conversations.MESSAGES):
+        if first is None:
+            raise PreflightError(f"{settings.prepared_data}: no conversations")
+        if conversations.kind_of(first) not in (conversations.SHAREGPT, conversations.MESSAGES):
             raise InputError(f"{first.where}: a {conversations.kind_of(first)} row; generate regenerates "
                              f"conversations (ShareGPT 'conversations' or OpenAI 'messages')")
         super().plan()
         self.plan_lines.append(f"regeneration: every user turn answered again ({self.describe_sampling()}); the time "
                                f"above is the rows' prefill alone")
+
+    def check_input(self) -> None:
+        """The input holds conversations (checked in :meth:`plan`); as ``extract`` would read them
+        it may hold no sample at all: with ``speculators-0.5`` (a row per assistant turn) prompts with
+        no reply yet make none, and their rows are the regenerated replies'."""
+        if self.input.peek(1):
+            super().check_input()
 
     def describe_sampling(self) -> str:
         s = self.sampling

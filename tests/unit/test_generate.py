@@ -409,6 +409,7 @@ CHAT = '{"messages": [{"role": "user", "content": "hi"}]}'
     ([CHAT], ("--temperature", "-0.5"), "--temperature -0.5: must be at least 0"),
     ([CHAT], ("--top-p", "0"), "--top-p 0.0: must be more than 0 and at most 1"),
     ([CHAT, '{"text": "plain"}'], ("--skip-forward-check",), "data.jsonl:2: a text row; generate regenerates"),
+    ([], (), "data.jsonl: no conversations"),
 ])
 def test_bad_input_is_one_line_and_exit_2(chat_model, tmp_path, capsys, monkeypatch, lines, extra, message):
     monkeypatch.setattr("hidden_states.extraction.Extraction.load", lambda self: pytest.fail("the model loaded"))
@@ -752,3 +753,17 @@ def test_per_reply_files_begun_while_generating_end_as_files_written_at_the_end(
         assert torch.equal(sample["hidden_states"], expected), index
         assert sample["loss_mask"].shape == (tokens,)
     assert not list(out.glob(".tmp-*"))
+
+
+@pytest.mark.datasets
+def test_prompts_with_no_reply_yet_make_per_reply_rows(fake_run, tmp_path):
+    """speculators-0.5 reads no sample in a conversation without an assistant turn (``extract``'s view
+    of the input, which the plan reads): generate's rows are the regenerated replies', one each."""
+    model, _, _ = fake_run
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": word}]}) + "\n"
+                            for word in ("one", "two", "three")))
+    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.5")
+    assert summary.extracted == 3
+    assert sorted(p.name for p in (tmp_path / "out" / "hidden_states").glob("hs_*.safetensors")) == \
+        [f"hs_{i}.safetensors" for i in range(3)]
