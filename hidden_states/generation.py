@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -56,6 +57,7 @@ from .replicas import Batch, Handle, RayExtraction
 from .tokenization import ChatTokenizer, load_tokenizer
 
 BACKEND = "vllm-engine"
+STREAM_ENV = "VLLM_COMPAT_STREAM_FILES"  # 0: speculators-0.5 files written when their rows are done (to compare)
 
 
 class Generation(Extraction):
@@ -285,10 +287,8 @@ class Generation(Extraction):
         side by side, so its rows go out as they come; speculators-0.3 stores each layer whole), when
         the file's layers are the backend's, in its order."""
         captured = len(getattr(self.backend, "settings", self.settings).layer_ids)
-        return (self.stream_files and self.format_name == SPECULATORS_05
+        return (os.environ.get(STREAM_ENV, "1") != "0" and self.format_name == SPECULATORS_05
                 and self._layer_order == list(range(captured)))
-
-    stream_files = True  # tests turn it off to compare
 
     def _stream_for(self, regen: Regeneration, indices: list[int]) -> StreamedFile | None:
         """The file of ``regen``'s next reply's row (a row per reply: its sample is the reply's number

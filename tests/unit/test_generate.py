@@ -729,20 +729,19 @@ def test_per_turn_rows_are_numbered_by_their_reply(fake_run, tmp_path):
 
 @pytest.mark.datasets
 @pytest.mark.parametrize("streamed", [True, False])
-def test_per_reply_files_begun_while_generating_end_as_files_written_at_the_end(fake_run, tmp_path, streamed):
+def test_per_reply_files_begun_while_generating_end_as_files_written_at_the_end(fake_run, tmp_path, monkeypatch,
+                                                                               streamed):
     """speculators-0.5: a reply's file is begun as its rows land; the writer takes the rows its row's
     prefill computed again (the fake's stale ones) from the final states and finishes the header.
     Both ways give the same tensors; the files streamed are counted."""
     from hidden_states.formats.speculators_05 import read_sample
-    from hidden_states.generation import Generation
+    from hidden_states.generation import STREAM_ENV
 
     model, data, _ = fake_run
     out = tmp_path / "out"
-    Generation.stream_files = streamed
-    try:
-        summary, generation, lines = run_generation(model, data, out, "speculators-0.5")
-    finally:
-        Generation.stream_files = True
+    if not streamed:
+        monkeypatch.setenv(STREAM_ENV, "0")
+    summary, generation, lines = run_generation(model, data, out, "speculators-0.5")
     assert generation.tally.streamed == (3 if streamed else 0)
     assert ("3 streamed to their files during generation" in lines[-1]) == streamed
     for index in range(3):
