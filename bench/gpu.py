@@ -443,6 +443,11 @@ def phase_generate(args) -> None:
                    "--progress-interval", "30", "--format", args.format,
                    "--layer-ids", *map(str, format_layers(args)), *(["--cuda-graphs"] if args.cuda_graphs else [])]
         proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        full = work / "out" / "hidden-states.log"  # vLLM's own lines too (its KV cache, warnings)
+        full_log = full.read_text(errors="replace") if full.exists() else proc.stderr
+        if os.environ.get("BENCH_LOG_DIR"):
+            Path(os.environ["BENCH_LOG_DIR"], f"generate-{work.name}.log").write_text(full_log)
+        kv_cache = re.search(r"KV cache size: ([\d,]+) tokens", full_log)
         summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
         generated = next((l for l in proc.stderr.splitlines() if "] generate:" in l), "")
         if proc.returncode != 0 or summary is None:
@@ -453,7 +458,9 @@ def phase_generate(args) -> None:
         emit("generate", model=Path(args.model).name, backend=args.backend, format=args.format,
              mode="cuda graphs (--cuda-graphs)" if args.cuda_graphs else "eager (engine backends)",
              samples=args.samples, prompt_tokens=args.length, new_tokens=new, seconds=seconds,
-             generated_tokens_per_s=round(new / seconds), generate=generated.split("] ", 1)[-1], summary=summary)
+             generated_tokens_per_s=round(new / seconds), generate=generated.split("] ", 1)[-1], summary=summary,
+             kv_cache_tokens=int(kv_cache.group(1).replace(",", "")) if kv_cache else None,
+             streamed_files=os.environ.get("VLLM_COMPAT_STREAM_FILES", "1") != "0")
         return
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

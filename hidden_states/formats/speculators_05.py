@@ -152,7 +152,9 @@ class StreamedFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # opened for each append, never held: a run with thousands of replies in flight would
+        # otherwise hold as many descriptors (the process's limit is often 1,024)
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         self.rows = 0
         self.row_bytes: int | None = None
         self.kept: int | None = None
@@ -167,21 +169,18 @@ class StreamedFile:
             self.row_bytes = row_bytes
         elif row_bytes != self.row_bytes:
             raise ValueError(f"a row of {row_bytes} bytes after rows of {self.row_bytes}")
-        _write_at(self._fd, memoryview(rows.reshape(-1).numpy()), RESERVED_HEADER + self.rows * row_bytes)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            _write_at(fd, memoryview(rows.reshape(-1).numpy()), RESERVED_HEADER + self.rows * row_bytes)
+        finally:
+            os.close(fd)
         self.rows += len(rows)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        self.close()
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def discard(self) -> None:
-        """Close and remove it (its reply's row took a region of its own, or none came)."""
-        self.close()
+        """Remove it (its reply's row took a region of its own, or none came)."""
         self.path.unlink(missing_ok=True)
 
 

@@ -133,3 +133,15 @@ def test_reply_streams_copy_counted_rows_once_each_and_drop_a_sink_that_fails_or
     assert set(streams._followed) == {0} and streams.rows_copied == 5
     assert streams.stop(0) is good and streams.stop(0) is None and streams._followed == {}
     streams.close()
+
+
+def test_streamed_files_hold_no_descriptor_between_appends(tmp_path):
+    """Thousands of replies may be in flight: a begun file must not keep a descriptor open."""
+    import os
+
+    before = len(os.listdir("/proc/self/fd"))
+    streams = [StreamedFile(tmp_path / f"s{i}") for i in range(64)]
+    for stream in streams:
+        stream.append(token_major(layers_of(4, 8), 0, 4))
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert all(stream.path.stat().st_size == RESERVED_HEADER + 4 * 3 * 16 for stream in streams)
