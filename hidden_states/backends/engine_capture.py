@@ -23,8 +23,9 @@ request's region of a page-locked ``/dev/shm`` segment shared with the parent.
   bytes cross to the host.
 * Rows go where the scheduler says they belong (``num_computed_tokens``), so chunked prompts and
   prompts recomputed after a preemption land in place (the lowest position stored at again noted at
-  ``regions.REWRITTEN``: a copy the parent took of counted rows knows from where to take it again); rows past the region's length and rows of
-  requests without a region (warm-up, profiling) are not stored. A region is the prompt's length
+  ``regions.REWRITTEN``: a copy the parent took of counted rows knows from where to take it again);
+  rows past the region's length and rows of requests without a region (warm-up, profiling) are not
+  stored. A region is the prompt's length
   for ``extract`` (a decode step's row is past it); ``hidden-states generate`` gives a request the
   prompt plus its most new tokens, and each decode step's row (the token it feeds back, with its
   id) lands at its position: the reply's rows, all but the last sampled token, which no step feeds. A request whose first tokens

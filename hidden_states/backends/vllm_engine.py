@@ -428,9 +428,7 @@ class VllmEngineBackend(EngineBackend):
         for offset in work.offsets:
             self._discard_stream(offset)
             self._pool.release(offset)
-        for stream in getattr(work, "streams", ()):
-            if stream is not None:
-                stream.discard()
+        _discard_rows_streams(work)
 
     def finished(self, work: _RegionBatch) -> None:
         if isinstance(work, _Prompt):
@@ -453,9 +451,7 @@ class VllmEngineBackend(EngineBackend):
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             for position in range(len(states), len(work.ids)):  # regions no tensor will release
                 self._pool.release(work.offsets[position])
-            for stream in getattr(work, "streams", ()):
-                if stream is not None:
-                    stream.discard()
+            _discard_rows_streams(work)
             states.clear()  # the exception's traceback keeps this frame: its tensors must not keep their regions
             work.future.set_exception(exc)
         else:
@@ -537,6 +533,13 @@ class VllmEngineBackend(EngineBackend):
             self._streams.close()
         if self._pool is not None:
             self._pool.close()
+
+
+def _discard_rows_streams(work: _RegionBatch) -> None:
+    """The streams a batch of training rows was to finish, when it fails: their files are not written."""
+    for stream in getattr(work, "streams", ()):
+        if stream is not None:
+            stream.discard()
 
 
 class _Countdown:
