@@ -46,8 +46,9 @@ from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, form
 from .estimates import TimeEstimate, duration, estimate_time, rate_for
 from .identity import describe_input, difference, stop_record
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_environment,
-                        check_first_samples, check_layer_ids, check_memory, check_tensor_parallel, check_vllm,
-                        cpu_kv_cache_space, device_budget, estimate_memory, estimate_tokens, human_size, model_facts)
+                        check_first_samples, check_layer_ids, check_memory, check_states_in_flight,
+                        check_tensor_parallel, check_vllm, cpu_kv_cache_space, device_budget, estimate_memory,
+                        estimate_tokens, human_size, model_facts)
 from .progress import Progress, log_to_stderr
 from .settings import Settings
 
@@ -124,7 +125,7 @@ class ProcessDied(RuntimeError):
 
 # Plan lines that `extract` leaves to the log file (`--log-level debug` shows them): how a setting was
 # chosen, the model's shape, the estimate's basis (`hidden-states plan` prints every line).
-PLAN_DETAILS = ("settings:", "model:", "KV cache:", "time estimated from")
+PLAN_DETAILS = ("settings:", "model:", "KV cache:", "time estimated from", "host memory for states")
 # How long a failed run waits for one of vLLM's processes to exit before it shuts vLLM down: the
 # engine core of ``vllm.LLM`` reports its death to this process before it exits.
 EXIT_WAIT = 5.0
@@ -399,6 +400,8 @@ class Extraction:
         self.memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
         if self.loads_model_here:  # asking the device imports vLLM (seconds)
             self.plan_lines += self.check_memory_here()
+            if settings.backend == "vllm-engine":
+                self.plan_lines.append(self.check_states_in_flight())
         elif self.memory is not None:
             self.plan_lines.append(f"memory: {self.memory.line()}; each replica checks it against its own node's "
                                    f"devices as it loads")
@@ -447,6 +450,20 @@ class Extraction:
         if isinstance(budget, DeviceBudget) and budget.shared:
             lines.append(self._plan_cpu_kv_cache(memory))
         return lines
+
+    def check_states_in_flight(self) -> str:
+        """The host memory ``vllm-engine``'s states in flight take (``RunPlan.backend_settings``'
+        sequences, each of up to ``--max-seq-len`` tokens of every captured layer, its token id and,
+        FP8, its scale) against the host's available memory."""
+        from vllm_compat.host import host_memory
+
+        settings, facts = self.settings, self.facts
+        fp8 = settings.state_dtype == "fp8"
+        token_bytes = (len(set(self.layers.ids)) * facts.hidden_size * (1 if fp8 else facts.dtype_bytes)
+                       + 4 + (4 if fp8 else 0))
+        return check_states_in_flight(batch_size=settings.batch_size, batches_held=self.batches_held,
+                                      extra_sequences=settings.max_writer_threads, max_seq_len=settings.max_seq_len,
+                                      token_bytes=token_bytes, available=host_memory()[0])
 
     def _plan_cpu_kv_cache(self, memory: MemoryEstimate) -> str:
         """vLLM's CPU backend sizes its KV cache from ``CPU_KV_CACHE_ENV`` or else from a share of the

@@ -262,6 +262,28 @@ def check_memory(model_path: str, estimate: MemoryEstimate, budget: DeviceBudget
                          f"than {against}. {remedy}.")
 
 
+def check_states_in_flight(*, batch_size: int, batches_held: int, extra_sequences: int, max_seq_len: int,
+                           token_bytes: int, available: int) -> str:
+    """``--backend vllm-engine`` keeps the states of every sequence in flight in one shared segment,
+    made when its engine has started (after the model's load) and page-locked on a GPU: ``batches_held``
+    batches of ``--batch-size`` sequences and ``extra_sequences`` more, each of up to ``max_seq_len``
+    tokens of ``token_bytes``. Refused here, before the load, when that is more than the host's
+    ``available`` memory; else the line that says how much it is."""
+    sequence = max_seq_len * token_bytes
+    needed = (batches_held * batch_size + extra_sequences) * sequence
+    if needed > available:
+        fits = (available // sequence - extra_sequences) // batches_held
+        remedy = (f"use --batch-size {fits} or less, or a shorter --max-seq-len" if fits >= 1 else
+                  "even --batch-size 1 does not fit: use a shorter --max-seq-len or fewer --layer-ids")
+        raise PreflightError(f"--batch-size {batch_size}: the states of the sequences in flight need "
+                             f"{human_size(needed)} of host memory ({batches_held} batches of {batch_size} and "
+                             f"{extra_sequences} more sequences, up to {max_seq_len} tokens of {token_bytes:,} "
+                             f"bytes each), more than the {human_size(available)} available: {remedy}")
+    return (f"host memory for states in flight: about {human_size(needed)} ({batches_held} batches of {batch_size} "
+            f"and {extra_sequences} more sequences of up to {max_seq_len} tokens), of {human_size(available)} "
+            f"available")
+
+
 def human_size(size: float) -> str:
     """``size`` bytes in the unit that shows it best (1.5 GB, 310 MB, 12 kB)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):

@@ -308,3 +308,44 @@ def test_the_demos_printed_plan_command_works_as_printed(tiny, tmp_path):
     if "of host memory available" in done.stdout:
         assert f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB per rank, from the estimate" in done.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_states_in_flight_beyond_the_hosts_memory_are_refused_naming_the_batch_size_that_fits():
+    from hidden_states.errors import PreflightError
+    from hidden_states.preflight import check_states_in_flight
+
+    # 4 layers of 4,096 bf16 and a token id: 32,772 bytes a token; 2,048-token sequences: 67 MB each
+    args = dict(batches_held=3, extra_sequences=8, max_seq_len=2048, token_bytes=32_772)
+    line = check_states_in_flight(batch_size=32, available=100 * 2**30, **args)
+    assert line.startswith("host memory for states in flight: about 7.0 GB (3 batches of 32 and 8 more sequences")
+    with pytest.raises(PreflightError, match=r"--batch-size 512: .* need 103.6 GB of host memory .* more than the "
+                                             r"53.7 GB available: use --batch-size 263 or less"):
+        check_states_in_flight(batch_size=512, available=50 * 2**30, **args)
+    check_states_in_flight(batch_size=263, available=50 * 2**30, **args)  # the size it names fits, one more not
+    with pytest.raises(PreflightError, match="use --batch-size 263 or less"):
+        check_states_in_flight(batch_size=264, available=50 * 2**30, **args)
+    with pytest.raises(PreflightError, match="even --batch-size 1 does not fit"):
+        check_states_in_flight(batch_size=1, available=2**29, **args)
+
+
+@pytest.mark.vllm
+def test_the_plan_of_vllm_engine_checks_its_states_in_flight_before_the_load(tiny, tmp_path, no_audit, monkeypatch):
+    """The shared segment is made after the model's load: a batch whose states cannot fit is refused
+    by the plan (what the check says, and the host memory it is asked against, the negative)."""
+    import vllm_compat.host
+    from hidden_states.errors import PreflightError
+    from hidden_states.extraction import Extraction
+    from hidden_states.settings import Settings
+
+    model, data = tiny
+    settings = dict(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+                    format="speculators-0.3", backend="vllm-engine", batch_size=64, max_seq_len=1024)
+    run = Extraction(Settings(**settings))
+    run.plan()
+    assert any(line.startswith("host memory for states in flight: about") for line in run.plan_lines)
+    monkeypatch.setattr(vllm_compat.host, "host_memory", lambda: (2**20, 2**30))
+    with pytest.raises(PreflightError, match="--batch-size 64: the states of the sequences in flight need"):
+        Extraction(Settings(**settings)).plan()
+    other = Extraction(Settings(**{**settings, "backend": "speculators"}))
+    other.plan()  # its states go through the generator's own copies: not this segment
+    assert not any(line.startswith("host memory for states") for line in other.plan_lines)
