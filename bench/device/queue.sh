@@ -8,7 +8,8 @@
 # Items, each lane in the order given:
 #   torch-T, vllm-R   install lane: wait for receive.sh's mark that every part is here, then install.sh
 #   8b                GPU lane: the Llama-3-8B-shaped checkpoint into /tmp/models/llama3-8b (the image's torch)
-#   R:STAGE           GPU lane: once vllm-R is installed, stages.sh STAGE (SITE=/tmp/site-R, TORCH_SITE if any)
+#   R:STAGE           GPU lane: once vllm-R is installed, stages.sh STAGE (SITE=/tmp/site-R; TORCH_SITE=/tmp/torch-site
+#                     where the torch there is the one R pins: torch_site.sh)
 #   //                the GPU items after it form another GPU lane, run beside the others (the tiny-model
 #                     suites take 0.02 of the GPU's memory: several fit beside an 8B stage)
 #   VAR=VALUE         sets VAR for the items after it in its lane (e.g. K=... before R:release-tiny;
@@ -53,7 +54,9 @@ for item in "$@"; do
       release=${item%%:*} stage=${item#*:}
       until [ -f "$W/vllm-$release/.installed" ] || [ -f "$W/vllm-$release/.failed" ]; do sleep 2; done
       [ -f "$W/vllm-$release/.installed" ] || { say "SKIPPED $item: vLLM $release did not install"; continue; }
-      torch_site=""; [ -d /tmp/torch-site/torch ] && torch_site=/tmp/torch-site
+      # the carried torch only for a release that pins it: a release on the image's torch that found
+      # another torch on its path failed to import (torch_site.sh says why)
+      torch_site=$(bash bench/device/torch_site.sh "/tmp/site-$release" /tmp/torch-site)
       say "start $item"
       out=$release-$stage${TAG:+-$TAG}  # TAG=...: two lanes running one stage keep apart
       OUT=/tmp/out/$out SITE=/tmp/site-$release TORCH_SITE=$torch_site bash bench/device/stages.sh "$stage" 2>&1 \

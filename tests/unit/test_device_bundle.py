@@ -1,6 +1,7 @@
-"""The GPU bundles (bench/device/prepare.py, install.sh): what a release's bundle resolves beside vLLM's
-requirements, and that install.sh lays speculators 0.9.0 out so scripts/vllm_venv.py reuses it with
-no index (the device has none)."""
+"""The GPU bundles (bench/device/prepare.py, install.sh, torch_site.sh): what a release's bundle resolves
+beside vLLM's requirements, that install.sh lays speculators 0.9.0 out so scripts/vllm_venv.py reuses it
+with no index (the device has none), and that a release's stages get the carried torch only where the
+release pins it."""
 import importlib.util
 import json
 import os
@@ -116,3 +117,39 @@ def test_install_lays_out_speculators_09_as_vllm_venv_reuses_it(tmp_path, monkey
     monkeypatch.setattr(vllm_venv, "missing_requirements", lambda *a: pytest.fail("resolved again"))
     assert vllm_venv.build_speculators("0.9.0", python) == spec09
     assert vllm_venv.build_speculators("0.3.0") == tmp_path / "cache" / "speculators" / "0.3.0"
+
+
+def torch_site(site: Path, torch_site_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "bench" / "device" / "torch_site.sh"), str(site), str(torch_site_dir)],
+                          capture_output=True, text=True)
+
+
+def installed_vllm(root: Path, release: str, torch: str) -> Path:
+    """A release site as install.sh leaves it: vLLM's dist-info with its torch pin."""
+    info = root / f"site-{release}" / f"vllm-{release}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {release}\n"
+                                   f"Requires-Dist: torch=={torch}\nRequires-Dist: torchvision==0.26.0\n")
+    return info.parent
+
+
+def test_the_carried_torch_goes_only_to_the_release_that_pins_it(tmp_path):
+    carried = tmp_path / "torch-site"
+    for info in ("torch-2.14.0.dist-info", "torchvision-0.29.0.dist-info"):
+        (carried / info).mkdir(parents=True)
+    # 0.34.0 pins the carried 2.14.0: its stages import it
+    own = torch_site(installed_vllm(tmp_path, "0.34.0", "2.14.0"), carried)
+    assert (own.returncode, own.stdout.strip(), own.stderr) == (0, str(carried), "")
+    # 0.20.0 pins the image's 2.11.0: 2.14.0 on its path broke its kernels' import on the H200
+    image = torch_site(installed_vllm(tmp_path, "0.20.0", "2.11.0"), carried)
+    assert (image.returncode, image.stdout) == (0, "")
+    assert "pins torch 2.11.0" in image.stderr and "holds 2.14.0" in image.stderr
+    # no torch carried: nothing to choose, nothing said
+    none = torch_site(tmp_path / "site-0.20.0", tmp_path / "no-torch-site")
+    assert (none.returncode, none.stdout, none.stderr) == (0, "", "")
+
+
+def test_torch_site_refuses_a_missing_release_site(tmp_path):
+    proc = torch_site(tmp_path / "site-0.99.0", tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "no release site" in proc.stderr
