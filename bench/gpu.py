@@ -448,6 +448,8 @@ def phase_generate(args) -> None:
         if os.environ.get("BENCH_LOG_DIR"):
             Path(os.environ["BENCH_LOG_DIR"], f"generate-{work.name}.log").write_text(full_log)
         kv_cache = re.search(r"KV cache size: ([\d,]+) tokens", full_log)
+        config = work / "out" / "data_config.json"  # where the states' segment lived (/dev/shm or a disk)
+        segment = json.loads(config.read_text()).get("states_segment") if config.exists() else None
         summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
         generated = next((l for l in proc.stderr.splitlines() if "] generate:" in l), "")
         if proc.returncode != 0 or summary is None:
@@ -460,7 +462,7 @@ def phase_generate(args) -> None:
              samples=args.samples, prompt_tokens=args.length, new_tokens=new, seconds=seconds,
              generated_tokens_per_s=round(new / seconds), generate=generated.split("] ", 1)[-1], summary=summary,
              kv_cache_tokens=int(kv_cache.group(1).replace(",", "")) if kv_cache else None,
-             streamed_files=os.environ.get("VLLM_COMPAT_STREAM_FILES", "1") != "0")
+             streamed_files=os.environ.get("VLLM_COMPAT_STREAM_FILES", "1") != "0", states_segment=segment)
         return
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -267,8 +267,9 @@ class VllmEngineBackend(EngineBackend):
                                 + self._region_bytes(self.tokens_ahead), align=self._row_bytes)
         pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self._pool.path,))
                       if r is not None)
+        where = os.path.dirname(self._pool.path)  # /dev/shm, else the temporary directory (regions_root)
         self._pool.unlink()  # the worker and this process hold it mapped: no name left to leak
-        return {"states_page_locked": pinned}
+        return {"states_page_locked": pinned, "states_segment": {"bytes": self._pool.capacity, "in": where}}
 
     def _region_bytes(self, length: int) -> int:
         return region_bytes(length, len(self.settings.layer_ids), self._row_bytes, self._scales)

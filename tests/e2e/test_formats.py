@@ -466,6 +466,8 @@ def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, sta
                 assert float(errors.max()) <= bound, f"sample {index} layer {IDS_05[j]}: {float(errors.max()):.3f}"
                 worst = max(worst, float(errors.max()))
     assert states_first == in_place  # every streamed file, and no other, lays its states out first
+    segment = json.loads((out / "data_config.json").read_text())["states_segment"]  # recorded for the GPU runs
+    assert segment["bytes"] > 0 and Path(segment["in"]).is_dir(), segment
     print(f"generate {state_dtype}: {in_place} files streamed ({said.group(2)} rows during generation), worst "
           f"token {worst:.4f} of HF")
     script = ("import json, sys\n"
