@@ -44,6 +44,7 @@ from .tokenization import ChatSettings
 from .interrupts import Interrupt
 from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
 from .estimates import TimeEstimate, duration, estimate_time, rate_for
+from .backends.regions import SHM
 from .identity import describe_input, difference, stop_record
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_environment,
                         check_first_samples, check_layer_ids, check_memory, check_states_in_flight,
@@ -612,6 +613,11 @@ class Extraction:
         info = self.backend.start()
         self.summary.load_seconds = time.monotonic() - started
         self.log(f"model loaded in {self.summary.load_seconds:.0f} s")
+        segment = info.get("states_segment")
+        if segment and segment["in"] != SHM:
+            self.log(f"warning: the states' shared segment ({human_size(segment['bytes'])}) is in {segment['in']}: "
+                     f"{SHM} lacks room for it, and a file there is written back to disk (a smaller --batch-size "
+                     f"fits in memory)")
         if settings.forward_check:
             self.log(check_forward(self.backend, self.facts.vocab_size))
         else:

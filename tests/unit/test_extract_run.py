@@ -272,3 +272,18 @@ def test_skip_forward_check_runs_without_it(job, monkeypatch):
     said = []
     assert run(job, log=said.append).extracted == 3
     assert any("forward check skipped" in line for line in said), said
+
+
+@pytest.mark.parametrize("where, warned", [("/dev/shm", False), ("/tmp", True)])
+def test_a_states_segment_outside_dev_shm_is_warned_about(job, monkeypatch, where, warned):
+    """vllm-engine's shared segment falls back to the temporary directory when /dev/shm lacks room:
+    a file there is written back to disk, which the run says once it has started."""
+    monkeypatch.setattr(SlowShutdownBackend, "start",
+                        lambda self: {"backend": self.name, "states_segment": {"bytes": 2 * 10**9, "in": where}})
+    said = []
+    run(job, log=said.append)
+    lines = [line for line in said if "the states' shared segment" in line]
+    assert bool(lines) == warned, said
+    if warned:
+        assert lines[0] == ("warning: the states' shared segment (2.0 GB) is in /tmp: /dev/shm lacks room for it, "
+                            "and a file there is written back to disk (a smaller --batch-size fits in memory)")
