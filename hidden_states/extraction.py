@@ -456,7 +456,7 @@ class Extraction:
         """The host memory ``vllm-engine``'s states in flight take (``RunPlan.backend_settings``'
         sequences, each of up to ``--max-seq-len`` tokens of every captured layer, its token id and,
         FP8, its scale) against the host's available memory."""
-        from vllm_compat.host import host_memory
+        from vllm_compat.extractor_api import host_memory
 
         settings, facts = self.settings, self.facts
         fp8 = settings.state_dtype == "fp8"

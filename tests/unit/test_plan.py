@@ -332,7 +332,7 @@ def test_states_in_flight_beyond_the_hosts_memory_are_refused_naming_the_batch_s
 def test_the_plan_of_vllm_engine_checks_its_states_in_flight_before_the_load(tiny, tmp_path, no_audit, monkeypatch):
     """The shared segment is made after the model's load: a batch whose states cannot fit is refused
     by the plan (what the check says, and the host memory it is asked against, the negative)."""
-    import vllm_compat.host
+    import vllm_compat.extractor_api
     from hidden_states.errors import PreflightError
     from hidden_states.extraction import Extraction
     from hidden_states.settings import Settings
@@ -343,7 +343,8 @@ def test_the_plan_of_vllm_engine_checks_its_states_in_flight_before_the_load(tin
     run = Extraction(Settings(**settings))
     run.plan()
     assert any(line.startswith("host memory for states in flight: about") for line in run.plan_lines)
-    monkeypatch.setattr(vllm_compat.host, "host_memory", lambda: (2**20, 2**30))
+    monkeypatch.setattr(vllm_compat.extractor_api, "host_memory", lambda: (2**20, 2**30))
+    monkeypatch.setattr(Extraction, "check_memory_here", lambda self: [])  # the model's own check, apart
     with pytest.raises(PreflightError, match="--batch-size 64: the states of the sequences in flight need"):
         Extraction(Settings(**settings)).plan()
     other = Extraction(Settings(**{**settings, "backend": "speculators"}))
