@@ -70,6 +70,22 @@ def safetensors_header(path: Path) -> dict | None:
         return None
 
 
+def safetensors_json(layout: list[tuple]) -> bytes:
+    """A safetensors header's JSON for tensors ``(name, torch dtype, shape)`` laid out one after the
+    other in that order from the data's start; a dtype a sample file does not hold is a ValueError."""
+    import math
+
+    entries, offset = {}, 0
+    for name, dtype, shape in layout:
+        known = SAFETENSORS_DTYPES.get(str(dtype).removeprefix("torch."))
+        if known is None:
+            raise ValueError(f"{name}: {dtype} is not a sample file's dtype ({', '.join(SAFETENSORS_DTYPES)})")
+        size = math.prod(shape) * dtype.itemsize
+        entries[name] = {"dtype": known, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    return json.dumps(entries, separators=(",", ":")).encode()
+
+
 def write_safetensors(tensors: dict, handle: BinaryIO) -> None:
     """``tensors`` (contiguous) as one safetensors file, written from their own memory: the header,
     then each tensor's bytes, widest dtype first as safetensors lays them out (each tensor then starts
@@ -80,17 +96,10 @@ def write_safetensors(tensors: dict, handle: BinaryIO) -> None:
     import torch
 
     ordered = sorted(tensors.items(), key=lambda item: -item[1].element_size())
-    entries, offset = {}, 0
     for name, tensor in ordered:
-        dtype = SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
-        if dtype is None:
-            raise ValueError(f"{name}: {tensor.dtype} is not a sample file's dtype ({', '.join(SAFETENSORS_DTYPES)})")
         if not tensor.is_contiguous():
             raise ValueError(f"{name}: not contiguous (written as its memory is laid out)")
-        size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header = json.dumps(entries, separators=(",", ":")).encode()
+    header = safetensors_json([(name, tensor.dtype, list(tensor.shape)) for name, tensor in ordered])
     header += b" " * (-len(header) % 8)  # the format's padding: the data starts 8-byte aligned
     handle.write(struct.pack("<Q", len(header)) + header)
     for _, tensor in ordered:
@@ -202,21 +211,15 @@ def finish_streamed(record: dict, handle: BinaryIO) -> bool:
     tokens, count = int(record["token_ids"].shape[0]), len(states)
     if stream.error is not None or stream.kept is None:
         return False
-    dtype = SAFETENSORS_DTYPES.get(str(states[0].dtype).removeprefix("torch."))
     row_bytes = count * states[0].shape[1] * states[0].element_size()
-    if dtype is None or (tokens * row_bytes) % 8 or (stream.row_bytes not in (None, row_bytes)):
+    if str(states[0].dtype).removeprefix("torch.") not in SAFETENSORS_DTYPES or (tokens * row_bytes) % 8 \
+            or stream.row_bytes not in (None, row_bytes):
         return False
     after = [("token_ids", record["token_ids"]), ("loss_mask", record["loss_mask"])]
     if isinstance(states, fp8_states.Quantized):
         after.append((fp8_states.SCALES, states.scales.contiguous()))
-    entries, offset = {"hidden_states": {"dtype": dtype, "shape": [tokens, count, states[0].shape[1]],
-                                         "data_offsets": [0, tokens * row_bytes]}}, tokens * row_bytes
-    for name, tensor in after:
-        size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")],
-                         "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header = json.dumps(entries, separators=(",", ":")).encode()
+    header = safetensors_json([("hidden_states", states[0].dtype, [tokens, count, states[0].shape[1]]),
+                               *((name, tensor.dtype, list(tensor.shape)) for name, tensor in after)])
     if len(header) > RESERVED_HEADER - 8:
         return False
     start = min(stream.kept, stream.rows, tokens)
