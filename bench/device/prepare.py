@@ -168,8 +168,22 @@ def resolve(vllm_wheel: Path, cache: Path) -> list[str]:
         for pin in relaxed:
             print(f"prepare: relaxed pin {pin.name}=={pin.pinned} -> {pin.chosen} ({pin.rule})")
     have = device_packages()
-    return [f"{name}=={version}" for name, version in pip_report(wanted, cache)
+    resolved = without_cutlass_dsl_lacking_cuda13(pip_report(wanted, cache))
+    return [f"{name}=={version}" for name, version in resolved
             if not (name in NOT_IMPORTED or name in TORCH_BUNDLE or (name in have and name not in ALWAYS))]
+
+
+def without_cutlass_dsl_lacking_cuda13(resolved: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``resolved`` less CUTLASS's DSL where it would travel without its CUDA 13 libraries.
+
+    A release that asks the DSL without the ``cu13`` extra (0.20.0) gets the CUDA 12 flavour, which
+    stays here (``NOT_IMPORTED``); the DSL alone then fails vLLM's engine start on the H200 ("No CTK
+    flavor installed"), while without it vLLM 0.20.0 starts and serves. 0.33.0 and 0.34.0 ask ``[cu13]``.
+    """
+    names = {name for name, _ in resolved}
+    if "nvidia-cutlass-dsl-libs-cu13" in names:
+        return resolved
+    return [(name, version) for name, version in resolved if not name.startswith("nvidia-cutlass-dsl")]
 
 
 def resolve_beside(wanted: list[str], folder: Path, site: list[str], constraints: list[str] = ()) -> list[str]:

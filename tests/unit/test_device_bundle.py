@@ -46,6 +46,21 @@ def test_resolve_beside_keeps_only_what_neither_image_nor_site_holds(tmp_path, m
         "datasets==5.1.0", "multiprocess==0.70.19"]
 
 
+def test_resolve_leaves_out_cutlass_dsl_without_its_cuda13_flavour(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "device_packages", lambda: set())
+    # vLLM 0.20.0 asks the DSL without [cu13]: only the CUDA 12 libraries come, which stay here
+    cached_report(tmp_path / "r020", ["vllm-requirements"], [], {
+        "nvidia-cutlass-dsl": "4.8.1", "nvidia-cutlass-dsl-libs-base": "4.8.1",
+        "nvidia-cutlass-dsl-libs-core": "4.8.1", "nvidia-cutlass-dsl-libs-cu12": "4.8.1", "xgrammar": "0.2.1"})
+    monkeypatch.setattr(prepare, "requirements", lambda wheel: ["vllm-requirements"])
+    assert prepare.resolve(Path("vllm.whl"), tmp_path / "r020") == ["xgrammar==0.2.1"]
+    # the negative: 0.34.0 asks [cu13], and the DSL travels with its CUDA 13 libraries
+    cached_report(tmp_path / "r034", ["vllm-requirements"], [], {
+        "nvidia-cutlass-dsl": "4.8.0", "nvidia-cutlass-dsl-libs-cu13": "4.8.0", "xgrammar": "0.2.1"})
+    assert prepare.resolve(Path("vllm.whl"), tmp_path / "r034") == [
+        "nvidia-cutlass-dsl==4.8.0", "nvidia-cutlass-dsl-libs-cu13==4.8.0", "xgrammar==0.2.1"]
+
+
 def test_pip_report_resolves_again_when_the_request_changes(tmp_path, monkeypatch):
     cached_report(tmp_path / "r", ["datasets>=4"], [], {"datasets": "5.2.0"})
     asked = []
