@@ -42,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gpu_clocks import GpuSampler  # noqa: E402  (this folder, first on the path when run)
+
 
 def emit(phase: str, **values) -> dict:
     record = {"phase": phase, **values}
@@ -442,18 +444,26 @@ def phase_generate(args) -> None:
                    "--tp-size", str(args.tp), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                    "--progress-interval", "30", "--format", args.format,
                    "--layer-ids", *map(str, format_layers(args)), *(["--cuda-graphs"] if args.cuda_graphs else [])]
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        with GpuSampler() as gpu:
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            lines, done_at = [], None
+            for line in proc.stderr:
+                lines.append(line)
+                if done_at is None and "] done:" in line:
+                    done_at = time.monotonic()
+            proc.wait()
+        stderr = "".join(lines)
         full = work / "out" / "hidden-states.log"  # vLLM's own lines too (its KV cache, warnings)
-        full_log = full.read_text(errors="replace") if full.exists() else proc.stderr
+        full_log = full.read_text(errors="replace") if full.exists() else stderr
         if os.environ.get("BENCH_LOG_DIR"):
             Path(os.environ["BENCH_LOG_DIR"], f"generate-{work.name}.log").write_text(full_log)
         kv_cache = re.search(r"KV cache size: ([\d,]+) tokens", full_log)
         config = work / "out" / "data_config.json"  # where the states' segment lived (/dev/shm or a disk)
         segment = json.loads(config.read_text()).get("states_segment") if config.exists() else None
-        summary = next((l for l in proc.stderr.splitlines() if "] done:" in l), None)
-        generated = next((l for l in proc.stderr.splitlines() if "] generate:" in l), "")
+        summary = next((l for l in stderr.splitlines() if "] done:" in l), None)
+        generated = next((l for l in stderr.splitlines() if "] generate:" in l), "")
         if proc.returncode != 0 or summary is None:
-            emit("generate", backend=args.backend, error=proc.stderr[-3000:], returncode=proc.returncode)
+            emit("generate", backend=args.backend, error=stderr[-3000:], returncode=proc.returncode)
             return
         seconds = float(re.search(r"in ([\d.]+) s", summary).group(1))
         new = int(re.search(r"([\d,]+) tokens generated", generated).group(1).replace(",", ""))
@@ -462,7 +472,8 @@ def phase_generate(args) -> None:
              samples=args.samples, prompt_tokens=args.length, new_tokens=new, seconds=seconds,
              generated_tokens_per_s=round(new / seconds), generate=generated.split("] ", 1)[-1], summary=summary,
              kv_cache_tokens=int(kv_cache.group(1).replace(",", "")) if kv_cache else None,
-             streamed_files=os.environ.get("VLLM_COMPAT_STREAM_FILES", "1") != "0", states_segment=segment)
+             streamed_files=os.environ.get("VLLM_COMPAT_STREAM_FILES", "1") != "0", states_segment=segment,
+             gpu=gpu.summary(done_at - seconds, done_at))
         return
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -475,15 +486,19 @@ def phase_generate(args) -> None:
     # the ids the chat template renders for those texts (the plain template: the words themselves)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences(args.model, args.samples, args.length)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, sampling)
-    seconds = time.perf_counter() - started
+    with GpuSampler() as gpu:
+        since = time.monotonic()
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, sampling)
+        seconds = time.perf_counter() - started
+        until = time.monotonic()
     rows = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
     write_jsonl(work / "rows.jsonl", rows)
     new = sum(len(o.outputs[0].token_ids) for o in outputs)
     emit("generate", model=Path(args.model).name, backend="vllm", mode="eager" if args.eager else "cuda graphs",
          samples=args.samples, prompt_tokens=args.length, new_tokens=new, load_seconds=round(load, 1),
-         seconds=round(seconds, 2), generated_tokens_per_s=round(new / seconds), rows=str(work / "rows.jsonl"))
+         seconds=round(seconds, 2), generated_tokens_per_s=round(new / seconds), rows=str(work / "rows.jsonl"),
+         gpu=gpu.summary(since, until))
 
 
 def phase_forward_check(args) -> None:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu import emit, model_config, sequences  # noqa: E402
+from gpu_clocks import GpuSampler  # noqa: E402
 
 LAUNCHER_FRONT_END = "--api-server-count 4 --renderer-num-workers 2"  # speculators' launch_vllm.py defaults
 PORT = 8765
@@ -168,10 +169,12 @@ def main(argv=None) -> int:
         for seed, concurrency in enumerate(concurrencies):
             out = work / f"out-{concurrency}"
             stats = server_stats(args, url)
-            began = time.perf_counter()
-            job = client(args, url, data[seed], out, concurrency)
-            output, _ = job.communicate()
-            seconds = time.perf_counter() - began
+            with GpuSampler() as gpu:
+                began = time.perf_counter()
+                job = client(args, url, data[seed], out, concurrency)
+                output, _ = job.communicate()
+                seconds = time.perf_counter() - began
+                exited = time.monotonic()
             stages = stages_between(stats, server_stats(args, url))
             files = len(list(out.glob("hs_*.safetensors")))
             # the client's own time, from its first call to its last file moved (its start-up, seconds of
@@ -181,6 +184,7 @@ def main(argv=None) -> int:
             emit("serve", server=args.server, model=Path(args.model).name, concurrency=concurrency, tokens=tokens,
                  seconds=elapsed, tokens_per_s=round(tokens / elapsed) if elapsed else None, wall_seconds=round(seconds, 2),
                  files=files, exit=job.returncode, **({"server_stages": stages} if stages else {}),
+                 **({"gpu": gpu.summary(exited - elapsed, exited)} if gpu.samples and elapsed else {}),
                  **({} if job.returncode == 0 and files == args.samples else {"client_tail": output[-1500:]}))
             shutil.rmtree(out, ignore_errors=True)
         # a second job on the warm server: the time to its first file

@@ -17,10 +17,13 @@ them (each conversation's next turn enters the engine as soon as its reply is in
   without it: the finished files untouched, ``regenerated.jsonl`` one line per conversation;
 * with a tokenizer that renders a reply back as its own ids (``marker_model``), a row that goes on
   from its whole reply is prefilled in the reply's region, a cached first block included, and its
-  states are still HF's.
+  states are still HF's;
+* with Qwen3's thinking template on the tiny Qwen3 (``qwen3_model``), every row re-rendered (the
+  reply moved after an empty think block), the rows' states are still HF's.
 
-Engine starts: the two runs, the reference's ``LLM`` and the marker model's run (four). Marked ``extractor`` and
-``generate``: the vLLM 0.26.0 release's run only, the lane beside 0.32.0's (scripts/test_matrix.py).
+Engine starts: the two runs, the reference's ``LLM``, the marker model's run and the Qwen3 run
+(five). Marked ``extractor`` and ``generate``: the vLLM 0.26.0 release's run only, the lane beside
+0.32.0's (scripts/test_matrix.py).
 """
 from __future__ import annotations
 
@@ -99,6 +102,19 @@ def marker_model(root: Path) -> Path:
         tokenizer["added_tokens"].append({"id": vocab[marker], "content": marker, "single_word": False, "lstrip": False,
                                           "rstrip": False, "normalized": False, "special": True})
     path.write_text(json.dumps(tokenizer))
+    return model
+
+
+def qwen3_model(root: Path) -> Path:
+    """The tiny Qwen3 (its q/k norms) with a byte-level tokenizer carrying Qwen3's thinking template:
+    its generation prompt ends at ``<|im_start|>assistant\\n``, while the row renders the last reply
+    after an empty ``<think>\\n\\n</think>\\n\\n`` and strips reasoning from turns before the
+    last user query, so every row is re-rendered and its reply prefilled again."""
+    from hidden_states.fixtures.chat_templates import build_tokenizer
+
+    model = root / "tiny-qwen3-thinking"
+    shutil.copytree(harness.tiny_model("qwen3"), model)
+    build_tokenizer("qwen3", model)
     return model
 
 
@@ -222,12 +238,13 @@ def test_rows_going_on_from_their_reply_are_prefilled_in_its_region(tmp_path):
     judge_rows(model, out, proc.stderr)
 
 
-def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0) -> None:
+def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0, decode_rows_kept: bool = True) -> None:
     """Every row of ``out`` is its regenerated conversation as ``extract`` tokenizes it, with states
     within the bf16 floor of HF's forward of it, layer by layer, token by token; and the run whose
     log is ``stderr`` (the conversations from ``first_index`` on) took from its replies' regions
     exactly the whole blocks of vLLM's prefix cache that each row shares with its reply, decode-time
-    rows among them."""
+    rows among them unless ``decode_rows_kept`` is false (a template that renders every reply
+    otherwise than it was generated)."""
     import torch
 
     from hidden_states.conversations import MESSAGES, Record
@@ -271,4 +288,34 @@ def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0) -> Non
         expected += cached
         decode_rows_reused += max(0, cached - len(prompt))
     assert reused == expected, said.group(0)
-    assert decode_rows_reused > 0  # rows a decode step stored, written as the row's own
+    if decode_rows_kept:
+        assert decode_rows_reused > 0  # rows a decode step stored, written as the row's own
+
+
+def test_a_template_that_moves_the_reply_re_renders_every_row_with_hfs_states(tmp_path):
+    """Qwen3's thinking template on the tiny Qwen3: each row is re-rendered (the summary counts them
+    all), the turns' old reasoning gone from the regenerated conversation, and every row's states are
+    HF's; what the rows share with the generation (the long system prompt's whole blocks) still comes
+    from it, exactly."""
+    conversations = [
+        {"messages": [{"role": "system", "content": TEACHER},
+                      {"role": "user", "content": "What is the capital of France?"},
+                      {"role": "assistant", "content": "<think>\nrecall it\n</think>\n\nParis."}]},
+        {"messages": [{"role": "user", "content": "Add 17 and 42, then check the answer."},
+                      {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n59"},
+                      {"role": "user", "content": "Why?"},
+                      {"role": "assistant", "content": "Because."}]},
+    ]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    model = qwen3_model(tmp_path)
+    out = tmp_path / "out"
+    proc = run_generate(model, data, out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = re.search(r"(\d+) rows, (\d+) re-rendered by the chat template", proc.stderr)
+    assert said and said.group(1) == said.group(2) == "2", proc.stderr[-3000:]
+    lines = regenerated(out)
+    assert len(lines) == 2 and all("recall it" not in json.dumps(line["messages"]) and
+                                   "add them" not in json.dumps(line["messages"]) for line in lines)
+    assert [len(line["generated"]) for line in sorted(lines, key=lambda line: line["index"])] == [1, 2]
+    judge_rows(model, out, proc.stderr, decode_rows_kept=False)
