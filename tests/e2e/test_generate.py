@@ -130,6 +130,15 @@ def run_generate(model, data, out, *extra, driver=("-m", "hidden_states"), env_e
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
+def generate_in(root: Path, model: Path, conversations: list[dict]) -> tuple[Path, subprocess.CompletedProcess]:
+    """``generate`` of ``conversations`` with ``model`` into ``root``/out, which it returns with the run."""
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    proc = run_generate(model, data, root / "out")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root / "out", proc
+
+
 def conversations_in(root: Path, conversations: list[dict]) -> tuple[Path, Path]:
     """(the chat model, ``conversations`` as JSONL), both under ``root``."""
     data = root / "conversations.jsonl"
@@ -216,12 +225,8 @@ def test_rows_going_on_from_their_reply_are_prefilled_in_its_region(tmp_path):
     from hidden_states.tokenization import ChatTokenizer, common_prefix, load_tokenizer
 
     conversations = [CONVERSATIONS[3], CONVERSATIONS[0]]  # the first row runs past one block of 128
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
     model = marker_model(tmp_path)
-    out = tmp_path / "out"
-    proc = run_generate(model, data, out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out, proc = generate_in(tmp_path, model, conversations)
     chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
     in_place, past_a_block = 0, 0
     for line in regenerated(out):
@@ -306,12 +311,8 @@ def test_a_template_that_moves_the_reply_re_renders_every_row_with_hfs_states(tm
                       {"role": "user", "content": "Why?"},
                       {"role": "assistant", "content": "Because."}]},
     ]
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
     model = qwen3_model(tmp_path)
-    out = tmp_path / "out"
-    proc = run_generate(model, data, out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out, proc = generate_in(tmp_path, model, conversations)
     said = re.search(r"(\d+) rows, (\d+) re-rendered by the chat template", proc.stderr)
     assert said and said.group(1) == said.group(2) == "2", proc.stderr[-3000:]
     lines = regenerated(out)
