@@ -9,6 +9,10 @@ process) and a new server on the same port, the client's own retries carrying th
 
 Engine starts: the server, ``extract`` once, the restarted server. speculators 0.9.0 needs Python
 >= 3.11 and transformers >= 5: marked ``formats``, run on vLLM 0.32.0 only (scripts/test_matrix.py).
+
+``VLLM_COMPAT_SERVER_PYTHON``: the Python of another vLLM release's environment, where the server runs
+(with this checkout alone on its path) while the client, the trainer and HF's reference stay here:
+the compatibility runs of docs/serve.md (``-k two_offline_jobs``).
 """
 import json
 import os
@@ -41,11 +45,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+SERVER_PYTHON = os.environ.get("VLLM_COMPAT_SERVER_PYTHON")
+
+
 def server_env() -> dict:
     """speculators 0.9.0's folder (it has no in-process capture: the extractor's own runs, as for extract
-    below, which needs its ``datasets``), then this checkout."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_09()), ROOT]), "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1"}
+    below, which needs its ``datasets``), then this checkout; another release's server: this checkout
+    alone (speculators 0.9.0's folder would bring it this environment's versions)."""
+    path = [ROOT] if SERVER_PYTHON else [str(speculators_09()), ROOT]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def client_env() -> dict:
@@ -61,7 +69,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}/v1"
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hidden_states", "serve", "--model-path", str(model), "--layer-ids",
+                [SERVER_PYTHON or sys.executable, "-m", "hidden_states", "serve", "--model-path", str(model), "--layer-ids",
                  *map(str, IDS_05), "--preset", "cpu-tiny", "--port", str(port), "--states-dir", str(states)],
                 env=server_env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
@@ -171,6 +179,10 @@ def test_two_offline_jobs_at_once_get_hfs_states(model, setup):
         saved = load(root / f"out-{name}", 0)
         assert set(saved) == {"hidden_states", "token_ids"} and saved["hidden_states"].shape[1:] == (4, 128)
     assert list((root / "states").iterdir()) == []  # every file was moved by its client
+    if SERVER_PYTHON:  # a compatibility run: the files came from that environment's vLLM
+        release = subprocess.run([SERVER_PYTHON, "-c", "import vllm; print(vllm.__version__.split('+')[0])"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        assert f"audit: vLLM {release}, " in server.output(), server.output()[-3000:]
 
 
 def test_the_files_equal_extracts_for_the_same_rows(model, setup):
