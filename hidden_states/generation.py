@@ -89,6 +89,10 @@ class Generation(Extraction):
     # -- plan and prepare: extract's, with the sampling in the identity
     def plan(self) -> None:
         settings = self.settings
+        if settings.backend == "vllm-native":
+            raise UsageError(f"--backend vllm-native: generate runs on --backend {BACKEND} (under vLLM's "
+                             f"extract_hidden_states, greedy replies of requests sharing the engine part from the "
+                             f"model's own greedy output: they would not be its answers)")
         if settings.backend != BACKEND:
             raise UsageError(f"--backend {settings.backend}: generate runs on --backend {BACKEND} (the replies' "
                              f"rows are kept in its regions)")

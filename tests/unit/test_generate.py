@@ -404,6 +404,8 @@ CHAT = '{"messages": [{"role": "user", "content": "hi"}]}'
 @pytest.mark.parametrize("lines, extra, message", [
     (['{"input_ids": [5, 6]}'], (), "data.jsonl:1: a tokenized row; generate regenerates conversations"),
     ([CHAT], ("--backend", "speculators"), "--backend speculators: generate runs on --backend vllm-engine"),
+    ([CHAT], ("--backend", "vllm-native"), "--backend vllm-native: generate runs on --backend vllm-engine (under "
+                                           "vLLM's extract_hidden_states, greedy replies"),
     ([CHAT], ("--max-new-tokens", "64", "--max-seq-len", "64"), "--max-new-tokens 64: must be below --max-seq-len 64"),
     ([CHAT], ("--shard", "2/2"), "--shard '2/2': needs 0 <= I < N"),
     ([CHAT], ("--temperature", "-0.5"), "--temperature -0.5: must be at least 0"),
