@@ -74,15 +74,14 @@ class GpuSampler:
         if smi is None:
             return self
         for fields in (FIELDS, FIELDS[:-1] + (OLD_REASONS,)):
-            probe = subprocess.run([smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
-                                    "--id=0"], capture_output=True, text=True)
+            query = [smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "--id=0"]
+            probe = subprocess.run(query, capture_output=True, text=True)
             if probe.returncode == 0 and parse(probe.stdout.splitlines()[0] if probe.stdout else "") is not None:
                 break
         else:
             return self
-        self._process = subprocess.Popen([smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
-                                          "--id=0", f"-lms={self.interval_ms}"],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._process = subprocess.Popen(query + [f"-lms={self.interval_ms}"], stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         return self

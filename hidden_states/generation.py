@@ -60,6 +60,11 @@ BACKEND = "vllm-engine"
 STREAM_ENV = "VLLM_COMPAT_STREAM_FILES"  # 0: speculators-0.5 files written when their rows are done (to compare)
 
 
+# why generate refuses vLLM's own path (found building it: docs/extractor.md, "On-policy rows in one pass")
+NATIVE_REPLIES = ("under vLLM's extract_hidden_states, greedy replies of requests sharing the engine part from the "
+                  "model's own greedy output: they would not be its answers")
+
+
 class Generation(Extraction):
     """One ``hidden-states generate`` run (see the module's docstring)."""
 
@@ -89,13 +94,9 @@ class Generation(Extraction):
     # -- plan and prepare: extract's, with the sampling in the identity
     def plan(self) -> None:
         settings = self.settings
-        if settings.backend == "vllm-native":
-            raise UsageError(f"--backend vllm-native: generate runs on --backend {BACKEND} (under vLLM's "
-                             f"extract_hidden_states, greedy replies of requests sharing the engine part from the "
-                             f"model's own greedy output: they would not be its answers)")
         if settings.backend != BACKEND:
-            raise UsageError(f"--backend {settings.backend}: generate runs on --backend {BACKEND} (the replies' "
-                             f"rows are kept in its regions)")
+            why = NATIVE_REPLIES if settings.backend == "vllm-native" else "the replies' rows are kept in its regions"
+            raise UsageError(f"--backend {settings.backend}: generate runs on --backend {BACKEND} ({why})")
         if self.sampling.temperature < 0:
             raise UsageError(f"--temperature {self.sampling.temperature}: must be at least 0 (0: greedy)")
         if not 0 < self.sampling.top_p <= 1:

@@ -130,20 +130,23 @@ def run_generate(model, data, out, *extra, driver=("-m", "hidden_states"), env_e
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
-def generate_in(root: Path, model: Path, conversations: list[dict]) -> tuple[Path, subprocess.CompletedProcess]:
-    """``generate`` of ``conversations`` with ``model`` into ``root``/out, which it returns with the run."""
+def conversations_file(root: Path, conversations: list[dict]) -> Path:
+    """``conversations`` as JSONL under ``root``."""
     data = root / "conversations.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
-    proc = run_generate(model, data, root / "out")
+    return data
+
+
+def generate_in(root: Path, model: Path, conversations: list[dict]) -> tuple[Path, subprocess.CompletedProcess]:
+    """``generate`` of ``conversations`` with ``model`` into ``root``/out, which it returns with the run."""
+    proc = run_generate(model, conversations_file(root, conversations), root / "out")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root / "out", proc
 
 
 def conversations_in(root: Path, conversations: list[dict]) -> tuple[Path, Path]:
     """(the chat model, ``conversations`` as JSONL), both under ``root``."""
-    data = root / "conversations.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in conversations))
-    return chat_model(root), data
+    return chat_model(root), conversations_file(root, conversations)
 
 
 @pytest.fixture(scope="module")
