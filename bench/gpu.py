@@ -60,7 +60,7 @@ def model_config(model: str) -> dict:
 
 
 def default_layers(model: str) -> list[int]:
-    from hidden_states.preflight import default_layer_ids
+    from hidden_states.layer_conventions import default_layer_ids
 
     # a tiny model's defaults can repeat a layer ([2, 3, 3, 5] for 6), which the extractor's CLI refuses
     return sorted(set(default_layer_ids(int(model_config(model)["num_hidden_layers"]))))

@@ -62,19 +62,21 @@ class Pending:
                 continue
             yield self._fit(sample)
 
-    def todo(self) -> tuple[int, bool]:
+    def todo(self, count: bool = False) -> tuple[int, bool]:
         """(samples in range not finished before this run, whether exact): from the input's expected
-        size, which a JSONL file learns while it streams."""
-        return self._left(self._finished_sorted)
+        size, which a JSONL file learns while it streams (``count``: its lines not read yet counted,
+        ``InputStream.counted_samples``, as the plan does)."""
+        return self._left(self._finished_sorted, count)
 
     def left(self, finished: Collection[int]) -> tuple[int, bool]:
         """(samples in range not in ``finished``, whether exact): what a run that ends now leaves
-        undone, counted against the whole range (an estimate where the input was not read to its end)."""
-        return self._left(sorted(finished))
+        undone, counted against the whole range (the input's lines not read counted; an estimate
+        where its rows are conversations and it was not read to its end)."""
+        return self._left(sorted(finished), count=True)
 
-    def _left(self, finished_sorted: list[int]) -> tuple[int, bool]:
+    def _left(self, finished_sorted: list[int], count: bool = False) -> tuple[int, bool]:
         start, end = self.settings.start_index, self.settings.end_index
-        total, exact = self.stream.expected_samples()
+        total, exact = self.stream.counted_samples() if count else self.stream.expected_samples()
         limit = min(total, end) if end is not None else total
         if end is not None and self.stream.samples_read >= end:
             exact = True  # the range ends inside what has been read

@@ -18,11 +18,14 @@
 Exit codes: 0 done; 1 an unexpected failure (full traceback printed), or one of vLLM's processes died
 (the last line names it, how it ended and the likely cause); 2 bad input or arguments (one line
 naming the file, line or flag); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (rerun the same
-command to resume).
+command to resume). serve: 0 after a SIGTERM/SIGINT's drain; 1 when vLLM's engine died (the last line
+names the process); 143/130 after a second SIGTERM/SIGINT while draining (vLLM's processes killed).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import signal
 import sys
 import traceback
@@ -35,10 +38,13 @@ from .errors import ExtractError, UsageError
 from .formats import FORMATS
 from .fp8_states import STATE_DTYPES
 from .presets import PRESETS
-from .settings import ENGINE_STEPS_HELD, SERVE_DEFAULTS, WRITER_THREADS_CAP, ServeSettings, Settings, default
+from .settings import (ENGINE_STEPS_HELD, SERVE_DEFAULTS, WRITER_THREADS_CAP, ModelSettings, ServeSettings, Settings,
+                       default)
 
 TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
 RUN_COMMANDS = ("extract", "plan")
+CONFIG_COMMANDS = {**dict.fromkeys(RUN_COMMANDS, lambda parser: add_run_arguments(parser)),
+                   "serve": lambda parser: add_serve_arguments(parser)}
 
 
 def serve_default(name: str):
@@ -104,7 +110,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     given.add_argument("--max-seq-len", type=at_least(1), metavar="TOKENS",
                        help=f"longer samples are truncated (or refused with --strict) "
                             f"(default {default('max_seq_len')})")
-    given.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len")
+    given.add_argument("--strict", action="store_true", help="refuse samples longer than --max-seq-len, and "
+                       "conversation turns whose role is unknown (default: skipped or taken as assistant, as "
+                       "--format's trainer does)")
     model = parser.add_argument_group("model")
     add_model_flags(model)
     model.add_argument("--backend", choices=BACKENDS, default=default("backend"),
@@ -215,11 +223,14 @@ SERVE_EXAMPLES = """examples:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``serve``, in groups (the model's and the performance flags as extract's)."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="a TOML file of these flags (names without the dashes); flags given here override it")
     model = parser.add_argument_group("model")
     add_model_flags(model)
     model.add_argument("--served-model-name", metavar="NAME",
                        help="the model id /v1/models lists, which speculators' trainer compares with its "
-                            "--verifier-name-or-path (default: --model-path as given)")
+                            "--verifier-name-or-path (default: a model id as given, a directory's name: never "
+                            "its path)")
     model.add_argument("--layer-ids", type=int, nargs="+", metavar="ID",
                        help="layers each file holds, speculators 0.9's convention: the state after k layers, "
                             "ascending (default 2, N/2, N-3, N: the trainer's --target-layer-ids and its "
@@ -232,9 +243,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default=serve_default("host"), help=f"where to listen (default {serve_default('host')})")
     server.add_argument("--port", type=at_least(0), default=serve_default("port"),
                         help=f"the port (default {serve_default('port')}; 0: a free one, said at start)")
-    server.add_argument("--states-dir", default=serve_default("states_dir"), metavar="DIR",
-                        help=f"where each request's file waits for its client, which moves or deletes it; best on "
-                             f"the filesystem of the client's output (default {serve_default('states_dir')})")
+    server.add_argument("--states-dir", metavar="DIR",
+                        help="where each request's file waits for its client, which moves or deletes it; best on "
+                             "the filesystem of the client's output; must be this user's and writable by no one "
+                             "else, made 0700 if missing (default $XDG_RUNTIME_DIR/hidden-states, else "
+                             "<tmp>/hidden-states-<uid>)")
+    server.add_argument("--api-key", metavar="KEY",
+                        help="the key every request but /health must carry: Authorization: Bearer KEY, or KEY as "
+                             "the password of the URL (http://any:KEY@host:port/v1, for speculators 0.9's client, "
+                             "which sends no key of its own) (default $VLLM_API_KEY, as vllm serve; best there: "
+                             "a flag shows in the process list)")
+    server.add_argument("--keep-alive-timeout", type=float, default=serve_default("keep_alive_timeout"),
+                        metavar="SECONDS",
+                        help=f"a connection idle, or stalled mid-request, this long is closed (default "
+                             f"{serve_default('keep_alive_timeout'):g}, as vllm serve)")
+    server.add_argument("--max-connections", type=at_least(1), default=serve_default("max_connections"),
+                        metavar="N",
+                        help=f"connections open at once; one more takes the place of one idle between requests, "
+                             f"else is answered 503 and closed (default "
+                             f"{serve_default('max_connections')}; at most half the process's file descriptor "
+                             f"limit)")
     server.add_argument("--sweep-after", type=float, default=serve_default("sweep_after"), metavar="SECONDS",
                         help=f"a file no client collected is removed after this long (default "
                              f"{serve_default('sweep_after'):g})")
@@ -254,6 +282,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--no-shared-prefix", action="store_true",
                        help="vLLM's prefix cache off: by default requests gathered into one batch share the "
                             "states of their common first tokens")
+    log_levels.add_flags(parser.add_argument_group("log"), log_file=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
                               "(>= 0.5: one row per assistant turn); default: what the installed speculators reads")
     prepare.add_argument("--token-freq", metavar="FILE", help="where token_freq.pt goes (default: beside --output)")
     prepare.add_argument("--trust-remote-code", action="store_true", help="allow a tokenizer that needs remote code")
+    prepare.add_argument("--strict", action="store_true",
+                         help="refuse a conversation longer than --max-seq-len, or with a turn whose role is unknown "
+                              "(default: truncated; the role skipped or taken as assistant as --format's trainer does)")
+    prepare.add_argument("--start-over", action="store_true",
+                         help="replace a token_freq.pt that another prepare's rows left in the way")
     convert = sub.add_parser("convert", help="convert an extraction to the other layout (no model, no GPU; a "
                                              "rerun resumes)")
     convert.add_argument("src", help="a finished extraction's output directory")
@@ -319,13 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    """The arguments, a ``--config`` file's flags (extract, plan) first so that the command line's win."""
+    """The arguments, a ``--config`` file's flags (extract, plan, serve) first so that the command line's win."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     path = config_path(argv)
-    if argv and argv[0] in RUN_COMMANDS and path is not None:
+    if argv and argv[0] in CONFIG_COMMANDS and path is not None:
         checker = argparse.ArgumentParser(add_help=False)
-        add_run_arguments(checker)
+        CONFIG_COMMANDS[argv[0]](checker)
         flags = flags_from(path, checker)
         argv = [argv[0], *flags, *argv[1:]]
     return parser.parse_args(argv)
@@ -398,36 +432,49 @@ def _extract(args, sampling=None) -> int:
     return 0
 
 
-def serve_settings_from(args) -> tuple[Settings, ServeSettings]:
-    """The extractor's settings and the server's from ``serve``'s flags: each tunable from its flag,
-    else the preset, else the server's default (``SERVE_DEFAULTS``), else the extractor's."""
-    from .serve_model import BACKEND
+def serve_settings_from(args) -> tuple[ModelSettings, ServeSettings]:
+    """The model's settings and the server's from ``serve``'s flags: each tunable from its flag,
+    else the preset, else the server's default (``SERVE_DEFAULTS``), else the extractor's. No input,
+    no output directory: rows come from clients, states go to files (``serve.state_files``)."""
+    from .serve.model import BACKEND
 
     # the tunables serve has (its writer threads are a fixed pool: no --max-writer-threads)
     given = {name: getattr(args, name) for name in TUNABLE if getattr(args, name, None) is not None}
-    settings = Settings.tuned(BACKEND, {**SERVE_DEFAULTS, **PRESETS.get(args.preset, {})}, given,
-                              model_path=model_ids.resolve(args.model_path), prepared_data="", output_dir="",
-                              layer_ids=args.layer_ids, trust_remote_code=args.trust_remote_code,
-                              state_dtype=args.state_dtype, forward_check=not args.skip_forward_check,
-                              share_prefixes=not args.no_shared_prefix)
-    settings.max_writer_threads = settings.writer_threads  # serve's writers are a fixed pool (serve_batches)
+    tuned = ModelSettings.tuned(BACKEND, {**SERVE_DEFAULTS, **PRESETS.get(args.preset, {})}, given,
+                                model_path=model_ids.resolve(args.model_path), layer_ids=args.layer_ids,
+                                trust_remote_code=args.trust_remote_code, state_dtype=args.state_dtype,
+                                forward_check=not args.skip_forward_check, share_prefixes=not args.no_shared_prefix)
+    # serve's writers are a fixed pool (serve.batching): as many as it starts with
+    settings = dataclasses.replace(tuned, max_writer_threads=tuned.writer_threads)
     if args.sweep_after <= 0:
         raise UsageError(f"--sweep-after {args.sweep_after:g}: must be more than 0 seconds")
     if args.gather_ms < 0:
         raise UsageError(f"--gather-ms {args.gather_ms:g}: must be at least 0")
     if args.engine_tokens is not None and args.engine_tokens < 0:
         raise UsageError(f"--engine-tokens {args.engine_tokens}: must be at least 0")
+    if args.keep_alive_timeout <= 0:
+        raise UsageError(f"--keep-alive-timeout {args.keep_alive_timeout:g}: must be more than 0 seconds")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("VLLM_API_KEY") or None
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key: empty; give the key, or leave the flag out for none")
     return settings, ServeSettings(host=args.host, port=args.port,
-                                   served_model_name=args.served_model_name or args.model_path,
+                                   served_model_name=args.served_model_name or model_ids.served_name(args.model_path),
                                    states_dir=args.states_dir, sweep_after=args.sweep_after,
-                                   gather_window=args.gather_ms / 1000, engine_tokens=args.engine_tokens)
+                                   gather_window=args.gather_ms / 1000, engine_tokens=args.engine_tokens,
+                                   api_key=api_key, keep_alive_timeout=args.keep_alive_timeout,
+                                   max_connections=args.max_connections)
 
 
 def _serve(args) -> int:
     from .progress import log_to_stderr as log
-    from .serve import serve
+    from .serve import Aborted, serve
 
-    return serve(*serve_settings_from(args), log)
+    try:
+        return serve(*serve_settings_from(args), log)
+    except Aborted as exc:  # a second signal: said as the last line, the exit code the signal's
+        print(f"hidden-states: aborted: {exc}", file=sys.stderr)
+        args.exit_now = True
+        return 128 + exc.signum
 
 
 def _convert(args) -> int:
@@ -441,11 +488,12 @@ def _convert(args) -> int:
 
 def _prepare(args) -> int:
     from .layer_conventions import default_format
-    from .tokenization import ChatSettings, prepare
+    from .prepare import prepare
+    from .tokenization import ChatSettings
 
     chat = ChatSettings(model_ids.resolve(args.model_path), args.format or default_format(), args.max_seq_len,
-                        args.trust_remote_code)
-    prepare(chat, args.data, args.output, args.token_freq)
+                        args.trust_remote_code, args.strict)
+    prepare(chat, args.data, args.output, args.token_freq, start_over=args.start_over)
     return 0
 
 
@@ -468,12 +516,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hidden-states: error: {exc}", file=sys.stderr)
         return exc.exit_code
     with _output_captured(args):
-        return _run(args)
+        code = _run(args)
+    if getattr(args, "exit_now", False):  # serve's second signal: what the interpreter's exit would wait on
+        os._exit(code)  # (vLLM's killed engine's threads and finalizers) is not waited for
+    return code
 
 
 def _output_captured(args):
     """extract, generate and convert: the full output to a log file in the output directory, the terminal's
-    share at --log-level (hidden_states/run_log.py)."""
+    share at --log-level (hidden_states/run_log.py); serve: the terminal's share (it has no output directory)."""
     import contextlib
 
     from . import run_log
@@ -487,6 +538,8 @@ def _output_captured(args):
                                 log_levels.level_of(args))
     if args.command == "convert":
         return run_log.captured(run_log.log_path(args.dst), log_levels.level_of(args))
+    if args.command == "serve":
+        return run_log.captured(None, log_levels.level_of(args))
     return contextlib.nullcontext()
 
 

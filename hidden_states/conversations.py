@@ -20,13 +20,14 @@ Anything else is an ``InputError`` naming the file and line (or row).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import extras, identity
+from . import extras
 from .errors import InputError
 
 TOKENIZED, SHAREGPT, MESSAGES, TEXT = "tokenized", "sharegpt", "messages", "text"
@@ -34,6 +35,23 @@ KEYS = {TOKENIZED: "input_ids", SHAREGPT: "conversations", MESSAGES: "messages",
 # Role names of ShareGPT and OpenAI data, and what the chat templates call them.
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "tool": "tool", "function": "tool", "ipython": "tool"}
+# What a turn whose role is none of ROLES becomes (real ShareGPT dumps carry "bing", "chatgpt", ...),
+# as each format's trainer prepares it: speculators 0.3/0.4 drop the turn with a warning
+# (speculators/data_generation/preprocessing.py, _normalize_conversation: "Unknown role ..., skipping
+# turn"); speculators 0.9 takes it as an assistant turn (the same function: "Treat unknown roles (e.g.
+# model names in on-policy data) as assistant"). REFUSE is --strict's.
+SKIP, AS_ASSISTANT, REFUSE = "skip", "assistant", "refuse"
+UNKNOWN_ROLE_POLICIES = (SKIP, AS_ASSISTANT, REFUSE)
+CHUNK = 1 << 20  # bytes read at a time while an input is hashed
+
+
+def sha256_of(handles) -> str:
+    """The SHA-256 of the bytes of ``handles`` (binary files, each read from its start in chunks)."""
+    digest = hashlib.sha256()
+    for handle in handles:
+        for chunk in iter(lambda: handle.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,7 @@ class Conversation:
 
     messages: list[dict]
     tools: list | None = None
+    unknown_roles: int = 0  # turns whose role is none of ROLES, skipped or taken as assistant
 
 
 @dataclass
@@ -109,7 +128,7 @@ def open_source(path: str | Path, digest: bool = False) -> RecordSource:
     size = os.fstat(handle.fileno()).st_size
     sha256 = None
     if digest:
-        sha256 = identity.sha256_of([handle])
+        sha256 = sha256_of([handle])
         handle.seek(0)
     first = head.lstrip()[:1]
     if head.startswith(b"PAR1"):
@@ -146,7 +165,7 @@ def _digest_dataset(source: RecordSource) -> None:
         for name in source.files:
             handles.append((source.path / name).open("rb"))
         source.size = sum(os.fstat(h.fileno()).st_size for h in handles)
-        source.sha256 = identity.sha256_of(handles)
+        source.sha256 = sha256_of(handles)
     except OSError as exc:
         raise InputError(f"{source.path}: its data file cannot be read ({exc})") from None
     finally:
@@ -270,27 +289,38 @@ def _text(content, where: str) -> str:
     raise InputError(f"{where}: content is a {type(content).__name__}, not a string")
 
 
-def conversation(record: Record, kind: str) -> Conversation:
+def conversation(record: Record, kind: str, unknown_roles: str = REFUSE) -> Conversation:
     """The :class:`Conversation` of a ``sharegpt`` or ``messages`` row.
 
     A turn's role is ``from`` or ``role`` (``ROLES``: ShareGPT's human/gpt are user/assistant,
-    function/ipython turns are tool turns); its content ``value`` or ``content`` (None: empty);
+    function/ipython turns are tool turns); a turn with another role (a string) is dropped
+    (``unknown_roles`` ``SKIP``), taken as an assistant turn (``AS_ASSISTANT``) or refused naming the
+    file, line and role (``REFUSE``), and counted in ``Conversation.unknown_roles``; its content
+    ``value`` or ``content`` (None: empty);
     reasoning from ``reasoning_content`` or ``thinking`` is passed under both names (templates
     read one or the other); ``tool_calls``, ``tool_call_id`` and ``name`` are kept.
     """
     turns = record.value[KEYS[kind]]
     if not isinstance(turns, list) or not turns:
         raise InputError(f"{record.where}: '{KEYS[kind]}' must be a non-empty list of turns")
-    messages = []
+    if unknown_roles not in UNKNOWN_ROLE_POLICIES:
+        raise ValueError(f"unknown_roles {unknown_roles!r} is none of {', '.join(UNKNOWN_ROLE_POLICIES)}")
+    messages, unknown = [], 0
     for number, turn in enumerate(turns):
         where = f"{record.where}: turn {number}"
         if not isinstance(turn, dict):
             raise InputError(f"{where} is a {type(turn).__name__}, not an object")
         role = turn.get("from") or turn.get("role")
         if role not in ROLES:
-            raise InputError(f"{where}: role {role!r} is none of {', '.join(ROLES)}")
+            if not isinstance(role, str) or unknown_roles == REFUSE:
+                strict = " (refused by --strict)" if isinstance(role, str) else ""
+                raise InputError(f"{where}: role {role!r} is none of {', '.join(ROLES)}{strict}")
+            unknown += 1
+            if unknown_roles == SKIP:
+                continue
         content = turn.get("value")
-        message = {"role": ROLES[role], "content": _text(content if content else turn.get("content"), where)}
+        message = {"role": ROLES.get(role, "assistant"),
+                   "content": _text(content if content else turn.get("content"), where)}
         reasoning = turn.get("reasoning_content") or turn.get("thinking")
         if reasoning:
             message["reasoning_content"] = message["thinking"] = _text(reasoning, where)
@@ -306,7 +336,10 @@ def conversation(record: Record, kind: str) -> Conversation:
             raise InputError(f"{record.where}: 'tools' is a string but not JSON ({exc.msg})") from None
     if tools is not None and not isinstance(tools, list):
         raise InputError(f"{record.where}: 'tools' must be a list of tool definitions")
-    return Conversation(messages, tools or None)
+    if not messages:
+        raise InputError(f"{record.where}: no turn left: every turn's role is none of {', '.join(ROLES)} (skipped, as "
+                         f"the format's trainer skips them)")
+    return Conversation(messages, tools or None, unknown)
 
 
 def text(record: Record) -> str:

@@ -23,7 +23,8 @@ from . import extras, formats, layer_conventions, run_log
 from .errors import OutputError, UsageError
 from .identity import recorded
 from .inputs import Sample
-from .output import CONFIG, TEMP_PREFIX, BackgroundWriter, OutputDir, format_name, read_json
+from .output import CONFIG, BackgroundWriter, DirectoryLock, OutputDir, format_name
+from .files import TEMP_PREFIX, read_json
 from .progress import log_to_stderr
 
 CONVERTIBLE = (layer_conventions.SPECULATORS_03, layer_conventions.SPECULATORS_05)
@@ -119,34 +120,41 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
     first = read_sample(name, files[0])
     layers = formats.Layers(dst_ids, num_layers=0, hidden_size=int(first[2][0].shape[-1]))  # num_layers: unused here
     layout = formats.create(to, dst, layers, log=log)
-    output = OutputDir(layout)
+    output = OutputDir(layout, layouts=formats.readers(dst))
     dst_layer_ids = layer_conventions.from_extractor(to, dst_ids)
     source, tokenization = recorded(config)
     identity = {"model": config.get("model"), "layer_ids": dst_layer_ids, "input": source,
                 "tokenization": tokenization}
     output.create()
-    held = output.check(identity)
-    output.claim(identity, {
-        **{key: value for key, value in config.items() if key not in ("format", "layer_ids", "layer_convention")},
-        "format": layout.describe(), "layer_convention": layer_conventions.meaning(to),
-        "converted_from": {"directory": str(src.resolve()), "format": name, "layer_ids": config["layer_ids"],
-                           "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}},
-                 formats.create(held.format, dst) if held else None)
-    run_log.directory_claimed()  # the log file may go there now
-    finished = output.finished()
-    todo = [index for index in sorted(files) if index not in finished]
-    log(f"convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "
-        f"{dst_layer_ids}): {len(files)} samples, {len(files) - len(todo)} already converted, {len(todo)} to go")
-    writer = BackgroundWriter(dst, max_pending=8, format=layout)
+    lock = DirectoryLock(dst)  # one run at a time per output directory, as extract's
+    taken_over = lock.acquire()
     try:
-        for index in todo:
-            input_ids, loss_mask, states = read_sample(name, files[index])
-            if len(states) != len(src_ids):
-                raise OutputError(f"{files[index]}: {len(states)} layers, {CONFIG} lists {len(src_ids)}")
-            writer.submit(index, layout.record(Sample(index, index + 1, input_ids, loss_mask),
-                                               [states[k] for k in order]))
+        if taken_over:
+            log(taken_over)
+        held = output.check(identity)
+        output.claim(identity, {
+            **{key: value for key, value in config.items() if key not in ("format", "layer_ids", "layer_convention")},
+            "format": layout.describe(), "layer_convention": layer_conventions.meaning(to),
+            "converted_from": {"directory": str(src.resolve()), "format": name, "layer_ids": config["layer_ids"],
+                               "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}},
+                     formats.create(held.format, dst) if held else None)
+        run_log.directory_claimed()  # the log file may go there now
+        finished = output.finished()
+        todo = [index for index in sorted(files) if index not in finished]
+        log(f"convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "
+            f"{dst_layer_ids}): {len(files)} samples, {len(files) - len(todo)} already converted, {len(todo)} to go")
+        writer = BackgroundWriter(dst, max_pending=8, format=layout)
+        try:
+            for index in todo:
+                input_ids, loss_mask, states = read_sample(name, files[index])
+                if len(states) != len(src_ids):
+                    raise OutputError(f"{files[index]}: {len(states)} layers, {CONFIG} lists {len(src_ids)}")
+                writer.submit(index, layout.record(Sample(index, index + 1, input_ids, loss_mask),
+                                                   [states[k] for k in order]))
+        finally:
+            writer.close()
+            finished.update(writer.stats.lengths)
+            output.finish(finished)
+        return len(todo)
     finally:
-        writer.close()
-        finished.update(writer.stats.lengths)
-        output.finish(finished)
-    return len(todo)
+        lock.release()

@@ -1,13 +1,11 @@
 """One extraction run, in stages: plan -> prepare -> load -> loop -> finish.
 
-* :meth:`Extraction.plan`: what can be checked and foreseen before anything is written or loaded
-  (settings, the model's config, layer ids, tensor parallelism, the output directory read, the first
-  samples of the input, read ahead, the memory the model needs per rank against the devices' and
-  vLLM's CPU KV cache, the disk estimate, the vLLM audit, the run's time): the lines ``hidden-states
-  plan`` prints and :meth:`Extraction.run` logs first;
+* :meth:`Extraction.plan`: the planner's (``run_plan.plan_run``: what can be checked and foreseen
+  before anything is written or loaded): the lines ``hidden-states plan`` prints and
+  :meth:`Extraction.run` logs first;
 * :meth:`Extraction.prepare`: the output directory (what it holds against this run's model, layers,
   input and tokenization; the config, written once every check passed; finished samples, files
-  cut short), the samples still to do;
+  cut short), the samples still to do, the run's plan (``run_plan.RunPlan``);
 * :meth:`Extraction.load`: the backend loads the model, then the forward check;
 * :meth:`Extraction.loop`: batches from the batch source -> backend -> the format's records -> the
   background writer;
@@ -36,20 +34,23 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, extras, formats, fp8_states, layer_conventions, prefixes, processes, run_log
+from . import backends, formats, fp8_states, layer_conventions, prefixes, processes, run_log
 from .batches import BatchSource, Pending, batch_source
-from .errors import ExtractError, InputError, OutputError, PreflightError, UsageError
+from .errors import ExtractError, InputError, OutputError
 from .inputs import InputStream, Sample
-from .tokenization import ChatSettings
+from .tokenization import save_token_frequencies
 from .interrupts import Interrupt
-from .output import CONFIG, BackgroundWriter, OutputDir, atomic_write_json, format_name, read_json
-from .estimates import TimeEstimate, duration, estimate_time, rate_for
+from .output import CONFIG, TOKEN_FREQ, BackgroundWriter, DirectoryLock, OutputDir, format_name
+from .files import atomic_write_json, read_json
+from .forward_check import check_forward
+from .estimates import TimeEstimate, duration
 from .backends.regions import SHM
 from .identity import describe_input, difference, stop_record
-from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, ModelFacts, MemoryEstimate, check_disk, check_environment,
-                        check_first_samples, check_layer_ids, check_memory, check_states_in_flight,
-                        check_tensor_parallel, check_vllm, cpu_kv_cache_space, device_budget, estimate_memory,
-                        estimate_tokens, human_size, model_facts)
+from .planner import BATCHES_HELD, MemoryCheck, ModelPlan
+from .run_plan import Planned, RunPlan, plan_run
+from .preflight import CPU_KV_CACHE_ENV, ModelFacts
+from .processes import EXIT_WAIT, ProcessDied
+from .sizes import human_size
 from .progress import Progress, log_to_stderr
 from .settings import Settings
 
@@ -112,88 +113,13 @@ class ExtractionFailed(RuntimeError):
     """The backend raised on a batch; names the samples (index and line) it held."""
 
 
-class ProcessDied(RuntimeError):
-    """vLLM failed because one of its processes died; names it, how it ended and the likely cause.
-
-    Attributes:
-        exits: the process(es) that ended first (``processes.Exit``).
-    """
-
-    def __init__(self, message: str, exits: list[processes.Exit]):
-        super().__init__(message)
-        self.exits = exits
-
-
 # Plan lines that `extract` leaves to the log file (`--log-level debug` shows them): how a setting was
 # chosen, the model's shape, the estimate's basis (`hidden-states plan` prints every line).
 PLAN_DETAILS = ("settings:", "model:", "KV cache:", "time estimated from", "host memory for states")
-# How long a failed run waits for one of vLLM's processes to exit before it shuts vLLM down: the
-# engine core of ``vllm.LLM`` reports its death to this process before it exits.
-EXIT_WAIT = 5.0
 # Writer threads, at most, for the files queued when a run ends (the last batch: its files are the run's
 # tail): one thread alone writes the page cache well below a disk's rate (docs/performance.md,
 # "The extractor's defaults").
 DRAIN_THREADS = 8
-
-
-@dataclass(frozen=True)
-class ModelPlan:
-    """What :meth:`Extraction.plan_model` decided of the model and the states taken from it.
-
-    Attributes:
-        facts: the model's config facts.
-        format_name, format_layer_ids: the output format and the layer ids as its trainer counts them.
-        layers: the layers the backend captures, as the extractor counts them.
-    """
-
-    facts: ModelFacts
-    format_name: str
-    format_layer_ids: tuple[int, ...]
-    layers: formats.Layers
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What :meth:`Extraction.plan` and :meth:`Extraction.prepare` decided, for every process that
-    executes the run: a single run, each Ray replica (``replicas.py``), each static shard. Made once,
-    never changed (a replica gets its own with :meth:`for_replica`); it crosses to Ray's actors pickled.
-    The extraction that made it or executes it reads the model's plan and the config from it.
-
-    Attributes:
-        settings: the run's settings, every default applied (a copy: the caller's object may change),
-            as the plan checked them: a process executing the plan (a Ray replica) does not check them
-            again (``--cuda-graphs`` where it cannot run: ``refuse_cuda_graphs``, in ``plan_model``).
-        model: the model, the format and the layers (:class:`ModelPlan`).
-        tag: the ledger's tag (``done.<tag>.jsonl``: a shard's, a replica's); None: ``done.jsonl``.
-        config: ``data_config.json`` before the backend's own facts (read, never changed).
-        runner: the class a Ray replica executes it with (:attr:`Extraction.replica_class`: extract's
-            or generate's); None: :class:`Extraction`.
-    """
-
-    settings: Settings
-    model: ModelPlan
-    tag: str | None
-    config: dict
-    runner: type | None = None
-
-    def for_replica(self, replica_id: int) -> RunPlan:
-        """The plan of Ray replica ``replica_id``: its own ledger (a static shard's replicas carry the
-        shard's tag too, so two sharded Ray runs never share one)."""
-        tag = f"{self.tag}.replica-{replica_id}" if self.tag else f"replica-{replica_id}"
-        return dataclasses.replace(self, tag=tag)
-
-    def backend_settings(self, batches_held: int = 3) -> backends.BackendSettings:
-        """What the backend gets: the settings it shares with the run, by name, and the layers it
-        captures (each once, in the model's order); ``batches_held``: the batches' worth of
-        sequences whose states the run holds at once."""
-        settings = self.settings
-        shared = {f.name: getattr(settings, f.name) for f in dataclasses.fields(backends.BackendSettings)
-                  if hasattr(settings, f.name) and f.name != "layer_ids"}
-        # the batch awaited, the writer's queue and its one file per thread, slack (the tokens a
-        # backend keeps ahead, known once its engine runs, it adds itself)
-        return backends.BackendSettings(**shared, layer_ids=sorted(set(self.model.layers.ids)),
-                                        sequences_in_flight=batches_held * settings.batch_size
-                                        + settings.max_writer_threads, num_layers=self.model.facts.num_layers)
 
 
 class Extraction:
@@ -207,17 +133,21 @@ class Extraction:
     Attributes:
         loads_model_here: the backend runs in this process, on this host's devices, against which
             the plan checks the memory the model needs.
-        model_plan: the :class:`ModelPlan` (after :meth:`plan_model`, or the one of the plan given to
+        planned: what the planner found (``run_plan.Planned``, after :meth:`plan`); ``plan_lines``,
+            ``input``, ``identity`` and ``time_estimate`` read it.
+        memory_check: the memory check against this host's devices (``planner.MemoryCheck``: the
+            plan's, or a Ray replica's own); ``cpu_kv_cache`` reads it.
+        model_plan: the ``planner.ModelPlan`` (after :meth:`plan`, or the one of the plan given to
             :meth:`executing`); ``facts``, ``format_name``, ``format_layer_ids`` and ``layers`` read it.
-        run_plan: the :class:`RunPlan` (after :meth:`prepare`, or given to :meth:`executing`); ``config``
-            reads it.
+        run_plan: the ``run_plan.RunPlan`` (after :meth:`prepare`, or given to :meth:`executing`);
+            ``config`` reads it.
 
     A way of running batches elsewhere (the Ray driver, ``replicas.RayExtraction``) overrides the
     two public hooks of the loop, :meth:`open_sink` and :meth:`hand_out`, and nothing else of it.
     """
 
     loads_model_here = True
-    batches_held = 3  # the batch awaited, the writer's queue, slack (RunPlan.backend_settings)
+    batches_held = BATCHES_HELD
 
     def __init__(self, settings: Settings, *, log=None, source: BatchSource | None = None):
         self.settings = settings
@@ -225,19 +155,13 @@ class Extraction:
         self.source = source or batch_source(settings)
         self.summary = Summary()
         # plan
+        self.planned: Planned | None = None
+        self.memory_check: MemoryCheck | None = None
         self.model_plan: ModelPlan | None = None
-        self.input: InputStream | None = None
-        self.tokens_estimate = 0  # tokens the whole input makes, estimated from its first samples
-        self.memory: MemoryEstimate | None = None
-        self.device: str | None = None  # the device vLLM runs on here (vllm_compat.host.device_name)
-        self.cpu_kv_cache: int | None = None  # GiB for CPU_KV_CACHE_ENV, set before the load (None: leave it)
-        self.plan_lines: list[str] = []  # what the plan found, said before anything is written or loaded
-        self.finished_before: set[int] = set()  # whole sample files the plan found in the output directory
-        self.time_estimate: TimeEstimate | None = None
-        self.identity: dict | None = None  # model, layer ids, input, tokenization (identity.py), from the plan
         # prepare
         self.format = None
         self.output: OutputDir | None = None
+        self.lock: DirectoryLock | None = None  # the output directory's, held from prepare to the end of run
         self.finished: dict[int, int | None] = {}
         self.pending: Pending | None = None
         self.run_plan: RunPlan | None = None
@@ -255,17 +179,40 @@ class Extraction:
         self._started = 0.0
 
     def run(self) -> Summary:
-        self.plan()
-        for line in self.plan_lines:  # the plan's details go to the log file; `hidden-states plan` shows them
-            self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
-        self.prepare()
-        batches = self.source.batches(self.pending, self.settings.batch_size)
-        first = next(batches, None)  # streams up to the first sample to do: no model load when none is left
-        if first is None:
-            self.summary.skipped = self.pending.skipped
-            self.output.finish(self.finished)
-            return self.summary
-        return self.loaded(lambda: self.loop(itertools.chain([first], batches)))
+        try:
+            self.plan()
+            for line in self.plan_lines:  # the plan's details go to the log file; `hidden-states plan` shows them
+                self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
+            self.prepare()
+            batches = self.source.batches(self.pending, self.settings.batch_size)
+            first = next(batches, None)  # streams up to the first sample to do: no model load when none is left
+            if first is None:
+                self.summary.skipped = self.pending.skipped
+                self.output.finish(self.finished)
+                self.write_token_frequencies()
+                return self.summary
+            summary = self.loaded(lambda: self.loop(itertools.chain([first], batches)))
+            self.write_token_frequencies()
+            return summary
+        finally:
+            self.unlock()
+
+    def unlock(self) -> None:
+        """Let the output directory's lock go (taken in :meth:`prepare`), once the run is over."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def write_token_frequencies(self) -> None:
+        """``token_freq.pt`` in the output directory (speculators 0.9 reads it for
+        ``--draft-vocab-size``), for an input of conversations, once this run has read every row of
+        it from the first: the trained tokens of every sample, finished ones included, so a resumed
+        run writes what one uninterrupted run and ``prepare`` write. A run over part of the input
+        (``--start-index``, ``--max-samples`` short of its end, a stop) leaves it as it is."""
+        stream, end = self.input, self.settings.end_index
+        if stream.tokenizer is None or not stream.ended or self.settings.start_index or \
+                (end is not None and end < stream.samples_read):
+            return
+        save_token_frequencies(dict(stream.token_counts), self.output.path / TOKEN_FREQ)
 
     def loaded(self, work) -> Summary:
         """Load the model, run ``work()``, finish: vLLM's processes watched and signals heard meanwhile;
@@ -333,175 +280,17 @@ class Extraction:
         return ProcessDied("; ".join(e.explain(oom_kills) for e in exits) + f". The run stopped on it: {stopped}. "
                            f"Finished samples are kept: rerun the same command to resume", exits)
 
-    def plan_model(self) -> None:
-        """The plan's part that needs no input and no output directory (``hidden-states serve`` runs it
-        alone): the settings' bounds, the environment, the model's config, the format and its state
-        dtype, the layer ids and their meaning, tensor parallelism; the first ``plan_lines``."""
-        settings = self.settings
-        if settings.batch_size < 1:
-            raise UsageError(f"--batch-size {settings.batch_size}: must be at least 1")
-        if settings.max_seq_len < 1:
-            raise UsageError(f"--max-seq-len {settings.max_seq_len}: must be at least 1")
-        if settings.writer_threads < 1:  # no thread would ever write: files lost, or a hang on a full queue
-            raise UsageError(f"--writer-threads {settings.writer_threads}: must be at least 1")
-        if settings.cuda_graphs:
-            from .backends.vllm_engine import refuse_cuda_graphs
-
-            refuse_cuda_graphs(settings.backend)
-        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            for line in check_environment():
-                self.log(line)
-        facts = model_facts(settings.model_path)
-        if facts.remote_code and not settings.trust_remote_code:
-            raise UsageError(f"--model-path {settings.model_path}: the model needs remote code (auto_map in "
-                             f"config.json); pass --trust-remote-code if you trust it")
-        # --layer-ids count as the chosen format's trainer counts; the backends capture in ours
-        output_format = settings.format or layer_conventions.default_format()
-        if output_format not in formats.FORMATS:
-            raise UsageError(f"--format {output_format}: unknown (known: {', '.join(formats.FORMATS)})")
-        stored_as = formats.state_dtypes(output_format)
-        if settings.state_dtype not in stored_as:
-            raise UsageError(f"--state-dtype {settings.state_dtype}: --format {output_format}'s trainer reads "
-                             f"{' or '.join(stored_as)} states only (speculators 0.3/0.4 have no FP8 reader); use "
-                             f"--format speculators-0.5 (speculators >= 0.9, --hidden-states-backend fp8)")
-        given = list(settings.layer_ids) if settings.layer_ids else None
-        format_layer_ids = given or layer_conventions.default_ids(output_format, facts.num_layers)
-        layer_ids = layer_conventions.to_extractor(output_format, format_layer_ids, facts.num_layers)
-        check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
-        check_tensor_parallel(facts, settings.tp_size)
-        self._take(ModelPlan(facts, output_format, tuple(format_layer_ids),
-                             formats.Layers(layer_ids, facts.num_layers, facts.hidden_size)))
-        chosen = "" if given else " (its trainer's default)"
-        self.plan_lines = [settings_line(settings),
-                           f"model: {facts.path} ({facts.num_layers} layers, hidden size {facts.hidden_size})",
-                           f"layers: {self.format_layer_ids} for --format {self.format_name}{chosen}: "
-                           f"{layer_conventions.meaning(self.format_name)}"]
-
     def plan(self) -> None:
-        """Everything that can be checked and foreseen before anything is written or loaded, in
-        ``plan_lines`` (``hidden-states plan`` prints them; ``run`` logs them first): settings, model
-        config, layer ids and their meaning, tensor parallelism, the input's first samples, the memory
-        the model needs on this host's devices, the disk the whole input needs, the vLLM audit, the
-        samples to do and the run's time. Reads the output directory, never writes it."""
-        settings = self.settings
-        self.plan_model()
-        facts, layer_ids = self.facts, self.layers.ids
-        if self.format_name == layer_conventions.SPECULATORS_05:
-            extras.require("datasets", f"--format {self.format_name} (its dataset index, which the trainer reads)",
-                           PreflightError)
-        chat = ChatSettings(settings.model_path, self.format_name, settings.max_seq_len, settings.trust_remote_code,
-                            settings.strict)
-        self.input = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
-        self.check_input()
-        source, tokenization = self.input.identity(settings.max_seq_len)
-        self.identity = {"model": facts.path, "layer_ids": self.format_layer_ids, "state_dtype": settings.state_dtype,
-                         "input": source, "tokenization": tokenization}
-        self.finished_before = self._check_output_dir()
-        self.tokens_estimate = estimate_tokens(self.input, settings.max_seq_len)
-        self.memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
-        if self.loads_model_here:  # asking the device imports vLLM (seconds)
-            self.plan_lines += self.check_memory_here()
-            if settings.backend == "vllm-engine":
-                self.plan_lines.append(self.check_states_in_flight())
-        elif self.memory is not None:
-            self.plan_lines.append(f"memory: {self.memory.line()}; each replica checks it against its own node's "
-                                   f"devices as it loads")
-        disk = check_disk(existing_parent(Path(settings.output_dir)), self.tokens_estimate, facts, layer_ids,
-                          settings.state_dtype)
-        self.plan_lines.append(f"disk: about {human_size(disk)} of hidden states for the whole input"
-                               if disk else "disk: not estimated (the input's size per token is not known)")
-        if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-            self.plan_lines.append(audit_line(settings.backend))
-        self.plan_lines += self._work_and_time()
+        """Everything that can be checked and foreseen before anything is written or loaded
+        (``run_plan.plan_run``), in ``plan_lines``. Reads the output directory, never writes it."""
+        self.hold(plan_run(self.settings, self.source, log=self.log, loads_model_here=self.loads_model_here,
+                           batches_held=self.batches_held))
 
-    def check_input(self) -> None:
-        """The input's first samples, read ahead and validated (their length too, with ``--strict``)."""
-        settings = self.settings
-        check_first_samples(self.input, settings.max_seq_len if settings.strict else None)
-
-    def _check_output_dir(self) -> set[int]:
-        """What can be told of the output directory without writing: not a file, in a writable folder,
-        not another extraction's; the samples already finished in it."""
-        path = Path(self.settings.output_dir)
-        if path.exists() and not path.is_dir():
-            raise OutputError(f"--output-dir {path}: is a file, not a directory")
-        parent = existing_parent(path)
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            why = "writable" if parent.is_dir() else "a directory"
-            raise OutputError(f"--output-dir {path}: cannot be made ({parent} is not {why})")
-        if not path.is_dir():
-            return set()
-        output = OutputDir(formats.create(self.format_name, path, self.layers, log=self.log,
-                                                 state_dtype=self.settings.state_dtype))
-        if output.check(self.identity, self.settings.start_over) is not None:
-            return set()  # another extraction, which this run replaces (prepare): nothing of it counts
-        return output.sample_files()[0]
-
-    def check_memory_here(self) -> list[str]:
-        """The memory the model needs per rank against this host's devices (refuses what cannot fit)
-        and, on vLLM's CPU backend, the KV cache it will be given (:attr:`cpu_kv_cache`); the lines
-        that say so."""
-        settings, facts = self.settings, self.facts
-        memory = self.memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
-        if memory is None:
-            return [f"memory: not estimated ({facts.path} holds no .safetensors files)"]
-        budget = device_budget(settings.gpu_memory_utilization)
-        self.device = device_name_here()
-        lines = [check_memory(settings.model_path, memory, budget)]
-        if isinstance(budget, DeviceBudget) and budget.shared:
-            lines.append(self._plan_cpu_kv_cache(memory))
-        return lines
-
-    def check_states_in_flight(self) -> str:
-        """The host memory ``vllm-engine``'s states in flight take (``RunPlan.backend_settings``'
-        sequences, each of up to ``--max-seq-len`` tokens of every captured layer, its token id and,
-        FP8, its scale) against the host's available memory."""
-        from vllm_compat.extractor_api import host_memory
-
-        settings, facts = self.settings, self.facts
-        fp8 = settings.state_dtype == "fp8"
-        token_bytes = (len(set(self.layers.ids)) * facts.hidden_size * (1 if fp8 else facts.dtype_bytes)
-                       + 4 + (4 if fp8 else 0))
-        return check_states_in_flight(batch_size=settings.batch_size, batches_held=self.batches_held,
-                                      extra_sequences=settings.max_writer_threads, max_seq_len=settings.max_seq_len,
-                                      token_bytes=token_bytes, available=host_memory()[0])
-
-    def _plan_cpu_kv_cache(self, memory: MemoryEstimate) -> str:
-        """vLLM's CPU backend sizes its KV cache from ``CPU_KV_CACHE_ENV`` or else from a share of the
-        host's memory, whatever the model: the estimate's size, unless the variable is set."""
-        chosen = os.environ.get(CPU_KV_CACHE_ENV, "")
-        if chosen:
-            return f"KV cache: {CPU_KV_CACHE_ENV}={chosen} GiB per rank, as set in the environment"
-        self.cpu_kv_cache = cpu_kv_cache_space(memory)
-        return (f"KV cache: {CPU_KV_CACHE_ENV}={self.cpu_kv_cache} GiB per rank, from the estimate "
-                f"({human_size(memory.kv_per_rank)} for one batch, x2, in whole GiB); set the variable to choose "
-                f"another")
-
-    def _work_and_time(self) -> list[str]:
-        """The samples in range and still to do (the output directory read, not changed), their tokens
-        and the run's time."""
-        settings, finished = self.settings, self.finished_before
-        pending = self._pending(finished)
-        todo, exact = pending.todo()
-        if self.input.expected_samples()[1] and self.source.tag is None:  # the whole input was read: count
-            tokens = sum(min(len(s.input_ids), settings.max_seq_len) for s in self.input.peek(0)
-                         if settings.in_range(s.index) and s.index not in finished)
-        else:  # the samples to do at the first samples' mean length
-            todo, exact = self.source.expected(todo), False
-            tokens = estimate_tokens(self.input, settings.max_seq_len, todo)
-        about = "" if exact else "about "
-        lines = [f"samples: {about}{todo:,} to extract{' by this shard' if self.source.tag else ''}"
-                 + (f", {len(finished)} already finished in {settings.output_dir}" if finished else "")]
-        if self.device is None and self.memory is not None and settings.backend in backends.BACKENDS:
-            self.device = device_name_here()  # a Ray driver's plan: the replicas check the memory
-        rate, basis = rate_for(self.device, settings.backend)
-        if rate is None:
-            return lines + [f"time: not estimated ({basis})"]
-        if self.memory is None:
-            return lines + ["time: not estimated (the model's size is read from .safetensors files)"]
-        self.time_estimate = estimate_time(rate, basis, tokens, exact, self.memory.token_parameters,
-                                           self.memory.weights, settings.tp_size, settings.data_parallel_size)
-        return lines + self.time_estimate.lines()
+    def hold(self, planned: Planned) -> None:
+        """Keep what the planner found: the stages after the plan read it."""
+        self.planned = planned
+        self.memory_check = planned.memory_check
+        self._take(planned.model)
 
     def prepare(self) -> None:
         """The output directory, what it already holds, what is left.
@@ -511,7 +300,7 @@ class Extraction:
         settings = self.settings
         self.format = formats.create(self.format_name, Path(settings.output_dir), self.layers, log=self.log,
                                      state_dtype=settings.state_dtype)
-        self.output = OutputDir(self.format, tag=self.source.tag)
+        self.output = OutputDir(self.format, tag=self.source.tag, layouts=formats.readers(self.format.directory))
         identity, source = self.identity, self.identity["input"]
         config = {
             "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -527,6 +316,10 @@ class Extraction:
         self.run_plan = RunPlan(dataclasses.replace(settings), self.model_plan, self.source.tag, config,
                                 self.replica_class)
         self.output.create()
+        self.lock = DirectoryLock(self.output.path, self.source.tag)
+        taken_over = self.lock.acquire()
+        if taken_over:
+            self.log(taken_over)
         held = self.output.check(identity, settings.start_over)
         removed = self.output.claim(identity, self.config,
                                     formats.create(held.format, self.output.path) if held else None)
@@ -597,6 +390,28 @@ class Extraction:
     def config(self) -> dict:
         return self.run_plan.config
 
+    @property
+    def plan_lines(self) -> list[str]:
+        """What the plan found, said before anything is written or loaded."""
+        return self.planned.lines if self.planned is not None else []
+
+    @property
+    def input(self) -> InputStream | None:
+        return self.planned.input if self.planned is not None else None
+
+    @property
+    def identity(self) -> dict | None:
+        return self.planned.identity if self.planned is not None else None
+
+    @property
+    def time_estimate(self) -> TimeEstimate | None:
+        return self.planned.time_estimate if self.planned is not None else None
+
+    @property
+    def cpu_kv_cache(self) -> int | None:
+        """GiB for ``CPU_KV_CACHE_ENV``, set before the load; None: leave it as it is."""
+        return self.memory_check.cpu_kv_cache if self.memory_check is not None else None
+
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""
         settings = self.settings
@@ -605,7 +420,7 @@ class Extraction:
         backend_settings = self.run_plan.backend_settings(self.batches_held)
         self.backend = backends.create(settings.backend, backend_settings)
         # Backends capture each layer once, in the model's order; the files list them as asked.
-        self._layer_order = [backend_settings.layer_ids.index(layer) for layer in self.layers.ids]
+        self._layer_order = self.model_plan.layer_order(backend_settings)
         started = time.monotonic()
         expected = f"about {duration(self.time_estimate.load_s)}, the plan's estimate" if self.time_estimate else \
             "tens of seconds"
@@ -742,7 +557,7 @@ class Extraction:
             raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "
                                    f"{exc or '(no message)'}") from exc
         # the rows vLLM's prefix cache spared (the backend counts them as it resolves batches)
-        cached = getattr(self.backend, "cached_tokens", 0) - self.summary.cached_tokens
+        cached = self.backend.cached_tokens - self.summary.cached_tokens
         self.summary.cached_tokens += cached
         self.summary.computed_tokens -= cached
         tokens = 0
@@ -765,27 +580,26 @@ class Extraction:
         drain_started = time.monotonic()
         started = self._started or drain_started
         try:
-            if self.writer is not None:
-                # waits for the files still queued (time the extraction waits on disk), with up to
-                # DRAIN_THREADS writing them: the run's last batch, written after its last forward
-                self.writer.close(drain_threads=max(0, min(DRAIN_THREADS, os.cpu_count() or 1) - self.writer.stats.threads))
-        finally:
-            drain = time.monotonic() - drain_started
+            try:
+                if self.writer is not None:
+                    # waits for the files still queued (time the extraction waits on disk), with up to
+                    # DRAIN_THREADS writing them: the run's last batch, written after its last forward
+                    self.writer.close(drain_threads=max(0, min(DRAIN_THREADS, os.cpu_count() or 1) - self.writer.stats.threads))
+            finally:
+                # what the writer did is counted before vLLM's shutdown, which a second signal can
+                # cut short: the summary then still counts the files written, and no more
+                self.summary.seconds = time.monotonic() - started
+                if self.writer is not None:
+                    self.count_written(time.monotonic() - drain_started)
             # the rate counts until the last file is whole: vLLM's worker shutdown that follows
             # (seconds, whatever the run's length) is reported on its own
-            self.summary.seconds = time.monotonic() - started
             if self.backend is not None:
                 self.log("debug: shutting vLLM down")
                 self.backend.close()
-                closing = getattr(self.backend, "closing_line", None)  # the engine backends' (engine_base)
-                if closing:
-                    self.log(closing)
+                if self.backend.closing_line:  # None unless a backend has a word (vllm-engine --cuda-graphs)
+                    self.log(self.backend.closing_line)
+        finally:
             self.summary.shutdown_seconds = time.monotonic() - started - self.summary.seconds
-            if self.writer is not None:
-                self.summary.bytes_written = self.writer.stats.bytes
-                self.summary.stall_seconds = self.writer.stats.stall_seconds + drain
-                self.summary.writer_threads_grown = max(0, self.writer.stats.threads - self.settings.writer_threads)
-                self.finished.update(self.writer.stats.lengths)
             failing = failing or sys.exc_info()[1]
             if self.run_plan.tag is not None:  # other shards wrote too: the index lists theirs as well
                 self.finished = self.output.finished()
@@ -796,6 +610,17 @@ class Extraction:
                 # the one reported (once); a rerun rewrites the format's index files from the files
                 if failing is None:
                     raise
+
+    def count_written(self, drain: float) -> None:
+        """The summary's counts of what this process's writer wrote: the files whole on disk (a
+        row handed to a writer that then failed is not extracted), their bytes, and the finished
+        set they join."""
+        stats = self.writer.stats
+        self.summary.extracted = stats.files
+        self.summary.bytes_written = stats.bytes
+        self.summary.stall_seconds = stats.stall_seconds + drain
+        self.summary.writer_threads_grown = max(0, stats.threads - self.settings.writer_threads)
+        self.finished.update(stats.lengths)
 
 
 def next_step(failure: BaseException | None) -> str:
@@ -808,38 +633,6 @@ def next_step(failure: BaseException | None) -> str:
     if failure is None or isinstance(failure, KeyboardInterrupt):
         return "rerun the same command to resume: finished samples are kept and skipped"
     return "finished samples are kept: once the error below is dealt with, rerun the same command to resume"
-
-
-def existing_parent(path: Path) -> Path:
-    """``path``, or the nearest folder above it that exists (where it will be made)."""
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def device_name_here() -> str | None:
-    """The device vLLM runs on here, by name (None when only its runtime could tell)."""
-    try:
-        from vllm_compat.extractor_api import device_name
-
-        return device_name()
-    except Exception:  # noqa: BLE001 - advisory, as the memory check's device_budget
-        return None
-
-
-def settings_line(settings: Settings) -> str:
-    """The settings a run uses, as flags (every default applied)."""
-    return (f"settings: --backend {settings.backend} --batch-size {settings.batch_size} --max-seq-len "
-            f"{settings.max_seq_len} --tp-size {settings.tp_size} --gpu-memory-utilization "
-            f"{settings.gpu_memory_utilization:g} --writer-threads {settings.writer_threads}"
-            + (f" --max-writer-threads {settings.max_writer_threads}"
-               if settings.max_writer_threads > settings.writer_threads else "")
-            + (f" --data-parallel-size {settings.data_parallel_size}" if settings.data_parallel_size > 1 else "")
-            + (f" --state-dtype {settings.state_dtype}" if settings.state_dtype != "model" else "")
-            + (" --cuda-graphs" if settings.cuda_graphs else "")
-            + (f" --shard {settings.shard.index}/{settings.shard.count}" if settings.shard is not None else "")
-            + (f" (--config {settings.config_file}, flags over it)" if settings.config_file else ""))
 
 
 def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]:
@@ -858,28 +651,3 @@ def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]
         groups[-1].append(sample)
         held += len(sample.input_ids)
     return groups
-
-
-def audit_line(backend: str) -> str:
-    """The plan's audit line: the vllm-compat audit of the installed vLLM for ``backend`` (problems
-    stop the run, ``preflight.check_vllm``)."""
-    return "audit: " + check_vllm(backend, backends.touchpoints_of(backend), backends.needs_speculators(backend))
-
-
-def check_forward(backend, vocab_size: int) -> str:
-    """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
-    (``hidden_states.forward_check``): a kernel that is wrong for one layout makes every state after
-    the first token wrong with no error (docs/extractor.md, "Forward check (after the model load,
-    before the first sample)"). One short sequence and a few small kernel calls: seconds."""
-    started = time.monotonic()
-    probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
-    checks = backend.check_forward(probe)
-    wrong = [check for check in checks if not check.ok]
-    if wrong:
-        lines = "\n".join(f"  {check}" for check in wrong)
-        raise PreflightError(f"the forward vLLM runs here is not the model's: {len(wrong)} of {len(checks)} kernel "
-                             f"self-tests disagree with plain PyTorch:\n{lines}\nThe captured states would be "
-                             f"wrong. Run `vllm-compat audit`; --skip-forward-check skips this check at your risk.")
-    untested = [f"\n  {check}" for check in checks if check.untested]
-    return (f"forward check ok: {len(checks) - len(untested)} kernel self-tests on the model's own layouts "
-            f"in {time.monotonic() - started:.1f} s" + "".join(untested))

@@ -20,7 +20,10 @@ layout, not per layer. No HF reference and no model-sized computation is needed.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+from .errors import PreflightError
 
 MAX_TOKENS = 16  # tokens per self-test: enough for every position-dependent defect seen
 TOLERANCE = 5e-2  # relative; a layout defect is off by 0.3-1.3, rounding by < 1e-5 (fp32) or < 1e-2 (bf16)
@@ -223,3 +226,23 @@ def verify_forward(collective_rpc, run_short_sequence) -> list[KernelCheck]:
     finally:
         replies = collective_rpc(check_recorded)
     return [check for reply in replies for check in reply]
+
+
+def check_forward(backend, vocab_size: int) -> str:
+    """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
+    (:func:`verify_forward`, through ``backend.check_forward``): a kernel that is wrong for one layout
+    makes every state after the first token wrong with no error (docs/extractor.md, "Forward check
+    (after the model load, before the first sample)"). One short sequence and a few small kernel
+    calls: seconds. ``extract``, ``generate`` and ``serve`` call it after the model loads."""
+    started = time.monotonic()
+    probe = [(7 + 31 * i) % vocab_size for i in range(16)]  # any ids: the values are random anyway
+    checks = backend.check_forward(probe)
+    wrong = [check for check in checks if not check.ok]
+    if wrong:
+        lines = "\n".join(f"  {check}" for check in wrong)
+        raise PreflightError(f"the forward vLLM runs here is not the model's: {len(wrong)} of {len(checks)} kernel "
+                             f"self-tests disagree with plain PyTorch:\n{lines}\nThe captured states would be "
+                             f"wrong. Run `vllm-compat audit`; --skip-forward-check skips this check at your risk.")
+    untested = [f"\n  {check}" for check in checks if check.untested]
+    return (f"forward check ok: {len(checks) - len(untested)} kernel self-tests on the model's own layouts "
+            f"in {time.monotonic() - started:.1f} s" + "".join(untested))

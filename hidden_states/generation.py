@@ -41,20 +41,23 @@ import dataclasses
 import json
 import os
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from . import conversations, fp8_states
-from .backends.vllm_engine import Reply, Sampling
-from .errors import InputError, PreflightError, UsageError
+from .backends import Reply, Sampling
+from .errors import InputError, OutputError, PreflightError, UsageError
 from .extraction import PLAN_DETAILS, Extraction
 from .formats.speculators_05 import StreamedFile
-from .inputs import Sample
+from .inputs import Sample, trained_token_counts
 from .layer_conventions import SPECULATORS_05
 from .progress import Progress
 from .regeneration import (TOO_LONG, Kept, Regeneration, Tally, keep_finished_lines, kept, merge_shards,
-                           regenerated_name, row_source)
-from .replicas import Batch, Handle, RayExtraction
-from .tokenization import ChatTokenizer, load_tokenizer
+                           order_lines, regenerated_name, row_source)
+from .replicas import Handle, RayExtraction, ReplicaBatch
+from .output import TOKEN_FREQ
+from .run_plan import plan_run
+from .tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
 
 BACKEND = "vllm-engine"
 STREAM_ENV = "VLLM_COMPAT_STREAM_FILES"  # 0: speculators-0.5 files written when their rows are done (to compare)
@@ -76,8 +79,11 @@ class Generation(Extraction):
         self.tally = Tally()
         self.chat: ChatTokenizer | None = None
         self._all: list[tuple[int, list[int]]] = []  # (conversation, its sample indices) of the range
+        self._conversations = 0  # in the input, once read
         self._with_lines: set[int] = set()  # conversations whose line a regenerated file holds
         self._lines = None  # the regenerated lines' file this process appends to
+        self._awaiting: deque[dict] = deque()  # lines in input order whose rows' files are not all whole yet
+        self._lined_now: set[int] = set()  # conversations whose line this run wrote
         self._streams: dict[int, StreamedFile] = {}  # by sample index: its reply's file, begun while generating
 
     @classmethod
@@ -110,44 +116,61 @@ class Generation(Extraction):
         if conversations.kind_of(first) not in (conversations.SHAREGPT, conversations.MESSAGES):
             raise InputError(f"{first.where}: a {conversations.kind_of(first)} row; generate regenerates "
                              f"conversations (ShareGPT 'conversations' or OpenAI 'messages')")
-        super().plan()
-        self.plan_lines.append(f"regeneration: every user turn answered again ({self.describe_sampling()}); the time "
-                               f"above is the rows' prefill alone")
-
-    def check_input(self) -> None:
-        """The input holds conversations (checked in :meth:`plan`); as ``extract`` would read them
-        it may hold no sample at all: with ``speculators-0.5`` (a row per assistant turn) prompts with
-        no reply yet make none, and their rows are the regenerated replies'."""
-        if self.input.peek(1):
-            super().check_input()
+        # the input holds conversations (checked above); as ``extract`` would read them it may hold no
+        # sample at all: with speculators-0.5 (a row per assistant turn) prompts with no reply yet make
+        # none, and their rows are the regenerated replies'. The sampling joins the run's identity: a
+        # rerun with other sampling is another extraction
+        planned = plan_run(settings, self.source, log=self.log, loads_model_here=self.loads_model_here,
+                           batches_held=self.batches_held, identity={"generation": dataclasses.asdict(self.sampling)},
+                           samples_optional=True)
+        self.hold(dataclasses.replace(planned, lines=[
+            *planned.lines, f"regeneration: every user turn answered again ({self.describe_sampling()}); the time "
+                            f"above is the rows' prefill alone"]))
 
     def describe_sampling(self) -> str:
         s = self.sampling
         return (f"temperature {s.temperature}, top-p {s.top_p}, at most {s.max_new_tokens} new tokens"
                 + (f", seed {s.seed}" if s.seed is not None else "") + (", ignoring EOS" if s.ignore_eos else ""))
 
-    def _check_output_dir(self) -> set[int]:
-        self.identity["generation"] = dataclasses.asdict(self.sampling)
-        return super()._check_output_dir()
-
     # -- run
     def run(self):
-        self.plan()
-        for line in self.plan_lines:  # as extract: the plan's details to the log file
-            self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
-        self.prepare()
-        self._with_lines = keep_finished_lines(self.output.path, self.source.tag, self.finished)
-        todo = list(self._conversations_to_do())
-        if not todo:
-            self.output.finish(self.finished)
-            self._merge_shard_lines()
-            return self.summary
-        return self.loaded(lambda: self.generate(todo))
+        try:
+            self.plan()
+            for line in self.plan_lines:  # as extract: the plan's details to the log file
+                self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
+            self.prepare()
+            self._with_lines = keep_finished_lines(self.output.path, self.source.tag, self.finished)
+            todo = list(self._conversations_to_do())
+            if not todo:
+                self.output.finish(self.finished)
+                self._merge_shard_lines()
+                self.write_token_frequencies()
+                return self.summary
+            summary = self.loaded(lambda: self.generate(todo))
+            self.write_token_frequencies()
+            return summary
+        finally:
+            self.unlock()
+
+    def write_token_frequencies(self) -> None:
+        """``token_freq.pt`` in the output directory once every conversation of the input is done
+        (the whole input in range, none left): the trained tokens of ``regenerated.jsonl``'s rows,
+        counted as ``prepare`` counts that file (the rows the trainer reads are the regenerated
+        ones). A shard, a partial range or a run that stopped leaves it as it is."""
+        settings = self.settings
+        whole = settings.start_index == 0 and (settings.end_index is None or settings.end_index >= self._conversations)
+        if not whole or self.source.tag is not None or self.unfinished()[0]:
+            return
+        chat = ChatSettings(settings.model_path, self.format_name, settings.max_seq_len, settings.trust_remote_code,
+                            settings.strict)
+        save_token_frequencies(dict(trained_token_counts(chat, self.output.path / regenerated_name(None))),
+                               self.output.path / TOKEN_FREQ)
 
     def unfinished(self) -> tuple[int, bool]:
-        """(conversations of the range, or the shard's share, not done: a file missing, or the line)."""
+        """(samples of the conversations of the range, or the shard's share, not done: a file missing,
+        or the line), counted as the summary counts what is extracted and finished."""
         done = set(self.finished)
-        return sum(1 for number, indices in self._all
+        return sum(len(indices) for number, indices in self._all
                    if not set(indices) <= done or number not in self._with_lines), True
 
     def _conversations_to_do(self):
@@ -156,13 +179,18 @@ class Generation(Extraction):
         settings, per_reply = self.settings, self.format_name == SPECULATORS_05
         owns = self.source.owns
         source = conversations.open_source(self.input.path)
+        # a turn with an unknown role is context, never regenerated: skipped or kept as an assistant
+        # turn as extract tokenizes it (the kept turns are the system and user ones); --strict refuses it
+        unknown_roles = conversations.REFUSE if settings.strict else unknown_role_policy(self.format_name)
         self._all, base = [], 0
+        self._conversations = 0
         for number, record in enumerate(source):
+            self._conversations = number + 1
             kind = conversations.kind_of(record)
             if kind not in (conversations.SHAREGPT, conversations.MESSAGES):
                 raise InputError(f"{record.where}: a {kind} row; generate regenerates conversations (ShareGPT "
                                  f"'conversations' or OpenAI 'messages')")
-            what = kept(conversations.conversation(record, kind))
+            what = kept(conversations.conversation(record, kind, unknown_roles))
             indices = list(range(base, base + what.replies)) if per_reply else [number]
             base += what.replies
             if not settings.in_range(number):
@@ -176,7 +204,7 @@ class Generation(Extraction):
             # done: every row's file whole and the conversation's line kept (a run that stopped between
             # them regenerates it)
             if set(indices) <= set(self.finished) and number in self._with_lines:
-                self.summary.skipped += 1
+                self.summary.skipped += len(indices)
                 continue
             yield Regeneration(number, record.where, record.line, what), indices
 
@@ -197,7 +225,29 @@ class Generation(Extraction):
         self.progress.close()
 
     def generate_all(self, todo) -> None:
-        self.regenerate_continuously(todo, self.settings.batch_size, self.write_lines)
+        self.regenerate_continuously(todo, self.settings.batch_size, self.write_when_whole)
+
+    def write_when_whole(self, lines: list[dict]) -> None:
+        """Take ``lines`` (in input order) and write, in that order, those whose rows' files are all
+        whole (renamed into place and in the ledger): a line never names a file a failing disk did
+        not write. One still waiting on its files holds those after it, until :meth:`flush_lines`."""
+        self._awaiting.extend(lines)
+        self._write_whole_lines(self.writer.stats.lengths)
+
+    def _write_whole_lines(self, whole, give_up: bool = False) -> None:
+        """Write the awaiting lines whose files ``whole`` holds, in order, up to the first that waits
+        (``give_up``: the run is over: lines whose files were never written are dropped, their
+        conversations left to the next run)."""
+        ready = []
+        while self._awaiting:
+            if set(self._awaiting[0]["sample_indices"]) <= whole.keys():
+                ready.append(self._awaiting.popleft())
+            elif give_up:
+                self._awaiting.popleft()
+            else:
+                break
+        if ready:
+            self.write_lines(ready)
 
     def regenerate_continuously(self, todo, window: int, write_lines) -> list[int]:
         """Keep ``--batch-size`` conversations in the engine: each user turn answered as its turn comes
@@ -291,7 +341,7 @@ class Generation(Extraction):
         """Whether a reply's file is written while it is generated: speculators-0.5's (a row's layers
         side by side, so its rows go out as they come; speculators-0.3 stores each layer whole), when
         the file's layers are the backend's, in its order."""
-        captured = len(getattr(self.backend, "settings", self.settings).layer_ids)
+        captured = len(self.backend.settings.layer_ids)
         return (os.environ.get(STREAM_ENV, "1") != "0" and self.format_name == SPECULATORS_05
                 and self._layer_order == list(range(captured)))
 
@@ -312,6 +362,7 @@ class Generation(Extraction):
         for line in lines:
             self._lines.write(json.dumps(line, ensure_ascii=False) + "\n")
             self._with_lines.add(line["index"])
+            self._lined_now.add(line["index"])
         self._lines.flush()
 
     def replica_batch(self, batch, skip: frozenset[int]) -> dict:
@@ -406,11 +457,25 @@ class Generation(Extraction):
             self.flush_lines()
             if self._lines is not None:
                 self._lines.close()
+                # a resumed run appends the conversations it redid after later ones kept: the file
+                # goes back to input order, each conversation once, whatever stopped the run (a disk
+                # too full for that leaves it to the next run's start, which does the same)
+                try:
+                    order_lines(self.output.path, self.source.tag, self.finished)
+                except OutputError as exc:
+                    self.log(f"warning: {regenerated_name(self.source.tag)} is left out of input order until the "
+                             f"next run: {exc}")
                 self._merge_shard_lines()
+                # what this run finished: the samples of the conversations it wrote the line of
+                # (every file whole), as extracted, finished and not extracted count them
+                self.summary.extracted = sum(len(indices) for number, indices in self._all
+                                             if number in self._lined_now)
                 self.log(self.tally.line(self.tally.reused, self.summary.tokens - self.tally.reused))
 
     def flush_lines(self) -> None:
-        """The lines still held when the run ends (none here; a Ray driver's)."""
+        """The lines still held when the run ends, the writer closed: those whose files are whole
+        (a Ray driver's: its batches' whose files are confirmed)."""
+        self._write_whole_lines(self.finished, give_up=True)
 
     def _merge_shard_lines(self) -> None:
         if self.source.tag is not None:
@@ -426,7 +491,7 @@ class RayGeneration(RayExtraction, Generation):
 
     def __init__(self, settings, sampling: Sampling, **kwargs):
         super().__init__(settings, sampling=sampling, **kwargs)
-        self._returned: dict[int, Batch] = {}  # by hand-out number: returned, lines not written yet
+        self._returned: dict[int, ReplicaBatch] = {}  # by hand-out number: returned, lines not written yet
         self._next_line = 0  # the batch whose lines are written next
 
     def generate_all(self, todo) -> None:
@@ -437,11 +502,11 @@ class RayGeneration(RayExtraction, Generation):
             if self._interrupted():
                 break
 
-    def _batch_of(self, conversations_batch) -> Batch:
-        return Batch(conversations_batch, [index for _, indices in conversations_batch for index in indices],
+    def _batch_of(self, conversations_batch) -> ReplicaBatch:
+        return ReplicaBatch(conversations_batch, [index for _, indices in conversations_batch for index in indices],
                      ", ".join(f"{indices} ({regen.where})" for regen, indices in conversations_batch))
 
-    def _account(self, handle: Handle, batch: Batch, result: dict) -> None:
+    def _account(self, handle: Handle, batch: ReplicaBatch, result: dict) -> None:
         batch.result = result
         written = set(result["rows"])
         for index in set(batch.indices) - written:  # a conversation the replica skipped (too long): no file
@@ -455,7 +520,7 @@ class RayGeneration(RayExtraction, Generation):
             self._complete(self._returned.pop(self._next_line))
             self._next_line += 1
 
-    def _complete(self, batch: Batch) -> None:
+    def _complete(self, batch: ReplicaBatch) -> None:
         result = batch.result
         self.write_lines(result["lines"])
         self.tally.add(result["tally"])
@@ -464,12 +529,12 @@ class RayGeneration(RayExtraction, Generation):
         self.summary.computed_tokens += result["computed_tokens"]
         self.progress.update(len(result["lines"]), result["tokens"])
 
-    def _unreturned(self, replica_id: int, failed: Batch) -> list[Batch]:
+    def _unreturned(self, replica_id: int, failed: ReplicaBatch) -> list[ReplicaBatch]:
         """Its batch that failed and its calls still queued: their lines never came back, whatever
         of their files the replica wrote (its writer drained as it retired)."""
         return [failed, *(batch for rid, batch in self.calls.values() if rid == replica_id and batch.result is None)]
 
-    def _again(self, lost: Batch) -> Batch | None:
+    def _again(self, lost: ReplicaBatch) -> ReplicaBatch | None:
         """A batch of a retired replica: done when its call returned and every file it wrote is whole
         (renamed into place before the death); else run again whole: every conversation regenerated,
         its files rewritten, its line the new run's (no file of a first attempt beside a line of the

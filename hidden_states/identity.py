@@ -9,8 +9,10 @@ Two records:
   sequential read before the first sample: a rerun compares bytes, not names, so a file replaced
   under the same name is another input and the same file under another name is the same one;
 * ``tokenization``: what turns the input's rows into samples: ``max_seq_len`` (truncation), the
-  kind of rows, and for conversations the layout (``--format``'s trainer) and the hash of the
-  tokenizer's files (its vocabulary and chat template).
+  kind of rows, and for conversations the layout (``--format``'s trainer), the hash of the
+  tokenizer's files (its vocabulary and chat template) and what a turn with an unknown role becomes
+  (``unknown_roles``: skipped or taken as assistant; ``--strict``, which refuses such a turn, makes
+  no sample of one and is not recorded).
 
 A run stopped by a bad row records where (``stopped_at``: the row, and the hash of the rows before
 it): the rerun with the input corrected after that point continues the same extraction.
@@ -24,20 +26,14 @@ import hashlib
 import json
 from pathlib import Path
 
+from .conversations import open_source
+from .errors import InputError
+from .sizes import human_size
+
 SHORT = 12  # hex digits of a hash shown in messages and status
 # A checkpoint's files that decide how text becomes tokens (transformers' tokenizer files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
-CHUNK = 1 << 20
-
-
-def sha256_of(handles) -> str:
-    """The SHA-256 of the bytes of ``handles`` (binary files, each read from its start in chunks)."""
-    digest = hashlib.sha256()
-    for handle in handles:
-        for chunk in iter(lambda: handle.read(CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tokenizer_hash(model_path: str | Path) -> str:
@@ -66,7 +62,7 @@ def tokenization_record(max_seq_len: int, chat=None) -> dict:
     if chat is None:
         return {"rows": "tokenized", "max_seq_len": max_seq_len}
     return {"rows": "conversations", "max_seq_len": max_seq_len, "layout": chat.layout,
-            "tokenizer_sha256": tokenizer_hash(chat.model_path)}
+            "tokenizer_sha256": tokenizer_hash(chat.model_path), "unknown_roles": chat.unknown_role_default}
 
 
 def recorded(config: dict) -> tuple[dict, dict]:
@@ -79,8 +75,6 @@ def recorded(config: dict) -> tuple[dict, dict]:
 
 def describe_input(record: dict) -> str:
     """``/data/a.jsonl (1.2 MB, sha256 0123456789ab)``, or the path alone when that is all there is."""
-    from .preflight import human_size  # here: preflight imports output, which imports this module
-
     name = record.get("resolved") or record.get("path") or "an unknown input"
     if record.get("sha256") is None:
         return f"{name} (content not recorded)"
@@ -90,10 +84,18 @@ def describe_input(record: dict) -> str:
 def rows_digest(path: str | Path, before_line: int) -> str:
     """The SHA-256 of the rows of ``path`` before line (or row) ``before_line``, each as canonical
     JSON: what a run that stopped at a bad row there made its samples from, whatever the container."""
-    from .conversations import open_source  # here: conversations imports this module
-
     digest = hashlib.sha256()
-    for record in open_source(path):
+    source = open_source(path)
+    rows = iter(source)
+    while True:
+        try:
+            record = next(rows)
+        except StopIteration:
+            break
+        except InputError:
+            if source.line >= before_line:  # the bad row itself (a line that is not JSON): not read
+                break
+            raise
         if record.line >= before_line:
             break
         digest.update(json.dumps(record.value, sort_keys=True, default=str).encode() + b"\n")

@@ -14,13 +14,14 @@ conversation gives one sample per assistant turn); the output format names its f
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import conversations, identity
 from .errors import InputError
-from .tokenization import ChatSettings, ChatTokenizer, tokenized_rows
+from .tokenization import ChatSettings, ChatTokenizer, count_trained, tokenized_rows
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ class InputStream:
         samples_read: samples read so far (peeked ones included).
         bytes_read: bytes of the JSONL file read so far (0 for a dataset directory).
         tokenizer: the ``ChatTokenizer`` once a conversation was met (its ``counts`` say what it did).
+        token_counts: how often each token id of the conversations' samples read so far is trained
+            (``tokenization.count_trained``: what ``prepare`` writes to ``token_freq.pt``); finished
+            samples a rerun passes over are read, so counted, too.
     """
 
     def __init__(self, path: str | Path, vocab_size: int | None = None, chat: ChatSettings | None = None,
@@ -98,10 +102,18 @@ class InputStream:
         self.digest = digest
         self.tokenizer: ChatTokenizer | None = None
         self.samples_read = 0
+        self.token_counts: Counter = Counter()
         self._source: conversations.RecordSource | None = None
         self._ended = False
         self._peeked: list[Sample] = []
         self._reader: Iterator[Sample] | None = None
+        self._sample_end = 0  # bytes of a JSONL file up to the end of the last row that made a sample
+        self._counted: int | None = None  # the samples a JSONL file of tokenized rows holds, once counted
+
+    @property
+    def ended(self) -> bool:
+        """Whether every row of the input was read."""
+        return self._ended
 
     @property
     def bytes_read(self) -> int:
@@ -154,6 +166,24 @@ class InputStream:
             return self.samples_read, False
         return self.samples_read + round(left), False
 
+    def counted_samples(self) -> tuple[int, bool]:
+        """:meth:`expected_samples`, exact for a JSONL file of tokenized rows too (one sample a
+        non-blank line): its lines not read yet are counted, without parsing them (once; a line
+        that would not parse counts as the sample it is meant to be)."""
+        total, exact = self.expected_samples()
+        source = self._source
+        if exact or source is None or source.container != "jsonl" or self.tokenizer is not None \
+                or not self.samples_read:
+            return total, exact
+        if self._counted is None:
+            rest = 0
+            with open(self.path, "rb") as handle:
+                handle.seek(self._sample_end)
+                for raw in handle:
+                    rest += bool(raw.strip())
+            self._counted = self.samples_read + rest
+        return self._counted, True
+
     def _open(self) -> Iterator[Sample]:
         if self._reader is None:
             self._source = conversations.open_source(self.path, self.digest)
@@ -171,6 +201,20 @@ class InputStream:
         for record, _, ids, mask in tokenized_rows(source, self._tokenizer):
             sample = validate({"input_ids": ids, "loss_mask": mask}, record.where, self.samples_read, record.line,
                               self.vocab_size)
+            if self.tokenizer is not None:
+                count_trained(self.token_counts, sample.input_ids, sample.loss_mask)
             self.samples_read += 1
+            self._sample_end = source.bytes_read
             yield sample
         self._ended = True
+
+
+def trained_token_counts(chat: ChatSettings, data: str | Path) -> Counter:
+    """How often each token id is trained over the rows of ``data`` (conversations tokenized with
+    ``chat``; tokenized rows as they are, every token trained without a mask): what ``prepare``
+    writes to ``token_freq.pt``."""
+    counts: Counter = Counter()
+    for sample in InputStream(data, chat=chat):
+        count_trained(counts, sample.input_ids,
+                      sample.loss_mask if sample.loss_mask is not None else [1] * len(sample.input_ids))
+    return counts

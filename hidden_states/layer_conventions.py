@@ -21,7 +21,6 @@ same layers to the trainer that reads the files.
 from __future__ import annotations
 
 from .errors import UsageError
-from .preflight import default_layer_ids
 
 SPECULATORS_03 = "speculators-0.3"
 SPECULATORS_05 = "speculators-0.5"
@@ -36,6 +35,17 @@ MEANING = {
 def meaning(format_name: str) -> str:
     """What a layer id means in ``format_name`` (a format of its own counts as the extractor does)."""
     return MEANING.get(format_name, MEANING[SPECULATORS_03])
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """speculators 0.3/0.4's own default (``VllmHiddenStatesGenerator``), entry for entry: layers
+    2, N/2 and N-3 (what EAGLE-3 fuses) and N-1 (the target's last state). Its trainer takes every
+    entry but the last as the fused input and the last as the target, so it needs all four even where
+    two coincide (N = 6: [2, 3, 3, 5]); each layer is captured once and written as often as listed."""
+    if num_layers < 3:
+        raise UsageError(f"the model has {num_layers} layers; speculators' default layer ids need at least 3: "
+                         f"pass --layer-ids")
+    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
 
 def default_ids(format_name: str, num_layers: int) -> list[int]:

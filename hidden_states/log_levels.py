@@ -28,8 +28,9 @@ DEFAULT = "info"
 _PROCESS_PREFIX = re.compile(r"^(?:\((?:[\w.:-]+ )*(?:pid|rank)=\d+[^)]*\)\s?)+")
 _OURS = re.compile(r"^\[hidden-states\] |^hidden-states: |vllm-compat[ :(]")
 _OUR_LEVEL = re.compile(r"^\[hidden-states\] (debug|warning|error):|^hidden-states: (error|failed|aborted)")
-# the run's last line: the summary an extraction or a conversion ends with
-SUMMARY = re.compile(r"^\[hidden-states\] (done|interrupted|stopped|converted): |rerun the same command to resume")
+# the run's last line: the summary an extraction, a conversion or a server ends with
+SUMMARY = re.compile(r"^\[hidden-states\] (done|interrupted|stopped|converted): |rerun the same command to resume|"
+                     r"^\[hidden-states\] stopped after \d")
 _LEVEL_WORD = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b")
 _GLOG = re.compile(r"^\[?([DIWEF])\d{4} \d\d:\d\d:\d\d")
 _GLOG_LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
@@ -44,13 +45,14 @@ _SOURCE_LINE = re.compile(r"[\w./-]+\.(?:py|cpp|cc|cu|h|hpp):\d+\b")
 _VARIES = re.compile(r"pid[= ]\d+|\d{2,4}-\d\d(?:-\d\d)?[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?|^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d\S*")
 
 
-def add_flags(parser) -> None:
-    """``--log-level`` and ``--quiet`` on a subcommand's parser."""
+def add_flags(parser, log_file: str | None = "hidden-states.log in the output directory") -> None:
+    """``--log-level`` and ``--quiet`` on a subcommand's parser (``log_file``: where the full log goes,
+    None: nowhere)."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--log-level", choices=list(LEVELS), default=DEFAULT,
                        help="what the terminal shows: debug everything; info our lines and third-party warnings "
-                            "(default); warning; error. Errors and the final summary are always shown; the full "
-                            "log goes to hidden-states.log in the output directory")
+                            "(default); warning; error. Errors and the final summary are always shown"
+                            + (f"; the full log goes to {log_file}" if log_file else ""))
     group.add_argument("--quiet", action="store_true", help="errors and the final summary only (= --log-level error)")
 
 

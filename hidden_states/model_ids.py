@@ -48,3 +48,12 @@ def resolve(model: str, flag: str = "--model-path", environ=os.environ) -> str:
     raise UsageError(f"{flag} {model}: no such directory, and no model {repo} in the local Hugging Face cache "
                      f"{folder}{held}; download it first (huggingface-cli download {repo}) or give a local "
                      f"directory")
+
+
+def served_name(model: str) -> str:
+    """The id a server lists for ``--model-path model`` by default: a model id as given (less any
+    ``@revision``: what speculators' trainer takes as ``--verifier-name-or-path``), a directory by
+    its name: never a path, which would tell every client where the model lies on the host."""
+    if _MODEL_ID.match(model) and not model.startswith(("./", "../")) and not Path(model).expanduser().is_dir():
+        return model.partition("@")[0]
+    return Path(model).expanduser().resolve().name or model

@@ -9,7 +9,8 @@
   format's own description, and what the samples were made from (``identity.py``: the input's
   path, size and hash, the tokenization settings), written before the first sample; a run into a
   directory holding another extraction with finished samples is refused (``OutputDir.check``);
-* whatever index files the format writes when a run ends (``sample_lengths.json``).
+* whatever index files the format writes when a run ends (``sample_lengths.json``);
+* ``token_freq.pt`` (``TOKEN_FREQ``), for an input of conversations, once a run has read every row.
 
 Every file is written under a temporary name and renamed into place, so a final name always holds
 a whole file. A background thread does the writing from a bounded queue: the model never waits on
@@ -20,24 +21,30 @@ the disk can be empty or cut short, and is redone).
 """
 from __future__ import annotations
 
-import errno
+import fcntl
 import json
 import os
 import queue
 import shutil
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import OutputError
+from .files import TEMP_PREFIX, atomic_write_json, describe_os_error, read_json
 from .identity import describe_input, difference, recorded
 from .settings import default
 
-TEMP_PREFIX = ".tmp-"
 LEDGER = "done.jsonl"
 LEDGERS = "done*.jsonl"  # every writer's ledger (see ledger_name)
 CONFIG = "data_config.json"
+LOCK = ".hidden-states.lock"  # held by the run writing into the directory (DirectoryLock)
+# The trained tokens' frequencies (speculators 0.9 reads <data-path>/token_freq.pt for
+# --draft-vocab-size), written by a run that read every row of an input of conversations
+TOKEN_FREQ = "token_freq.pt"
 
 
 def ledger_name(tag: str | None) -> str:
@@ -51,40 +58,10 @@ def temp_prefix(tag: str | None) -> str:
     return f"{TEMP_PREFIX}{tag}." if tag else TEMP_PREFIX
 
 
-def read_json(path: Path, error: type[Exception] = OutputError, what: str = "unreadable", hint: str = "") -> dict:
-    """A JSON file the extractor reads (a model's config.json, an output's data_config.json); a
-    missing or broken one is ``error`` naming the file: ``{path}: {what} ({why}){hint}``."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise error(f"{path}: {what} ({exc}){hint}") from None
-
-
 def format_name(config: dict) -> str:
     """The output format a ``data_config.json`` names; a directory written before formats had names
     holds speculators-0.3, the only format then."""
     return (config.get("format") or {}).get("name", "speculators-0.3")
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
-    try:
-        with temp.open("wb") as handle:
-            handle.write(data)
-        os.replace(temp, path)
-    except OSError as exc:
-        temp.unlink(missing_ok=True)
-        raise OutputError(describe_os_error(exc, path)) from None
-
-
-def atomic_write_json(path: Path, value) -> None:
-    atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
-
-
-def describe_os_error(exc: OSError, path: Path) -> str:
-    if exc.errno == errno.ENOSPC:
-        return f"{path}: no space left on device"
-    return f"{path}: {exc.strerror or exc}"
 
 
 def os_error_behind(exc: BaseException) -> OSError | None:
@@ -117,6 +94,157 @@ class Held:
         return f"replaced the extraction it held ({done}, input {self.input}): {removed} of its files removed"
 
 
+def _layouts(counts: dict[str, int]) -> str:
+    """``4 speculators-0.3 files, 2 speculators-0.5 files``."""
+    return ", ".join(f"{count} {name} files" for name, count in counts.items())
+
+
+def lock_name(tag: str | None) -> str:
+    """The lock file a writer tagged ``tag`` holds on its own (None: the directory's, ``LOCK``)."""
+    return f".hidden-states.{tag}.lock" if tag else LOCK
+
+
+class DirectoryLock:
+    """One run at a time per output directory: ``fcntl.flock`` on a lock file in it, held for the run.
+
+    A single run (and a Ray driver, whose replicas write under its lock) holds ``LOCK`` exclusively.
+    A static shard (``tag``) holds ``LOCK`` shared, with the other shards of its run, and its own
+    ``lock_name(tag)`` exclusively: shards run together, a single run and a shard do not, nor two
+    copies of one shard. The holder writes its pid, host, start and command into the file it holds
+    exclusively, and empties it when it ends; the kernel releases the lock of a run that dies (even
+    ``kill -9``), whose record stays: the next run takes the lock over and says so.
+    """
+
+    def __init__(self, directory: Path, tag: str | None = None):
+        self.directory = Path(directory)
+        self.tag = tag
+        self._held: list[tuple[int, bool]] = []  # (descriptor, whether this run's record is in it)
+
+    def acquire(self) -> str | None:
+        """Take the lock. Returns the line saying a run that ended held it (None: it was free).
+
+        Raises:
+            OutputError: another run holds it, naming that run.
+        """
+        ended = []
+        try:
+            shared = self._take(LOCK, exclusive=self.tag is None, ended=ended)
+            if self.tag is not None:
+                if shared:  # the run that wrote it ended: no exclusive holder can be alive while we share it
+                    os.ftruncate(self._held[-1][0], 0)
+                self._take(lock_name(self.tag), exclusive=True, ended=ended)
+        except BaseException:
+            self.release()
+            raise
+        return (f"{self.directory}: lock taken over from a run that ended ({ended[0]})") if ended else None
+
+    def _take(self, name: str, exclusive: bool, ended: list[str]) -> bool:
+        """Lock ``name``; the record of a run that ended found in it goes to ``ended``. Returns
+        whether there was one."""
+        path = self.directory / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise OutputError(f"--output-dir {describe_os_error(exc, path)} (the lock file)") from None
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            running = holder(self.directory, self.tag) or "another run"
+            raise OutputError(f"--output-dir {self.directory}: {running} is writing into it; wait for it to end, "
+                              f"or use another --output-dir") from None
+        self._held.append((fd, False))
+        record = _read_record(fd)
+        if record:
+            ended.append(_describe_record(record))
+        if exclusive:
+            mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "command": " ".join(sys.argv)[:300]})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, mine.encode() + b"\n", 0)
+            self._held[-1] = (fd, True)
+        return bool(record)
+
+    def release(self) -> None:
+        """Empty this run's records and let the lock go (a run that ended normally leaves none)."""
+        while self._held:
+            fd, mine = self._held.pop()
+            try:
+                if mine:
+                    os.ftruncate(fd, 0)
+                # unlocked, not only closed: a process forked meanwhile (vLLM's) shares the descriptor
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _read_record(fd: int) -> dict | None:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _describe_record(record: dict) -> str:
+    """``pid 4242 on gpu-3 since 2026-01-02T03:04:05+0000: hidden-states extract ...``."""
+    return (f"pid {record.get('pid')} on {record.get('host')} since {record.get('since')}"
+            + (f": {record['command']}" if record.get("command") else ""))
+
+
+def holder(directory: Path, tag: str | None = None) -> str | None:
+    """The run that holds ``directory``'s lock against a writer tagged ``tag``, described (None:
+    nobody does); opens only the lock files already there, writes nothing (``plan``, ``status``)."""
+    directory = Path(directory)
+    checks = [(LOCK, tag is None)] + ([(lock_name(tag), True)] if tag else [])
+    for name, exclusive in checks:
+        fd = _open_existing(directory / name)
+        if fd is None:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                record = _read_record(fd)
+                if record:
+                    return f"another run ({_describe_record(record)})"
+                shards = [f"{path.name[len('.hidden-states.'):-len('.lock')]}: {_describe_record(found)}"
+                          for path in sorted(directory.glob(".hidden-states.*.lock"))
+                          if (found := _record_of(path))]
+                return "another run's static shards (" + ("; ".join(shards) or "no record") + ")"
+            except OSError:  # a file system that cannot lock it here: the run's own acquire says why
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    return None
+
+
+def _open_existing(path: Path) -> int | None:
+    """A lock file opened to be probed, never created: for writing where it may be (NFS's emulated
+    exclusive lock needs it), else for reading; None when it is not there or cannot be opened."""
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        try:
+            return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+    return None
+
+
+def _record_of(path: Path) -> dict | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _read_record(fd)
+    finally:
+        os.close(fd)
+
+
 class OutputDir:
     """An output directory, checked for writability and for belonging to the same extraction.
 
@@ -124,11 +252,14 @@ class OutputDir:
         format: the run's output format (``formats.create``), writing into this directory.
         tag: the writer tag of a run that shares the directory with others running at the same
             time (a static shard): :meth:`prepare` then removes only that tag's temporary files.
+        layouts: every format whose files this directory may hold (``formats.readers``), read
+            without layers: :meth:`check` counts the finished samples of each.
     """
 
-    def __init__(self, format, tag: str | None = None):
+    def __init__(self, format, tag: str | None = None, layouts=()):
         self.format = format
         self.tag = tag
+        self.layouts = tuple(layouts)
         self.path = Path(format.directory)
         self.cut_short: list[int] = []  # samples whose file finished() found incomplete and removed
 
@@ -147,6 +278,9 @@ class OutputDir:
     def check(self, identity: dict, start_over: bool = False) -> Held | None:
         """Whether this run may write here, given the extraction the directory holds; reads only.
 
+        Finished samples are counted in every layout the directory may hold (``layouts``), not only
+        this run's: a run in another format finds none of its own pattern where the other one's lie.
+
         Args:
             identity: this run's ``model``, ``layer_ids``, ``input`` and ``tokenization``
                 (``identity.py``; its format is this directory's format's).
@@ -162,42 +296,63 @@ class OutputDir:
                 both and the two ways on; sample files without a ``data_config.json``.
         """
         config = self.path / CONFIG
-        whole, _ = self.sample_files()
+        held = self.whole_by_layout()
+        finished = sum(held.values())
         if not config.exists():
-            if whole:
-                raise OutputError(f"--output-dir {self.path} holds {len(whole)} sample files but no {CONFIG}: what "
-                                  f"they were made from is unknown; use another --output-dir")
+            if finished:
+                layouts = f" ({_layouts(held)})" if set(held) != {self.format.name} else ""
+                raise OutputError(f"--output-dir {self.path} holds {finished} sample files{layouts} but no {CONFIG}: "
+                                  f"what they were made from is unknown; use another --output-dir")
             return None
         previous = read_json(config, hint="; remove it or use another --output-dir")
         differs = difference({**previous, "format": format_name(previous)}, {**identity, "format": self.format.name})
         if differs is None:
             return None
-        if whole and not start_over:
-            raise OutputError(f"{self.path} holds another extraction ({differs}) with {len(whole)} finished samples: "
-                              f"use another --output-dir, or --start-over to remove its files and extract this one")
-        return Held(format_name(previous), len(whole), describe_input(recorded(previous)[0]))
+        if finished and not start_over:
+            # the layout named where it is not the recorded format's alone
+            layouts = f" ({_layouts(held)})" if set(held) != {format_name(previous)} else ""
+            raise OutputError(f"{self.path} holds another extraction ({differs}) with {finished} finished samples"
+                              f"{layouts}: use another --output-dir, or --start-over to remove its files and "
+                              f"extract this one")
+        return Held(format_name(previous), finished, describe_input(recorded(previous)[0]))
+
+    def whole_by_layout(self) -> dict[str, int]:
+        """Format name -> whole sample files of that format here, for this run's format and every
+        one in ``layouts`` (those with none left out); reads only."""
+        counts = {}
+        for layout in {self.format.name: self.format, **{other.name: other for other in self.layouts}}.values():
+            whole = OutputDir(layout).sample_files()[0]
+            if whole:
+                counts[layout.name] = len(whole)
+        return counts
 
     def claim(self, identity: dict, config: dict, replaced=None) -> int:
         """Make the directory this run's: remove the files of the extraction it replaces (``replaced``:
         that extraction's format, writing here, after :meth:`check` returned it), this writer's
         leftover temporary files, and write the config (``config`` with ``identity``). Returns the
         files removed."""
-        removed = self.remove_extraction(replaced) if replaced is not None else 0
+        removed = 0
+        if replaced is not None:  # every layout's files (check counted them all), the recorded format's last
+            for layout in self.layouts:
+                if layout.name != replaced.name and OutputDir(layout).sample_files()[0]:
+                    removed += self.remove_extraction(layout, config=False)
+            removed += self.remove_extraction(replaced)
         for stale in self.path.glob(f"{temp_prefix(self.tag)}*"):
             stale.unlink(missing_ok=True)
         self.samples_dir.mkdir(exist_ok=True)
         atomic_write_json(self.path / CONFIG, {**config, **identity})
         return removed
 
-    def remove_extraction(self, written) -> int:
+    def remove_extraction(self, written, config: bool = True) -> int:
         """Remove what an extraction in the format ``written`` wrote here, and nothing else: its
-        sample files, ledgers, temporary files and index files, then its ``data_config.json`` (last:
-        an interrupted removal is redone by the next run, which still finds it). Returns the count."""
+        sample files, ledgers, temporary files and index files, then (``config``) its
+        ``data_config.json`` (last: an interrupted removal is redone by the next run, which still
+        finds it). Returns the count."""
         samples = (self.path / written.sample_file(0)).parent
         doomed = [Path(entry.path) for entry in (os.scandir(samples) if samples.is_dir() else ())
                   if written.sample_index(entry.name) is not None]
         doomed += sorted(self.path.glob(LEDGERS)) + sorted(self.path.glob(f"{TEMP_PREFIX}*"))
-        doomed += [self.path / name for name in written.index_files()]
+        doomed += [self.path / name for name in (*written.index_files(), TOKEN_FREQ)]
         for path in doomed:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -208,6 +363,8 @@ class OutputDir:
                 samples.rmdir()  # only when nothing else is in it
             except OSError:
                 pass
+        if not config:
+            return len(doomed)
         (self.path / CONFIG).unlink(missing_ok=True)
         return len(doomed) + 1
 

@@ -8,10 +8,14 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import InputError, PreflightError, UsageError
-from .inputs import InputStream, Sample
-from .output import read_json
+from .errors import InputError, OutputError, PreflightError, UsageError
+from .files import TEMP_PREFIX, read_json
+from .sizes import human_size
+
+if TYPE_CHECKING:  # (annotations: the checks of the input's samples are handed its stream)
+    from .inputs import InputStream, Sample
 
 FIRST_LINES = 64  # samples validated before the model loads (a bounded peek); the rest as they stream
 
@@ -284,26 +288,6 @@ def check_states_in_flight(*, batch_size: int, batches_held: int, extra_sequence
             f"available")
 
 
-def human_size(size: float) -> str:
-    """``size`` bytes in the unit that shows it best (1.5 GB, 310 MB, 12 kB)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(size) < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    """speculators 0.3/0.4's own default (``VllmHiddenStatesGenerator``), entry for entry: layers
-    2, N/2 and N-3 (what EAGLE-3 fuses) and N-1 (the target's last state). Its trainer takes every
-    entry but the last as the fused input and the last as the target, so it needs all four even where
-    two coincide (N = 6: [2, 3, 3, 5]); each layer is captured once and written as often as listed."""
-    if num_layers < 3:
-        raise UsageError(f"the model has {num_layers} layers; speculators' default layer ids need at least 3: "
-                         f"pass --layer-ids")
-    return [2, num_layers // 2, num_layers - 3, num_layers - 1]
-
-
 def check_layer_ids(layer_ids: list[int], num_layers: int, *, given: bool = True) -> None:
     """Given ids (``--layer-ids``) must be distinct (a repeat is taken for a typo); the default may repeat."""
     duplicates = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
@@ -350,9 +334,27 @@ def check_disk(output_dir: Path, tokens: int, facts: ModelFacts, layer_ids: list
     estimate = int(tokens * per_token * 1.05)
     free = shutil.disk_usage(output_dir).free
     if estimate > free:
+        unwritable = not_writable(output_dir)
+        if unwritable:  # a directory nothing can be written to reports no room: say what it is
+            raise OutputError(f"--output-dir: {output_dir} is not writable ({unwritable})")
         raise PreflightError(f"--output-dir {output_dir}: about {human_size(estimate)} of hidden states expected, "
                              f"{human_size(free)} free")
     return estimate
+
+
+def not_writable(directory: Path) -> str | None:
+    """Why nothing can be written in ``directory`` (an OSError's words), None when a file can: a file
+    is made and removed there, as access() answers yes to root on a filesystem that refuses writes."""
+    import os
+    import tempfile
+
+    try:
+        handle, name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(handle)
+    os.unlink(name)
+    return None
 
 
 def check_environment(conflicts=None) -> list[str]:

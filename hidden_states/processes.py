@@ -201,6 +201,10 @@ class Children:
         self._changed = threading.Condition()
         self._watched: dict[int, multiprocessing.process.BaseProcess] = {}  # our sentinel duplicate -> process
         self._ended: list[list[multiprocessing.process.BaseProcess]] = []  # in order; each: seen ending together
+        # each process's pid and multiprocessing's handle on it: its owner may close the Process
+        # (vLLM's client does, as it shuts down on its engine core's death), which then says nothing
+        self._pids: dict[multiprocessing.process.BaseProcess, int] = {}
+        self._popens: dict[multiprocessing.process.BaseProcess, object] = {}
         self._wake_read, self._wake_write = os.pipe()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -211,6 +215,8 @@ class Children:
             if self._closed:
                 return
             self._watched[os.dup(process.sentinel)] = process
+            self._pids[process] = process.pid
+            self._popens[process] = getattr(process, "_popen", None)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="hidden-states-children", daemon=True)
                 self._thread.start()
@@ -249,12 +255,42 @@ class Children:
                                        timeout=max(0.0, deadline - time.monotonic()))
                 groups, running = self._ended[checked:], bool(self._watched)
             for group in groups:
-                failed = [e for e in (Exit(p.name, p.pid, _exitcode(p)) for p in group) if e.exitcode != 0]
+                failed = [e for e in (Exit(p.name, self._pids[p], self._exitcode(p)) for p in group)
+                          if e.exitcode != 0]
                 if failed:
                     return failed
             checked += len(groups)
             if not running or time.monotonic() >= deadline:
                 return []
+
+    def kill(self) -> list[int]:
+        """SIGKILL every recorded child still running, with its process group (a contained child leads
+        its own, which holds the processes it started: vLLM's workers); returns their pids."""
+        with self._changed:
+            running = [self._pids[process] for process in self._watched.values()]
+        for pid in running:
+            try:
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # ended meanwhile
+                pass
+        deadline = time.monotonic() + 5  # until each has ended (not reaped: its owner reaps it), so that
+        for pid in running:  # what runs next (vLLM's shutdown) finds the engine dead, not dying
+            while _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return running
+
+    def _exitcode(self, process) -> int | None:
+        code = _exitcode(process)
+        popen = self._popens.get(process)
+        if code is None and popen is not None:  # closed by its owner, who reaped it first
+            try:
+                code = popen.wait(0)
+            except (OSError, ValueError):
+                pass
+        return code
 
     def oom_kills(self) -> int | None:
         """Processes the kernel's OOM killer killed on this host since these children were first
@@ -273,6 +309,14 @@ class Children:
         self._watched.clear()
 
 
+def _running(pid: int) -> bool:
+    """Whether the child ``pid`` has not yet ended (asked without reaping it)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None
+    except (OSError, AttributeError):  # reaped already; no waitid here
+        return False
+
+
 def _exitcode(process, timeout: float = 5.0) -> int | None:
     """How ``process`` ended, from multiprocessing: its sentinel closes a moment before the kernel
     can report the exit, so this waits (``join``) for multiprocessing to learn it."""
@@ -281,3 +325,20 @@ def _exitcode(process, timeout: float = 5.0) -> int | None:
         return process.exitcode
     except (ValueError, AssertionError):  # closed by its owner, or not this process's child
         return None
+
+
+# How long a failed run (or a server whose engine stopped) waits for one of vLLM's processes to exit
+# before it shuts vLLM down: the engine core of ``vllm.LLM`` reports its death to this process before it exits.
+EXIT_WAIT = 5.0
+
+
+class ProcessDied(RuntimeError):
+    """vLLM failed because one of its processes died; names it, how it ended and the likely cause.
+
+    Attributes:
+        exits: the process(es) that ended first (:class:`Exit`).
+    """
+
+    def __init__(self, message: str, exits: list[Exit]):
+        super().__init__(message)
+        self.exits = exits

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .conversations import Conversation
+from .files import atomic_write_bytes
 from .tokenization import common_prefix
 
 
@@ -67,7 +68,7 @@ class Regeneration:
     line: int
     kept: Kept
     messages: list[dict] = field(default_factory=list)
-    replies: list = field(default_factory=list)  # backend replies (``vllm_engine.Reply``), in turn order
+    replies: list = field(default_factory=list)  # backend replies (``backends.Reply``), in turn order
     _next: int = 0
 
     def next_prompt(self) -> list[dict] | None:
@@ -195,14 +196,26 @@ def keep_finished_lines(directory: Path, tag: str | None, finished: Collection[i
     own = directory / regenerated_name(tag)
     parts = [] if tag else shard_files(directory)
     if not parts:
-        if own.exists():
-            _write(own, [line for _, line in finished_lines(own, finished)])
+        order_lines(directory, tag, finished)
     else:
         _write(own, merged_lines(directory, finished))
         for part in parts:
             part.unlink(missing_ok=True)
     return {index for path in [directory / REGENERATED, *shard_files(directory)]
             for index, _ in finished_lines(path, finished)}
+
+
+def order_lines(directory: Path, tag: str | None, finished: Collection[int]) -> None:
+    """Rewrite this run's file (:func:`regenerated_name`) as the lines of finished conversations, in
+    input order, one per conversation (the one written last), when it is not that already."""
+    path = directory / regenerated_name(tag)
+    if not path.exists():
+        return
+    held = path.read_text(encoding="utf-8").splitlines()
+    by_index = dict(finished_lines(path, set(finished)))
+    ordered = [by_index[index] for index in sorted(by_index)]
+    if ordered != held:
+        _write(path, ordered)
 
 
 def merge_shards(directory: Path, finished: Collection[int]) -> None:
@@ -228,6 +241,4 @@ def merged_lines(directory: Path, finished: set[int]) -> list[str]:
 
 
 def _write(path: Path, lines: list[str]) -> None:
-    from .output import atomic_write_bytes
-
     atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode("utf-8"))

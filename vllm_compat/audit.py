@@ -26,12 +26,12 @@ from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
 from .probes.shapes import MISSING, UNRESOLVED, Attr, ByString, Param
 from .probes.static import DirTree, StaticSource, Tree, WheelTree
-from .probes.verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT, judge
+from .probes.verdicts import ADAPTED, MISSING_SYMBOL, NATIVE, UNKNOWN_DRIFT_VERDICT, judge
 from .registry import adapters, newest_verified
 
 OK = "ok"
 NOT_APPLICABLE = "n/a"
-BAD = (UNKNOWN_DRIFT, MISSING_SYMBOL)
+BAD = (UNKNOWN_DRIFT_VERDICT, MISSING_SYMBOL)
 JSON_SCHEMA_VERSION = 5  # 2: call_sites, consumer_source; 3: findings of kind "backend"; 4: engine_steps,
 #                          config_fields, config_baseline, behaviour_notes; 5: environment
 
@@ -414,7 +414,7 @@ def _touchpoint_finding(check, expected: frozenset[str], source, kind: str, scop
     seen = check.observe(source)
     # missing: the symbol is gone, or the implementation vLLM resolves a string to (unresolved)
     gone = seen.value in (MISSING, UNRESOLVED)
-    verdict = OK if seen.value in expected else MISSING_SYMBOL if gone else UNKNOWN_DRIFT
+    verdict = OK if seen.value in expected else MISSING_SYMBOL if gone else UNKNOWN_DRIFT_VERDICT
     return Finding(finding_id or check.target, kind, verdict, check.describe(), tuple(sorted(expected)), (),
                    seen.value, seen.where, scope=scope)
 

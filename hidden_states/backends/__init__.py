@@ -10,9 +10,10 @@ shim's audit and the extractor's preflight read through :func:`touchpoints`.
 from __future__ import annotations
 
 import importlib
+from abc import abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -38,31 +39,103 @@ class BackendSettings:
 ONE_BATCH_AHEAD = 1
 
 
+@runtime_checkable
 class Backend(Protocol):
     """Loads a model once, then turns batches of token ids into per-layer hidden states.
 
     ``extract(batch)`` returns, for each sequence of ``batch`` in order, one ``[len, hidden]``
     tensor per requested layer (speculators' convention: layer ``L`` is the output of decoder
     layer ``L``, before the final norm).
+
+    A backend subclasses it: the abstract methods are its own to write, and the optional members
+    below come with their defaults, so that callers use every member directly.
     """
 
     name: str
+    settings: BackendSettings | None  # what it was created with (a served test stand-in may have none)
     # Tokens the extraction keeps submitted beyond the batch whose states it waits for: ONE_BATCH_AHEAD
     # by default; the engine backends set it at start (engine_feed.steps_of_tokens_ahead).
-    tokens_ahead: int
+    tokens_ahead: int = ONE_BATCH_AHEAD
     # The most tokens one submit should hold (None: the whole batch). The engine backends set one
     # engine step's: the extraction submits a batch to them in groups of that size (submit_groups).
-    tokens_per_submit: int | None
+    tokens_per_submit: int | None = None
+    # Prompt tokens vLLM's prefix cache held, their rows copied from another request, counted as
+    # batches resolve (vllm-engine's shared prefixes; 0 for a backend without them).
+    cached_tokens: int = 0
+    # What the backend says of the run once it has closed, which the run logs (None: nothing).
+    closing_line: str | None = None
 
+    @abstractmethod
     def start(self) -> dict: ...  # loads the model; returns facts for data_config.json
 
+    @abstractmethod
     def extract(self, batch: list[list[int]]) -> list[list]: ...
 
+    @abstractmethod
     def submit(self, batch: list[list[int]]) -> Future: ...  # extract(batch), maybe running on while the caller goes on
 
+    @abstractmethod
     def check_forward(self, probe: list[int]) -> list: ...  # forward_check.verify_forward on one sequence
 
+    @abstractmethod
     def close(self) -> None: ...
+
+    def engine_alive(self) -> bool:
+        """False once the process running the backend's engine has ended (a backend without one: always True)."""
+        return True
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How ``hidden-states generate`` samples replies (vLLM's ``SamplingParams`` of the same names;
+    ``max_new_tokens`` is its ``max_tokens``; ``seed`` seeds each request on its own)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A generated reply and where its rows are: ``prompt`` + ``generated`` ids, the rows of the
+    first ``stored`` of them in the region at ``offset`` (laid out for ``capacity`` rows), computed
+    under vLLM cache salt ``salt``."""
+
+    prompt: list[int]
+    generated: list[int]
+    text: str
+    finish_reason: str | None
+    offset: int
+    capacity: int
+    stored: int
+    salt: str
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@runtime_checkable
+class Replying(Protocol):
+    """What ``hidden-states generate`` asks of a backend beside :class:`Backend`: replies, then the
+    states of their training rows (``vllm-engine``'s, through ``engine_replies.EngineReplies``).
+
+    ``answer`` resolves to a :class:`Reply` whose rows stay held until ``release_replies``;
+    ``stream`` (a ``reply_streams.Sink``) takes its rows as they land. ``row_states`` resolves as
+    ``Backend.submit`` does, each row the training row of ``sources[i]``. The two counters grow as
+    rows are prefilled: tokens whose states a reply's region held, rows prefilled in that region.
+    """
+
+    reply_rows_reused: int
+    rows_in_place: int
+
+    def answer(self, prompt: list[int], sampling: Sampling, stream=None) -> Future: ...
+
+    def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future: ...
+
+    def release_replies(self, replies: list[Reply]) -> None: ...
 
 
 def completed(function, *args) -> Future:
@@ -75,11 +148,8 @@ def completed(function, *args) -> Future:
     return future
 
 
-class OneBatchAtATime:
+class OneBatchAtATime(Backend):
     """``submit`` for a backend whose ``extract`` runs a batch start to end before it returns."""
-
-    tokens_ahead = ONE_BATCH_AHEAD
-    tokens_per_submit: int | None = None
 
     def submit(self, batch: list[list[int]]) -> Future:
         return completed(self.extract, batch)

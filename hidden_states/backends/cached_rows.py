@@ -5,7 +5,7 @@ them: its forward computes no states for those tokens (vLLM issue #44485), and t
 rows from the first position it ran (``regions``: the header's first row stored). A token's state
 depends only on the tokens before it, so those rows are the first rows of any request whose ids
 begin the same way and whose own rows are whole. Each batch runs under a cache salt of its own
-(``engine_feed.Batch.cache_salt``): vLLM shares blocks only between requests of one batch, so every
+(``engine_feed.EngineBatch.cache_salt``): vLLM shares blocks only between requests of one batch, so every
 row it skipped was computed by a request whose region the batch still holds.
 """
 from __future__ import annotations

@@ -26,11 +26,11 @@ from packaging.version import Version
 from vllm_compat import extractor_api
 
 from ..errors import ExtractError
-from . import ONE_BATCH_AHEAD, BackendSettings
-from .engine_feed import Batch, EngineFeed, step_tokens, steps_of_tokens_ahead
+from . import ONE_BATCH_AHEAD, Backend, BackendSettings
+from .engine_feed import EngineBatch, EngineFeed, step_tokens, steps_of_tokens_ahead
 
 
-class EngineBackend:
+class EngineBackend(Backend):
     """A backend on ``vllm.LLM``'s engine (see the module's docstring for the hooks)."""
 
     name: str
@@ -43,8 +43,6 @@ class EngineBackend:
     # vLLM eager: a capture that hooks vLLM's modules runs only when vLLM's forward runs as Python;
     # a backend whose capture is traced into the compiled forward (vllm-engine --cuda-graphs) turns it off
     enforce_eager = True
-    # what the backend says of the run once it has closed, which the extraction logs (None: nothing)
-    closing_line: str | None = None
 
     def __init__(self, settings: BackendSettings):
         self.settings = settings
@@ -112,27 +110,33 @@ class EngineBackend:
     def extract(self, batch: list[list[int]]) -> list[list]:
         return self.submit(batch).result()
 
-    def new_batch(self, batch: list[list[int]]) -> Batch:
-        return Batch(batch)
+    def new_batch(self, batch: list[list[int]]) -> EngineBatch:
+        return EngineBatch(batch)
 
-    def params(self, work: Batch, position: int):
+    def params(self, work: EngineBatch, position: int):
         """The sampling parameters of the request at ``position`` of ``work``: one output token."""
         from vllm import SamplingParams
 
         return SamplingParams(max_tokens=1)
 
-    def finished(self, work: Batch) -> None:
+    def finished(self, work: EngineBatch) -> None:
         """On the feed's thread: every request of ``work`` has finished; resolve its future."""
         raise NotImplementedError
 
-    def failed(self, work: Batch) -> None:
+    def failed(self, work: EngineBatch) -> None:
         """On the feed's thread: ``work`` will not finish; give back what it holds."""
 
     def engine_alive(self) -> bool:
         """False once a process ``LLM()`` started here (its engine core; vLLM's workers are that
         process's children, and it exits when one dies) has ended. True while they run, and where
         vLLM started none (its engine in this process)."""
-        return all(process.is_alive() for process in self._engine_processes)
+        for process in self._engine_processes:
+            try:
+                if not process.is_alive():
+                    return False
+            except ValueError:  # closed: vLLM's client closes it once it has ended
+                return False
+        return True
 
     def check_forward(self, probe: list[int]) -> list:
         from ..forward_check import verify_forward
@@ -141,13 +145,16 @@ class EngineBackend:
 
     # -- close
     def close(self) -> None:
+        # a feed whose engine died before this (killed; a second Ctrl-C to serve) may wait in its step
+        # for good: it is not waited for long
+        feed_wait = 30 if self.engine_alive() else 2
         feed, self._feed = self._feed, None
         llm, self._llm = self._llm, None
         if llm is not None:
             shut_down(llm)  # a busy feed's loop stops with the engine
             del llm
         if feed is not None:
-            feed.stop(timeout=30)
+            feed.stop(timeout=feed_wait)
         self.release()
 
     def release(self) -> None:

@@ -59,7 +59,7 @@ def steps_of_tokens_ahead(llm) -> int:
     return STEPS_AHEAD * step_tokens(llm)
 
 
-class Batch:
+class EngineBatch:
     """A batch of prompts in the engine: its future, and each finished request's output by position."""
 
     def __init__(self, ids: list[list[int]], cache_salt: str | None = None):
@@ -86,8 +86,8 @@ class EngineFeed:
             what the batch holds).
     """
 
-    def __init__(self, engine, params: Callable, finished: Callable[[Batch], None],
-                 failed: Callable[[Batch], None] = lambda batch: None, name: str = "hidden-states-engine"):
+    def __init__(self, engine, params: Callable, finished: Callable[[EngineBatch], None],
+                 failed: Callable[[EngineBatch], None] = lambda batch: None, name: str = "hidden-states-engine"):
         self._engine, self._params, self._finished, self._failed = engine, params, finished, failed
         self._incoming: queue.Queue = queue.Queue()
         self._numbers = itertools.count()
@@ -96,14 +96,14 @@ class EngineFeed:
         self._thread = threading.Thread(target=self._drive, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, batch: Batch) -> None:
+    def put(self, batch: EngineBatch) -> None:
         """Queue ``batch`` for the engine; if the loop has stopped, fail it at once (its future
         carries the loop's error, and ``failed`` gives back what the batch holds)."""
         self._incoming.put(batch)
         if self.failure is not None:  # the loop may have stopped after it last looked at the queue
             self.fail(batch, self.failure)
 
-    def fail(self, batch: Batch, exc: BaseException) -> None:
+    def fail(self, batch: EngineBatch, exc: BaseException) -> None:
         """Fail a batch the engine will not finish (once, whoever asks)."""
         with self._failing:
             if batch.failed:
@@ -121,7 +121,7 @@ class EngineFeed:
         from vllm.inputs import TokensPrompt
 
         engine = self._engine
-        running: dict[str, tuple[Batch, int]] = {}
+        running: dict[str, tuple[EngineBatch, int]] = {}
         try:
             while True:
                 batch = self._incoming.get() if not running else self._next_nowait()

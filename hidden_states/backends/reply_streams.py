@@ -1,5 +1,5 @@
 """The rows of replies still being generated, copied into their sample files while the engine runs
-(``hidden-states generate``, ``VllmEngineBackend.answer``'s ``stream``).
+(``hidden-states generate``, ``engine_replies.EngineReplies.answer``'s ``stream``).
 
 Without it a reply's file is written after its conversation ends: when all the replies of a batch
 end in the same step, every file is written after the last one, and the disk's time adds to the

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from . import ONE_BATCH_AHEAD, BackendSettings, completed
+from . import ONE_BATCH_AHEAD, Backend, BackendSettings, completed
 from .overlap import OverlappedCalls
 
 
-class SpeculatorsBackend:
+class SpeculatorsBackend(Backend):
     name = "speculators"
     tokens_per_submit = None  # a batch is one generator call
     tokens_ahead = ONE_BATCH_AHEAD  # one call runs while the one before it is copied out (overlap.py)

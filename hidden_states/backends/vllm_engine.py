@@ -26,16 +26,18 @@ Correctness guards, before any tensor leaves the backend: the engine's prompt id
 submitted ones; the region's row count must be the prompt's length (never stale rows); and the token
 id the worker stored beside every row, from the same forward row as its states, must be the prompt's
 token at that position (never another request's rows). A request failing one fails its batch.
+
+``hidden-states generate``'s replies and their training rows (``backends.Replying``) are the work of
+``engine_replies.EngineReplies``, which the backend composes and hands the prompts and rows it
+resolves; the backend keeps the regions (``pool``, ``region_bytes``, ``copy_rows``, ``_states``).
 """
 from __future__ import annotations
 
 import itertools
 import os
-from collections import Counter
 import threading
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from packaging.specifiers import SpecifierSet
 
@@ -43,13 +45,13 @@ from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 
 from .. import fp8_states
 from ..errors import UsageError
-from ..tokenization import common_prefix
+from . import Reply, Sampling
 from .cached_rows import fill_order
 from .engine_base import EngineBackend
-from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
+from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
+from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .graph_store import LAYERS_ENV, report_line
-from .regions import HEADER, REGION, SECOND, RegionPool, layer_start, region_bytes, scales_start
-from .reply_streams import ReplyStreams, Sink
+from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -83,9 +85,6 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
       for name in ("input_ids", "positions")],
 ]), requires=("v2_batch_order",))
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
-# rows a reply's region holds past its prompt and its most new tokens: room for what the chat template
-# puts after the reply (an end-of-turn token, a newline), so that its training row fits where it is
-ROW_TAIL = 32
 # The worker side, named to vLLM (worker_extension_cls): its workers import it, this process need not.
 OWN, SPECULATORS = "own", "speculators"
 EXTENSIONS = {SPECULATORS: f"{__package__}.speculators_capture.StreamingCapture",
@@ -118,7 +117,7 @@ def chosen_capture(environ=os.environ) -> tuple[str, str]:
 def refuse_cuda_graphs(backend: str, environ=os.environ) -> None:
     """``--cuda-graphs`` where it cannot run: another backend than this one, or speculators' capture
     asked for (its capture is a patched forward, not traced into vLLM's compiled one). The plan checks
-    it (``Extraction.plan_model``), once: a run's plan (``RunPlan``) holds only settings that passed,
+    it (``planner.plan_model``), once: a run's plan (``RunPlan``) holds only settings that passed,
     and the backend, in whichever process executes the plan (a Ray replica's), does not ask again."""
     if backend != "vllm-engine":
         raise UsageError(f"--cuda-graphs: needs --backend vllm-engine (its own capture is the one traced into vLLM's "
@@ -144,79 +143,6 @@ def graph_capture_environment(layer_ids: list[int], environ=os.environ) -> None:
     environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
 
 
-class _RegionBatch(Batch):
-    def __init__(self, ids: list[list[int]], offsets: list[int], cache_salt: str | None = None):
-        super().__init__(ids, cache_salt)
-        self.offsets = offsets  # each sequence's region
-        self.lengths = [len(one) for one in ids]  # each region's rows (its layout's length)
-        self.counters = [0] * len(ids)  # which of its region's counters each request writes (regions.SECOND)
-
-    def counts_at(self, position: int) -> int:
-        """Where the counters of the request at ``position`` are (its rows stored, its first row)."""
-        return self.offsets[position] + self.counters[position]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How ``hidden-states generate`` samples replies (vLLM's ``SamplingParams`` of the same names;
-    ``max_new_tokens`` is its ``max_tokens``; ``seed`` seeds each request on its own)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 1024
-    seed: int | None = None
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A generated reply and where its rows are: ``prompt`` + ``generated`` ids, the rows of the
-    first ``stored`` of them in the region at ``offset`` (laid out for ``capacity`` rows), computed
-    under vLLM cache salt ``salt``."""
-
-    prompt: list[int]
-    generated: list[int]
-    text: str
-    finish_reason: str | None
-    offset: int
-    capacity: int
-    stored: int
-    salt: str
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt + self.generated
-
-
-class _Prompt(_RegionBatch):
-    """A prompt to answer, a batch of its own, so that its reply resolves as soon as it is done,
-    whatever else the engine runs. Its region holds the prompt, up to ``max_new_tokens`` rows more
-    (the decode steps') and ``ROW_TAIL`` for its training row's end, under a cache salt of its own."""
-
-    def __init__(self, ids: list[int], offset: int, sampling: Sampling, salt: str):
-        super().__init__([ids], [offset], salt)
-        self.sampling = sampling
-        self.lengths = [len(ids) + sampling.max_new_tokens + ROW_TAIL]
-
-
-class _RowBatch(_RegionBatch):
-    """Training rows prefilled under their replies' cache salts: vLLM computes only what its prefix
-    cache does not hold. A row that goes on from its whole reply is prefilled in the reply's region
-    (``in_place``: its rows before are there already, its own counters say how far it got); another
-    has a region of its own, the rows before copied into it from the reply's."""
-
-    def __init__(self, ids, offsets, sources: list[Reply], in_place: list[bool], streams: list):
-        super().__init__(ids, offsets)
-        self.sources = sources
-        self.in_place = in_place
-        self.streams = streams  # an in-place row's reply's stream (reply_streams), told which rows it keeps
-        self.lengths = [source.capacity if here else len(row) for row, source, here in zip(ids, sources, in_place)]
-        self.counters = [SECOND if here else 0 for here in in_place]
-
-    def salt(self, position: int) -> str:
-        return self.sources[position].salt
-
-
 class VllmEngineBackend(EngineBackend):
     name = "vllm-engine"
     touchpoints = TOUCHPOINTS
@@ -226,13 +152,11 @@ class VllmEngineBackend(EngineBackend):
         self.prefix_caching = settings.share_prefixes
         self._salts = itertools.count()
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache held, their rows copied from another request
-        self.reply_rows_reused = 0  # generate: row tokens whose states the reply's region held
-        self._adopted: set[int] = set()  # replies' regions their training rows took over (released with the rows)
-        self.rows_in_place = 0  # generate: training rows prefilled in their reply's region
-        self._pool: RegionPool | None = None
-        self._streams: ReplyStreams | None = None  # generate: replies' rows copied to their files as they land
+        self.pool: RegionPool | None = None
+        # hidden-states generate's side (backends.Replying): replies, then their training rows, on these regions
+        self.replies = EngineReplies(self)
         self._layout: dict | None = None
-        self._scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
+        self.scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
         self.rows_timeout = ROWS_TIMEOUT
         self.capture = SPECULATORS
         self.enforce_eager = not settings.cuda_graphs
@@ -260,25 +184,25 @@ class VllmEngineBackend(EngineBackend):
         replies = self._llm.collective_rpc("_hidden_states_stream_setup",
                                            args=(settings.layer_ids, settings.state_dtype))
         self._layout = next(reply for reply in replies if reply is not None)
-        self._scales = bool(self._layout.get("scales"))
-        self._row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
+        self.scales = bool(self._layout.get("scales"))
+        self.row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
-        self._pool = RegionPool(settings.sequences_in_flight * self._region_bytes(settings.max_seq_len)
-                                + self._region_bytes(self.tokens_ahead), align=self._row_bytes)
-        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self._pool.path,))
+        self.pool = RegionPool(settings.sequences_in_flight * self.region_bytes(settings.max_seq_len)
+                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes)
+        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self.pool.path,))
                       if r is not None)
-        where = os.path.dirname(self._pool.path)  # /dev/shm, else the temporary directory (regions_root)
-        self._pool.unlink()  # the worker and this process hold it mapped: no name left to leak
-        return {"states_page_locked": pinned, "states_segment": {"bytes": self._pool.capacity, "in": where}}
+        where = os.path.dirname(self.pool.path)  # /dev/shm, else the temporary directory (regions_root)
+        self.pool.unlink()  # the worker and this process hold it mapped: no name left to leak
+        return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where}}
 
-    def _region_bytes(self, length: int) -> int:
-        return region_bytes(length, len(self.settings.layer_ids), self._row_bytes, self._scales)
+    def region_bytes(self, length: int) -> int:
+        return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales)
 
-    def new_batch(self, batch: list[list[int]]) -> _RegionBatch:
+    def new_batch(self, batch: list[list[int]]) -> RegionBatch:
         """Reserve each sequence's region (waits while the writer still holds too many states)."""
-        self._check_feed()
-        offsets = [self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0) for ids in batch]
-        return _RegionBatch(batch, offsets, f"hs-{next(self._salts)}" if self.prefix_caching else None)
+        self.check_feed()
+        offsets = [self.pool.reserve(self.region_bytes(len(ids)), timeout=600.0) for ids in batch]
+        return RegionBatch(batch, offsets, f"hs-{next(self._salts)}" if self.prefix_caching else None)
 
     def extract(self, batch: list[list[int]]) -> list[list]:
         """``submit`` for callers that keep what they get: copies (FP8 ones dequantized), and the
@@ -287,208 +211,105 @@ class VllmEngineBackend(EngineBackend):
                 if isinstance(layers, fp8_states.Quantized) else [layer.clone() for layer in layers]
                 for layers in self.submit(batch).result()]
 
-    # -- hidden-states generate: replies, then their rows (docs/extractor.md, "On-policy rows in one pass")
-    def answer(self, prompt: list[int], sampling: Sampling, stream: Sink | None = None) -> Future:
-        """Answer ``prompt``, a request of its own: the future resolves to its :class:`Reply` once that
-        request has finished, while the engine goes on with the others (and with whatever is
-        submitted meanwhile: a conversation's next turn). The reply's region holds the rows of its
-        prompt and of every generated token a step fed back (all but the last); it stays reserved
-        until :meth:`release_replies`. ``stream``: the rows go there too as they land (token-major,
-        ``reply_streams``), until the reply's training row is prefilled; it is told which of them
-        that row's states keep (``kept``), or discarded (``discard``) when the row takes a region
-        of its own or the reply is given back."""
-        self._check_feed()
-        capacity = len(prompt) + sampling.max_new_tokens + ROW_TAIL
-        offset = self._pool.reserve(self._region_bytes(capacity), timeout=600.0)
-        work = _Prompt(prompt, offset, sampling, f"hs-gen-{next(self._salts)}")
-        if stream is not None:
-            self._reply_streams().follow(offset, capacity, stream)
-        self._feed.put(work)
-        return work.future
-
-    def _reply_streams(self) -> ReplyStreams:
-        if self._streams is None:
-            self._streams = ReplyStreams(lambda offset: (self._pool.rows_stored(offset, 0, timeout=0),
-                                                         self._pool.first_row(offset)), self._rows_token_major)
-        return self._streams
-
-    def _rows_token_major(self, offset: int, capacity: int, start: int, stop: int):
-        """Rows ``start .. stop`` of the region at ``offset`` (laid out for ``capacity``), each row's
-        layers one after another: uint8 ``[rows, layers, row bytes]``, a copy."""
-        import torch
-
-        size = (stop - start) * self._row_bytes
-        return torch.stack([self._pool.view(offset + layer_start(capacity, index, self._row_bytes, self._scales)
-                                            + start * self._row_bytes, torch.uint8, size).view(-1, self._row_bytes)
-                            for index in range(len(self.settings.layer_ids))], dim=1)
-
-    def _stop_stream(self, offset: int):
-        return self._streams.stop(offset) if self._streams is not None else None
+    # -- hidden-states generate (backends.Replying): the reply side's, on this backend's regions
+    def answer(self, prompt: list[int], sampling: Sampling, stream=None) -> Future:
+        return self.replies.answer(prompt, sampling, stream)
 
     def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future:
-        """The states of ``rows``, each the training row of reply ``sources[i]``'s conversation: as
-        ``submit``'s, every row whole. Each row is prefilled under its reply's cache salt (vLLM
-        computes what its prefix cache does not hold, at least the last token); the rows before come
-        from the reply's region, which must hold them (the same ids, stored).
-
-        A row that begins with its reply's every id, the reply's only row, and fits its region is
-        prefilled there: the region is the row's from now on (released with its states, not by
-        :meth:`release_replies`), and nothing is copied. Why only such a row: a step that vLLM had
-        scheduled for the reply before it finished may still store the reply's last row; that row
-        is then this row's own (same token, same ids before it)."""
-        self._check_feed()
-        rows_of = Counter(source.offset for source in sources)
-        in_place = [rows_of[source.offset] == 1 and source.offset not in self._adopted
-                    and len(ids) <= source.capacity and common_prefix(ids, source.ids) == len(source.ids)
-                    for ids, source in zip(rows, sources)]
-        offsets, streams = [], []
-        for ids, source, here in zip(rows, sources, in_place):
-            stream = self._stop_stream(source.offset)  # before the row's prefill writes into the region
-            if here:
-                self._adopted.add(source.offset)
-                offsets.append(source.offset)
-            else:
-                offsets.append(self._pool.reserve(self._region_bytes(len(ids)), timeout=600.0))
-                if stream is not None:
-                    stream.discard()
-                    stream = None
-            streams.append(stream)
-        work = _RowBatch(rows, offsets, sources, in_place, streams)
-        self.rows_in_place += sum(in_place)
-        self._feed.put(work)
-        return work.future
+        return self.replies.row_states(rows, sources)
 
     def release_replies(self, replies: list[Reply]) -> None:
-        """Give back the replies' regions, but those their training rows took over (released with the rows' states)."""
-        for reply in replies:
-            if reply.offset in self._adopted:
-                self._adopted.discard(reply.offset)
-            else:
-                self._discard_stream(reply.offset)
-                self._pool.release(reply.offset)
+        self.replies.release_replies(replies)
 
-    def _discard_stream(self, offset: int) -> None:
-        stream = self._stop_stream(offset)
-        if stream is not None:
-            stream.discard()
+    @property
+    def reply_rows_reused(self) -> int:
+        return self.replies.reply_rows_reused
 
-    def _check_feed(self) -> None:
+    @property
+    def rows_in_place(self) -> int:
+        return self.replies.rows_in_place
+
+    # -- what the reply side (EngineReplies) uses beside the regions' pool, row bytes, scales and copy_rows
+    @property
+    def layer_count(self) -> int:
+        return len(self.settings.layer_ids)
+
+    def next_salt(self) -> int:
+        return next(self._salts)
+
+    def put(self, work: RegionBatch) -> None:
+        self._feed.put(work)
+
+    def check_feed(self) -> None:
         if self._feed.failure is not None:
             raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
 
-    def _reply(self, work: _Prompt) -> Reply:
-        """The request's reply, once its region holds every row a step fed (checked: the prompt is the
-        one submitted, every stored row's token id is the reply's)."""
-        import torch
-
-        prompt, offset, output = work.ids[0], work.offsets[0], work.finished[0]
-        if list(output.prompt_token_ids) != prompt:
-            raise RuntimeError("vLLM's request for a prompt to answer holds other token ids")
-        completion = output.outputs[0]
-        ids = prompt + list(completion.token_ids)
-        fed = len(ids) - 1  # the last sampled token is fed by no step
-        stored = self._pool.rows_stored(offset, fed, timeout=self.rows_timeout)
-        if stored < fed:
-            raise RuntimeError(f"the worker stored {stored} of the {fed} rows generation fed for a reply")
-        stored = min(stored, len(ids))  # a step async scheduling ran for the last token too
-        if self._pool.view(offset + HEADER, torch.int32, stored).tolist() != ids[:stored]:
-            raise RuntimeError("the states stored for a reply come from other tokens' rows: the worker attributed "
-                               "rows to the wrong request")
-        return Reply(prompt, list(completion.token_ids), completion.text, completion.finish_reason, offset,
-                     work.lengths[0], stored, work.cache_salt)
-
-    def _fill_from_replies(self, work: _RowBatch) -> None:
-        """Copy into each row's region the rows vLLM's prefix cache spared it, from its reply's region
-        (a row prefilled in place has them there)."""
-        for position, (ids, offset, source) in enumerate(zip(work.ids, work.offsets, work.sources)):
-            counts = work.counts_at(position)
-            if self._pool.rows_stored(counts, len(ids), timeout=self.rows_timeout) != len(ids):
-                continue  # left to _states, which names it
-            first = self._pool.first_row(counts)
-            if first > min(common_prefix(ids, source.ids), source.stored):
-                raise RuntimeError(f"vLLM's prefix cache gave row {position} its first {first} tokens, and its reply's "
-                                   f"region holds {min(common_prefix(ids, source.ids), source.stored)} of them")
-            if first and not work.in_place[position]:
-                self._copy_rows(offset, len(ids), source.offset, source.capacity, first)
-            if work.streams[position] is not None:  # its rows from the prefill's first on are the row's own
-                work.streams[position].kept = min(first, self._pool.rewritten_from(offset))
-            self.reply_rows_reused += first
-
-    def params(self, work: _RegionBatch, position: int):
+    def params(self, work: RegionBatch, position: int):
         from vllm import SamplingParams
 
         region = {REGION: (work.offsets[position], work.lengths[position], work.counters[position])}
-        if isinstance(work, _Prompt):
-            sampling = work.sampling
-            return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                  max_tokens=sampling.max_new_tokens, seed=sampling.seed,
-                                  ignore_eos=sampling.ignore_eos, extra_args=region)
+        if isinstance(work, PromptWork):
+            return self.replies.params(work, region)
         return SamplingParams(max_tokens=1, extra_args=region)
 
-    def failed(self, work: _RegionBatch) -> None:
+    def failed(self, work: RegionBatch) -> None:
         for offset in work.offsets:
-            self._discard_stream(offset)
-            self._pool.release(offset)
-        _discard_rows_streams(work)
+            self.replies.discard_stream(offset)
+            self.pool.release(offset)
+        discard_rows_streams(work)
 
-    def finished(self, work: _RegionBatch) -> None:
-        if isinstance(work, _Prompt):
-            try:
-                reply = self._reply(work)
-            except Exception as exc:  # noqa: BLE001 - the reply fails, the loop goes on
-                self.failed(work)
-                work.future.set_exception(exc)
-            else:
-                work.future.set_result(reply)
+    def finished(self, work: RegionBatch) -> None:
+        if isinstance(work, PromptWork):
+            self.replies.answered(work)
             return
         states: list = []
         try:
-            if isinstance(work, _RowBatch):
-                self._fill_from_replies(work)
+            if isinstance(work, RowWork):
+                self.replies.fill_from_replies(work)
             elif self.prefix_caching:
                 self._fill_cached_rows(work)
             for position in range(len(work.ids)):
                 states.append(self._states(work, position))
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             for position in range(len(states), len(work.ids)):  # regions no tensor will release
-                self._pool.release(work.offsets[position])
-            _discard_rows_streams(work)
+                self.pool.release(work.offsets[position])
+            discard_rows_streams(work)
             states.clear()  # the exception's traceback keeps this frame: its tensors must not keep their regions
             work.future.set_exception(exc)
         else:
             work.future.set_result(states)
 
-    def _fill_cached_rows(self, work: _RegionBatch) -> None:
+    def _fill_cached_rows(self, work: RegionBatch) -> None:
         """Copy into each region the first rows vLLM's prefix cache spared its request, from the region
         of the request of the batch that computed them (``cached_rows.fill_order``). A region whose rows
         are not all stored is left to ``_states``, which names it."""
         import torch
 
         lengths = [len(ids) for ids in work.ids]
-        stored = [self._pool.rows_stored(offset, length, timeout=self.rows_timeout) == length
+        stored = [self.pool.rows_stored(offset, length, timeout=self.rows_timeout) == length
                   for offset, length in zip(work.offsets, lengths)]
-        first = [self._pool.first_row(offset) if whole else 0 for offset, whole in zip(work.offsets, stored)]
+        first = [self.pool.first_row(offset) if whole else 0 for offset, whole in zip(work.offsets, stored)]
         for position, source in fill_order(work.ids, first):
-            self._copy_rows(work.offsets[position], lengths[position], work.offsets[source], lengths[source],
+            self.copy_rows(work.offsets[position], lengths[position], work.offsets[source], lengths[source],
                             first[position])
             self.cached_tokens += first[position]
 
-    def _copy_rows(self, into: int, into_length: int, source: int, source_length: int, rows: int) -> None:
+    def copy_rows(self, into: int, into_length: int, source: int, source_length: int, rows: int) -> None:
         """Copy the first ``rows`` rows (token ids, FP8 scales, every layer) of the region at ``source``
         (laid out for ``source_length`` rows) into the region at ``into`` (``into_length`` rows)."""
         import torch
 
-        self._pool.view(into + HEADER, torch.int32, rows).copy_(self._pool.view(source + HEADER, torch.int32, rows))
-        if self._scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
-            self._pool.view(into + scales_start(into_length), torch.float32, rows).copy_(
-                self._pool.view(source + scales_start(source_length), torch.float32, rows))
-        size = rows * self._row_bytes
+        self.pool.view(into + HEADER, torch.int32, rows).copy_(self.pool.view(source + HEADER, torch.int32, rows))
+        if self.scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
+            self.pool.view(into + scales_start(into_length), torch.float32, rows).copy_(
+                self.pool.view(source + scales_start(source_length), torch.float32, rows))
+        size = rows * self.row_bytes
         for index in range(len(self.settings.layer_ids)):
-            self._pool.view(into + layer_start(into_length, index, self._row_bytes, self._scales), torch.uint8,
-                            size).copy_(self._pool.view(source + layer_start(source_length, index, self._row_bytes,
-                                                                             self._scales), torch.uint8, size))
+            self.pool.view(into + layer_start(into_length, index, self.row_bytes, self.scales), torch.uint8,
+                            size).copy_(self.pool.view(source + layer_start(source_length, index, self.row_bytes,
+                                                                             self.scales), torch.uint8, size))
 
-    def _states(self, work: _RegionBatch, position: int) -> list:
+    def _states(self, work: RegionBatch, position: int) -> list:
         """The request's layers as tensors over its region, once its rows are checked; the region is
         released when every one of them has been garbage collected."""
         import torch
@@ -497,23 +318,23 @@ class VllmEngineBackend(EngineBackend):
         output = work.finished[position]
         if list(output.prompt_token_ids) != ids:
             raise RuntimeError(f"vLLM's request at batch position {position} holds other token ids")
-        stored = self._pool.rows_stored(work.counts_at(position), len(ids), timeout=self.rows_timeout)
+        stored = self.pool.rows_stored(work.counts_at(position), len(ids), timeout=self.rows_timeout)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
-        row_ids = self._pool.view(offset + HEADER, torch.int32, len(ids))
+        row_ids = self.pool.view(offset + HEADER, torch.int32, len(ids))
         if row_ids.tolist() != ids:
             wrong = next(i for i, (a, b) in enumerate(zip(row_ids.tolist(), ids)) if a != b)
             raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
                                f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
-        layers = [self._pool.view(offset + layer_start(length, index, self._row_bytes, self._scales), dtype,
+        layers = [self.pool.view(offset + layer_start(length, index, self.row_bytes, self.scales), dtype,
                                   len(ids) * hidden).view(len(ids), hidden)
                   for index in range(len(self.settings.layer_ids))]
         views = list(layers)
-        if self._scales:
-            scales = self._pool.view(offset + scales_start(length), torch.float32, len(ids)).view(-1, 1, 1)
+        if self.scales:
+            scales = self.pool.view(offset + scales_start(length), torch.float32, len(ids)).view(-1, 1, 1)
             layers, views = fp8_states.Quantized(layers, scales), views + [scales]
-        release = _Countdown(len(views), self._pool.release, offset)
+        release = _Countdown(len(views), self.pool.release, offset)
         for view in views:
             weakref.finalize(view, release)
         return layers
@@ -530,17 +351,9 @@ class VllmEngineBackend(EngineBackend):
         super().close()
 
     def release(self) -> None:
-        if self._streams is not None:
-            self._streams.close()
-        if self._pool is not None:
-            self._pool.close()
-
-
-def _discard_rows_streams(work: _RegionBatch) -> None:
-    """The streams a batch of training rows was to finish, when it fails: their files are not written."""
-    for stream in getattr(work, "streams", ()):
-        if stream is not None:
-            stream.discard()
+        self.replies.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 class _Countdown:

@@ -29,7 +29,7 @@ from vllm_compat.extractor_api import (PRESENT, BackendTouchpoints, Branch, Disp
 from ..errors import ExtractError
 from . import BackendSettings
 from .engine_base import EngineBackend
-from .engine_feed import FEED_TOUCHPOINTS, GIVEN, Batch, present
+from .engine_feed import FEED_TOUCHPOINTS, GIVEN, EngineBatch, present
 
 LAST_LAYER_FROM = Version("0.18.0")
 STORE_ENV = "VLLM_COMPAT_NATIVE_STORE"  # the directory the connector's files go to (default: the temp dir)
@@ -93,17 +93,17 @@ class VllmNativeBackend(EngineBackend):
                 "kv_transfer_config": {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                        "kv_connector_extra_config": {"shared_storage_path": self._store}}}
 
-    def finished(self, work: Batch) -> None:
+    def finished(self, work: EngineBatch) -> None:
         """Read the batch's files on the reader thread, while the engine runs the next batch."""
         self._reader_thread.submit(self._read, work)
 
-    def _read(self, work: Batch) -> None:
+    def _read(self, work: EngineBatch) -> None:
         try:
             work.future.set_result(self._states(work))
         except BaseException as exc:  # noqa: BLE001 - the batch's caller hears of it
             work.future.set_exception(exc)
 
-    def _states(self, work: Batch) -> list[list]:
+    def _states(self, work: EngineBatch) -> list[list]:
         states = []
         for position, ids in enumerate(work.ids):
             output = work.finished[position]

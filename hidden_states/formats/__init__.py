@@ -14,9 +14,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
 
-from ..inputs import Sample
+if TYPE_CHECKING:
+    from ..inputs import Sample
 
 
 @dataclass(frozen=True)
@@ -104,3 +105,9 @@ def create(name: str, directory: Path, layers: Layers | None = None, *, log: Cal
     layout = module.FORMAT(Path(directory), layers, log)
     layout.state_dtype = state_dtype
     return layout
+
+
+def readers(directory: Path) -> list[Format]:
+    """Every format, reading ``directory`` (no layers): what names and tells whole the files of any
+    layout an output directory may hold."""
+    return [create(name, directory) for name in FORMATS]

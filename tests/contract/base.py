@@ -2,8 +2,9 @@
 the matrix puts one on the path). Subclass, set ``adapter_id`` and ``first_new`` (the first vLLM
 release with the new shape, from docs/drift-atlas.md, written out here independently of the adapter's own
 declaration), add ``test_patched_call`` exercising the patched object for real, and state the
-adapter's negative proof (``negative`` or ``not_observable_on_cpu``, read by
-tests/e2e/test_negative.py). tests/unit/test_contracts_exist.py checks every adapter has one."""
+adapter's negative proof (``negative`` or ``not_observable_on_cpu``, read from the contract test's
+source by tests/contract/negative_proofs.py for tests/e2e/test_negative.py).
+tests/unit/test_contracts_exist.py checks every adapter has one."""
 from __future__ import annotations
 
 import importlib
@@ -51,10 +52,6 @@ def needs_vllm_kernels() -> None:
     if current_platform.is_unspecified():
         pytest.skip("needs a GPU: vLLM found no device platform (CUDA wheel without a GPU), and the kernels "
                     "checked here load only beside the CUDA driver")
-
-
-# Model Runner V2 forced, where vLLM's CPU backend has one (negative_env of the V2-only adapters)
-RUNNER_V2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
 class AdapterContract:
@@ -144,15 +141,6 @@ class AdapterContract:
         assert report[self.adapter_id].status == "disabled"
         now = self._targets_now()
         assert not any(owner_of(o) == self.adapter_id for t in now for o in [now[t], *_wrapped_chain(now[t])])
-
-
-def contract_for(adapter_id: str) -> type[AdapterContract]:
-    """The contract test class of an adapter: ``tests/contract/test_<id>.py``."""
-    module = importlib.import_module(f"tests.contract.test_{adapter_id}")
-    for value in vars(module).values():
-        if isinstance(value, type) and issubclass(value, AdapterContract) and value.adapter_id == adapter_id:
-            return value
-    raise LookupError(f"tests/contract/test_{adapter_id}.py has no AdapterContract for {adapter_id}")
 
 
 def _wrapped_chain(obj) -> list:

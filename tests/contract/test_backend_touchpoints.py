@@ -7,7 +7,7 @@ import shutil
 import pytest
 from packaging.version import Version
 
-from tests.contract.test_audit import wheel
+from tests.contract.release_wheels import wheel
 from vllm_compat import versions
 from vllm_compat.audit import audit
 from hidden_states.backends import touchpoints
@@ -34,11 +34,13 @@ def expected(version: Version) -> dict[str, set[str]]:
             for backend, touched in BACKEND_TOUCHPOINTS.items()}
 
 
+@pytest.mark.per_vllm  # the backends' findings: no speculators code is read for them
 def test_the_installed_release_has_every_touch_point_of_the_backends_it_runs():
     result = audit(consumer="speculators==0.3.0")
     assert by_backend(result) == expected(versions.base(versions.vllm_version())), result.render()
 
 
+@pytest.mark.released_wheels
 @pytest.mark.parametrize("release, distribution", RELEASES, ids=[r for r, _ in RELEASES])
 def test_every_release_from_a_backends_first_has_its_touch_points(release, distribution):
     result = audit(wheel(release, distribution), consumer="speculators==0.3.0")
@@ -46,6 +48,7 @@ def test_every_release_from_a_backends_first_has_its_touch_points(release, distr
         (f.id, f.verdict, f.found) for f in result.backend_problems()]
 
 
+@pytest.mark.per_vllm
 def test_a_field_gone_from_the_scheduler_output_is_named_for_vllm_engine_alone(tmp_path):
     """The installed vLLM with NewRequestData.num_computed_tokens renamed: where the worker would
     put a chunked prompt's rows. The audit names that touch point, for that backend."""
@@ -66,6 +69,7 @@ def test_a_field_gone_from_the_scheduler_output_is_named_for_vllm_engine_alone(t
     assert "PROBLEMS: 1 in the extractor's --backend vllm-engine (it would break)" in result.render()
 
 
+@pytest.mark.per_vllm
 def test_a_worker_without_load_model_is_named_for_vllm_engine_alone(tmp_path):
     """The installed vLLM with ``load_model`` renamed on its workers (``Worker`` and the ``WorkerBase``
     it inherits from): where ``--cuda-graphs`` puts its copies on the model (graph_capture.py wraps

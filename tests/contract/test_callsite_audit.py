@@ -17,6 +17,9 @@ from vllm_compat.probes.shapes import Moved
 from vllm_compat.probes.static import DirTree, StaticSource
 from vllm_compat.registry import get
 
+# every test reads the speculators releases it audits from their folders: the one on the path changes nothing
+pytestmark = pytest.mark.per_vllm
+
 GENERATOR = "speculators/data_generation/vllm_hidden_states_generator.py"
 
 

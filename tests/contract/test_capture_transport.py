@@ -83,6 +83,7 @@ class TestCaptureTransport(AdapterContract):
             assert all(type(t) is torch.Tensor and t.dtype == torch.bfloat16 and torch.equal(t, w)
                        for t, w in zip(leaves(back), leaves(reply)))
 
+    @pytest.mark.per_vllm  # the transport alone, in fresh processes: no speculators code runs
     def test_across_processes_with_regrowth(self, monkeypatch):
         """A real second process maps the segment, reply after reply; a bigger reply moves to a new
         segment; the names are gone from /dev/shm once mapped."""
@@ -102,6 +103,7 @@ class TestCaptureTransport(AdapterContract):
             reader.stdin.close()
             reader.wait(timeout=60)
 
+    @pytest.mark.per_vllm  # the transport alone, in fresh processes: no speculators code runs
     def test_parent_clones_reuse_freed_memory(self):
         """The parent's copies out of the segment land on reused pages, not freshly faulted ones
         (docs/performance.md, "The parent's copy lands on fresh pages (issue 13 step 2)"). 256

@@ -1,6 +1,7 @@
 from types import SimpleNamespace
 
-from tests.contract.base import RUNNER_V2, AdapterContract
+from tests.contract.base import AdapterContract
+from tests.contract.negative_proofs import RUNNER_V2
 
 from vllm_compat import batch_order
 from vllm_compat.adapters.input_batch_view import with_input_batch_view

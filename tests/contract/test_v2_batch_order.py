@@ -2,7 +2,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.contract.base import RUNNER_V2, AdapterContract
+from tests.contract.base import AdapterContract
+from tests.contract.negative_proofs import RUNNER_V2
 
 from vllm_compat import batch_order
 

@@ -291,3 +291,15 @@ def worst_error(run: Run, refs, skip_layers=frozenset()) -> float:
                for got_call, ref_call in zip(run.calls, refs)
                for got, ref in zip(got_call, ref_call)
                for layer, h, r in zip(LAYER_IDS, got["hidden_states"], ref) if layer not in skip_layers)
+
+
+ENOSPC = Path(__file__).parent / "enospc"  # sitecustomize that fills the disk (ENOSPC_AFTER, DISK_FREE)
+_SIZE_UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def planned_disk_bytes(stderr: str) -> float:
+    """The bytes of hidden states a run's plan expected (its ``disk: about 1.2 MB of hidden states``
+    line, as ``sizes.human_size`` rounds them)."""
+    found = re.search(r"disk: about ([\d.]+) (B|kB|MB|GB|TB) of hidden states", stderr)
+    assert found, stderr[-3000:]
+    return float(found.group(1)) * _SIZE_UNITS[found.group(2)]

@@ -18,7 +18,7 @@ from packaging.version import Version
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.test_extractor import data_files, extract_args, run_cli, write_jsonl
+from tests.e2e.extract_runs import data_files, extract_args, run_cli, write_jsonl
 from vllm_compat.versions import base, vllm_version
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.backends]
@@ -161,7 +161,7 @@ def test_engine_backend_captures_with_its_own_beside_speculators_0_9(tmp_path):
     vllm-engine's own capture, chosen without being asked; every layer of every token is HF's, and
     the preflight audited the backend's own touch points (no generator to audit)."""
     from tests.conftest import ROOT
-    from tests.e2e.test_formats import speculators_09
+    from tests.e2e.trainers import speculators_09
 
     model = harness.tiny_model("llama")
     rows = write_jsonl(tmp_path / "data.jsonl", 24, seed=23)
@@ -225,7 +225,8 @@ def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path, backend):
     import time
 
     from tests.conftest import ROOT
-    from tests.e2e.test_extractor import _cmdline, _descendants, cli
+    from tests.e2e.extract_runs import cli
+    from tests.e2e.process_tree import cmdline, descendants
 
     if backend == "vllm-native" and VERSION < Version("0.18.0"):
         pytest.skip(f"vLLM {VERSION} refuses --backend vllm-native (test_native_refuses_clearly_where_it_cannot_run)")
@@ -247,8 +248,8 @@ def test_a_killed_engine_core_ends_the_run_and_is_named(tmp_path, backend):
             assert time.monotonic() < deadline, "no progress"
             time.sleep(0.2)
         # vLLM titles the engine core's process "VLLM::EngineCore" (setproctitle)
-        cores = [pid for pid in _descendants(proc.pid) if _cmdline(pid).startswith(b"VLLM::EngineCore")]
-        assert len(cores) == 1, {pid: _cmdline(pid)[:80] for pid in _descendants(proc.pid)}
+        cores = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::EngineCore")]
+        assert len(cores) == 1, {pid: cmdline(pid)[:80] for pid in descendants(proc.pid)}
         os.kill(cores[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)  # without the adapter: TimeoutExpired, the run waits on
     finally:

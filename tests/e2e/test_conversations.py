@@ -6,7 +6,11 @@ Llama-3 without and with generation markers, Qwen3 with thinking, DeepSeek-R1), 
 OpenAI ``messages`` files of the same conversations (speculators reads a ``conversations`` column,
 so its copy of the messages file carries the same turns under that name, as its UltraChat
 normaliser does). Replies with leading and trailing whitespace, replies starting with markup, 60 %
-with ``<think>`` reasoning in their content, one in seven long enough to be truncated.
+with ``<think>`` reasoning in their content, one in seven long enough to be truncated. Past the
+first eight, some conversations carry turns of roles no template knows, as real ShareGPT dumps do
+(``bing`` before a reply, ``chatgpt`` after one): each release's own normaliser decides what they
+become (0.3.0 and 0.4.0 skip the turn, 0.9.0 takes it as the assistant's), and ours, by default,
+follows the trainer of the format compared.
 
 * ``--format speculators-0.3`` against 0.4.0's and 0.3.0's ``load_and_preprocess_dataset``: every
   row identical where the release masks by the template (0.4.0: generation markers or its detected
@@ -20,7 +24,7 @@ with ``<think>`` reasoning in their content, one in seven long enough to be trun
 rows, ours in the file's order: the same counts, keys in another order).
 
 speculators 0.9.0 and ``datasets`` need Python >= 3.11 and transformers >= 5: the vLLM 0.32.0 venv,
-with speculators 0.9.0's folder (which brings ``datasets``) built as test_formats.py builds it.
+with speculators 0.9.0's folder (which brings ``datasets``) built as tests/e2e/trainers.py builds it.
 Marked ``formats``: run on vLLM 0.32.0 only; no engine starts.
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e import harness
-from tests.e2e.test_formats import speculators_09
+from tests.e2e.trainers import speculators_09
 
 pytestmark = [pytest.mark.formats]
 
@@ -47,7 +51,7 @@ FAMILIES = ("llama3", "llama3_generation", "qwen3", "deepseek_r1")
 WORDS = ("the quick brown fox jumps over lazy dog what is capital of France Paris sea wind light water night "
          "first add numbers then check answer again sure here short poem weather today sunny warm city London "
          "def return print result 42 17 3.5 hello thanks please explain why because").split()
-SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}  # any other role is written as is
 
 
 def sentence(rng: random.Random, low: int, high: int) -> str:
@@ -74,11 +78,28 @@ def conversations(count: int, seed: int) -> list[list[tuple[str, str]]]:
     return made
 
 
+def with_unknown_roles(convs: list[list[tuple[str, str]]], seed: int) -> int:
+    """Turns of roles no chat template knows, in every fourth conversation past the first eight (those
+    the real-generator test reads stay as made): a ``bing`` turn before the first reply, or a
+    ``chatgpt`` turn after it. Returns how many were added."""
+    rng = random.Random(seed)
+    added = 0
+    for number in range(8, len(convs), 4):
+        turns = convs[number]
+        first_reply = next(i for i, (role, _) in enumerate(turns) if role == "assistant")
+        if number % 8 == 0:
+            turns.insert(first_reply, ("bing", f"Searching the web for: {sentence(rng, 2, 8)}"))
+        else:
+            turns.insert(first_reply + 1, ("chatgpt", sentence(rng, 2, 25)))
+        added += 1
+    return added
+
+
 def write(path: Path, convs, kind: str) -> Path:
     with path.open("w") as handle:
         for conv in convs:
             if kind == "sharegpt":
-                row = {"conversations": [{"from": SHAREGPT_ROLES[r], "value": c} for r, c in conv]}
+                row = {"conversations": [{"from": SHAREGPT_ROLES.get(r, r), "value": c} for r, c in conv]}
             elif kind == "messages":
                 row = {"messages": [{"role": r, "content": c} for r, c in conv]}
             else:  # the messages as speculators reads them
@@ -97,6 +118,7 @@ def workspace(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("conversations")
     convs = conversations(40, seed=7)
+    assert with_unknown_roles(convs, seed=8) == 8
     files = {"sharegpt": write(root / "sharegpt.jsonl", convs, "sharegpt"),
              "messages": write(root / "messages.jsonl", convs, "messages"),
              "messages-for-speculators": write(root / "messages-speculators.jsonl", convs, "speculators")}
@@ -107,7 +129,8 @@ def workspace(tmp_path_factory):
 def ours(workspace, family: str, kind: str, layout: str) -> tuple[list, dict]:
     import torch
 
-    from hidden_states.tokenization import ChatSettings, prepare
+    from hidden_states.prepare import prepare
+    from hidden_states.tokenization import ChatSettings
 
     root, files, tokenizers = workspace
     out = root / "ours" / f"{family}-{kind}-{layout}.jsonl"
@@ -244,7 +267,7 @@ def test_parquet_and_a_dataset_directory_read_as_the_jsonl_does(workspace):
                        check=True, capture_output=True, timeout=300)
         outputs = []
         for data in (files[kind], parquet, directory):
-            out = root / "containers" / f"{data.name}.jsonl"
+            out = root / "containers" / data.name / "rows.jsonl"  # a folder each: one token_freq.pt per prepare
             proc = subprocess.run([sys.executable, "-m", "hidden_states", "prepare", "--model-path",
                                    str(tokenizers["qwen3"]), "--data", str(data), "--output", str(out), "--format",
                                    "speculators-0.3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -256,12 +279,14 @@ def test_parquet_and_a_dataset_directory_read_as_the_jsonl_does(workspace):
 @pytest.mark.vllm
 @pytest.mark.e2e
 def test_extract_takes_conversations_through_the_real_generator(workspace, tmp_path):
-    """``extract --data`` on the messages file, with the tiny Llama and a Qwen3 chat tokenizer, through
-    speculators 0.3.0's generator on vLLM: each file holds the row ``prepare`` made for that
-    conversation, and states for every one of its tokens."""
+    """``extract --data`` on eight conversations of the messages file (one with a turn of a role no
+    template knows, which speculators 0.3/0.4 skip), with the tiny Llama and a Qwen3 chat tokenizer,
+    through speculators 0.3.0's generator on vLLM: each file holds the row ``prepare`` made for that
+    conversation, and states for every one of its tokens; ``token_freq.pt`` (where speculators 0.9
+    looks for it, ``<data-path>/token_freq.pt``) is prepare's."""
     import torch
 
-    from tests.e2e.test_extractor import LAYERS, run_cli
+    from tests.e2e.extract_runs import LAYERS, run_cli
 
     root, files, tokenizers = workspace
     model = tmp_path / "tiny-llama-qwen3-template"
@@ -270,22 +295,30 @@ def test_extract_takes_conversations_through_the_real_generator(workspace, tmp_p
         (model / name).unlink(missing_ok=True)
         if (tokenizers["qwen3"] / name).exists():
             shutil.copy(tokenizers["qwen3"] / name, model / name)
+    rows = [json.loads(line) for line in files["messages"].read_text().splitlines()[:8]]
+    rows[3]["messages"].insert(1, {"role": "bing", "content": "Searching the web for an answer."})
+    data = tmp_path / "eight.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     prepared = tmp_path / "prepared.jsonl"
     proc = subprocess.run([sys.executable, "-m", "hidden_states", "prepare", "--model-path", str(model), "--data",
-                           str(files["messages"]), "--output", str(prepared), "--format", "speculators-0.3",
+                           str(data), "--output", str(prepared), "--format", "speculators-0.3",
                            "--max-seq-len", str(SEQ_LEN)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
 
-    proc = run_cli("--model-path", str(model), "--data", str(files["messages"]), "--output-dir", str(out), "--preset",
+    proc = run_cli("--model-path", str(model), "--data", str(data), "--output-dir", str(out), "--preset",
                    "cpu-tiny", "--format", "speculators-0.3", "--layer-ids", *LAYERS, "--max-seq-len", str(SEQ_LEN),
-                   "--max-samples", "8", env_extra={
+                   env_extra={
                        "PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), ROOT])})
 
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "conversations tokenized with the model's chat template for speculators-0.3" in proc.stderr
-    expected = read_rows(prepared)[:8]
+    assert "1 turns with unknown roles skipped" in proc.stderr
+    expected = read_rows(prepared)
+    assert len(expected) == 8
+    assert torch.load(out / "token_freq.pt", weights_only=True) == torch.load(tmp_path / "token_freq.pt",
+                                                                              weights_only=True)
     for number, (ids, mask) in enumerate(expected):
         saved = torch.load(out / f"data_{number}.pt", weights_only=True)
         assert saved["input_ids"].tolist() == ids and saved["loss_mask"].tolist() == mask

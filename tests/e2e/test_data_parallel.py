@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.e2e.test_extractor import _alive, _cmdline, _descendants, cli, extract_args, run_cli, write_jsonl
+from tests.e2e.extract_runs import cli, extract_args, run_cli, write_jsonl
+from tests.e2e.process_tree import alive, cmdline, descendants
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.data_parallel]
 
@@ -130,13 +131,13 @@ def freeze_a_replica_mid_batch(proc: subprocess.Popen, deadline: float) -> int:
     mid-batch is kept frozen: frozen when its load was logged instead (CI, 2026-12-03), a replica on a
     loaded host had already finished its share, and held no batch to lose."""
     while proc.poll() is None and time.monotonic() < deadline:
-        for pid in _descendants(proc.pid):
-            if not _cmdline(pid).startswith(EXTRACTING):
+        for pid in descendants(proc.pid):
+            if not cmdline(pid).startswith(EXTRACTING):
                 continue
             os.kill(pid, signal.SIGSTOP)
-            while not _stopped(pid) and _alive(pid):
+            while not _stopped(pid) and alive(pid):
                 time.sleep(0.01)
-            if _cmdline(pid).startswith(EXTRACTING):
+            if cmdline(pid).startswith(EXTRACTING):
                 return pid
             os.kill(pid, signal.SIGCONT)  # its call ended before the stop landed: look again
         time.sleep(0.1)
@@ -166,7 +167,7 @@ def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data,
         proc.kill()
         reader.join(timeout=10)
         raise AssertionError(f"{exc}\n{''.join(lines)[-4000:]}") from None
-    workers = _descendants(pid)
+    workers = descendants(pid)
     print(f"froze pid {pid} mid-batch after {len(lines)} lines of the run's output")
     assert proc.poll() is None, "the run ended with a replica frozen mid-batch\n" + "".join(lines)[-4000:]
     os.kill(pid, signal.SIGKILL)
@@ -178,7 +179,7 @@ def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data,
     assert replica, log[-4000:]
     assert re.search(rf"replica {replica.group(1)} died on samples .*; its unfinished batches go to the 1 other replicas",
                      log), log[-4000:]
-    assert workers and not any(_alive(p) for p in workers), "the killed replica's vLLM workers outlived it"
+    assert workers and not any(alive(p) for p in workers), "the killed replica's vLLM workers outlived it"
     assert f"{ROWS // 2} already finished" in log
     assert_identical(out, reference)
     assert_written_once(out)

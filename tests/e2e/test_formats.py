@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CACHE, ROOT
+from tests.conftest import ROOT
 from tests.e2e import harness
-from tests.e2e.test_extractor import run_cli
+from tests.e2e.extract_runs import run_cli
+from tests.e2e.trainers import run_trainer, speculators_09, transformers_4_python
 from vllm_compat.consumer import TRAINER_PROOF_RELEASES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.formats]
@@ -31,24 +32,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.formats]
 IDS_03 = [0, 2, 3, 5]
 IDS_05 = [1, 3, 4, 6]  # the same layers, counted as layers done
 SAMPLES = 12
-DRIVER = Path(__file__).with_name("trainer_driver.py")
-
-
-def speculators_09() -> Path:
-    """speculators 0.9.0 with the requirements this venv lacks (datasets, pyarrow, hs-connectors)."""
-    release = TRAINER_PROOF_RELEASES["speculators-0.5"]
-    target = Path(CACHE) / "speculators" / release
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "vllm_venv.py"), "--speculators-only", release,
-                    "--with-requirements-of", sys.executable], check=True, capture_output=True)
-    return target
-
-
-def transformers_4_python() -> str:
-    """The vLLM 0.17.0 matrix venv (transformers 4.57), built when missing."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import vllm_venv
-
-    return str(vllm_venv.build_venv("0.17.0", rebuild=False))
 
 
 def write_jsonl(path: Path, n: int, seed: int) -> list[dict]:
@@ -231,13 +214,51 @@ def test_convert_refuses_a_mixed_or_incomplete_source(both, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def run_trainer(python: str, path: Path, args: list[str], tmp_path: Path) -> list[float]:
-    result = tmp_path / "losses.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), ROOT]), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([python, str(DRIVER), *args[:1], str(result), *args[1:]], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=900)
-    assert proc.returncode == 0 and result.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [step["loss"] for step in json.loads(result.read_text())]
+def ids_of(layout: str) -> list[int]:
+    return IDS_03 if layout == "speculators-0.3" else IDS_05
+
+
+def tree_bytes(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_rerun_in_the_other_format_is_refused_before_the_load_and_keeps_every_file(both, model):
+    """The reported loss: extract with the other --format into a directory of finished samples took it
+    over and removed them (their files are not the new format's pattern). Both ways, with each
+    layout's own files on disk: refused before the model loads (and by plan), every file as it was."""
+    root, _ = both
+    for out, held, fmt, ids in ((root / "out03", "speculators-0.3", "speculators-0.5", IDS_05),
+                                (root / "out05", "speculators-0.5", "speculators-0.3", IDS_03)):
+        before = tree_bytes(out)
+        # the first difference named is the layer ids (each format counts them its own way)
+        refused = f"holds another extraction (layer_ids {ids_of(held)}, this run {ids}) with {SAMPLES} finished samples"
+        proc = run_cli(*layout_args(model, root / "data.jsonl", out, fmt, ids), env_extra=with_datasets())
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert refused in last and last.endswith("or --start-over to remove its files and extract this one"), last
+        assert "starting the" not in proc.stderr  # no model load
+        assert tree_bytes(out) == before
+    plan = subprocess.run([sys.executable, "-m", "hidden_states", "plan",
+                           *layout_args(model, root / "data.jsonl", root / "out03", "speculators-0.5", IDS_05)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **with_datasets()})
+    assert plan.returncode == 2 and "to extract" not in plan.stdout + plan.stderr, plan.stderr[-3000:]
+    assert f"holds another extraction (layer_ids {IDS_03}, this run {IDS_05}) with {SAMPLES} finished" in plan.stderr
+
+
+def test_convert_into_a_directory_holding_another_layouts_extraction_is_refused(both, tmp_path):
+    """convert --to speculators-0.3 into a directory of speculators-0.5 files (the FP8 extraction's):
+    none of them is a 0.3 file, yet they are finished work: refused, kept."""
+    import shutil
+
+    root, _ = both
+    dst = tmp_path / "fp8"
+    shutil.copytree(root / "fp8", dst)
+    before = tree_bytes(dst)
+    proc = convert(root / "out05", dst, "speculators-0.3")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{dst} holds another extraction (" in proc.stderr and f"with {SAMPLES} finished samples" in proc.stderr
+    assert tree_bytes(dst) == before
 
 
 def test_speculators_09_dataset_reads_the_05_layout(both):
@@ -416,7 +437,7 @@ def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, sta
     """``generate --format speculators-0.5``: the file of a row prefilled in its reply's region is begun
     while the reply is generated (its states first, written as the region counts them; the rows its
     prefill computed again, the ids, FP8's scales and the header at its end), with the marker model of
-    tests/e2e/test_generate.py, whose rows go on from their whole reply. Every file streamed is one
+    tests/e2e/generate_runs.py, whose rows go on from their whole reply. Every file streamed is one
     prefilled in place (the log's counts), holds the states first (its header), and is HF's row, layer
     by layer, token by token (FP8: within e4m3's step more); speculators 0.9.0's own dataset reads the
     directory. The negative of the judge: tests/unit/test_streamed_files.py (stale rows kept fail)."""
@@ -428,7 +449,7 @@ def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, sta
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
     from hidden_states.formats.speculators_05 import safetensors_header
     from hidden_states.tokenization import ChatTokenizer, load_tokenizer
-    from tests.e2e import test_generate as generate
+    from tests.e2e import generate_runs as generate
 
     # a system prompt, a one-turn and a two-turn conversation: four rows, one per reply
     conversations = [generate.CONVERSATIONS[3], generate.CONVERSATIONS[0], generate.CONVERSATIONS[2]]

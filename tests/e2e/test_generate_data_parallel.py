@@ -9,7 +9,7 @@ compiled, the capture inside its forward), each saying so at its end, against th
 run: a greedy reply may part from it only at a bf16 tie (``assert_near_tie``).
 
 Engine starts: the one-process run, two replicas, two shards (five); the conversations and the tiny
-Llama of tests/e2e/test_generate.py, 16 new tokens each. Marked ``extractor`` and ``data_parallel``:
+Llama of tests/e2e/generate_runs.py, 16 new tokens each. Marked ``extractor`` and ``data_parallel``:
 the lane that lays Ray out (scripts/test_matrix.py)."""
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e import harness
-from tests.e2e import test_generate as single_process
-from tests.e2e.test_formats import speculators_09
-from tests.e2e.test_graph_capture import assert_compiled_capture
+from tests.e2e import generate_runs
+from tests.e2e.generate_runs import assert_compiled_capture
+from tests.e2e.trainers import speculators_09
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.data_parallel]
 
@@ -42,7 +42,7 @@ def run_generate(model, data, out, *extra):
     0.9.0's folder brings ``datasets`` for its index; the lane's own PYTHONPATH brings Ray)."""
     path = [speculators_09(), ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
     started = time.monotonic()
-    proc = single_process.run_generate(model, data, out, "--batch-size", "1", *extra, layout="speculators-0.5",
+    proc = generate_runs.run_generate(model, data, out, "--batch-size", "1", *extra, layout="speculators-0.5",
                                        layers=LAYERS, new_tokens=NEW_TOKENS, pythonpath=path)
     print(f"generate {' '.join(extra) or '(one process)'}: {time.monotonic() - started:.0f} s")
     return proc
@@ -51,9 +51,9 @@ def run_generate(model, data, out, *extra):
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate-dp")
-    # test_generate's conversations up to its short-first-reply one (turn feeding is proven there):
+    # generate_runs' conversations up to its short-first-reply one (turn feeding is proven there):
     # the five this file's counts are written for
-    model, data = single_process.conversations_in(root, single_process.CONVERSATIONS[:single_process.SHORT])
+    model, data = generate_runs.conversations_in(root, generate_runs.CONVERSATIONS[:generate_runs.SHORT])
     single = root / "single"
     proc = run_generate(model, data, single)
     assert proc.returncode == 0, proc.stderr[-4000:]

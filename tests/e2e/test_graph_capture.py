@@ -5,7 +5,7 @@ graph's replay does, runs no Python hook), the capture's copies traced into it
 
 * ``hidden-states generate --cuda-graphs``: every row's states, the decode steps' included, within
   the bf16 floor of HF's forward of the row, layer by layer, token by token, and the rows taken from
-  the replies' regions exactly vLLM's cached blocks, decode-time rows among them (``test_generate``'s
+  the replies' regions exactly vLLM's cached blocks, decode-time rows among them (``generate_runs``'
   judge);
 * ``extract --backend vllm-engine --cuda-graphs``: prompts longer than one engine step (chunked) and
   short ones, every layer of every token HF's;
@@ -30,27 +30,15 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.test_extractor import extract_args, run_cli
-from tests.e2e.test_generate import CONVERSATIONS, LAYERS, conversations_in, judge_rows, run_generate
+from tests.e2e.extract_runs import extract_args, run_cli
+from tests.e2e.generate_runs import (CONVERSATIONS, LAYERS, assert_compiled_capture, conversations_in, judge_rows,
+                                     run_generate)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.generate]
 
 NEGATIVE = Path(__file__).with_name("graph_negative_driver.py")
 # the prompt under one block whose row crosses into the reply's decode rows, a two-turn one, a short one
 CHOSEN = [CONVERSATIONS[3], CONVERSATIONS[2], CONVERSATIONS[4]]
-
-
-# what a --cuda-graphs run's end says when no forward ran the copies as Python (graph_store.report_line)
-COMPILED = "--cuda-graphs: the capture ran inside vLLM's compiled forward"
-
-
-def assert_compiled_capture(stderr: str, processes: tuple[str, ...] = ("",)) -> None:
-    """Each of ``processes`` (the prefix of its lines: a Ray replica's ``replica K: ``) said at its end
-    that the capture's copies ran inside vLLM's compiled forward, in engine steps, none as Python."""
-    for prefix in processes:
-        said = [line for line in stderr.splitlines() if f"{prefix}{COMPILED}" in line]
-        assert said, f"no {prefix!r}'{COMPILED}' line:\n{stderr[-3000:]}"
-        assert "no forward ran its copies as Python" in said[0], said[0]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from the static audit (no import), so each (vLLM, speculators) pair tests exactl
 """
 import pytest
 
-from tests.contract.base import RUNNER_V2, contract_for
+from tests.contract.negative_proofs import RUNNER_V2, negative_proof
 from tests.e2e import harness
 from vllm_compat.audit import audit
 from vllm_compat.consumer import GENERATOR_RELEASES
@@ -25,7 +25,7 @@ def observable(adapter_id: str) -> bool:
     vLLM's CPU backend has a V2 runner to force; family-specific ones where that family runs."""
     from vllm_compat.registry import get
 
-    adapter, facts = get(adapter_id), contract_for(adapter_id)
+    adapter, facts = get(adapter_id), negative_proof(adapter_id)
     if adapter.host_probe is not None and not adapter.host_probe()[0]:
         return False
     if facts.family and not harness.family_runs_here(facts.family):
@@ -36,8 +36,8 @@ def observable(adapter_id: str) -> bool:
 def active_adapters(speculators: str) -> list[str]:
     result = audit(consumer=f"speculators=={speculators}")
     found = [f.id for f in result.findings if f.kind == "adapter" and f.verdict == "adapted"]
-    return [a for a in found if not contract_for(a).not_observable_on_cpu
-            and speculators not in contract_for(a).same_value_on_cpu | contract_for(a).not_called_by and observable(a)]
+    return [a for a in found if not negative_proof(a).not_observable_on_cpu
+            and speculators not in negative_proof(a).same_value_on_cpu | negative_proof(a).not_called_by and observable(a)]
 
 
 def expect_broken(verdict: str, expected: str, run: harness.Run) -> None:
@@ -73,7 +73,7 @@ def test_without_apply_the_03_generator_fails(model, refs):
 
 @pytest.mark.parametrize("speculators, adapter", CASES, ids=[f"{s}-{a}" for s, a in CASES])
 def test_disabling_one_adapter_brings_its_failure_back(model, refs, speculators, adapter):
-    routed, facts = frozenset(), contract_for(adapter)
+    routed, facts = frozenset(), negative_proof(adapter)
     if facts.family:
         model = harness.tiny_model(facts.family)
         refs = harness.reference(model, CALLS)

@@ -14,6 +14,8 @@ Engine starts: the server, ``extract`` once, the restarted server. speculators 0
 (with this checkout alone on its path) while the client, the trainer and HF's reference stay here:
 the compatibility runs of docs/serve.md (``-k two_offline_jobs``).
 """
+import contextlib
+import http.client
 import json
 import os
 import random
@@ -21,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,12 +32,14 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e import harness
-from tests.e2e.test_extractor import run_cli
-from tests.e2e.test_formats import run_trainer, speculators_09
+from tests.e2e.extract_runs import run_cli
+from tests.e2e.trainers import run_trainer, speculators_09
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.formats]
 
 IDS_05 = [1, 3, 4, 6]  # harness.LAYER_IDS (0 2 3 5), counted as layers done
+API_KEY = "e2e-serve-key"  # the server's (VLLM_API_KEY); the clients carry it in the URL (docs/serve.md)
+KEYED = {"Authorization": f"Bearer {API_KEY}"}  # what a client of our own sends
 START_TIMEOUT = 600
 PREPARED = Path(__file__).with_name("prepared_driver.py")
 
@@ -53,7 +58,8 @@ def server_env() -> dict:
     below, which needs its ``datasets``), then this checkout; another release's server: this checkout
     alone (speculators 0.9.0's folder would bring it this environment's versions)."""
     path = [ROOT] if SERVER_PYTHON else [str(speculators_09()), ROOT]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_API_KEY": API_KEY}
 
 
 def client_env() -> dict:
@@ -62,22 +68,27 @@ def client_env() -> dict:
 
 
 class Server:
-    """``hidden-states serve`` in a subprocess, its output in a log file."""
+    """``hidden-states serve`` in a subprocess, its output in a log file; it asks for ``API_KEY``, and
+    serves the model under its path, the trainer's ``--verifier-name-or-path``."""
 
     def __init__(self, model: Path, states: Path, port: int, log: Path):
         self.port, self.log = port, log
-        self.url = f"http://127.0.0.1:{port}/v1"
+        self.plain_url = f"http://127.0.0.1:{port}/v1"
+        self.url = f"http://hs:{API_KEY}@127.0.0.1:{port}/v1"  # what speculators 0.9's client is given
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 [SERVER_PYTHON or sys.executable, "-m", "hidden_states", "serve", "--model-path", str(model), "--layer-ids",
-                 *map(str, IDS_05), "--preset", "cpu-tiny", "--port", str(port), "--states-dir", str(states)],
+                 *map(str, IDS_05), "--preset", "cpu-tiny", "--port", str(port), "--states-dir", str(states),
+                 "--served-model-name", str(model)],
                 env=server_env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited ({self.proc.returncode}):\n{self.output()[-6000:]}")
             try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=5) as reply:
+                models = urllib.request.Request(f"{self.plain_url}/models",
+                                                headers=KEYED)
+                with urllib.request.urlopen(models, timeout=5) as reply:
                     self.models = json.load(reply)
                 return
             except OSError:
@@ -231,6 +242,17 @@ def test_a_wrong_request_is_reported_by_the_client_as_the_server_says(setup):
                           env=client_env(), timeout=120)
     assert "BadRequestError" in proc.stdout and "5000 tokens, more than the server's --max-seq-len 1024" in proc.stdout, \
         proc.stdout + proc.stderr[-3000:]
+    unkeyed = ("import sys, openai\n"
+               "for url in sys.argv[1:]:\n"
+               "    try:\n"
+               "        openai.OpenAI(base_url=url, api_key='EMPTY', max_retries=0).models.list()\n"
+               "    except Exception as exc:\n"
+               "        print(type(exc).__name__, exc)\n")
+    proc = subprocess.run([sys.executable, "-c", unkeyed, held["server"].plain_url,  # no key, a wrong one
+                           held["server"].url.replace(API_KEY, "wrong")], capture_output=True, text=True,
+                          env=client_env(), timeout=120)
+    refusals = [line for line in proc.stdout.splitlines() if line.startswith("AuthenticationError")]
+    assert len(refusals) == 2 and all("asks for an API key" in line for line in refusals), proc.stdout + proc.stderr
 
 
 def test_a_server_restart_mid_job_is_carried_through_by_the_clients_retries(model, setup):
@@ -257,3 +279,118 @@ def test_a_server_restart_mid_job_is_carried_through_by_the_clients_retries(mode
     output = finished(client)
     assert "Retrying" in output  # the client did meet the restart
     assert judged(model, out, ids) == "ok"
+
+
+def engine_core(server: Server) -> int:
+    """vLLM's engine-core process under the server (vLLM titles it ``VLLM::EngineCore``)."""
+    cores = [pid for pid in server.descendants()
+             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
+    assert len(cores) == 1, {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in server.descendants()}
+    return cores[0]
+
+
+def request_held(server: Server, core: int, ids: list[int]) -> tuple[list, http.client.HTTPConnection]:
+    """A completion sent while the engine core is stopped (SIGSTOP), on a thread; returns once the
+    server has handed it to the engine (``/stats``), with the list its reply (or error) lands in and a
+    kept-alive connection for more calls."""
+    watch = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    watch.request("GET", "/stats", headers=KEYED)
+    rows = json.load(watch.getresponse())["rows"]
+    os.kill(core, signal.SIGSTOP)
+    replies: list = []
+
+    def send():
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        try:
+            connection.request("POST", "/v1/completions", body=json.dumps({"model": server.models["data"][0]["id"],
+                               "prompt": ids, "max_tokens": 1}), headers={**KEYED, "Content-Type": "application/json"})
+            reply = connection.getresponse()
+            replies.append((reply.status, json.loads(reply.read())))
+        except OSError as exc:
+            replies.append(exc)
+
+    threading.Thread(target=send, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while True:
+        watch.request("GET", "/stats", headers=KEYED)
+        if json.load(watch.getresponse())["rows"] > rows:
+            return replies, watch
+        assert time.monotonic() < deadline, "the request did not reach the engine"
+        time.sleep(0.05)
+
+
+def last_line(server: Server) -> str:
+    """The server's last line (multiprocessing's resource tracker, a process of its own, may warn after it)."""
+    lines = server.output().splitlines()
+    tracker = [i for i, line in enumerate(lines) if "resource_tracker" in line]
+    return [line for line in lines[:tracker[0] if tracker else None] if line.strip()][-1]
+
+
+def test_a_dead_engine_answers_what_it_held_turns_health_503_and_stops_naming_the_process(setup):
+    """vLLM's engine core killed (SIGKILL) with a request in it: the request is answered with an error
+    naming the process, ``/health`` answers 503, and the server exits 1 within seconds, its last line
+    naming the process and the signal as ``extract``'s does. (Before: the request waited 900 s,
+    ``/health`` said 200, and the server exited 19 minutes later.)"""
+    _, _, _, held = setup
+    server = held["server"]
+    core = engine_core(server)
+    replies, kept = request_held(server, core, rows(1, seed=34)[0])
+    os.kill(core, signal.SIGKILL)
+    killed = time.monotonic()
+    health = []
+    while not health or health[-1] == 200:
+        try:
+            kept.request("GET", "/health")
+            answer = kept.getresponse()
+            answer.read()
+            health.append(answer.status)
+        except OSError as exc:
+            health.append(type(exc).__name__)
+        assert time.monotonic() - killed < 20, health
+        time.sleep(0.02)
+    assert health[-1] == 503, health
+    code = server.proc.wait(timeout=60)
+    seconds = time.monotonic() - killed
+    assert code == 1 and seconds < 30, (code, seconds, server.output()[-4000:])
+    status, reply = replies[0]
+    assert status == 500 and f"vLLM's process EngineCore (pid {core}) was killed by SIGKILL" in reply["error"]["message"]
+    assert last_line(server).startswith(f"hidden-states: failed: ProcessDied: vLLM's process EngineCore (pid {core}) "
+                                        f"was killed by SIGKILL"), server.output()[-4000:]
+
+
+def test_a_second_sigterm_while_draining_stops_at_once_and_kills_vllms_processes(model, tmp_path):
+    """The first SIGTERM drains; with a request the engine will not answer (its process stopped), the
+    drain would wait 900 s: a second SIGTERM kills vLLM's processes and the server exits 143 at once,
+    saying so. (Before: the second SIGTERM was ignored.)"""
+    server = Server(model, tmp_path / "states", free_port(), tmp_path / "server.log")
+    try:
+        core = engine_core(server)
+        children = server.descendants()
+        request_held(server, core, rows(1, seed=35)[0])
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "SIGTERM: no new connections" not in server.output():
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.output()[-4000:]
+            time.sleep(0.1)
+        time.sleep(1)
+        assert server.proc.poll() is None, server.output()[-4000:]  # draining: the request is held
+        server.proc.send_signal(signal.SIGTERM)
+        second = time.monotonic()
+        while "hidden-states: aborted:" not in server.output():  # said at once, vLLM's processes killed
+            assert time.monotonic() - second < 15, server.output()[-4000:]
+            time.sleep(0.1)
+        code = server.proc.wait(timeout=90)
+        assert code == 143, (code, server.output()[-4000:])
+        assert last_line(server).startswith(f"hidden-states: aborted: a second SIGTERM while draining: vLLM's "
+                                            f"processes killed (pids {core}), 1 request(s) left unanswered"), \
+            server.output()[-4000:]
+        deadline = time.monotonic() + 10
+        while [pid for pid in children if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in children if Path(f"/proc/{pid}").exists()] == [], "processes left by the server"
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        for pid in server.descendants():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

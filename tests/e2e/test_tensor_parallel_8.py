@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.e2e import harness
-from tests.e2e.test_extractor import data_files, run_cli, write_jsonl
+from tests.e2e.extract_runs import data_files, run_cli, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.tp8]
 

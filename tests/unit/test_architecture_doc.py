@@ -1,5 +1,5 @@
 """docs/architecture.md's two layer tables say what the code is: the modules each row names are the
-modules of that layer in ``tests/unit/test_layers.py`` (which checks the imports), every file a row
+modules of that layer in ``tests/unit/layer_map.py`` (``test_layers.py`` checks the imports against it), every file a row
 names exists, and the extractor's backends and formats are each named."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.test_layers import EXTRACTOR_LAYERS, LAYERS
+from tests.unit.layer_map import EXTRACTOR_LAYERS, LAYERS
 
 DOC = Path(ROOT) / "docs" / "architecture.md"
 FILE = re.compile(r"`([\w/<>]+?(?:\.py|/))`")  # `name.py`, `sub/name.py`, `sub/`, `sub/<id>.py`
@@ -66,12 +66,12 @@ def test_each_rows_modules_are_its_layers(section, package, layers):
                                  f"the layer holds {sorted(listed)}")
 
 
-@pytest.mark.parametrize("subpackage", ["backends", "formats"])
-def test_every_backend_and_format_module_is_named(subpackage):
-    cell = table("## hidden_states: the extractor")["plug-ins"]
+@pytest.mark.parametrize("subpackage, row", [("backends", "backends"), ("formats", "output")])
+def test_every_backend_and_format_module_is_named(subpackage, row):
+    cell = table("## hidden_states: the extractor")[row]
     named = {Path(name).name for name in FILE.findall(cell)}
     present = {p.name for p in (Path(ROOT) / "hidden_states" / subpackage).glob("*.py") if p.name != "__init__.py"}
-    assert present <= named, f"docs/architecture.md's plug-ins row leaves out {sorted(present - named)}"
+    assert present <= named, f"docs/architecture.md's {row} row leaves out {sorted(present - named)}"
 
 
 def test_a_stale_name_is_caught(tmp_path):

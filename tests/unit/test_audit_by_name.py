@@ -3,7 +3,7 @@ import subprocess
 
 import pytest
 
-from tests.unit.test_audit_cli import VLLM_FILES, make_wheel
+from tests.unit.synthetic_wheels import VLLM_FILES, make_wheel
 from vllm_compat import wheels
 from vllm_compat.cli import main
 

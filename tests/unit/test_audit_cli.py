@@ -1,22 +1,8 @@
 """The audit CLI on bad input, and its JSON, without vLLM: synthetic wheels and trees."""
 import json
-import zipfile
 
+from tests.unit.synthetic_wheels import VLLM_FILES, make_wheel
 from vllm_compat.cli import main
-
-VLLM_FILES = {
-    "vllm/__init__.py": "",
-    "vllm/_version.py": "__version__ = version = '0.17.0'\n",
-    "vllm/v1/request.py": "class Request:\n    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params):\n        pass\n",
-}
-
-
-def make_wheel(path, files):
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, text in files.items():
-            zf.writestr(name, text)
-    return path
-
 
 def test_missing_path(capsys, tmp_path):
     assert main(["audit", "--vllm", str(tmp_path / "nope.whl")]) == 2

@@ -20,7 +20,7 @@ from hidden_states.backends import touchpoints, touchpoints_of
 BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_states/backends)
 
 MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py", "speculators_capture.py", "own_capture.py",
-                           "graph_capture.py", "graph_store.py", "engine_feed.py", "engine_base.py"],
+                           "graph_capture.py", "graph_store.py", "engine_feed.py", "engine_base.py", "engine_replies.py"],
            "vllm-native": ["vllm_native.py", "engine_feed.py", "engine_base.py"]}
 
 

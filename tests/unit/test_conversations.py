@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, extraction
+from hidden_states import planner
 from hidden_states.cli import main
 from hidden_states.conversations import Record
 from hidden_states.errors import InputError
 from hidden_states.inputs import InputStream
 from hidden_states.tokenization import ChatSettings, ChatTokenizer, token_frequencies
+from tests.unit.fakes import fake_backends, rows_run
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -160,17 +161,6 @@ def stream_rows(path, model, layout="speculators-0.3"):
     return [(s.input_ids, s.loss_mask) for s in InputStream(path, chat=ChatSettings(str(model), layout, 4096))]
 
 
-@pytest.fixture
-def chat_model(tmp_path):
-    """A model directory the extractor's plan reads (config.json: 4 layers, hidden 8) with the tiny
-    Llama-3 chat tokenizer."""
-    from hidden_states.fixtures.chat_templates import build_tokenizer
-
-    model = build_tokenizer("llama3", tmp_path / "model")
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 512}))
-    return model
-
-
 def test_sharegpt_messages_and_a_json_array_read_alike(chat_model, tmp_path):
     sharegpt = stream_rows(write(tmp_path / "a.jsonl", [SHAREGPT] * 2), chat_model)
     messages = stream_rows(write(tmp_path / "b.jsonl", [MESSAGES] * 2), chat_model)
@@ -205,8 +195,10 @@ def test_tool_turns_are_kept_as_context(tokenizers):
     ("hello\n", "not JSONL, a JSON array, Parquet or a saved dataset directory (it starts with b'hello\\n')"),
     (json.dumps(MESSAGES) + "\n" + json.dumps({"input_ids": [5, 6]}) + "\n",
      ":2: a tokenized row in a file whose first row is messages: tokenized rows and conversations do not mix"),
+    (json.dumps({"messages": [{"role": 7, "content": "hi"}]}) + "\n",
+     ":1: turn 0: role 7 is none of system, human, user, gpt, assistant, tool, function, ipython"),
     (json.dumps({"messages": [{"role": "narrator", "content": "hi"}]}) + "\n",
-     ":1: turn 0: role 'narrator' is none of system, human, user, gpt, assistant, tool, function, ipython"),
+     ":1: no turn left: every turn's role is none of system, human,"),
     (json.dumps({"messages": []}) + "\n", ":1: 'messages' must be a non-empty list of turns"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) + "\n",
      ":1: turn 0: a content part of type 'image_url'; only text is supported"),
@@ -251,29 +243,11 @@ def test_token_frequencies_are_first_met_order_ascending_within_a_row():
     assert freq == {3: 2, 9: 2, 1: 1} and list(freq) == [3, 9, 1]
 
 
-class RecordingBackend(backends.OneBatchAtATime):
-    """States of zeros; remembers the token ids it was given."""
+def zero_states(ids, layer_ids):
+    """States of zeros: what these tests check is the token ids each row was given."""
+    import torch
 
-    name = "fake"
-    seen: list = []
-
-    def __init__(self, settings):
-        self.settings = settings
-
-    def start(self):
-        return {"backend": self.name}
-
-    def extract(self, batch):
-        import torch
-
-        RecordingBackend.seen.extend(list(ids) for ids in batch)
-        return [[torch.zeros(len(ids), 8) for _ in self.settings.layer_ids] for ids in batch]
-
-    def check_forward(self, probe):
-        return []
-
-    def close(self):
-        pass
+    return [torch.zeros(len(ids), 8) for _ in layer_ids]
 
 
 def test_extract_data_tokenizes_conversations_as_prepare_does(chat_model, tmp_path, monkeypatch, capsys):
@@ -283,24 +257,90 @@ def test_extract_data_tokenizes_conversations_as_prepare_does(chat_model, tmp_pa
     prepared = tmp_path / "prepared.jsonl"
     assert main(["prepare", "--model-path", str(chat_model), "--data", str(data), "--output", str(prepared),
                  "--format", "speculators-0.3"]) == 0
-    monkeypatch.setattr(backends, "create", lambda name, settings: RecordingBackend(settings))
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched=None, speculators=True: "audit: not run (a fake backend)")
-    RecordingBackend.seen = []
+    made = fake_backends(monkeypatch, states=zero_states)
+    monkeypatch.setattr(planner, "check_vllm", lambda backend, touched=None, speculators=True: "audit: not run (a fake backend)")
 
-    code = main(["extract", "--model-path", str(chat_model), "--data", str(data), "--output-dir",
-                 str(tmp_path / "out"), "--format", "speculators-0.3", "--layer-ids", "1", "3", "--backend",
-                 "speculators", "--skip-forward-check", "--no-shared-prefix"])  # the first two rows are equal
+    extract = ["extract", "--model-path", str(chat_model), "--data", str(data), "--output-dir",
+               str(tmp_path / "out"), "--format", "speculators-0.3", "--layer-ids", "1", "3", "--backend",
+               "speculators", "--skip-forward-check", "--no-shared-prefix"]  # the first two rows are equal
+    code = main(extract)
 
     assert code == 0, capsys.readouterr().err
     expected = [json.loads(line) for line in prepared.read_text().splitlines()]
     files = [torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True) for i in range(3)]
-    assert [f["input_ids"].tolist() for f in files] == [r["input_ids"] for r in expected] == RecordingBackend.seen
+    assert [f["input_ids"].tolist() for f in files] == [r["input_ids"] for r in expected] == rows_run(made)
     assert [f["loss_mask"].tolist() for f in files] == [r["loss_mask"] for r in expected]
     assert "conversations tokenized with the model's chat template for speculators-0.3" in capsys.readouterr().err
     # status counts the input's samples the way the run tokenized it
     from hidden_states.status import status
 
     assert f"input {data}: 3 samples; every one finished" in status(tmp_path / "out")
+    # token_freq.pt, where speculators 0.9 looks for it (<data-path>/token_freq.pt, read with
+    # torch.load(weights_only=True)): prepare's, to the order of its ids
+    prepared_freq = torch.load(tmp_path / "token_freq.pt", weights_only=True)
+    freq_path = tmp_path / "out" / "token_freq.pt"
+    freq = torch.load(freq_path, weights_only=True)
+    assert freq == prepared_freq and list(freq) == list(prepared_freq)
+    assert all(isinstance(k, int) and isinstance(v, int) for k, v in freq.items())
+
+    # a resumed run counts the finished samples too: the same file
+    freq_path.unlink()
+    (tmp_path / "out" / "data_1.pt").unlink()
+    made.clear()
+    assert main(extract) == 0, capsys.readouterr().err
+    assert rows_run(made) == [expected[1]["input_ids"]]
+    assert torch.load(freq_path, weights_only=True) == prepared_freq
+    # a run with nothing left to do, and one over part of the input, leave it whole
+    freq_path.unlink()
+    assert main(extract) == 0 and torch.load(freq_path, weights_only=True) == prepared_freq
+    partial = extract[:extract.index("--output-dir") + 1] + [str(tmp_path / "part")] + \
+        extract[extract.index("--output-dir") + 2:]
+    assert main([*partial, "--max-samples", "2"]) == 0
+    assert not (tmp_path / "part" / "token_freq.pt").exists()
+
+
+@pytest.mark.datasets
+def test_speculators_09_builds_its_draft_vocabulary_from_the_token_frequencies_extract_writes(
+        chat_model, tmp_path, monkeypatch, capsys):
+    """speculators 0.9's ``--draft-vocab-size`` reads ``<data-path>/token_freq.pt`` (torch.load with
+    weights_only=True) and keeps the most frequent trained tokens; without the file it silently trains
+    on the whole vocabulary. Its own mapping function on the file extract writes keeps the tokens the
+    written samples train most."""
+    import torch
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    echo = {"messages": [{"role": "user", "content": "Say it three times."},
+                         {"role": "assistant", "content": "Paris Paris Paris, the capital."}]}
+    data = write(tmp_path / "chats.jsonl", [MESSAGES, SHAREGPT, {"messages": CONVERSATION}, echo])
+    fake_backends(monkeypatch, states=zero_states)
+    monkeypatch.setattr(planner, "check_vllm", lambda backend, touched=None, speculators=True: "audit: not run (a fake backend)")
+    out = tmp_path / "out"
+    assert main(["extract", "--model-path", str(chat_model), "--data", str(data), "--output-dir", str(out),
+                 "--format", "speculators-0.3", "--layer-ids", "1", "3", "--backend", "speculators",
+                 "--skip-forward-check", "--no-shared-prefix"]) == 0, capsys.readouterr().err
+
+    # what the written samples train, counted from the samples themselves
+    trained_counts = Counter()
+    for path in out.glob("data_*.pt"):
+        sample = torch.load(path, weights_only=True)
+        trained_counts.update(sample["input_ids"][sample["loss_mask"].bool()].tolist())
+    target_vocab_size = json.loads((chat_model / "config.json").read_text())["vocab_size"]
+    token_freq = torch.load(out / "token_freq.pt", weights_only=True)  # as speculators 0.9's trainer reads it
+
+    # a draft vocabulary smaller than what is trained: the most frequent trained tokens, every one
+    # trained more often than the least frequent kept is kept
+    draft_vocab_size = len(trained_counts) // 2
+    d2t, t2d = build_vocab_mappings_from_distribution(token_freq, draft_vocab_size, target_vocab_size)
+    kept = (torch.arange(draft_vocab_size) + d2t).tolist()
+    assert t2d.shape == (target_vocab_size,) and int(t2d.sum()) == draft_vocab_size
+    assert kept == sorted(kept) == torch.nonzero(t2d).flatten().tolist()
+    assert set(kept) <= set(trained_counts)
+    least_kept = min(trained_counts[token] for token in kept)
+    assert {token for token, count in trained_counts.items() if count > least_kept} <= set(kept)
+    assert max(trained_counts.values()) > least_kept  # the frequencies decided, not the ids' order
+    # one as large as what is trained keeps every trained token
+    _, t2d = build_vocab_mappings_from_distribution(token_freq, len(trained_counts), target_vocab_size)
+    assert set(torch.nonzero(t2d).flatten().tolist()) == set(trained_counts)
 
 
 def test_conversations_without_a_model_tokenizer_are_refused_naming_the_input(tmp_path):
@@ -322,3 +362,81 @@ def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_line(chat_mod
     with pytest.raises(InputError, match="chats.jsonl:1: a conversation, but the model's tokenizer has no chat template"):
         stream_rows(data, chat_model)
     shutil.rmtree(chat_model)
+
+
+# A ShareGPT dump's turn from a role no template knows ("bing"), between a user turn and the reply.
+UNKNOWN_ROLE = {"conversations": [{"from": "human", "value": "What is the capital of France?"},
+                                  {"from": "bing", "value": "Searching the web."},
+                                  {"from": "gpt", "value": "Paris."}]}
+
+
+@pytest.mark.parametrize("layout, becomes, said", [
+    ("speculators-0.3", None, "1 turns with unknown roles skipped"),  # speculators 0.3/0.4 drop the turn
+    ("speculators-0.5", "assistant", "1 turns with unknown roles taken as assistant"),  # speculators 0.9's way
+])
+def test_an_unknown_role_follows_the_formats_trainer_and_is_counted(chat_model, tmp_path, capsys, layout, becomes,
+                                                                   said):
+    data = write(tmp_path / "dump.jsonl", [UNKNOWN_ROLE])
+    turns = UNKNOWN_ROLE["conversations"]
+    known = [turns[0], *([{**turns[1], "from": "gpt"}] if becomes else []), turns[2]]
+    out = tmp_path / "rows.jsonl"
+
+    code = main(["prepare", "--model-path", str(chat_model), "--data", str(data), "--output", str(out),
+                 "--format", layout])
+
+    assert code == 0
+    written = [(r["input_ids"], r["loss_mask"]) for r in map(json.loads, out.read_text().splitlines())]
+    assert written == stream_rows(write(tmp_path / "known.jsonl", [{"conversations": known}]), chat_model, layout)
+    assert said in capsys.readouterr().err
+
+
+def test_strict_refuses_an_unknown_role_naming_the_file_line_and_role(chat_model, tmp_path, capsys):
+    data = write(tmp_path / "dump.jsonl", [SHAREGPT, UNKNOWN_ROLE])
+
+    code = main(["prepare", "--model-path", str(chat_model), "--data", str(data), "--output",
+                 str(tmp_path / "rows.jsonl"), "--format", "speculators-0.5", "--strict"])
+
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == (f"hidden-states: error: {data}:2: turn 1: role 'bing' is none of system, human, user, gpt, "
+                       f"assistant, tool, function, ipython (refused by --strict)"), err
+
+
+def test_the_tokenization_identity_records_what_an_unknown_role_becomes(chat_model):
+    from hidden_states.identity import tokenization_change, tokenization_record
+
+    skip = tokenization_record(64, ChatSettings(str(chat_model), "speculators-0.3", 64))
+    assistant = tokenization_record(64, ChatSettings(str(chat_model), "speculators-0.5", 64))
+
+    assert (skip["unknown_roles"], assistant["unknown_roles"]) == ("skip", "assistant")
+    assert "unknown_roles 'skip', this run 'assistant'" in tokenization_change(skip, assistant)
+    # --strict refuses such a turn: it makes no sample of one, so it is the same tokenization
+    assert tokenization_record(64, ChatSettings(str(chat_model), "speculators-0.3", 64, strict=True)) == skip
+
+
+def test_two_prepares_into_one_folder_do_not_overwrite_each_others_token_frequencies(chat_model, tmp_path, capsys):
+    import torch
+
+    first, second = write(tmp_path / "a.jsonl", [MESSAGES]), write(tmp_path / "b.jsonl", [{"messages": CONVERSATION}])
+    folder = tmp_path / "prepared"
+
+    def prepare(data, name, *extra):
+        return main(["prepare", "--model-path", str(chat_model), "--data", str(data), "--output",
+                     str(folder / name), "--format", "speculators-0.3", *extra])
+
+    assert prepare(first, "a.jsonl") == 0
+    freq = torch.load(folder / "token_freq.pt", weights_only=True)
+    assert prepare(first, "a.jsonl") == 0  # the same command again: its own pair, rewritten alike
+    capsys.readouterr()
+
+    assert prepare(second, "b.jsonl") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hidden-states: error: --token-freq {folder / 'token_freq.pt'}: already holds token frequencies "
+                   f"that are not those of --output {folder / 'b.jsonl'}'s rows (another prepare's into this "
+                   f"folder?): name another file with --token-freq, or --start-over to replace it"], err
+    assert torch.load(folder / "token_freq.pt", weights_only=True) == freq and not (folder / "b.jsonl").exists()
+
+    assert prepare(second, "b.jsonl", "--token-freq", str(folder / "b.token_freq.pt")) == 0
+    assert prepare(second, "b.jsonl", "--start-over") == 0
+    assert torch.load(folder / "token_freq.pt", weights_only=True) == torch.load(folder / "b.token_freq.pt",
+                                                                                 weights_only=True) != freq

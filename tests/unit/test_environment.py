@@ -81,7 +81,7 @@ INSTALLED = ("from vllm_compat.environment import installed_conflicts, vllm_requ
 @pytest.mark.parametrize("venv", sorted(p.name for p in VENVS.glob("vllm-*") if (p / "bin" / "python").exists()))
 def test_every_matrix_venv_passes_on_its_real_metadata(venv):
     done = subprocess.run([str(VENVS / venv / "bin" / "python"), "-c", INSTALLED], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # no time limit: a busy host is slow, not wrong
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 

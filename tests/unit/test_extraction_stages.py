@@ -17,48 +17,9 @@ from hidden_states.formats.speculators_03 import Speculators03
 from hidden_states.inputs import InputStream, Sample
 from hidden_states.preflight import FIRST_LINES
 from hidden_states.settings import Settings, default
+from tests.unit.fakes import FakeBackend, quiet
 
 pytest.importorskip("torch")
-
-
-class FakeBackend(backends.OneBatchAtATime):
-    """Fills each captured layer's state with the layer's id."""
-
-    name = "fake"
-    created = 0
-
-    def __init__(self, settings):
-        self.settings = settings
-        FakeBackend.created += 1
-
-    def start(self):
-        return {"backend": self.name}
-
-    def extract(self, batch):
-        import torch
-
-        return [[torch.full((len(ids), 8), float(layer)) for layer in self.settings.layer_ids] for ids in batch]
-
-    def check_forward(self, probe):
-        return []
-
-    def close(self):
-        pass
-
-
-@pytest.fixture
-def job(fake_model, tmp_path, monkeypatch):
-    """Six samples of 3..8 tokens of the fake 4-layer model."""
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in range(3, 9)))
-    FakeBackend.created = 0
-    monkeypatch.setattr(backends, "create", lambda name, settings: FakeBackend(settings))
-    return Settings(model_path=str(fake_model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
-                    batch_size=2, layer_ids=[3, 1], backend="fake", format="speculators-0.3")
-
-
-def quiet(message):
-    pass
 
 
 def test_the_input_is_opened_once(job, monkeypatch):
@@ -116,6 +77,67 @@ def test_a_rerun_in_another_format_is_refused(job):
         Extraction(job, log=quiet).run()
 
 
+def directory_bytes(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("first, then", [("speculators-0.3", "speculators-0.5"), ("speculators-0.5", "speculators-0.3")])
+def test_a_rerun_in_another_format_over_the_real_files_of_the_first_is_refused_and_touches_nothing(
+        job, first, then, monkeypatch):
+    """The files of the first format's own layout lie on disk (written by its writer): the other
+    format's pattern finds none of them, yet the directory holds finished work."""
+    import importlib.util
+
+    from hidden_states import extras
+    from hidden_states.errors import OutputError
+    from hidden_states.formats import speculators_05
+
+    if importlib.util.find_spec("datasets") is None:  # the sample files are written all the same; not the index
+        monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)
+        monkeypatch.setattr(speculators_05, "write_dataset", lambda directory, count: None)
+    Extraction(dataclasses.replace(job, format=first, layer_ids=[1, 3]), log=quiet).run()
+    out = Path(job.output_dir)
+    before = directory_bytes(out)
+    assert sum(1 for name in before if name.endswith((".pt", ".safetensors"))) == 6
+    other = dataclasses.replace(job, format=then, layer_ids=[1, 3])
+    refused = f"holds another extraction \\(format '{first}', this run '{then}'\\) with 6 finished samples"
+    with pytest.raises(OutputError, match=refused):
+        Extraction(other, log=quiet).plan()  # `hidden-states plan` says so, before any load
+    with pytest.raises(OutputError, match=refused):
+        Extraction(other, log=quiet).run()
+    assert directory_bytes(out) == before
+    assert FakeBackend.created == 1  # the refused run loaded nothing
+
+    Extraction(dataclasses.replace(other, start_over=True), log=quiet).run()  # the one way to replace it
+    assert not any(name.endswith((".pt", ".safetensors")) and name in before for name in directory_bytes(out))
+
+
+def test_start_over_in_a_directory_holding_both_layouts_removes_both(job, tmp_path, monkeypatch):
+    """Files of the layout the config does not name are finished work too (check counts them): with
+    --start-over they are removed with the rest, never resumed as this run's."""
+    import importlib.util
+    import shutil
+
+    from hidden_states import extras
+    from hidden_states.formats import speculators_05
+
+    if importlib.util.find_spec("datasets") is None:  # the sample files are written all the same; not the index
+        monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)
+        monkeypatch.setattr(speculators_05, "write_dataset", lambda directory, count: None)
+    elsewhere = tmp_path / "elsewhere"
+    Extraction(dataclasses.replace(job, format="speculators-0.5", layer_ids=[1, 3], output_dir=str(elsewhere)),
+               log=quiet).run()
+    Extraction(dataclasses.replace(job, layer_ids=[1, 3]), log=quiet).run()
+    out = Path(job.output_dir)
+    shutil.copytree(elsewhere / "hidden_states", out / "hidden_states", dirs_exist_ok=True)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"input_ids": [7] * n}) + "\n" for n in range(3, 7)))
+    summary = Extraction(dataclasses.replace(job, format="speculators-0.5", layer_ids=[1, 3], prepared_data=str(other),
+                                             start_over=True), log=quiet).run()
+    assert (summary.extracted, summary.skipped) == (4, 0)
+    assert not list(out.glob("data_*.pt")) and len(list((out / "hidden_states").iterdir())) == 4
+
+
 class EverySecond(Sequential):
     """A replica mode taking the even sample indices, one per batch."""
 
@@ -169,6 +191,27 @@ def test_the_extraction_reads_the_plans_it_holds_not_copies(job):
     replica = Extraction.executing(plan.for_replica(0), log=quiet)
     assert replica.model_plan is plan.model and replica.config is plan.config
     assert replica.summary.layer_ids == [3, 1] and replica.output.tag == "replica-0"
+
+
+def test_the_plan_is_the_planners_held_whole(job):
+    """The extraction keeps what the planner found and reads it there: the model's plan, the lines,
+    the input stream it peeked at."""
+    run = Extraction(job, log=quiet)
+    run.plan()
+    assert run.model_plan is run.planned.model and run.plan_lines is run.planned.lines
+    assert run.input is run.planned.input and run.identity is run.planned.identity
+    assert run.identity["layer_ids"] == [3, 1] and run.plan_lines[0].startswith("settings: --backend fake")
+
+
+def test_data_config_records_the_models_settings_and_the_runs(job):
+    """The model's settings and the run's are two dataclasses; data_config.json records them as one."""
+    from hidden_states.settings import ModelSettings
+
+    Extraction(job, log=quiet).run()
+    recorded = json.loads((Path(job.output_dir) / "data_config.json").read_text())["settings"]
+    assert {field.name for field in dataclasses.fields(ModelSettings)} < set(recorded)
+    assert set(recorded) == {field.name for field in dataclasses.fields(job)} and len(recorded) == 28
+    assert recorded["prepared_data"] == job.prepared_data and recorded["batch_size"] == 2
 
 
 def test_a_replicas_plan_takes_cuda_graphs_to_its_backend_checked_once(job, monkeypatch):
@@ -319,6 +362,22 @@ def test_a_library_caller_gets_the_backends_own_defaults():
     assert Settings(**paths, backend="vllm-native").writer_threads == default("writer_threads", "vllm-native") == 1
     assert Settings(**paths, backend="vllm-engine").writer_threads == 2
     assert Settings(**paths, backend="vllm-native", writer_threads=3).writer_threads == 3
+
+
+def test_a_backends_own_defaults_are_applied_by_the_settings_alone():
+    """Settings.tuned applies no backend default itself: it leaves the preset's value out and the
+    settings fill the field. That holds only for a field whose default is None, which each is."""
+    from hidden_states.settings import BACKEND_DEFAULTS
+
+    paths = {"model_path": "m", "prepared_data": "d", "output_dir": "o"}
+    defaults = {field.name: field.default for field in dataclasses.fields(Settings)}
+    assert BACKEND_DEFAULTS
+    for backend, own in BACKEND_DEFAULTS.items():
+        for name, value in own.items():
+            assert defaults[name] is None, f"{backend}'s {name}: the field's default must be None"
+            assert getattr(Settings(**paths, backend=backend), name) == value
+            assert getattr(Settings.tuned(backend, {name: value + 5}, **paths), name) == value
+            assert getattr(Settings.tuned(backend, {name: value + 5}, {name: value + 6}, **paths), name) == value + 6
 
 
 def test_a_sample_records_file_and_length_follow_the_format(tmp_path):

@@ -184,7 +184,8 @@ def test_output_dir_that_is_a_file(model, tmp_path, capsys):
 
 def test_disk_estimate_counts_16_bit_states_in_readable_units(model, tmp_path):
     """vLLM runs a float32 checkpoint in 16 bits: states are written in 2 bytes, not the config's 4."""
-    from hidden_states.preflight import check_disk, human_size, model_facts
+    from hidden_states.preflight import check_disk, model_facts
+    from hidden_states.sizes import human_size
 
     facts = model_facts(str(model))
     estimate = check_disk(tmp_path, 40, facts, [0, 2])

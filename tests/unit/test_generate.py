@@ -13,15 +13,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hidden_states.backends import BackendSettings
+from hidden_states.backends import BackendSettings, Reply, Sampling
 from hidden_states.backends.engine_feed import EngineFeed
 from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, SECOND, RegionPool, layer_start
-from hidden_states.backends.vllm_engine import ROW_TAIL, Reply, Sampling, VllmEngineBackend
+from hidden_states.backends.engine_replies import ROW_TAIL
+from hidden_states.backends.vllm_engine import VllmEngineBackend
 from hidden_states.cli import main
 from hidden_states.conversations import Conversation
 from hidden_states.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
 from hidden_states.tokenization import common_prefix
-from tests.unit.test_vllm_engine_backend import HIDDEN, LAYERS, WAIT, capture, rows_of, token, worker  # noqa: F401
+from tests.unit.fakes import FakeGenerating
+from tests.unit.streaming_worker import HIDDEN, LAYERS, WAIT, rows_of, worker
+
+pytestmark = pytest.mark.usefixtures("vllm_imported")
 
 # -- the worker: decode rows land at their positions
 
@@ -138,9 +142,9 @@ def generating_backend(replies, **engine_options):
                                                 gpu_memory_utilization=0.1, sequences_in_flight=8))
     backend._layout = {"dtype": "float32", "hidden_size": HIDDEN, "scales": False}
     backend.rows_timeout = 1.0
-    backend._row_bytes = HIDDEN * 4
-    backend._pool = RegionPool(8 * backend._region_bytes(32))
-    engine = GenerationEngine(backend._pool, HIDDEN * 4, replies, **engine_options)
+    backend.row_bytes = HIDDEN * 4
+    backend.pool = RegionPool(8 * backend.region_bytes(32))
+    engine = GenerationEngine(backend.pool, HIDDEN * 4, replies, **engine_options)
     backend._llm = SimpleNamespace(llm_engine=engine)
     backend._feed = EngineFeed(engine, backend.params, backend.finished, backend.failed)
     return backend, engine
@@ -175,10 +179,10 @@ def test_replies_hold_every_fed_row_and_their_rows_are_prefilled_in_place_or_cop
         # first row: 12 rows held, the cache's whole blocks (12) kept where they are; second: 4 shared, 4 copied
         assert backend.reply_rows_reused == 12 + 4
         backend.release_replies(replies)  # the first reply's region is its row's now: released with its states
-        assert replies[0].offset in backend._pool._reserved and replies[1].offset not in backend._pool._reserved
+        assert replies[0].offset in backend.pool._reserved and replies[1].offset not in backend.pool._reserved
         del states, layers
         gc.collect()
-        assert backend._pool._reserved == {}
+        assert backend.pool._reserved == {}
     finally:
         backend.close()
 
@@ -189,7 +193,7 @@ def test_a_late_count_of_a_reply_is_never_taken_for_the_row_prefilled_in_its_reg
     backend, _ = generating_backend({tuple(PROMPT): GENERATED}, rows_land=False)
     try:
         reply = backend.answer(PROMPT, Sampling(max_new_tokens=8)).result(timeout=WAIT)
-        backend._pool.view(reply.offset, torch.int64, 1).fill_(len(reply.ids))  # the late count
+        backend.pool.view(reply.offset, torch.int64, 1).fill_(len(reply.ids))  # the late count
         with pytest.raises(RuntimeError, match="the worker stored 0 of 13 rows for batch position 0"):
             backend.row_states([PROMPT + GENERATED], [reply]).result(timeout=WAIT)
     finally:
@@ -212,7 +216,7 @@ def test_a_row_that_cannot_take_its_replys_region_gets_its_own(rows):
         del states, layers
         backend.release_replies([reply])
         gc.collect()
-        assert backend._pool._reserved == {}
+        assert backend.pool._reserved == {}
     finally:
         backend.close()
 
@@ -247,14 +251,14 @@ def test_a_replys_stream_takes_its_counted_rows_and_keeps_those_its_in_place_row
     try:
         sink = Sink()
         reply = backend.answer(PROMPT, Sampling(max_new_tokens=8), stream=sink).result(timeout=WAIT)
-        backend._streams.copy_round()
+        backend.replies.streams.copy_round()
         assert sink.rows == len(PROMPT + GENERATED) - 1 and streamed_rows(sink) == expected_rows(reply.ids[:-1])
         if rewritten is not None:
-            backend._pool.view(reply.offset + REWRITTEN, torch.int64, 1).fill_(rewritten)
+            backend.pool.view(reply.offset + REWRITTEN, torch.int64, 1).fill_(rewritten)
         states = backend.row_states([PROMPT + GENERATED + [40]], [reply]).result(timeout=WAIT)
         assert sink.kept == (12 if rewritten is None else rewritten) and not sink.discarded  # 12: 3 whole blocks
-        backend._pool.view(reply.offset, torch.int64, 1).fill_(len(reply.ids))  # a late count of the reply's
-        backend._streams.copy_round()
+        backend.pool.view(reply.offset, torch.int64, 1).fill_(len(reply.ids))  # a late count of the reply's
+        backend.replies.streams.copy_round()
         assert sink.rows == 12  # no copy after the row's prefill began
         del states
     finally:
@@ -270,7 +274,7 @@ def test_a_replys_stream_is_discarded_when_its_row_takes_its_own_region_or_the_r
         states = backend.row_states([PROMPT + GENERATED[:3]], [replies[0]]).result(timeout=WAIT)  # not in place
         assert sinks[0].discarded and sinks[0].kept is None
         backend.release_replies(replies)
-        assert sinks[1].discarded and backend._streams._followed == {}
+        assert sinks[1].discarded and backend.replies.streams._followed == {}
         del states
     finally:
         backend.close()
@@ -384,15 +388,6 @@ def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
 # -- bad input: one line, exit 2
 
 
-@pytest.fixture
-def chat_model(tmp_path):
-    from hidden_states.fixtures.chat_templates import build_tokenizer
-
-    model = build_tokenizer("llama3", tmp_path / "model")
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 512}))
-    return model
-
-
 def generate(model, data, out, *extra):
     return main(["generate", "--model-path", str(model), "--data", str(data), "--output-dir", str(out),
                  "--format", "speculators-0.3", "--layer-ids", "0", "2", *extra])
@@ -437,79 +432,9 @@ def test_the_sampling_is_part_of_the_output_directorys_identity():
 # -- the run around a fake backend: rows, indices per layout, regenerated.jsonl, resume
 
 
-def fake_rows(layer_ids, start, stop):
-    """FakeGenerating's states of positions ``start .. stop`` token-major, as a stream takes them."""
-    rows = torch.stack([torch.arange(start, stop, dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
-                        for layer in layer_ids], dim=1)
-    return rows.view(torch.uint8)
-
-
-STALE_ROWS = 2  # the last rows a FakeGenerating reply streams, which its row's prefill computes again
-
-
-class FakeGenerating:
-    """``vllm-engine``'s generate interface in miniature: a reply is the words ``ok <n>``'s ids then
-    <|eot_id|>; a row's states at layer l are ``l * 1000 + position`` (the same whoever computes them).
-    A reply given a stream streams its fed rows, its last ``STALE_ROWS`` stale (-1, as a decode's
-    state differs from the prefill's): its row, prefilled in place, keeps the rows before them."""
-
-    name = "vllm-engine"
-    tokens_ahead, tokens_per_submit = 1, None
-    started_count = 0
-
-    def __init__(self, settings, tokenizer):
-        self.settings, self.tokenizer = settings, tokenizer
-        self.reply_rows_reused, self.rows_in_place, self.released, self.asked = 0, 0, [], 0
-        self.streams = {}  # reply offset -> its stream
-
-    def start(self):
-        FakeGenerating.started_count += 1
-        return {"backend": self.name}
-
-    def check_forward(self, probe):
-        return []
-
-    def answer(self, ids, sampling, stream=None):
-        from concurrent.futures import Future
-
-        eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
-        self.asked += 1
-        generated = self.tokenizer(f"ok {self.asked}", add_special_tokens=False)["input_ids"] + [eot]
-        if stream is not None:
-            fed = len(ids) + len(generated) - 1
-            stream.append(fake_rows(self.settings.layer_ids, 0, fed - STALE_ROWS))  # counted in two rounds
-            stream.append(torch.full((STALE_ROWS, len(self.settings.layer_ids), 8), -1.0).view(torch.uint8))
-            self.streams[self.asked] = stream
-        future = Future()
-        future.set_result(Reply(ids, generated, f"ok {self.asked}", "stop", self.asked, 0,
-                                len(ids) + len(generated) - 1, f"salt-{self.asked}"))
-        return future
-
-    def row_states(self, rows, sources):
-        from concurrent.futures import Future
-
-        for row, source in zip(rows, sources):
-            self.reply_rows_reused += row_source(row, [source]).reused
-            stream = self.streams.pop(source.offset, None)
-            if stream is not None and common_prefix(row, source.ids) == len(source.ids):
-                stream.kept = source.stored - STALE_ROWS
-            elif stream is not None:
-                stream.discard()
-        future = Future()
-        future.set_result([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
-                            for layer in self.settings.layer_ids] for row in rows])
-        return future
-
-    def release_replies(self, replies):
-        self.released += replies
-
-    def close(self):
-        pass
-
-
 @pytest.fixture
 def fake_run(chat_model, tmp_path, monkeypatch):
-    from hidden_states import backends, extraction
+    from hidden_states import backends, planner
     from hidden_states.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(str(chat_model))
@@ -520,8 +445,8 @@ def fake_run(chat_model, tmp_path, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(backends, "create", create)
-    monkeypatch.setattr(extraction, "check_vllm", lambda *args: "not run (a fake backend)")
-    monkeypatch.setattr(extraction, "check_environment", lambda: [])
+    monkeypatch.setattr(planner, "check_vllm", lambda *args: "not run (a fake backend)")
+    monkeypatch.setattr(planner, "check_environment", lambda: [])
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in [
         {"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "one"},
@@ -568,22 +493,41 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     summary, _, _ = run_generation(model, data, out, "speculators-0.3")
     assert (summary.extracted, summary.skipped, len(made)) == (1, 1, 2)
     assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
-
-
-LONG_REPLY = 1.0  # seconds a long reply takes in TimedReplies
+    # token_freq.pt: what prepare writes for the rows the trainer reads, regenerated.jsonl's (the one
+    # conversation redone included)
+    assert main(["prepare", "--model-path", str(model), "--data", str(out / "regenerated.jsonl"), "--output",
+                 str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.3", "--max-seq-len", "256"]) == 0
+    prepared = torch.load(tmp_path / "prepared" / "token_freq.pt", weights_only=True)
+    assert torch.load(out / "token_freq.pt", weights_only=True) == prepared and prepared
 
 
 class TimedReplies(FakeGenerating):
     """Replies that take time, as the engine's do: one to a prompt that says ``long`` resolves on a
-    timer thread after ``LONG_REPLY`` s, any other at once; one to ``broken`` fails (the backend's
-    checks of a reply's rows). ``events``: ("asked" or "answered", the prompt's last user turn), in
-    the order they happened."""
+    thread of its own once every event of ``long_until`` has happened (none: at once), any other at
+    once; one to ``broken`` fails (the backend's checks of a reply's rows). ``events``: ("asked",
+    "answered" or "rows", the prompt's last user turn), in the order they happened.
+
+    The long reply waits for the events a test is about rather than for a time, so that what the
+    test asks (did the run go on while the reply ran?) has the same answer on a busy host; a run
+    that would not go on keeps it waiting for WAIT s, then the test's order assertion fails."""
 
     TURNS = ("second", "first", "long", "broken")  # the test conversations' user turns, latest first
+    long_until: tuple = ()
 
     def __init__(self, settings, tokenizer):
         super().__init__(settings, tokenizer)
         self.events, self.timers = [], []
+        self._happened = threading.Condition()
+
+    def _note(self, event):
+        with self._happened:
+            self.events.append(event)
+            self._happened.notify_all()
+
+    def _after_events(self, finish):
+        with self._happened:
+            self._happened.wait_for(lambda: all(event in self.events for event in self.long_until), WAIT)
+        finish()
 
     def answer(self, ids, sampling, stream=None):
         from concurrent.futures import Future
@@ -591,38 +535,51 @@ class TimedReplies(FakeGenerating):
         reply = super().answer(ids, sampling).result()
         said = self.tokenizer.decode(ids)
         turn = next(word for word in self.TURNS if word in said)
-        self.events.append(("asked", turn))
+        self._note(("asked", turn))
         future = Future()
 
         def finish():
-            self.events.append(("answered", turn))
+            self._note(("answered", turn))
             if turn == "broken":
                 future.set_exception(RuntimeError("the states stored for a reply come from other tokens' rows"))
             else:
                 future.set_result(reply)
 
         if turn == "long":
-            self.timers.append(threading.Timer(LONG_REPLY, finish))
+            self.timers.append(threading.Thread(target=self._after_events, args=(finish,)))
             self.timers[-1].start()
         else:
             finish()
         return future
 
     def row_states(self, rows, sources):
-        self.events.append(("rows", next(word for word in self.TURNS if word in self.tokenizer.decode(rows[0]))))
+        self._note(("rows", next(word for word in self.TURNS if word in self.tokenizer.decode(rows[0]))))
         return super().row_states(rows, sources)
 
 
-def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra, replies=None):
-    """A run of ``conversations`` on :class:`TimedReplies` (or ``replies``, a subclass): (its backend,
-    what the run returned or raised)."""
-    from hidden_states import backends
+def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra, replies=None, long_until=()):
+    """A run of ``conversations`` on :class:`TimedReplies` (or ``replies``, a subclass) whose long
+    reply comes once the events ``long_until`` have happened: (its backend, what the run returned or
+    raised)."""
+    from hidden_states import backends, interrupts
     from hidden_states.tokenization import load_tokenizer
 
     model, _, _ = fake_run
     tokenizer, made = load_tokenizer(str(model)), []
-    monkeypatch.setattr(backends, "create", lambda name, settings: made.append((replies or TimedReplies)(
-        settings, tokenizer)) or made[-1])
+
+    def create(name, settings):
+        made.append((replies or TimedReplies)(settings, tokenizer))
+        made[-1].long_until = long_until
+        return made[-1]
+
+    monkeypatch.setattr(backends, "create", create)
+    handle = interrupts.Interrupt._handle
+
+    def noting(self, signum, frame):  # the run's signal handler: an event once it took the signal
+        handle(self, signum, frame)
+        made[-1]._note(("interrupt", signal.Signals(signum).name))
+
+    monkeypatch.setattr(interrupts.Interrupt, "_handle", noting)
     data = tmp_path / "timed.jsonl"
     data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in conversations))
     try:
@@ -635,12 +592,12 @@ def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra, replies=No
 
 
 def test_a_conversations_next_turn_is_asked_while_another_reply_still_runs(fake_run, tmp_path, monkeypatch):
-    """Conversation 0's first reply comes at once, conversation 1's takes a second: 0's second turn is
-    asked before 1's reply is in (a run staged per turn asks it after). Each conversation's rows
+    """Conversation 0's first reply comes at once, conversation 1's only once 0's second turn is asked:
+    that turn is asked before 1's reply is in (a run staged per turn asks it after). Each conversation's rows
     are written once the batch is done, every reply given back."""
     backend, (summary, _, lines) = timed_run(fake_run, tmp_path, monkeypatch, [
         [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}],
-        [{"role": "user", "content": "long"}]])
+        [{"role": "user", "content": "long"}]], long_until=[("asked", "second")])
     events = backend.events
     assert events.index(("asked", "second")) < events.index(("answered", "long")), events
     assert summary.extracted == 2 and len(backend.released) == 3
@@ -652,13 +609,13 @@ def test_a_conversations_next_turn_is_asked_while_another_reply_still_runs(fake_
 
 def test_a_conversation_starts_as_soon_as_another_is_done_and_its_rows_go_out_at_once(fake_run, tmp_path,
                                                                                       monkeypatch):
-    """Two conversations at once (``--batch-size 2``), three in the input, the first one's reply taking
-    a second: the second's rows go to the writer and the third starts while the first still runs (a
+    """Two conversations at once (``--batch-size 2``), three in the input, the first one's reply coming
+    only once the others went on: the second's rows go to the writer and the third starts while the first still runs (a
     run of batches would wait for the first batch's longest reply before either). The lines are in
     input order all the same."""
     backend, (summary, _, lines) = timed_run(fake_run, tmp_path, monkeypatch, [
         [{"role": "user", "content": "long"}], [{"role": "user", "content": "first"}],
-        [{"role": "user", "content": "second"}]])
+        [{"role": "user", "content": "second"}]], long_until=[("rows", "first"), ("asked", "second")])
     events = backend.events
     assert events.index(("rows", "first")) < events.index(("answered", "long")), events
     assert events.index(("asked", "second")) < events.index(("answered", "long")), events
@@ -684,7 +641,7 @@ def test_ctrl_c_starts_no_conversation_and_lets_those_in_the_engine_finish(fake_
     conversations = [[{"role": "user", "content": "long"}], [{"role": "user", "content": "first"}],
                      [{"role": "user", "content": "second"}]]
     backend, (summary, _, lines) = timed_run(fake_run, tmp_path, monkeypatch, conversations, ("batch_size", 1),
-                                             replies=InterruptedReplies)
+                                             replies=InterruptedReplies, long_until=[("interrupt", "SIGINT")])
     assert summary.interrupted == signal.SIGINT and summary.extracted == 1
     assert [event for event in backend.events if event[0] == "asked"] == [("asked", "long")]
     out = tmp_path / "out"
@@ -699,7 +656,8 @@ def test_a_reply_still_running_when_its_batch_fails_is_given_back_as_it_finishes
     """Conversation 1's reply fails at once: the batch fails while conversation 0's reply still
     runs, and that reply's region is given back once it comes."""
     backend, raised = timed_run(fake_run, tmp_path, monkeypatch, [
-        [{"role": "user", "content": "long"}], [{"role": "user", "content": "broken"}]])
+        [{"role": "user", "content": "long"}], [{"role": "user", "content": "broken"}]],
+        long_until=[("answered", "broken")])
     assert isinstance(raised, RuntimeError) and "come from other tokens' rows" in str(raised), raised
     assert backend.events == [("asked", "long"), ("asked", "broken"), ("answered", "broken"), ("answered", "long")]
     assert [reply.text for reply in backend.released] == ["ok 1"]
@@ -768,3 +726,83 @@ def test_prompts_with_no_reply_yet_make_per_reply_rows(fake_run, tmp_path):
     assert summary.extracted == 3
     assert sorted(p.name for p in (tmp_path / "out" / "hidden_states").glob("hs_*.safetensors")) == \
         [f"hs_{i}.safetensors" for i in range(3)]
+
+
+@pytest.mark.parametrize("first, then", [("speculators-0.3", "speculators-0.5"), ("speculators-0.5", "speculators-0.3")])
+def test_a_rerun_in_the_other_format_is_refused_and_every_finished_file_kept(fake_run, tmp_path, monkeypatch,
+                                                                             first, then):
+    """generate with the other --format into a directory of finished rows (the real files of the
+    first layout): refused before the engine starts, nothing changed (it removed them all)."""
+    import importlib.util
+
+    from hidden_states import extras
+    from hidden_states.errors import OutputError
+    from hidden_states.formats import speculators_05
+
+    if importlib.util.find_spec("datasets") is None:  # the sample files are written all the same; not the index
+        monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)
+        monkeypatch.setattr(speculators_05, "write_dataset", lambda directory, count: None)
+    model, data, made = fake_run
+    out = tmp_path / "out"
+    summary, _, _ = run_generation(model, data, out, first)
+    assert summary.extracted >= 2
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    with pytest.raises(OutputError, match=f"holds another extraction \\(.+\\) with {summary.extracted} finished samples: "
+                                          f"use another --output-dir, or --start-over"):
+        run_generation(model, data, out, then)
+    assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert len(made) == 1  # no engine for the refused run
+
+
+def no_room_for(save, name: str):
+    """``torch.save`` as a full disk leaves it for the file ``name`` alone: ENOSPC."""
+    import errno
+
+    def saving(obj, f, *args, **kwargs):
+        if name in str(getattr(f, "name", f)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(obj, f, *args, **kwargs)
+
+    return saving
+
+
+def test_regenerated_holds_exactly_the_conversations_whose_files_were_written_in_input_order(fake_run, tmp_path,
+                                                                                           monkeypatch):
+    """The report: after a full disk, regenerated.jsonl held a line whose file was never written, went
+    out of input order after the resume, and the summary counted 151 of 150. A line is written once
+    its rows' files are whole; a resumed run leaves the file in input order; the counts add up."""
+    model, data, _ = fake_run
+    out = tmp_path / "out"
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", no_room_for(real_save, "data_2.pt"))
+    with pytest.raises(Exception, match="no space left on device"):  # one conversation at a time: 0 is whole
+        run_generation(model, data, out, "speculators-0.3", ("batch_size", 1))
+    assert sorted(p.name for p in out.glob("data_*.pt")) == ["data_0.pt"]
+    assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0]
+    monkeypatch.setattr(torch, "save", real_save)
+    summary, _, _ = run_generation(model, data, out, "speculators-0.3")
+    assert (summary.extracted, summary.skipped) == (1, 1)
+    # conversation 0's file lost: the rerun regenerates it, and its line goes back before 2's
+    (out / "data_0.pt").unlink()
+    summary, _, _ = run_generation(model, data, out, "speculators-0.3")
+    assert (summary.extracted, summary.skipped) == (1, 1)
+    regenerated = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert [line["index"] for line in regenerated] == [0, 2]
+
+
+def test_a_failed_generate_counts_what_is_written_and_what_is_not_in_samples(fake_run, tmp_path, monkeypatch):
+    """The stop summary's three counts are of samples, and make the range: the conversation whose file
+    the disk refused is not extracted, once."""
+    from hidden_states.generation import Generation
+    from hidden_states.settings import Settings
+
+    model, data, _ = fake_run
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", no_room_for(real_save, "data_2.pt"))
+    settings = Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+                        backend="vllm-engine", format="speculators-0.3", max_seq_len=256, forward_check=False,
+                        batch_size=1, layer_ids=[0, 2])
+    said = []
+    with pytest.raises(Exception, match="no space left on device"):
+        Generation(settings, Sampling(max_new_tokens=16), log=said.append).run()
+    assert said[-2].startswith("stopped: 1 samples extracted, 0 already finished, 1 samples not extracted, ")

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_states import backends, extraction, replicas
-from hidden_states.backends.vllm_engine import Reply, Sampling
+from hidden_states import backends, extraction, planner, replicas
+from hidden_states.backends import Reply, Sampling
 from hidden_states.generation import Generation, RayGeneration
 from hidden_states.regeneration import row_source
 from hidden_states.settings import Settings
 from hidden_states.shards import Shard
 from hidden_states.status import status
-from tests.unit.test_generate import FakeGenerating, chat_model  # noqa: F401  (chat_model: a fixture)
-from tests.unit.test_replicas import ActorDied, FakeRay
+from tests.unit.fake_ray import ActorDied, FakeRay
+from tests.unit.fakes import FakeGenerating
 
 # conversation 2 has tool turns (skipped: no rows, no sample numbers); 0 and 4 have two user turns
 CONVERSATIONS = [
@@ -139,13 +139,13 @@ class LastFirstRay(FakeRay):
 
 
 @pytest.fixture
-def scale(chat_model, tmp_path, monkeypatch):  # noqa: F811
+def scale(chat_model, tmp_path, monkeypatch):
     from hidden_states.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(str(chat_model))
     monkeypatch.setattr(backends, "create", lambda name, settings: PromptReplies(settings, tokenizer))
-    monkeypatch.setattr(extraction, "check_vllm", lambda *args: "not run (a fake backend)")
-    monkeypatch.setattr(extraction, "check_environment", lambda: [])
+    monkeypatch.setattr(planner, "check_vllm", lambda *args: "not run (a fake backend)")
+    monkeypatch.setattr(planner, "check_environment", lambda: [])
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
 

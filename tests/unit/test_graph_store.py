@@ -15,7 +15,7 @@ from hidden_states.backends.graph_store import LAYERS_ENV, GraphStore, buffer_ro
 from hidden_states.backends.vllm_engine import (CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend,
                                                 graph_capture_environment)
 from hidden_states.cli import main
-from tests.unit.test_own_capture import HIDDEN, Layer, extract_through_the_worker
+from tests.unit.decoder_stack import HIDDEN, Layer, extract_through_the_worker
 
 LAYER_IDS = [0, 2]
 ROWS = 16  # the buffers' rows: the most tokens one forward holds
@@ -250,7 +250,7 @@ def test_the_backend_starts_vllm_compiled_with_the_graph_capture(monkeypatch):
 
 
 def test_the_plan_says_the_flag():
-    from hidden_states.extraction import settings_line
+    from hidden_states.planner import settings_line
     from hidden_states.settings import Settings
 
     assert settings_line(Settings("m", "d", "o", backend="vllm-engine", cuda_graphs=True)).endswith(" --cuda-graphs")

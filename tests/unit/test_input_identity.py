@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from hidden_states import backends, identity
+from hidden_states.batches import ShardBatches
+from hidden_states.shards import Shard
 from hidden_states.cli import main
 from hidden_states.errors import InputError, OutputError, PreflightError
 
@@ -19,8 +21,7 @@ pytest.importorskip("torch")
 
 from hidden_states.extraction import Extraction  # noqa: E402
 from hidden_states.status import status  # noqa: E402
-from tests.unit.test_conversations import chat_model  # noqa: E402,F401  (a fixture)
-from tests.unit.test_extraction_stages import FakeBackend, job, quiet  # noqa: E402,F401  (job: a fixture)
+from tests.unit.fakes import FakeBackend, quiet  # noqa: E402
 
 
 def rows_file(path: Path, lengths, bad_line: int | None = None) -> Path:
@@ -97,8 +98,9 @@ def test_start_over_removes_only_the_other_extractions_files(job, tmp_path):
     summary = Extraction(replace(job, prepared_data=str(other), start_over=True), log=said.append).run()
 
     assert summary.extracted == 3
-    assert sorted(files(out)) == ["data_0.pt", "data_1.pt", "data_2.pt", "data_config.json", "done.jsonl",
-                                  "notes.txt", "sample_lengths.json"]
+    assert sorted(files(out)) == [".hidden-states.lock", "data_0.pt", "data_1.pt", "data_2.pt", "data_config.json",
+                                  "done.jsonl", "notes.txt", "sample_lengths.json"]
+    assert (out / ".hidden-states.lock").read_bytes() == b""  # the run that ended left no record in it
     assert json.loads((out / "sample_lengths.json").read_text()) == {"0": 4, "1": 4, "2": 4}
     assert config(out)["input"]["resolved"] == str(other.resolve())
     assert any("replaced the extraction it held (6 finished samples, input " in line for line in said)
@@ -141,15 +143,16 @@ def test_a_run_whose_directory_another_took_over_while_it_loaded_writes_nothing(
     start = FakeBackend.start
 
     def taken_over_meanwhile(self):  # a shard given another input claims the empty directory
-        claimer = Extraction(replace(job, prepared_data=str(other)), log=quiet)
+        claimer = Extraction(replace(job, prepared_data=str(other)), log=quiet, source=ShardBatches(Shard(1, 2, "test")))
         claimer.plan()
         claimer.prepare()
+        claimer.unlock()
         return start(self)
 
     monkeypatch.setattr(FakeBackend, "start", taken_over_meanwhile)
     with pytest.raises(OutputError, match="another extraction took the directory over while the model loaded "
                                           "\\(input "):
-        Extraction(job, log=quiet).run()
+        Extraction(job, log=quiet, source=ShardBatches(Shard(0, 2, "test"))).run()
     assert not list(Path(job.output_dir).glob("data_*.pt"))
     assert config(job.output_dir)["input"]["resolved"] == str(other.resolve())
 
@@ -278,7 +281,7 @@ def test_conversations_record_the_tokenizer_and_layout(chat_model, tmp_path):
     stream.peek(1)
     _, tokenization = stream.identity(64)
     assert tokenization == {"rows": "conversations", "max_seq_len": 64, "layout": "speculators-0.3",
-                            "tokenizer_sha256": identity.tokenizer_hash(chat_model)}
+                            "tokenizer_sha256": identity.tokenizer_hash(chat_model), "unknown_roles": "skip"}
     before = tokenization["tokenizer_sha256"]
     template = next(p for p in (chat_model / "chat_template.jinja", chat_model / "tokenizer_config.json")
                     if p.exists() and "assistant" in p.read_text())

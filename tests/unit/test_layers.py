@@ -1,9 +1,11 @@
-"""The layers of vllm_compat and of hidden_states (docs/architecture.md), read with ``ast`` so the
-map cannot rot:
+"""The layers of vllm_compat and of hidden_states (docs/architecture.md; the map is
+``tests/unit/layer_map.py``), read with ``ast`` so the map cannot rot:
 
-* inside each package, a module imports only from its own layer or the layers below it (imports
-  under ``if TYPE_CHECKING:`` are annotations, not dependencies, and are exempt);
-* no import circle between its modules (type-only imports included);
+* inside each package, a module imports only from its own layer or the layers below it; every
+  import counts, at module level or inside a function (imports under ``if TYPE_CHECKING:`` are
+  annotations, not dependencies, and are exempt);
+* no import circle between its modules, in either package (function-level and type-only imports
+  included: an import deferred into a function still needs the other module whole when it runs);
 * outside it (hidden_states/, bench/, scripts/, tests/), nothing imports a private module
   (``vllm_compat._x``), nor names one in a string (a post-import hook, code run in a subprocess).
 """
@@ -15,34 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.layer_map import EXTRACTOR_ALLOWED, EXTRACTOR_LAYERS, LAYERS
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vllm_compat"
 
-# Lowest first. A module's layer is found by its first name under vllm_compat (a subpackage counts
-# as one name); it may import from its own layer and the layers before it.
-LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
-    ("foundation", {"errors", "report", "versions", "wheels", "environment"}),
-    ("wrapping", {"wrapping"}),
-    ("probes", {"probes"}),
-    ("declarations", {"consumer", "adapter", "factories"}),
-    ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source"}),
-    ("adapters", {"adapters"}),
-    ("registry and audit", {"registry", "callsites", "behaviour", "audit"}),
-    ("public API", {"__init__", "__main__", "cli", "plugin", "extractor_api"}),
-])
-# The extractor's layers, the same way (lowest first).
-EXTRACTOR_LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(parts)) for name, parts in [
-    ("settings", {"__init__", "errors", "settings", "presets", "shards", "config_file", "model_ids"}),
-    ("plumbing", {"inputs", "conversations", "identity", "tokenization", "preflight", "estimates", "layer_conventions", "output", "prefixes",
-                  "processes", "interrupts", "extras", "progress", "log_levels", "run_log", "forward_check",
-                  "fp8_states", "regeneration"}),
-    ("plug-ins", {"formats", "batches", "backends"}),
-    ("the run", {"extraction", "generation", "replicas", "convert", "status", "serve", "serve_model", "serve_batches",
-                 "state_files", "cli", "__main__"}),
-    ("fixtures", {"fixtures"}),
-])
-# The one upward import the map allows: `hidden-states demo` runs the demo fixture (imported lazily).
-EXTRACTOR_ALLOWED = {("hidden_states.cli", "hidden_states.fixtures.demo")}
 OUTSIDE = ("hidden_states", "bench", "scripts", "tests")
 
 
@@ -174,9 +153,32 @@ def test_no_import_circle_inside_the_package():
 def test_the_extractor_imports_only_downwards():
     modules = package_modules(ROOT / "hidden_states")
     assert layer_violations(modules, EXTRACTOR_LAYERS, EXTRACTOR_ALLOWED) == []
-    planted = {"hidden_states.output": (ast.parse("from . import formats\n"), False),
-               "hidden_states.formats.x": (ast.parse("from ..extraction import Extraction\n"), False)}
-    assert len(layer_violations(planted, EXTRACTOR_LAYERS, EXTRACTOR_ALLOWED)) == 2
+
+
+def test_no_import_circle_inside_the_extractor():
+    assert cycles(package_modules(ROOT / "hidden_states")) == []
+
+
+def test_the_extractor_checks_catch_what_they_look_for():
+    """Negative proof on planted modules: an upward import fails the layer check whether it sits at
+    module level or inside a function; a circle closed by a function-level import fails the circle
+    check; the CLI's one allowed import and a type-only one pass."""
+    def planted(sources: dict[str, str]) -> dict[str, tuple[ast.Module, bool]]:
+        return {f"hidden_states.{name}": (ast.parse(source), False) for name, source in sources.items()}
+
+    upward = planted({
+        "conversations": "from .preflight import human_size\n",  # inputs -> plan, at module level
+        "tokenization": "def f():\n    from .layer_conventions import X\n    from .output import Y\n",  # -> output
+        "backends.planted": "def f():\n    from ..formats.speculators_05 import StreamedFile\n",  # -> output
+        "output": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .extraction import Extraction\n",
+        "cli": "def demo():\n    from .fixtures.demo import run\n",
+    })
+    assert [v.split(" ")[0] for v in layer_violations(upward, EXTRACTOR_LAYERS, EXTRACTOR_ALLOWED)] == [
+        "hidden_states.conversations:1", "hidden_states.tokenization:3", "hidden_states.backends.planted:2"]
+    circle = planted({"identity": "from .conversations import open_source\n",
+                      "conversations": "def digest():\n    from .identity import sha256_of\n"})
+    assert cycles(circle) == [["hidden_states.identity", "hidden_states.conversations", "hidden_states.identity"]]
+    assert layer_violations(circle, EXTRACTOR_LAYERS) == []  # one layer: only the circle check sees it
 
 
 @pytest.mark.parametrize("top", OUTSIDE)

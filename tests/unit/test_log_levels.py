@@ -125,7 +125,7 @@ with run_log.captured(out / 'hidden-states.log', logging.INFO, cuda=False):
     print('[hidden-states] done: 1 samples extracted', file=sys.stderr)
 print('after', file=sys.stderr)
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=str(__import__("tests.conftest").conftest.ROOT))
     assert proc.returncode == 0, proc.stderr
     log = (tmp_path / "out" / "hidden-states.log").read_text()
@@ -177,8 +177,14 @@ from hidden_states import run_log
 with run_log.captured(Path({str(out / 'hidden-states.log')!r}), logging.INFO, cuda=False):
     print('hidden-states: error: holds another extraction', file=sys.stderr, flush=True)
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=str(__import__("tests.conftest").conftest.ROOT))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == ["hidden-states: error: holds another extraction"]
     assert (out / "hidden-states.log").read_text() == "the other run's log\n"
+
+
+def test_serves_last_summary_is_shown_at_every_level():
+    line = "[hidden-states] stopped after 12 s: 40 requests served (5,000 tokens in 9 batches), 0 refused"
+    assert log_levels.SUMMARY.search(line)
+    assert shown(logging.ERROR, lines=[line]) == [line]

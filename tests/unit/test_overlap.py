@@ -4,6 +4,7 @@ generator stands in for speculators' here (its two phases, one shared segment pe
 one runs overlapped in every e2e test of the speculators backend, compared with HF."""
 import threading
 import time
+from collections import defaultdict
 
 import pytest
 
@@ -11,6 +12,8 @@ from hidden_states.backends.overlap import OverlappedCalls
 
 STEPS = 0.02  # one call's forward
 COPY = 0.03  # the copy of one sequence's slice out of the segment
+# A bound no loaded host reaches for what takes milliseconds here; only a broken gate waits it out
+WAIT = 120
 
 
 class FakeGenerator:
@@ -20,13 +23,19 @@ class FakeGenerator:
     def __init__(self, fail_batch=None):
         self.segment = [None] * 8  # the worker's segment: rewritten by every reply
         self.executor = self
-        self.events = []  # (what, batch id, time)
+        self.events = []  # (what, batch id), in the order they happened
         self.fail_batch = fail_batch
+        # {batch id: (event, other batch id)}: that batch copies its states only once the other
+        # reached the event (or WAIT passed), so that an overlap the gate allows always happens,
+        # however the host schedules the threads
+        self.copy_after = {}
+        self._reached = defaultdict(threading.Event)
         self._lock = threading.Lock()
 
     def _event(self, what, batch):
         with self._lock:
-            self.events.append((what, batch[0][0], time.monotonic()))
+            self.events.append((what, batch[0][0]))
+        self._reached[what, batch[0][0]].set()
 
     def collective_rpc(self, method, *args, **kwargs):
         if method == "_get_captured_states":
@@ -42,6 +51,8 @@ class FakeGenerator:
         if batch[0][0] == self.fail_batch:
             raise RuntimeError("worker raised in execute_model")
         view = self.collective_rpc("_get_captured_states", batch=batch)
+        if batch[0][0] in self.copy_after:
+            self._reached[self.copy_after[batch[0][0]]].wait(WAIT)
         copies = []
         for i in range(len(batch)):
             time.sleep(COPY)
@@ -60,20 +71,22 @@ def pipelined(calls, work):
     for batch in work:
         submitted = calls.submit(batch)
         if in_flight is not None:
-            results.append(in_flight.result(timeout=10))
+            results.append(in_flight.result(timeout=WAIT))
         in_flight = submitted
-    results.append(in_flight.result(timeout=10))
+    results.append(in_flight.result(timeout=WAIT))
     return results
 
 
 def times(generator, what):
-    return {batch: t for event, batch, t in generator.events if event == what}
+    """When each batch reached ``what``: its place in the order of all events."""
+    return {batch: place for place, (event, batch) in enumerate(generator.events) if event == what}
 
 
 def test_the_next_forward_runs_while_the_states_are_copied_and_each_batch_gets_its_own():
     generator = FakeGenerator()
     calls = OverlappedCalls(generator.executor, generator.generate)
     work = batches(4)
+    generator.copy_after = {n: ("steps", n + 100) for n in (0, 100, 200)}
 
     results = pipelined(calls, work)
 
@@ -92,6 +105,7 @@ def test_without_the_wait_for_the_copy_a_reply_overwrites_states_still_being_cop
     calls = OverlappedCalls(generator.executor, generator.generate)
     monkeypatch.setattr(calls._copied, "wait", lambda timeout=None: True)
     work = batches(2)
+    generator.copy_after = {0: ("fetch", 100)}  # the next reply lands before this copy
 
     results = pipelined(calls, work)
 
@@ -108,10 +122,10 @@ def test_a_call_that_fails_before_its_reply_reports_and_lets_the_next_run():
     failing = calls.submit(second)  # starts once the first has its reply
     after = calls.submit(third)  # starts once the failed call gave the GPU phase back
 
-    assert done.result(timeout=10) == first
+    assert done.result(timeout=WAIT) == first
     with pytest.raises(RuntimeError, match="execute_model"):
-        failing.result(timeout=10)
-    assert after.result(timeout=10) == third
+        failing.result(timeout=WAIT)
+    assert after.result(timeout=WAIT) == third
 
 
 def test_calls_outside_submit_pass_the_gate_untouched():
@@ -141,6 +155,6 @@ def test_adapters_that_tell_callers_apart_still_see_the_generator_calling(monkey
 
     wrapping.wrap_instance_method(generator.executor, "collective_rpc", recording)  # as the adapter, at construction
     calls = OverlappedCalls(generator.executor, generator.generate)
-    calls.submit(batches(1)[0]).result(timeout=10)
+    calls.submit(batches(1)[0]).result(timeout=WAIT)
 
     assert callers == [__name__ if declared else "hidden_states.backends.overlap"]

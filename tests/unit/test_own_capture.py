@@ -2,20 +2,15 @@
 for vLLM's decoder: which capture is chosen, what its hooks keep, and that a broken row attribution
 cannot reach a file (the parent's row check fails the batch). Real vLLM runs it in
 tests/e2e/test_backends.py (speculators 0.9 on the path, 0.17.0 and 0.32.0), compared with HF."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 from packaging.version import Version
 
 from hidden_states.backends import BackendSettings, engine_capture, needs_speculators, own_capture
-from hidden_states.backends.regions import REGION, RegionPool
 from hidden_states.backends.vllm_engine import (CAPTURE_ENV, EXTENSIONS, OWN, SPECULATORS, VllmEngineBackend,
-                                                _RegionBatch, chosen_capture)
+                                                chosen_capture)
 from hidden_states.errors import UsageError
-
-HIDDEN = 4
-LAYER_IDS = [2, 0]  # asked out of order: captured in layer order, as speculators' capture does
+from tests.unit.decoder_stack import HIDDEN, LAYER_IDS, Stack, extract_through_the_worker
 
 
 @pytest.mark.parametrize("installed, environ, chosen", [
@@ -50,35 +45,6 @@ def test_a_capture_that_cannot_run_is_refused_naming_the_variable(monkeypatch, i
     assert raised.value.exit_code == 2
 
 
-class Layer(torch.nn.Module):
-    """A fused-residual decoder layer as vLLM writes them: returns (hidden_states, residual), and
-    adds its input into the residual it was handed *in place* (as vLLM's fused_add_rms_norm does)."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states.clone()
-        else:
-            residual.add_(hidden_states)  # overwrites the previous layer's returned residual
-        return residual * self.scale + positions[:, None], residual
-
-
-class Stack(torch.nn.Module):
-    def __init__(self, layers: int = 3):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(Layer(1.0 + i) for i in range(layers))
-        self.start_layer, self.end_layer = 0, layers
-
-    def forward(self, input_ids, positions):
-        hidden_states, residual = input_ids.float()[:, None].repeat(1, HIDDEN), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        return hidden_states + residual
-
-
 def reference(input_ids, positions) -> dict[int, torch.Tensor]:
     """Each layer's output (hidden_states + residual) of ``Stack``, as it returned, without hooks."""
     stack, outputs = Stack(), {}
@@ -106,54 +72,6 @@ def test_each_forward_hands_over_its_layers_outputs_once_in_layer_order():
 def test_a_layer_outside_the_stack_is_refused():
     with pytest.raises(RuntimeError, match=r"layers \[3\] are not among this worker's decoder layers 0-2"):
         own_capture.capture_layers(Stack(), [0, 3], lambda states: None)
-
-
-class Worker(own_capture.OwnStreamingCapture):
-    """vLLM's worker in miniature: its model is ``Stack``; ``execute_model`` runs the scheduled requests'
-    tokens through it, rows in ``rows`` order, while its runner says the batch is in ``claimed`` order."""
-
-    def __init__(self, rows: list[str], claimed: list[str]):
-        self.rows = rows
-        self.model_runner = SimpleNamespace(model=SimpleNamespace(model=Stack()), device=torch.device("cpu"),
-                                            input_batch=SimpleNamespace(req_ids=claimed))
-
-    def execute_model(self, scheduler_output):
-        prompts = {new.req_id: new.prompt_token_ids for new in scheduler_output.scheduled_new_reqs}
-        ids = [t for r in self.rows for t in prompts[r]]
-        positions = [p for r in self.rows for p in range(len(prompts[r]))]
-        self.model_runner.model.model(input_ids=torch.tensor(ids), positions=torch.tensor(positions))
-
-
-def extract_through_the_worker(monkeypatch, rows, claimed, prompts, make_worker=None):
-    """One step of the two requests through ``Worker`` (or the worker ``make_worker()`` makes); the
-    parent's tensors (or its error) per request."""
-    monkeypatch.setattr(engine_capture, "tp_rank", lambda: 0)
-    backend = VllmEngineBackend(BackendSettings("m", sorted(LAYER_IDS), 16, 1, 0.1))
-    backend._layout, backend._row_bytes, backend.rows_timeout = {"dtype": "float32", "hidden_size": HIDDEN}, HIDDEN * 4, 0.1
-    backend._pool = RegionPool(4 * backend._region_bytes(16))
-    try:
-        work = _RegionBatch(list(prompts.values()),
-                            [backend._pool.reserve(backend._region_bytes(len(p)), timeout=1) for p in prompts.values()])
-        worker = Worker(rows, claimed) if make_worker is None else make_worker()
-        worker._setup_hidden_states_capture(sorted(LAYER_IDS))
-        worker._hidden_states_stream_to(backend._pool.path)
-        # the parent's region for each request, in its sampling parameters (VllmEngineBackend.params)
-        requests = [SimpleNamespace(req_id=r, prompt_token_ids=p, num_computed_tokens=0,
-                                    sampling_params=SimpleNamespace(extra_args={REGION: (work.offsets[i], len(p))}))
-                    for i, (r, p) in enumerate(prompts.items())]
-        worker.execute_model(SimpleNamespace(
-            finished_req_ids=set(), scheduled_new_reqs=requests, num_scheduled_tokens={r: len(p) for r, p in prompts.items()},
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
-        results = []
-        for position, ids in enumerate(work.ids):
-            work.finished[position] = SimpleNamespace(prompt_token_ids=ids)
-            try:
-                results.append([layer.clone() for layer in backend._states(work, position)])
-            except RuntimeError as exc:
-                results.append(exc)
-        return results
-    finally:
-        backend._pool.close()
 
 
 PROMPTS = {"a": [11, 12, 13], "b": [21, 22, 23, 24, 25]}

@@ -11,20 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, cli, extraction
+from hidden_states import backends, cli, extraction, planner
 from hidden_states.errors import UsageError
 from hidden_states.estimates import RATES, estimate_time, rate_for
 from hidden_states.extraction import PLAN_DETAILS
 from hidden_states.model_ids import hub_cache, resolve
 from hidden_states.preflight import CPU_KV_CACHE_ENV, MemoryEstimate, cpu_kv_cache_space, estimate_memory, model_facts
 from tests.conftest import CACHE, ROOT
+from tests.unit.fakes import FakeBackend
 
 AUDIT = "audit ok (a stand-in: no speculators on this path)"
 
 
 @pytest.fixture
 def no_audit(monkeypatch):
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched, speculators: AUDIT)
+    monkeypatch.setattr(planner, "check_vllm", lambda backend, touched, speculators: AUDIT)
 
 
 def rows(path: Path, lengths) -> Path:
@@ -67,7 +68,7 @@ def test_plan_shows_what_planning_prints_at_its_log_level_and_the_plan_at_every_
         os.write(2, b"WARNING 12-03 10:00:00 [loader.py:9] a library's warning while planning\n")
         return AUDIT
 
-    monkeypatch.setattr(extraction, "check_vllm", audit)
+    monkeypatch.setattr(planner, "check_vllm", audit)
     data = rows(tmp_path / "rows.jsonl", [3, 4])
     assert cli.main(["plan", "--model-path", str(fake_model), "--data", str(data), "--output-dir",
                      str(tmp_path / "out"), "--format", "speculators-0.3", *flags]) == 0
@@ -93,16 +94,10 @@ def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_st
     class Started(Exception):
         pass
 
-    class Backend:
-        def __init__(self, settings):
-            pass
-
+    class Backend(FakeBackend):
         def start(self):
             seen["env"] = os.environ.get(CPU_KV_CACHE_ENV)
             raise Started
-
-        def close(self):
-            pass
 
     monkeypatch.delenv(CPU_KV_CACHE_ENV, raising=False)
     monkeypatch.setattr(backends, "create", lambda name, settings: Backend(settings))
@@ -184,8 +179,6 @@ def test_the_cpu_rates_model_is_the_tiny_llama(tiny):
 
 def test_config_file_flags_override_it_and_the_run_records_the_effective_settings(fake_model, tmp_path, no_audit,
                                                                                   monkeypatch):
-    from tests.unit.test_extraction_stages import FakeBackend
-
     monkeypatch.setattr(backends, "create", lambda name, settings: FakeBackend(settings))
     data = rows(tmp_path / "rows.jsonl", [3, 4, 5])
     config = tmp_path / "run.toml"
@@ -344,9 +337,47 @@ def test_the_plan_of_vllm_engine_checks_its_states_in_flight_before_the_load(tin
     run.plan()
     assert any(line.startswith("host memory for states in flight: about") for line in run.plan_lines)
     monkeypatch.setattr(vllm_compat.extractor_api, "host_memory", lambda: (2**20, 2**30))
-    monkeypatch.setattr(Extraction, "check_memory_here", lambda self: [])  # the model's own check, apart
+    monkeypatch.setattr(planner, "check_memory_here", lambda settings, facts, memory=None: planner.MemoryCheck([]))  # the model's own check, apart
     with pytest.raises(PreflightError, match="--batch-size 64: the states of the sequences in flight need"):
         Extraction(Settings(**settings)).plan()
     other = Extraction(Settings(**{**settings, "backend": "speculators"}))
     other.plan()  # its states go through the generator's own copies: not this segment
     assert not any(line.startswith("host memory for states") for line in other.plan_lines)
+
+
+def test_the_disk_preflight_counts_only_the_samples_left_in_range(fake_model, tmp_path, no_audit, monkeypatch):
+    """The report: after a full disk, the preflight asked for the whole input's room, so the run could
+    not resume on the same disk. It asks for the samples of the range no file holds (finished ones,
+    --start-index and --max-samples accounted for), and says which."""
+    import shutil
+    from collections import namedtuple
+    from dataclasses import replace
+
+    from hidden_states.errors import PreflightError
+    from hidden_states.extraction import Extraction
+    from hidden_states.sizes import human_size
+    from hidden_states.settings import Settings
+
+    monkeypatch.setattr(backends, "create", lambda name, settings: FakeBackend(settings))
+    data = rows(tmp_path / "rows.jsonl", [100] * 200)  # past the rows the plan reads ahead
+    settings = Settings(model_path=str(fake_model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
+                        batch_size=8, layer_ids=[3, 1], backend="fake", format="speculators-0.3", max_samples=150)
+    assert Extraction(settings, log=lambda line: None).run().extracted == 150
+    per_sample = int(100 * 2 * 8 * 2 * 1.05)  # tokens x layers x hidden size x bytes, and the margin
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 60 * per_sample))
+
+    def plan(**changed) -> list[str]:
+        planned = Extraction(replace(settings, **changed), log=lambda line: None)
+        planned.plan()
+        return planned.plan_lines
+
+    lines = plan(max_samples=None)  # the whole input now: 50 left, room for 60
+    assert f"disk: about {human_size(50 * per_sample)} of hidden states for the 50 samples left in range (150 " \
+           f"already finished)" in lines
+    assert "samples: 50 to extract, 150 already finished in " + settings.output_dir in lines
+    lines = plan(output_dir=str(tmp_path / "range"), start_index=120, max_samples=40)
+    assert f"disk: about {human_size(40 * per_sample)} of hidden states for the 40 samples left in range" in lines
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 10 * per_sample))
+    with pytest.raises(PreflightError, match=f"about {human_size(50 * per_sample)} of hidden states expected"):
+        plan(max_samples=None)

@@ -11,6 +11,9 @@ import pytest
 
 from tests.conftest import ROOT
 
+# seconds for what takes milliseconds on an idle host: a bound only a wait that never ends reaches
+WAIT = 120
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
 PARENT = """
@@ -44,7 +47,7 @@ def parent(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": ROOT})
     child = int(proc.stdout.readline())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + WAIT
     while os.getpgid(child) == os.getpgid(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.01)  # the child's first statement moves it; the parent printed its pid before that
     yield proc, child
@@ -67,7 +70,7 @@ def test_the_child_dies_with_its_parent(parent):
     proc, child = parent
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + WAIT
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(child), "the spawned child outlived its killed parent"
@@ -113,7 +116,7 @@ def test_the_first_child_to_die_is_named_with_its_signal_though_others_end_after
         assert children.first_exits(wait=0.2) == []  # running, or ended with code 0: nothing to name
         os.kill(workers[1].pid, signal.SIGKILL)
         killed = [("Worker-1", workers[1].pid, -signal.SIGKILL)]
-        assert [(e.name, e.pid, e.exitcode) for e in children.first_exits(wait=10)] == killed
+        assert [(e.name, e.pid, e.exitcode) for e in children.first_exits(wait=WAIT)] == killed
         for worker in (workers[0], workers[2]):
             worker.terminate()
             worker.join()
@@ -125,8 +128,10 @@ def test_a_run_without_children_is_not_kept_waiting():
 
     with contained() as children:
         started = time.monotonic()
-        assert children.first_exits(wait=30) == []
-    assert time.monotonic() - started < 1
+        assert children.first_exits(wait=WAIT) == []
+    # the point is the bound: with no child to wait for, none of the WAIT s a child would get is spent;
+    # half of it is a margin no busy host uses up
+    assert time.monotonic() - started < WAIT / 2
 
 
 @pytest.mark.parametrize("exitcode, says", [
@@ -177,3 +182,50 @@ def test_the_kernels_oom_kill_count_is_read():
     if "oom_kill " not in Path("/proc/vmstat").read_text():
         pytest.skip("this kernel does not count OOM kills in /proc/vmstat (before Linux 4.13)")
     assert isinstance(oom_kills(), int)
+
+
+def test_kill_ends_the_children_still_running_with_what_they_started():
+    """A second Ctrl-C to ``serve``: vLLM's engine core and the workers it started (in its process
+    group) are killed at once."""
+    import multiprocessing
+
+    from hidden_states.processes import contained
+
+    spawn = multiprocessing.get_context("spawn")
+    with contained() as children:
+        ended = spawn.Process(target=time.sleep, args=(0,), name="Ended")
+        ended.start()
+        ended.join()
+        core = spawn.Process(target=subprocess.call, args=([sys.executable, "-c", "import time; time.sleep(60)"],),
+                             name="EngineCore")
+        core.start()
+        deadline = time.monotonic() + 20
+        while not (grandchildren := Path(f"/proc/{core.pid}/task/{core.pid}/children").read_text().split()):
+            assert time.monotonic() < deadline, "the child's own child did not start"
+            time.sleep(0.05)
+        assert children.kill() == [core.pid]
+        exits = children.first_exits(wait=10)
+        assert [(e.name, e.pid, e.exitcode) for e in exits] == [("EngineCore", core.pid, -signal.SIGKILL)]
+        deadline = time.monotonic() + 10
+        while alive(int(grandchildren[0])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(int(grandchildren[0]))
+
+
+def test_how_a_child_ended_is_known_though_its_owner_closed_it():
+    """vLLM's client joins and closes its engine core's ``Process`` as it shuts down on its death:
+    how it ended is read as it ends, not asked of the closed object later."""
+    import multiprocessing
+
+    from hidden_states.processes import contained
+
+    spawn = multiprocessing.get_context("spawn")
+    with contained() as children:
+        core = spawn.Process(target=time.sleep, args=(60,), name="EngineCore")
+        core.start()
+        time.sleep(0.5)
+        os.kill(core.pid, signal.SIGKILL)
+        core.join()
+        time.sleep(0.5)  # the watch has seen it end
+        core.close()  # what vLLM's shutdown does
+        assert [(e.name, e.exitcode) for e in children.first_exits(wait=5)] == [("EngineCore", -signal.SIGKILL)]

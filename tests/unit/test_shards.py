@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 from hidden_states.extraction import Extraction  # noqa: E402
 from hidden_states.status import status  # noqa: E402
-from tests.unit.test_extraction_stages import FakeBackend, job, quiet  # noqa: E402,F401  (job: a fixture)
+from tests.unit.fakes import quiet  # noqa: E402
 
 
 def test_the_flag_wins_then_torchrun_then_slurm_and_a_world_of_one_is_no_sharding():

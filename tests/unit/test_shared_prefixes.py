@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends
 from hidden_states.extraction import Extraction
 from hidden_states.inputs import Sample
 from hidden_states.prefixes import share
 from hidden_states.settings import Settings
 from hidden_states.shards import Shard
+from tests.unit.fakes import FakeBackend, fake_backends, rows_run
 
 torch = pytest.importorskip("torch")
 
@@ -37,31 +37,10 @@ def test_rows_that_only_share_a_beginning_all_run():
     assert shared.served_rows == 1
 
 
-class CausalBackend(backends.OneBatchAtATime):
-    """States of token t: the sum of the ids up to t, per layer and hidden unit; records what ran."""
-
-    name = "fake"
-    ran: list[list[int]] = []
-
-    def __init__(self, settings):
-        self.settings = settings
-
-    def start(self):
-        return {"backend": self.name}
-
-    def extract(self, batch):
-        CausalBackend.ran.extend(batch)
-        out = []
-        for ids in batch:
-            running = torch.tensor(ids, dtype=torch.float64).cumsum(0)[:, None]
-            out.append([running * (layer + 1) + torch.arange(8) for layer in self.settings.layer_ids])
-        return out
-
-    def check_forward(self, probe):
-        return []
-
-    def close(self):
-        pass
+def causal_states(ids, layer_ids):
+    """States of token t: the sum of the ids up to t, per layer and hidden unit."""
+    running = torch.tensor(ids, dtype=torch.float64).cumsum(0)[:, None]
+    return [running * (layer + 1) + torch.arange(8) for layer in layer_ids]
 
 
 def conversation(first: int, turns: int) -> list[list[int]]:
@@ -70,14 +49,18 @@ def conversation(first: int, turns: int) -> list[list[int]]:
 
 
 @pytest.fixture
-def job(fake_model, tmp_path, monkeypatch):
+def made(monkeypatch):
+    """The causal fake backends the test's runs make (their ``batches``: what ran)."""
+    return fake_backends(monkeypatch, states=causal_states)
+
+
+@pytest.fixture
+def job(fake_model, tmp_path, made):
     """Three conversations of 3, 2 and 3 turns (8 rows) and settings for the causal fake backend."""
     data = tmp_path / "data.jsonl"
     lines = conversation(10, 3) + conversation(30, 2) + conversation(40, 3)
     data.write_text("".join(json.dumps({"input_ids": ids, "loss_mask": [0] * (len(ids) - 1) + [1]}) + "\n"
                             for ids in lines))
-    CausalBackend.ran = []
-    monkeypatch.setattr(backends, "create", lambda name, settings: CausalBackend(settings))
     return Settings(model_path=str(fake_model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
                     batch_size=4, layer_ids=[1, 3], backend="fake", format="speculators-0.3")
 
@@ -104,10 +87,10 @@ def assert_same(got: dict[int, dict], want: dict[int, dict]):
             assert mine.untyped_storage().nbytes() == mine.numel() * mine.element_size()
 
 
-def test_only_the_longest_row_of_each_batch_runs_and_every_file_equals_extracting_alone(job, tmp_path):
+def test_only_the_longest_row_of_each_batch_runs_and_every_file_equals_extracting_alone(job, made, tmp_path):
     said = []
     summary = Extraction(job, log=said.append).run()
-    ran = list(CausalBackend.ran)
+    ran = rows_run(made)
 
     # batches of 4: rows 0-3 (conversation one's three turns, conversation two's first), rows 4-7
     # (conversation two's second turn, conversation three's three): the window is the batch
@@ -118,19 +101,19 @@ def test_only_the_longest_row_of_each_batch_runs_and_every_file_equals_extractin
     assert "shared prefixes: 4 of 8 rows served from a longer row's states, 44 tokens computed for 76 row tokens" \
         in summary.shared_line()
     assert_same(files(job), alone(job, tmp_path))
-    assert len(CausalBackend.ran) == len(ran) + 8  # --no-shared-prefix: every row ran
+    assert len(rows_run(made)) == len(ran) + 8  # --no-shared-prefix: every row ran
 
 
-def test_resume_redoes_only_the_rows_missing_and_serves_them_again(job, tmp_path):
+def test_resume_redoes_only_the_rows_missing_and_serves_them_again(job, made, tmp_path):
     Extraction(job, log=lambda line: None).run()
     for index in (0, 1):  # a crash after the carrier's file, before the rows served from it
         (Path(job.output_dir) / f"data_{index}.pt").unlink()
-    CausalBackend.ran = []
+    made.clear()
 
     summary = Extraction(job, log=lambda line: None).run()
 
     assert (summary.extracted, summary.skipped, summary.shared_rows) == (2, 6, 1)
-    assert CausalBackend.ran == [[3, 4] + list(range(10, 18))]  # row 1 runs, row 0 is served from it
+    assert rows_run(made) == [[3, 4] + list(range(10, 18))]  # row 1 runs, row 0 is served from it
     assert_same(files(job), alone(job, tmp_path))
 
 
@@ -143,7 +126,7 @@ def test_static_shards_together_write_every_row_as_extracting_alone(job, tmp_pat
 
 def test_ray_replicas_serve_rows_in_their_batches_and_the_driver_counts_them(job, tmp_path, monkeypatch):
     from hidden_states import replicas
-    from tests.unit.test_replicas import FakeRay
+    from tests.unit.fake_ray import FakeRay
 
     monkeypatch.setattr(replicas, "import_ray", lambda: FakeRay({}))
     driven = Settings(**{**job.__dict__, "data_parallel_size": 2})
@@ -183,7 +166,7 @@ def test_per_turn_rows_are_prefixes_where_the_template_keeps_earlier_turns(tmp_p
 
 @pytest.mark.parametrize("flag", [[], ["--no-shared-prefix"]], ids=["default", "no-shared-prefix"])
 def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, monkeypatch, capsys, flag):
-    from hidden_states import extraction
+    from hidden_states import planner
     from hidden_states.cli import main
     from hidden_states.fixtures.chat_templates import build_tokenizer
 
@@ -191,9 +174,8 @@ def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, m
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 512}))
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(chat(think)) + "\n" for think in (False, True)))
-    monkeypatch.setattr(backends, "create", lambda name, settings: CausalBackend(settings))
-    monkeypatch.setattr(extraction, "check_vllm", lambda backend, touched=None, speculators=True: "audit: not run (a fake backend)")
-    CausalBackend.ran = []
+    made = fake_backends(monkeypatch, states=causal_states)
+    monkeypatch.setattr(planner, "check_vllm", lambda backend, touched=None, speculators=True: "audit: not run (a fake backend)")
 
     rows = tmp_path / "rows.jsonl"  # speculators 0.5's rows (its layout's index needs `datasets`, absent here)
     assert main(["prepare", "--model-path", str(model), "--data", str(data), "--output", str(rows),
@@ -206,9 +188,9 @@ def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, m
     assert code == 0, err
     assert len(list((tmp_path / "out").glob("data_*.pt"))) == 6
     if flag:
-        assert len(CausalBackend.ran) == 6 and "shared prefixes" not in err
+        assert len(rows_run(made)) == 6 and "shared prefixes" not in err
     else:  # each conversation's last turn runs; its two earlier turns are served from it
-        assert len(CausalBackend.ran) == 2
+        assert len(rows_run(made)) == 2
         assert "shared prefixes: 4 of 6 rows served from a longer row's states" in err, err
 
 
@@ -218,6 +200,6 @@ def test_a_failed_batch_names_the_rows_served_from_it_too(job, monkeypatch):
     def fail(self, batch):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(CausalBackend, "extract", fail)
+    monkeypatch.setattr(FakeBackend, "extract", fail)
     with pytest.raises(ExtractionFailed, match=r"extracting samples 0 \(line 1\), 1 \(line 2\), 2 \(line 3\), 3 "):
         Extraction(job, log=lambda line: None).run()

@@ -2,7 +2,6 @@
 (engine_capture), the region pool, and the feed that drives vLLM's engine and resolves batches.
 Real vLLM and speculators run it in tests/e2e/test_backends.py, compared with HF."""
 import gc
-import importlib
 import threading
 import time
 from types import SimpleNamespace
@@ -14,45 +13,10 @@ from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
 from hidden_states.backends.regions import (FIRST_ROW, HEADER, REGION, REWRITTEN, UNREWRITTEN, RegionPool, layer_start,
                                            region_bytes, scales_start)
-from hidden_states.backends.vllm_engine import VllmEngineBackend, _RegionBatch
+from hidden_states.backends.vllm_engine import RegionBatch, VllmEngineBackend
+from tests.unit.streaming_worker import HIDDEN, LAYERS, WAIT, rows_of, token, worker
 
-HIDDEN = 4
-LAYERS = 2
-WAIT = 120  # seconds for a batch: the feed's first import of vllm takes a while on a loaded machine
-
-
-@pytest.fixture
-def capture():
-    """engine_capture: the streaming half both captures share (it imports neither speculators nor vLLM)."""
-    return importlib.import_module("hidden_states.backends.engine_capture")
-
-
-def worker(capture, regions, order, size=1 << 16):
-    """A capturing worker after ``_hidden_states_stream_to``: its segment, regions, batch order."""
-    extension = object.__new__(capture.StreamingStates)
-    extension._hidden_states_host = torch.zeros(size, dtype=torch.uint8)
-    extension._hidden_states_regions = {request: (*region, 0)[:3] for request, region in regions.items()}
-    extension._hidden_states_step = None
-    extension._hidden_states_prompts = {}
-    extension._hidden_states_first = {}
-    extension._hidden_states_ends = {}
-    extension._hidden_states_copies = extension._hidden_states_done = None  # a CPU worker: copies done on return
-    extension.model_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=order))
-    return extension
-
-
-def rows_of(extension, capture, offset, length):
-    """(rows stored, token ids stored, [layers, length, hidden]) of one region."""
-    host, row_bytes = extension._hidden_states_host, HIDDEN * 4
-    stored = int(host[offset:offset + 8].view(torch.int64)[0])
-    ids = host[offset + HEADER:offset + HEADER + 4 * length].view(torch.int32).tolist()
-    data = host[offset + layer_start(length, 0, row_bytes):offset + region_bytes(length, LAYERS, row_bytes)]
-    return stored, ids, data.view(torch.float32).view(LAYERS, length, HIDDEN)
-
-
-def token(request: int, position: int) -> int:
-    return 100 * request + position
-
+pytestmark = pytest.mark.usefixtures("vllm_imported")
 
 def run_step(extension, order, tokens, starts, extra_rows=0):
     """One forward as the capture sees it, rows in the runner's ``order``: its input ids (request r's
@@ -271,19 +235,22 @@ class FakeEngine:
         self.pool.view(offset + FIRST_ROW, torch.int64, 1).fill_(skipped)
         stored = length - 1 if ids[0] in self.store_short else length
         count = self.pool.view(offset, torch.int64, 1)
-        threading.Timer(self.count_delay, count.fill_, (stored,)).start()  # a GPU worker's count comes late
+        if self.count_delay:
+            threading.Timer(self.count_delay, count.fill_, (stored,)).start()  # a GPU worker's count comes late
+        else:  # at once: what the backend reads does not depend on when a timer thread gets to run
+            count.fill_(stored)
         return [SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=list(ids))]
 
 
-def started_backend(capture, sequences_in_flight=4, **engine_options):
+def started_backend(capture, sequences_in_flight=4, rows_timeout=1.0, **engine_options):
     backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=16, tp_size=1,
                                                 gpu_memory_utilization=0.1, sequences_in_flight=sequences_in_flight))
-    backend._scales = engine_options.get("scales", False)
-    backend._layout = {"dtype": "float32", "hidden_size": HIDDEN, "scales": backend._scales}
-    backend.rows_timeout = 1.0
-    backend._row_bytes = HIDDEN * 4
-    backend._pool = RegionPool(sequences_in_flight * backend._region_bytes(16))
-    backend._llm = SimpleNamespace(llm_engine=FakeEngine(backend._pool, HIDDEN * 4, **engine_options))
+    backend.scales = engine_options.get("scales", False)
+    backend._layout = {"dtype": "float32", "hidden_size": HIDDEN, "scales": backend.scales}
+    backend.rows_timeout = rows_timeout
+    backend.row_bytes = HIDDEN * 4
+    backend.pool = RegionPool(sequences_in_flight * backend.region_bytes(16))
+    backend._llm = SimpleNamespace(llm_engine=FakeEngine(backend.pool, HIDDEN * 4, **engine_options))
     backend._feed = EngineFeed(backend._llm.llm_engine, backend.params, backend.finished, backend.failed)
     return backend
 
@@ -300,7 +267,8 @@ def test_batches_resolve_to_views_of_their_regions(capture):
 
 
 def test_a_finished_request_waits_for_its_row_count(capture):
-    backend = started_backend(capture, count_delay=0.3)
+    # the count comes 0.3 s late; the wait for it is the suite's, which no loaded host's timer misses
+    backend = started_backend(capture, count_delay=0.3, rows_timeout=WAIT)
     try:
         assert backend.extract([[10, 11]])[0][1][:, 0].tolist() == [11.0, 11.0]
     finally:
@@ -313,10 +281,20 @@ def test_a_region_returns_to_the_pool_when_its_tensors_are_gone(capture):
         first = backend.submit([[10] * 16]).result(timeout=WAIT)
         second = backend.submit([[20] * 16]).result(timeout=WAIT)
         third: list = []
+        found_no_room = threading.Event()
+        fit = backend.pool._fit
+
+        def fitting(nbytes):
+            where = fit(nbytes)
+            if where is None:
+                found_no_room.set()
+            return where
+
+        backend.pool._fit = fitting
         waiting = threading.Thread(target=lambda: third.append(backend.submit([[30] * 16]).result(timeout=WAIT)))
         waiting.start()
-        waiting.join(0.3)
-        assert waiting.is_alive()  # no room while both batches' states are held
+        assert found_no_room.wait(WAIT)  # no room while both batches' states are held ...
+        assert waiting.is_alive() and not third  # ... so the third waits
         del first
         gc.collect()
         waiting.join(WAIT)
@@ -328,7 +306,7 @@ def test_a_region_returns_to_the_pool_when_its_tensors_are_gone(capture):
 
 def test_states_held_past_close_keep_the_mapping_open(capture):
     backend = started_backend(capture)
-    pool = backend._pool
+    pool = backend.pool
     layers = backend.submit([[10, 1, 2]]).result(timeout=WAIT)[0]
     backend.close()
     assert pool.mapping[:1] is not None  # still mapped (a closed mmap raises ValueError here)
@@ -373,7 +351,7 @@ def test_an_engine_failure_fails_every_waiting_batch(capture):
                 future.result(timeout=WAIT)
         with pytest.raises(RuntimeError, match="the engine loop has stopped: EngineCore died"):
             backend.submit([[40]])
-        assert backend._pool._free == [(0, backend._pool.capacity)]  # the failed batches' regions are back
+        assert backend.pool._free == [(0, backend.pool.capacity)]  # the failed batches' regions are back
     finally:
         backend.close()
 
@@ -385,11 +363,11 @@ def test_a_batch_put_after_the_loop_stopped_fails_and_gives_its_regions_back(cap
     try:
         with pytest.raises(RuntimeError, match="EngineCore died"):
             backend.submit([[10]]).result(timeout=WAIT)
-        late = _RegionBatch([[20]], [backend._pool.reserve(backend._region_bytes(1), timeout=1)])
+        late = RegionBatch([[20]], [backend.pool.reserve(backend.region_bytes(1), timeout=1)])
         backend._feed.put(late)
         with pytest.raises(RuntimeError, match="EngineCore died"):
             late.future.result(timeout=WAIT)
-        assert backend._pool._free == [(0, backend._pool.capacity)]
+        assert backend.pool._free == [(0, backend.pool.capacity)]
     finally:
         backend.close()
 
@@ -411,9 +389,9 @@ def test_fp8_states_are_quantized_in_the_worker_and_read_with_their_scales(captu
         run_step(extension, ["r1"], {"r1": 2}, {"r1": 3})
         backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=16, tp_size=1,
                                                     gpu_memory_utilization=0.1, state_dtype="fp8"))
-        backend._pool, backend._scales, backend._row_bytes = pool, True, HIDDEN
+        backend.pool, backend.scales, backend.row_bytes = pool, True, HIDDEN
         backend._layout = {"dtype": "float8_e4m3fn", "hidden_size": HIDDEN, "scales": True}
-        work = _RegionBatch([[token(1, p) for p in range(length)]], [offset])
+        work = RegionBatch([[token(1, p) for p in range(length)]], [offset])
         work.finished[0] = SimpleNamespace(prompt_token_ids=work.ids[0])
         states = backend._states(work, 0)
         assert isinstance(states, fp8_states.Quantized) and all(l.dtype == torch.float8_e4m3fn for l in states)

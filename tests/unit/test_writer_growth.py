@@ -51,13 +51,35 @@ def test_a_fixed_writer_keeps_its_threads(tmp_path):
     assert writer.stats.threads == 2 and fmt.most <= 2
 
 
-def test_a_writer_that_keeps_up_does_not_grow(tmp_path):
+class SteppedClock:
+    """The writer's clock (``time`` in hidden_states.output), moved only by the test: the producer's
+    work between two files takes ``step``, a file written takes no time. How long a busy host keeps
+    a thread off the CPU then never counts as the producer waiting."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_a_writer_that_keeps_up_does_not_grow(tmp_path, monkeypatch):
+    from hidden_states import output
+
+    clock = SteppedClock()
+    monkeypatch.setattr(output, "time", clock)
     writer = BackgroundWriter(tmp_path, max_pending=8, format=SlowFormat(0.0), threads=1, max_threads=4)
     writer.GROW_INTERVAL = 0.05
     for index in range(20):
+        while writer.stats.files < index:  # slower than the writer: the last file is written first
+            time.sleep(0.001)
+        clock.now += 0.01
         writer.submit(index, b"states")
-        time.sleep(0.01)  # slower than the writer
     writer.close()
+    assert writer.stats.files == 20
     assert writer.stats.threads == 1
 
 

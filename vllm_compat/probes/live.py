@@ -49,6 +49,15 @@ def _where(obj: Any) -> str:
     return f"{path}:{line}"
 
 
+def _definer(cls: type, name: str, annotated: bool = False) -> type | None:
+    """The first class of ``cls``'s MRO whose own namespace defines ``name`` (read with ``vars()``,
+    nothing bound), or, with ``annotated``, that only annotates it (a field without a default)."""
+    for klass in cls.__mro__:
+        if name in vars(klass) or (annotated and name in vars(klass).get("__annotations__", {})):
+            return klass
+    return None
+
+
 class LiveSource:
     """Checks against the imported objects. Importing vLLM modules is slow (tens of seconds)."""
 
@@ -65,12 +74,10 @@ class LiveSource:
         for part in parts:
             parent = obj
             if isinstance(obj, type):
-                for klass in obj.__mro__:
-                    if part in vars(klass):
-                        obj = vars(klass)[part]
-                        break
-                else:
+                klass = _definer(obj, part)
+                if klass is None:
                     return None
+                obj = vars(klass)[part]
             elif hasattr(obj, part):
                 obj = getattr(obj, part)
             else:
@@ -106,12 +113,12 @@ class LiveSource:
             return Observation(MISSING)
         obj = found[1]
         if isinstance(obj, type):
-            for klass in obj.__mro__:
-                if name in vars(klass):
-                    return Observation(PRESENT, _where(_unwrap(vars(klass)[name])) or _where(klass))
-                if name in vars(klass).get("__annotations__", {}):  # a field without a default, as read statically
-                    return Observation(PRESENT, _where(klass))
-            return Observation(ABSENT, _where(obj))
+            klass = _definer(obj, name, annotated=True)  # a field without a default, as read statically
+            if klass is None:
+                return Observation(ABSENT, _where(obj))
+            if name in vars(klass):
+                return Observation(PRESENT, _where(_unwrap(vars(klass)[name])) or _where(klass))
+            return Observation(PRESENT, _where(klass))
         return Observation(PRESENT if hasattr(obj, name) else ABSENT, _where(obj))
 
     def field_default(self, target: str, name: str) -> Observation:

@@ -20,7 +20,9 @@ if TYPE_CHECKING:  # the declaration judged; read, never built here (adapter.py 
 
 NATIVE = "native"
 ADAPTED = "adapted"
-UNKNOWN_DRIFT = "UNKNOWN DRIFT"
+# The audit's word (its text and JSON say it in capitals). apply()'s report gives this verdict (and
+# ``missing``) a status of its own vocabulary, report.UNKNOWN_DRIFT ("unknown_drift"): two values.
+UNKNOWN_DRIFT_VERDICT = "UNKNOWN DRIFT"
 MISSING_SYMBOL = "missing"
 
 
@@ -55,8 +57,9 @@ def judge(adapter: Adapter, source: Source, vllm: Version | None) -> Verdict:
         return Verdict(MISSING_SYMBOL, f"{release}: {expect.check.target} not found", seen.value, seen.where)
     if seen.value in expect.old:
         if expected_new and not is_nightly(vllm):
-            return Verdict(UNKNOWN_DRIFT, f"expected the new shape for vllm {adapter.vllm} (docs/drift-atlas.md), "
+            return Verdict(UNKNOWN_DRIFT_VERDICT,
+                           f"expected the new shape for vllm {adapter.vllm} (docs/drift-atlas.md), "
                            f"but on {release} {shape}", seen.value, seen.where)
         return Verdict(NATIVE, f"native on {release}: {shape}", seen.value, seen.where)
-    return Verdict(UNKNOWN_DRIFT, f"{release}: {shape}; expected {sorted(expect.old)} (old) or "
+    return Verdict(UNKNOWN_DRIFT_VERDICT, f"{release}: {shape}; expected {sorted(expect.old)} (old) or "
                    f"{sorted(expect.new)} (new)", seen.value, seen.where)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
-from . import fp8_states
+from .. import fp8_states
 from .state_files import StateFiles
 
 STOP = object()
@@ -28,6 +28,19 @@ STOP = object()
 
 class Draining(RuntimeError):
     """The server is shutting down: no new request is taken."""
+
+
+def _settle(future: Future, result=None, error: BaseException | None = None) -> bool:
+    """Resolve ``future`` unless it already is (a request the server failed when its engine died,
+    whose batch resolves after); True when this call resolved it."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
 
 
 class _Request:
@@ -102,10 +115,14 @@ class Gatherer:
         self._writers = ThreadPoolExecutor(writer_threads, thread_name_prefix="hidden-states-serve-writer")
         self._open = threading.Lock()
         self._draining = False
+        self._refusal = "the server is shutting down"  # what a request after the drain began hears
         self._pending = 0  # requests taken, not yet answered
+        self._held: set[Future] = set()  # their futures
         self._idle = threading.Condition()
         self.batches = self.rows = self.tokens = 0
         self.failure: BaseException | None = None  # the backend refused a batch: its engine is gone
+        # False once a process of the backend's engine has ended (a backend without one: always True)
+        self._engine_alive = backend.engine_alive
         self.stages = Stages()
         self._thread = threading.Thread(target=self._gather, name="hidden-states-gatherer", daemon=True)
         self._thread.start()
@@ -115,17 +132,39 @@ class Gatherer:
         request = _Request(ids)
         with self._open:
             if self._draining:
-                raise Draining("the server is shutting down")
+                raise Draining(self._refusal)
             with self._idle:
                 self._pending += 1
+                self._held.add(request.future)
             request.future.add_done_callback(self._answered)
             self._incoming.put(request)
         return request.future
 
-    def _answered(self, _future) -> None:
+    def _answered(self, future) -> None:
         with self._idle:
             self._pending -= 1
+            self._held.discard(future)
             self._idle.notify_all()
+
+    @property
+    def held(self) -> int:
+        """Requests taken and not yet answered."""
+        with self._idle:
+            return self._pending
+
+    def stop_with(self, error: BaseException) -> int:
+        """The engine is gone: take no new request (they hear ``error``), and answer every request
+        taken and not yet answered with ``error`` at once, whatever the engine would have done with it
+        (a dead engine answers nothing). Returns how many were answered so."""
+        with self._open:
+            self.failure = self.failure or error
+            self._draining = True
+            self._refusal = f"the server is stopping: {error}"
+        with self._idle:
+            held = list(self._held)
+        with self._engine_room:  # a submit waiting for room gives up (its batch then fails)
+            self._engine_room.notify_all()
+        return sum(_settle(future, error=error) for future in held)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Take no new request, answer every one taken; True when all were answered within ``timeout``."""
@@ -172,7 +211,12 @@ class Gatherer:
         tokens = sum(len(request.ids) for request in batch)
         with self._engine_room:
             if self.engine_tokens is not None:
-                self._engine_room.wait_for(lambda: not self._in_engine or self._in_engine + tokens <= self.engine_tokens)
+                self._engine_room.wait_for(lambda: not self._in_engine or self.failure is not None
+                                           or self._in_engine + tokens <= self.engine_tokens)
+            if self.failure is not None:  # the engine is gone: nothing more goes to it
+                for request in batch:
+                    _settle(request.future, error=self.failure)
+                return
             self._in_engine += tokens
         try:
             submitted = self.backend.submit([request.ids for request in batch])
@@ -180,7 +224,7 @@ class Gatherer:
             self._left_engine(tokens)
             self.failure = self.failure or exc
             for request in batch:
-                request.future.set_exception(exc)
+                _settle(request.future, error=exc)
             return
         self.batches += 1
         self.rows += len(batch)
@@ -201,8 +245,11 @@ class Gatherer:
         try:
             states = done.result()
         except Exception as exc:  # noqa: BLE001
+            if not self._engine_alive():  # vLLM's own "engine dead" error: the server answers these
+                self.failure = self.failure or exc  # requests (``stop_with``), naming the process that died
+                return
             for request in batch:
-                request.future.set_exception(exc)
+                _settle(request.future, error=exc)
             return
         now = time.monotonic()
         self.stages.handed_to_writers(len(batch))
@@ -216,9 +263,9 @@ class Gatherer:
         try:
             path = self.files.write(request.ids, layers)
         except Exception as exc:  # noqa: BLE001 - the request's reply says it
-            request.future.set_exception(exc)
+            _settle(request.future, error=exc)
         else:
-            self.stages.answered(request, time.monotonic())
-            request.future.set_result(str(path))
+            if _settle(request.future, str(path)):
+                self.stages.answered(request, time.monotonic())
         finally:
             self.stages.left_writers()

@@ -1,0 +1,61 @@
+"""The matrix runs each contract test as often as it can give a different answer, and no less: once per
+(vLLM, speculators) pair, once per vLLM release (``per_vllm``), or once in all (``released_wheels``)."""
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _pytest.mark.expression import Expression
+
+from tests.conftest import ROOT
+
+SCRIPTS = Path(ROOT) / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # the matrix script imports its neighbour vllm_venv
+_spec = importlib.util.spec_from_file_location("matrix_script", SCRIPTS / "test_matrix.py")
+matrix = sys.modules["matrix_script"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(matrix)
+
+
+def runs(markers: set[str]) -> Counter:
+    """How many contract runs of the whole matrix select a test carrying ``markers``, per release."""
+    wheels = next(v for v in matrix.MATRIX if matrix.plan_of(v).get("wheels"))
+    counted: Counter = Counter()
+    for version in matrix.MATRIX:
+        for index, _ in enumerate(matrix.SPECULATORS):
+            selection = matrix.contract_selection(index, version == wheels)
+            if not selection or Expression.compile(selection[1]).evaluate(lambda name: name in markers):
+                counted[version] += 1
+    return counted
+
+
+def test_each_contract_test_runs_as_often_as_its_answer_can_change():
+    releases, pairs = len(matrix.MATRIX), len(matrix.MATRIX) * len(matrix.SPECULATORS)
+    assert len(matrix.SPECULATORS) > 1  # else the per_vllm selection is never exercised
+    assert sum(runs(set()).values()) == pairs
+    assert runs({"per_vllm"}) == Counter({version: 1 for version in matrix.MATRIX})
+    assert sum(runs({"per_vllm"}).values()) == releases
+    assert sum(runs({"released_wheels"}).values()) == 1
+    assert sum(runs({"released_wheels", "per_vllm"}).values()) == 1
+
+
+@pytest.mark.parametrize("marker", ["per_vllm", "released_wheels"])
+def test_the_markers_the_matrix_selects_on_are_declared(marker):
+    assert f'"{marker}: ' in (Path(ROOT) / "pyproject.toml").read_text()
+
+
+def selects(expression: str, carried: set[str]) -> bool:
+    return not expression or Expression.compile(expression).evaluate(carried.__contains__)
+
+
+@pytest.mark.parametrize("version", list(matrix.MATRIX))
+def test_a_releases_end_to_end_parts_run_each_test_exactly_once(version, monkeypatch):
+    """Split or not, a release's end-to-end suite selects the same tests, each in one part."""
+    markers = ["extractor", "backends", "faults", "formats", "data_parallel", "tp8", "generate"]
+    parts = matrix.e2e_selections(version)
+    monkeypatch.setitem(matrix.MATRIX, version, {**matrix.plan_of(version), "e2e_parts": {}})
+    (_, unsplit, _), = matrix.e2e_selections(version)
+    for bits in range(2 ** len(markers)):
+        carried = {marker for i, marker in enumerate(markers) if bits >> i & 1}
+        chosen = [label for label, expression, _ in parts if selects(expression, carried)]
+        assert len(chosen) == (1 if selects(unsplit, carried) else 0), (sorted(carried), chosen)
