@@ -267,8 +267,8 @@ class Children:
         """SIGKILL every recorded child still running, with its process group (a contained child leads
         its own, which holds the processes it started: vLLM's workers); returns their pids."""
         with self._changed:
-            running = [self._pids[process] for process in self._watched.values()]
-        for pid in running:
+            alive = [self._pids[process] for process in self._watched.values()]
+        for pid in alive:
             try:
                 if os.getpgid(pid) == pid:
                     os.killpg(pid, signal.SIGKILL)
@@ -277,10 +277,10 @@ class Children:
             except (ProcessLookupError, PermissionError):  # ended meanwhile
                 pass
         deadline = time.monotonic() + 5  # until each has ended (not reaped: its owner reaps it), so that
-        for pid in running:  # what runs next (vLLM's shutdown) finds the engine dead, not dying
-            while _running(pid) and time.monotonic() < deadline:
+        for pid in alive:  # what runs next (vLLM's shutdown) finds the engine dead, not dying
+            while running(pid) and time.monotonic() < deadline:
                 time.sleep(0.01)
-        return running
+        return alive
 
     def _exitcode(self, process) -> int | None:
         code = _exitcode(process)
@@ -309,8 +309,10 @@ class Children:
         self._watched.clear()
 
 
-def _running(pid: int) -> bool:
-    """Whether the child ``pid`` has not yet ended (asked without reaping it)."""
+def running(pid: int) -> bool:
+    """Whether the child ``pid`` has not yet ended, asked of the kernel without reaping it: a child
+    another waiter reaped first (vLLM's cleanup, through psutil) is not running, though
+    multiprocessing, which never learns its exit, keeps saying ``is_alive()``."""
     try:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None
     except (OSError, AttributeError):  # reaped already; no waitid here

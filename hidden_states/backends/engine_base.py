@@ -26,6 +26,7 @@ from packaging.version import Version
 from vllm_compat import extractor_api
 
 from ..errors import ExtractError
+from ..processes import running
 from . import ONE_BATCH_AHEAD, Backend, BackendSettings
 from .engine_feed import EngineBatch, EngineFeed, step_tokens, steps_of_tokens_ahead
 
@@ -132,7 +133,7 @@ class EngineBackend(Backend):
         vLLM started none (its engine in this process)."""
         for process in self._engine_processes:
             try:
-                if not process.is_alive():
+                if not process.is_alive() or not running(process.pid):
                     return False
             except ValueError:  # closed: vLLM's client closes it once it has ended
                 return False

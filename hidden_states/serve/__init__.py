@@ -189,7 +189,11 @@ def serve(settings: ModelSettings, options: ServeSettings, log) -> int:
                 log(f"stopped after {seconds:.0f} s: {server.served} requests served ({gatherer.tokens:,} tokens in "
                     f"{gatherer.batches} batches), {server.refused} refused, {files.swept} uncollected files swept")
                 if signum is None:
-                    raise engine_failure(children, server.engine_stopped)
+                    failure = engine_failure(children, server.engine_stopped)
+                    # what is left of a dead engine (its core, when a worker died) has nothing to finish:
+                    # killed, so that closing the backend never waits on an engine that only looks alive
+                    children.kill()
+                    raise failure
             finally:
                 files.stop()
                 model.close()

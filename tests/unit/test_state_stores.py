@@ -95,6 +95,23 @@ def test_the_engine_is_alive_while_the_processes_llm_started_run():
     backend.close()
 
 
+def test_an_engine_another_waiter_reaped_is_not_alive():
+    """vLLM's cleanup may reap its engine core (through psutil) before multiprocessing looks: the
+    Process then says ``is_alive()`` for good. The kernel, asked without reaping, knows better, so
+    closing waits 2 s for the feed, not 30."""
+    context = multiprocessing.get_context("fork")
+    go = context.Event()
+    child = context.Process(target=_exit_when_told, args=(go,))
+    child.start()
+    backend = vllm_native.VllmNativeBackend(SimpleNamespace())
+    backend._engine_processes = [child]
+    go.set()
+    os.waitpid(child.pid, 0)  # reaped behind multiprocessing's back
+    assert child.is_alive()  # what multiprocessing alone would say
+    assert not backend.engine_alive()
+    backend.close()
+
+
 def _exit_when_told(go) -> None:
     go.wait(30)
     os._exit(1)
