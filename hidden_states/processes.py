@@ -311,8 +311,8 @@ class Children:
 
 def running(pid: int) -> bool:
     """Whether the child ``pid`` has not yet ended, asked of the kernel without reaping it: a child
-    another waiter reaped first (vLLM's cleanup, through psutil) is not running, though
-    multiprocessing, which never learns its exit, keeps saying ``is_alive()``."""
+    another waiter reaped first is not running, though multiprocessing, which then never learns its
+    exit, keeps saying ``is_alive()``."""
     try:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None
     except (OSError, AttributeError):  # reaped already; no waitid here

@@ -96,9 +96,9 @@ def test_the_engine_is_alive_while_the_processes_llm_started_run():
 
 
 def test_an_engine_another_waiter_reaped_is_not_alive():
-    """vLLM's cleanup may reap its engine core (through psutil) before multiprocessing looks: the
-    Process then says ``is_alive()`` for good. The kernel, asked without reaping, knows better, so
-    closing waits 2 s for the feed, not 30."""
+    """An engine core reaped by another waiter before multiprocessing looks: the Process then says
+    ``is_alive()`` for good. The kernel, asked without reaping, knows better, so closing waits 2 s
+    for the feed, not 30."""
     context = multiprocessing.get_context("fork")
     go = context.Event()
     child = context.Process(target=_exit_when_told, args=(go,))
