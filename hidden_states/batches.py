@@ -9,7 +9,7 @@ source asks :meth:`Pending.samples` for the samples it wants, in input order, an
 :class:`Sequential` (one process, every sample, in order) and :class:`ShardBatches` (one static
 shard's share, ``shards.py``) are the modes of one process. A new mode is a class here following
 :class:`BatchSource`, chosen in :func:`batch_source`; the extraction loop, the ledger, resume and the
-writer stay as they are. Data-parallel replicas (``replicas.py``) take their batches from the
+writer stay as they are. Data-parallel replicas (``replicas/``) take their batches from the
 driver's source, whichever it is.
 """
 from __future__ import annotations

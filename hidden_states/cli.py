@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "(the OpenAI-compatible calls they make to vLLM: /v1/models, /v1/completions)")
     add_serve_arguments(sub.add_parser("serve", help=serve_help, description=serve_help, epilog=SERVE_EXAMPLES,
                                        formatter_class=argparse.RawDescriptionHelpFormatter))
-    # hidden-states generate: extract's flags, the sampling flags (hidden_states/generation.py)
+    # hidden-states generate: extract's flags, the sampling flags (hidden_states/generate/)
     generate_help = ("regenerate the assistant turns with the model and write the rows of the regenerated "
                      "conversations with the states the generation computed (on-policy data in one pass; "
                      "--backend vllm-engine)")
@@ -384,17 +384,12 @@ def settings_from(args) -> Settings:
 
 def extraction_for(settings: Settings, sampling=None, **kwargs):
     """The run ``settings`` ask for: ``extract``'s, or ``generate``'s with ``sampling``
-    (``vllm_engine.Sampling``); on Ray replicas, or in this process (a static shard's too)."""
-    on_ray = settings.data_parallel_size > 1 or settings.ray_address
+    (``backends.Sampling``); each runs on Ray replicas or in this process as its settings say."""
     if sampling is not None:
-        from .generation import Generation, RayGeneration
+        from .generate.command import Generation
 
-        return (RayGeneration if on_ray else Generation)(settings, sampling, **kwargs)
-    if on_ray:
-        from .replicas import RayExtraction
-
-        return RayExtraction(settings, **kwargs)
-    from .extraction import Extraction
+        return Generation(settings, sampling, **kwargs)
+    from .extract.command import Extraction
 
     return Extraction(settings, **kwargs)
 
@@ -498,7 +493,7 @@ def _prepare(args) -> int:
 
 
 def _generate(args) -> int:
-    from .generation import sampling_from
+    from .generate.command import sampling_from
 
     return _extract(args, sampling_from(args))
 

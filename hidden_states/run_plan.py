@@ -29,7 +29,7 @@ from .tokenization import ChatSettings
 @dataclass(frozen=True)
 class RunPlan:
     """What the plan and the output directory's preparation decided, for every process that executes
-    the run: a single run, each Ray replica (``replicas.py``), each static shard. Made once, never
+    the run: a single run, each Ray replica (``replicas/``), each static shard. Made once, never
     changed (a replica gets its own with :meth:`for_replica`); it crosses to Ray's actors pickled.
     The extraction that made it or executes it reads the model's plan and the config from it.
 
@@ -40,7 +40,7 @@ class RunPlan:
         model: the model, the format and the layers (:class:`ModelPlan`).
         tag: the ledger's tag (``done.<tag>.jsonl``: a shard's, a replica's); None: ``done.jsonl``.
         config: ``data_config.json`` before the backend's own facts (read, never changed).
-        runner: the class a Ray replica executes it with (``Extraction.replica_class``: extract's
+        runner: the class a Ray replica executes it with (its ``executing``: extract's
             or generate's); None: ``Extraction``.
     """
 

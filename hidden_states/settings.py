@@ -98,7 +98,7 @@ class Settings(ModelSettings):
         writer_queue: samples allowed to wait for the disk before the loop blocks.
         progress_interval: seconds between progress lines when stderr is not a terminal.
         shard: this process's static shard (``shards.Shard``); None: every sample.
-        data_parallel_size: replicas of the model, each a Ray actor (``replicas.py``); 1: this process.
+        data_parallel_size: replicas of the model, each a Ray actor (``replicas/``); 1: this process.
         ray_address: the Ray cluster the replicas run on (``auto``, ``host:port``); None: a local one.
         start_over: replace another extraction the output directory holds, finished samples and
             all (its files are removed); without it such a directory is refused.

@@ -11,7 +11,7 @@ from .identity import SHORT, describe_input, recorded, same_input
 from .inputs import InputStream
 from .output import CONFIG, LEDGERS, OutputDir, format_name, holder
 from .files import TEMP_PREFIX, read_json
-from .regeneration import REGENERATED_FILES
+from .generate.regeneration import REGENERATED_FILES
 from .tokenization import ChatSettings
 
 

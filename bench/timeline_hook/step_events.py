@@ -118,11 +118,11 @@ def install(directory: str) -> None:
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                if instance._started is not None:
-                    note({"span": [instance._started, instance._started + instance.summary.seconds],
+                if instance.started is not None:
+                    note({"span": [instance.started, instance.started + instance.summary.seconds],
                           "tokens": instance.summary.tokens})
 
-        wrapt.wrap_function_wrapper(module, "Extraction.finish", finish)
+        wrapt.wrap_function_wrapper(module, "Lifecycle.finish", finish)
 
     def on_engine_backend(module):
         def resolve(wrapped, instance, args, kwargs):
@@ -135,6 +135,6 @@ def install(directory: str) -> None:
         wrapt.wrap_function_wrapper(module, "VllmEngineBackend._resolve", resolve)
 
     for name, hook in (("vllm.v1.worker.gpu_worker", on_gpu_worker),  # vLLM's CPUWorker inherits both
-                       ("hidden_states.extraction", on_extraction),
+                       ("hidden_states.run.lifecycle", on_extraction),
                        ("hidden_states.backends.vllm_engine", on_engine_backend)):
         wrapt.register_post_import_hook(hook, name)

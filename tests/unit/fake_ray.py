@@ -34,7 +34,7 @@ class FakeActor:
                     actor.extracts += 1
                     what, n = actor.fault or (None, 0)
                     if what == "die" and actor.extracts == n:
-                        actor.instance.extraction.writer.close()
+                        actor.instance.work.model.writer.close()
                         actor.dead = True
                         return Ref(error=ActorDied("The actor died unexpectedly before finishing this task."))
                     poisoned = what == "poison" and any(sample.index == n for sample in args[0])

@@ -29,17 +29,20 @@ EXTRACTOR_LAYERS = _layers([
     ("support", {"extras", "sizes", "files", "layer_conventions", "fp8_states", "forward_check", "log_levels",
                  "run_log", "progress", "processes", "interrupts"}),
     # the input's rows to samples, and what they were made from
-    ("inputs", {"conversations", "identity", "tokenization", "inputs", "prefixes", "regeneration"}),
+    ("inputs", {"conversations", "identity", "tokenization", "inputs", "prefixes"}),
     # ways to run the model: below the output, so no format or output directory reaches a backend
     ("backends", {"backends"}),
     # the output directory, its writer and the formats
     ("output", {"output", "formats"}),
     # the checks and estimates before the model loads, the run plan, and the samples still to do
     ("plan", {"planner", "run_plan", "preflight", "estimates", "batches"}),
-    # one run of a command, from its plan to its last file
-    ("the run", {"extraction", "generation", "replicas", "convert", "status", "prepare"}),
+    # one run's parts every command composes: its plan and output prepared, its lifecycle, the model
+    # here or on Ray replicas
+    ("the run", {"run", "replicas"}),
+    # one wing per command: extract's and generate's runs and loops; the one-module commands
+    ("commands", {"extract", "generate", "convert", "status", "prepare"}),
     # what a user calls: the command line, and serve's wing (its server, protocol, model, batching, files)
-    ("commands", {"cli", "__main__", "serve"}),
+    ("entry points", {"cli", "__main__", "serve"}),
     ("fixtures", {"fixtures"}),
 ])
 # The one upward import the map allows: `hidden-states demo` runs the demo fixture (imported lazily).

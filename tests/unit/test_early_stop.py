@@ -15,10 +15,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hidden_states import backends, replicas  # noqa: E402
+from hidden_states import backends  # noqa: E402
+from hidden_states.replicas import driver  # noqa: E402
 from hidden_states.cli import main  # noqa: E402
 from hidden_states.errors import InputError  # noqa: E402
-from hidden_states.extraction import Extraction, ExtractionFailed  # noqa: E402
+from hidden_states.extract.command import Extraction
+from hidden_states.run.summary import ExtractionFailed  # noqa: E402
 from hidden_states.preflight import FIRST_LINES  # noqa: E402
 from tests.unit.fake_ray import FakeRay  # noqa: E402
 from tests.unit.fakes import FakeBackend, fails, interrupt  # noqa: E402
@@ -138,9 +140,9 @@ def test_the_only_ray_replica_lost_counts_every_sample_it_left(job, monkeypatch)
     """The report: 40 of 48 samples missing, the run said 16 (the batches in flight)."""
     write_input(job, [LINE] * 48)
     fake = FakeRay({0: ("die", 2)})
-    monkeypatch.setattr(replicas, "import_ray", lambda: fake)
-    settings = replace(job, batch_size=8, data_parallel_size=1)
-    summary, said, failure = ran(settings, replicas.RayExtraction)
+    monkeypatch.setattr(driver, "import_ray", lambda: fake)
+    settings = replace(job, batch_size=8, data_parallel_size=1, ray_address="auto")  # one replica, on Ray
+    summary, said, failure = ran(settings)
     assert isinstance(failure, ExtractionFailed)
     written = files(settings)
     assert written == 8 and summary.unfinished == 40

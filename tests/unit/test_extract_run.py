@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, extraction, planner
+from hidden_states import backends, planner
 from hidden_states.errors import PreflightError
-from hidden_states.extraction import Extraction
+from hidden_states.extract.command import Extraction
 from hidden_states.settings import Settings
 from hidden_states.forward_check import KernelCheck
 from tests.unit.fakes import FakeBackend
@@ -176,7 +176,8 @@ class DyingWorkerBackend(SlowShutdownBackend):
 
 
 def test_a_worker_process_that_dies_is_named_and_the_finished_samples_are_kept(job, monkeypatch):
-    from hidden_states.extraction import ExtractionFailed, ProcessDied
+    from hidden_states.run.summary import ExtractionFailed
+    from hidden_states.processes import ProcessDied
 
     monkeypatch.setattr(backends, "create", lambda name, settings: DyingWorkerBackend(settings))
     with pytest.raises(ProcessDied) as died:
@@ -203,12 +204,13 @@ class FailingBackend(DyingWorkerBackend):
 
 
 def test_a_failure_without_a_death_is_reported_as_it_is_after_a_bounded_wait(job, monkeypatch):
-    from hidden_states import extraction
+    from hidden_states.run import lifecycle
+    from hidden_states.run.summary import ExtractionFailed
 
     monkeypatch.setattr(backends, "create", lambda name, settings: FailingBackend(settings))
-    monkeypatch.setattr(extraction, "EXIT_WAIT", 0.5)
+    monkeypatch.setattr(lifecycle, "EXIT_WAIT", 0.5)
     started = time.monotonic()
-    with pytest.raises(extraction.ExtractionFailed, match="RuntimeError: Worker failed with error 'shape mismatch'"):
+    with pytest.raises(ExtractionFailed, match="RuntimeError: Worker failed with error 'shape mismatch'"):
         run(job, log=lambda message: None)
     # the point is a bound: a wait for the worker's death that EXIT_WAIT did not end would last as long
     # as the worker (WORKER_LIFE); half of that is a margin no loaded host uses up

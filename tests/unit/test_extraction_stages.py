@@ -12,7 +12,7 @@ import pytest
 from hidden_states import backends, formats
 from hidden_states.batches import Pending, Sequential, batched
 from hidden_states.errors import InputError
-from hidden_states.extraction import Extraction
+from hidden_states.extract.command import Extraction
 from hidden_states.formats.speculators_03 import Speculators03
 from hidden_states.inputs import InputStream, Sample
 from hidden_states.preflight import FIRST_LINES
@@ -184,13 +184,14 @@ def test_the_backend_gets_the_plans_layer_count(job, monkeypatch):
 def test_the_extraction_reads_the_plans_it_holds_not_copies(job):
     run = Extraction(job, log=quiet)
     run.plan()
-    run.prepare()
-    plan = run.run_plan
-    assert plan.model is run.model_plan and run.config is plan.config
-    assert (run.facts, run.layers, run.format_layer_ids) == (plan.model.facts, plan.model.layers, [3, 1])
+    run.prepared.prepare()
+    prepared = run.prepared
+    plan = prepared.run_plan
+    assert plan.model is prepared.model_plan and prepared.config is plan.config
+    assert (prepared.facts, prepared.layers, prepared.format_layer_ids) == (plan.model.facts, plan.model.layers, [3, 1])
     replica = Extraction.executing(plan.for_replica(0), log=quiet)
-    assert replica.model_plan is plan.model and replica.config is plan.config
-    assert replica.summary.layer_ids == [3, 1] and replica.output.tag == "replica-0"
+    assert replica.prepared.model_plan is plan.model and replica.prepared.config is plan.config
+    assert replica.summary.layer_ids == [3, 1] and replica.prepared.output.tag == "replica-0"
 
 
 def test_the_plan_is_the_planners_held_whole(job):
@@ -198,9 +199,10 @@ def test_the_plan_is_the_planners_held_whole(job):
     the input stream it peeked at."""
     run = Extraction(job, log=quiet)
     run.plan()
-    assert run.model_plan is run.planned.model and run.plan_lines is run.planned.lines
-    assert run.input is run.planned.input and run.identity is run.planned.identity
-    assert run.identity["layer_ids"] == [3, 1] and run.plan_lines[0].startswith("settings: --backend fake")
+    prepared = run.prepared
+    assert prepared.model_plan is prepared.planned.model and run.plan_lines is prepared.planned.lines
+    assert prepared.input is prepared.planned.input and prepared.identity is prepared.planned.identity
+    assert prepared.identity["layer_ids"] == [3, 1] and run.plan_lines[0].startswith("settings: --backend fake")
 
 
 def test_data_config_records_the_models_settings_and_the_runs(job):
@@ -226,8 +228,8 @@ def test_a_replicas_plan_takes_cuda_graphs_to_its_backend_checked_once(job, monk
 
     run = Extraction(job, log=quiet)
     run.plan()
-    run.prepare()
-    planned = dataclasses.replace(run.run_plan, settings=dataclasses.replace(run.run_plan.settings,
+    run.prepared.prepare()
+    planned = dataclasses.replace(run.prepared.run_plan, settings=dataclasses.replace(run.prepared.run_plan.settings,
                                                                              backend="vllm-engine", cuda_graphs=True))
     replica = pickle.loads(pickle.dumps(planned.for_replica(1)))
     monkeypatch.setenv(CAPTURE_ENV, "speculators")
@@ -239,7 +241,7 @@ def test_a_replicas_plan_takes_cuda_graphs_to_its_backend_checked_once(job, monk
     # the negative: a plan without it leaves vLLM eager, and the capture to the environment (which
     # asks here for a capture that no installed speculators has)
     monkeypatch.setattr("vllm_compat.extractor_api.speculators_version", lambda: None)
-    eager = VllmEngineBackend(run.run_plan.for_replica(1).backend_settings())
+    eager = VllmEngineBackend(run.prepared.run_plan.for_replica(1).backend_settings())
     assert eager.enforce_eager is True
     with pytest.raises(UsageError, match=f"{CAPTURE_ENV}=speculators"):
         eager.prepare(None)
@@ -451,7 +453,7 @@ def test_batches_are_submitted_until_the_backends_tokens_ahead_are_in_flight(job
 
 
 def test_submit_groups_keep_order_and_hold_at_most_the_tokens_asked():
-    from hidden_states.extraction import submit_groups
+    from hidden_states.extract.rows import submit_groups
 
     batch = [Sample(i, i, [5] * n, None) for i, n in enumerate([3, 4, 5, 9, 2, 2, 4])]
     grouped = submit_groups(batch, 8)

@@ -20,7 +20,7 @@ from hidden_states.backends.engine_replies import ROW_TAIL
 from hidden_states.backends.vllm_engine import VllmEngineBackend
 from hidden_states.cli import main
 from hidden_states.conversations import Conversation
-from hidden_states.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
+from hidden_states.generate.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
 from hidden_states.tokenization import common_prefix
 from tests.unit.fakes import FakeGenerating
 from tests.unit.streaming_worker import HIDDEN, LAYERS, WAIT, rows_of, worker
@@ -409,7 +409,7 @@ CHAT = '{"messages": [{"role": "user", "content": "hi"}]}'
     ([], (), "data.jsonl: no conversations"),
 ])
 def test_bad_input_is_one_line_and_exit_2(chat_model, tmp_path, capsys, monkeypatch, lines, extra, message):
-    monkeypatch.setattr("hidden_states.extraction.Extraction.load", lambda self: pytest.fail("the model loaded"))
+    monkeypatch.setattr("hidden_states.run.model_here.ModelHere.load", lambda self: pytest.fail("the model loaded"))
     data = tmp_path / "data.jsonl"
     data.write_text("".join(line + "\n" for line in lines))
     assert generate(chat_model, data, tmp_path / "out", *extra) == 2
@@ -458,7 +458,7 @@ def fake_run(chat_model, tmp_path, monkeypatch):
 
 
 def run_generation(model, data, out, layout, *extra):
-    from hidden_states.generation import Generation
+    from hidden_states.generate.command import Generation
     from hidden_states.settings import Settings
 
     given = {"batch_size": 2, "layer_ids": [0, 2] if layout == "speculators-0.3" else [1, 3], **dict(extra)}
@@ -695,7 +695,7 @@ def test_per_reply_files_begun_while_generating_end_as_files_written_at_the_end(
     prefill computed again (the fake's stale ones) from the final states and finishes the header.
     Both ways give the same tensors; the files streamed are counted."""
     from hidden_states.formats.speculators_05 import read_sample
-    from hidden_states.generation import STREAM_ENV
+    from hidden_states.generate.command import STREAM_ENV
 
     model, data, _ = fake_run
     out = tmp_path / "out"
@@ -793,7 +793,7 @@ def test_regenerated_holds_exactly_the_conversations_whose_files_were_written_in
 def test_a_failed_generate_counts_what_is_written_and_what_is_not_in_samples(fake_run, tmp_path, monkeypatch):
     """The stop summary's three counts are of samples, and make the range: the conversation whose file
     the disk refused is not extracted, once."""
-    from hidden_states.generation import Generation
+    from hidden_states.generate.command import Generation
     from hidden_states.settings import Settings
 
     model, data, _ = fake_run

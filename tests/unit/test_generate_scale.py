@@ -1,5 +1,5 @@
 """``hidden-states generate`` beyond one process, with small fakes: Ray replicas
-(``generation.RayGeneration`` on the in-process stand-in for Ray of test_replicas) and static shards
+(``generate`` on Ray replicas, on the in-process stand-in for Ray of test_replicas) and static shards
 write what one process writes for the same data (sample files, their numbers, ``regenerated.jsonl``,
 the summary and the tally), a dead replica loses nothing finished, a resume redoes nothing done, and
 ``status`` reads the shards together. Real Ray and vLLM run it in
@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_states import backends, extraction, planner, replicas
+from hidden_states import backends, planner
+from hidden_states.extract.command import Extraction
+from hidden_states.replicas import driver
+from hidden_states.run.summary import ExtractionFailed
 from hidden_states.backends import Reply, Sampling
-from hidden_states.generation import Generation, RayGeneration
-from hidden_states.regeneration import row_source
+from hidden_states.generate.command import Generation
+from hidden_states.generate.regeneration import row_source
 from hidden_states.settings import Settings
 from hidden_states.shards import Shard
 from hidden_states.status import status
@@ -113,7 +116,7 @@ class DiesAfterRunning(WrappingRay):
         result = run(batch, skip)
         if replica_id != 1:
             return result
-        actor.instance.extraction.writer.close()
+        actor.instance.work.model.writer.close()
         actor.dead = True
         return DIED
 
@@ -156,15 +159,15 @@ def scale(chat_model, tmp_path, monkeypatch):
 
     def use_ray(kind=FakeRay, faults=None):
         fake = kind(faults or {})
-        monkeypatch.setattr(replicas, "import_ray", lambda: fake)
+        monkeypatch.setattr(driver, "import_ray", lambda: fake)
         return fake
 
     return settings, use_ray
 
 
-def run(settings, on_ray=False):
+def run(settings):
     lines = []
-    generation = (RayGeneration if on_ray else Generation)(settings, Sampling(max_new_tokens=16), log=lines.append)
+    generation = Generation(settings, Sampling(max_new_tokens=16), log=lines.append)
     summary = generation.run()
     return summary, lines
 
@@ -211,7 +214,7 @@ def test_two_replicas_write_what_one_process_writes_whatever_returns_first(scale
     settings, use_ray = scale
     reference, said = run(settings("single", layout))
     use_ray(LastFirstRay)
-    summary, ray_said = run(replace(settings("ray", layout), data_parallel_size=2), on_ray=True)
+    summary, ray_said = run(replace(settings("ray", layout), data_parallel_size=2))
     out, single = Path(settings("ray").output_dir), Path(settings("single").output_dir)
     assert_same_output(out, single)
     assert counts(summary.line()) == counts(reference.line())
@@ -231,7 +234,7 @@ def test_a_dead_replica_loses_nothing_and_no_file_or_line_is_written_twice(scale
     settings, use_ray = scale
     run(settings("single"))
     use_ray(faults={1: ("die", 2)})
-    summary, said = run(replace(settings("ray"), data_parallel_size=2), on_ray=True)
+    summary, said = run(replace(settings("ray"), data_parallel_size=2))
     out = Path(settings("ray").output_dir)
     assert any(line.startswith("replica 1 died on samples") for line in said)
     assert_same_output(out, Path(settings("single").output_dir))
@@ -251,7 +254,7 @@ def test_a_batch_lost_with_its_files_on_disk_is_regenerated_whole_and_its_files_
     tokenizer = load_tokenizer(settings("ray").model_path)
     monkeypatch.setattr(backends, "create", lambda name, given: SampledReplies(given, tokenizer))
     use_ray(DiesAfterRunning)
-    summary, said = run(replace(settings("ray"), data_parallel_size=2), on_ray=True)
+    summary, said = run(replace(settings("ray"), data_parallel_size=2))
     out = Path(settings("ray").output_dir)
     assert any(line.startswith("replica 1 died on samples [1]") for line in said), said
     lines = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
@@ -269,8 +272,8 @@ def test_a_batch_lost_with_its_files_on_disk_is_regenerated_whole_and_its_files_
 def test_a_conversation_given_up_leaves_the_others_lines_and_files_and_says_so(scale):
     settings, use_ray = scale
     use_ray(PoisonedConversation)
-    with pytest.raises(extraction.ExtractionFailed) as failed:
-        run(replace(settings("ray"), data_parallel_size=3), on_ray=True)
+    with pytest.raises(ExtractionFailed) as failed:
+        run(replace(settings("ray"), data_parallel_size=3))
     message = str(failed.value)
     assert message.startswith("1 samples were not extracted") and message.count("ValueError: boom") == 2
     assert "samples [3] (" in message
@@ -285,7 +288,7 @@ def test_a_batch_whose_call_raised_is_regenerated_whole_elsewhere(scale):
     settings, use_ray = scale
     run(settings("single"))
     use_ray(faults={0: ("raise", 2)})  # replica 0's second call and later raise: it is retired
-    summary, said = run(replace(settings("ray"), data_parallel_size=2), on_ray=True)
+    summary, said = run(replace(settings("ray"), data_parallel_size=2))
     assert any(line.startswith("replica 0 failed on samples") for line in said)
     assert_same_output(Path(settings("ray").output_dir), Path(settings("single").output_dir))
     assert summary.extracted == 6
@@ -295,12 +298,12 @@ def test_a_stopped_ray_run_resumes_without_redoing_anything(scale):
     settings, use_ray = scale
     run(settings("single"))
     use_ray()
-    first, _ = run(replace(settings("ray"), data_parallel_size=2, max_samples=4), on_ray=True)
+    first, _ = run(replace(settings("ray"), data_parallel_size=2, max_samples=4))
     out = Path(settings("ray").output_dir)
     stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
     assert first.extracted == 3 and sorted(stamps) == ["data_0.pt", "data_1.pt", "data_3.pt"]
     use_ray()
-    second, _ = run(replace(settings("ray"), data_parallel_size=2), on_ray=True)
+    second, _ = run(replace(settings("ray"), data_parallel_size=2))
     assert (second.extracted, second.skipped) == (3, 3)
     assert all(p.stat().st_mtime_ns == stamps[p.name] for p in out.glob("data_*.pt") if p.name in stamps)
     assert_same_output(out, Path(settings("single").output_dir))
@@ -357,15 +360,15 @@ def test_shards_number_per_reply_rows_as_one_process_does(scale):
 
 
 def test_generate_takes_the_scale_out_flags_as_extract_does(scale):
-    """The CLI's door: ``--data-parallel-size`` and ``--ray-address`` give a RayGeneration, ``--shard``
+    """The CLI's door: ``--data-parallel-size`` and ``--ray-address`` give a generation on Ray replicas, ``--shard``
     a shard's Generation."""
     from hidden_states import cli
 
     settings, use_ray = scale
     use_ray()
     sampling = Sampling()
-    assert type(cli.extraction_for(replace(settings("a"), data_parallel_size=2), sampling)) is RayGeneration
-    assert type(cli.extraction_for(replace(settings("a"), ray_address="auto"), sampling)) is RayGeneration
+    assert cli.extraction_for(replace(settings("a"), data_parallel_size=2), sampling).on_ray
+    assert cli.extraction_for(replace(settings("a"), ray_address="auto"), sampling).on_ray
     shard = cli.extraction_for(replace(settings("a"), shard=Shard(1, 2, "--shard")), sampling)
-    assert type(shard) is Generation and shard.source.tag == "shard-1-of-2"
-    assert type(cli.extraction_for(settings("a"))) is extraction.Extraction
+    assert type(shard) is Generation and shard.source.tag == "shard-1-of-2" and not shard.on_ray
+    assert type(cli.extraction_for(settings("a"))) is Extraction

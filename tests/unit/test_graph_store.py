@@ -280,7 +280,7 @@ def model(tmp_path):
 ])
 def test_cuda_graphs_where_they_cannot_run_is_one_line_and_exit_2(model, tmp_path, capsys, monkeypatch, command,
                                                                   extra, environ, message):
-    monkeypatch.setattr("hidden_states.extraction.Extraction.load", lambda self: pytest.fail("the model loaded"))
+    monkeypatch.setattr("hidden_states.run.model_here.ModelHere.load", lambda self: pytest.fail("the model loaded"))
     monkeypatch.delenv(CAPTURE_ENV, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)

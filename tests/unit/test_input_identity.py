@@ -19,7 +19,7 @@ from hidden_states.errors import InputError, OutputError, PreflightError
 
 pytest.importorskip("torch")
 
-from hidden_states.extraction import Extraction  # noqa: E402
+from hidden_states.extract.command import Extraction  # noqa: E402
 from hidden_states.status import status  # noqa: E402
 from tests.unit.fakes import FakeBackend, quiet  # noqa: E402
 
@@ -145,8 +145,8 @@ def test_a_run_whose_directory_another_took_over_while_it_loaded_writes_nothing(
     def taken_over_meanwhile(self):  # a shard given another input claims the empty directory
         claimer = Extraction(replace(job, prepared_data=str(other)), log=quiet, source=ShardBatches(Shard(1, 2, "test")))
         claimer.plan()
-        claimer.prepare()
-        claimer.unlock()
+        claimer.prepared.prepare()
+        claimer.prepared.unlock()
         return start(self)
 
     monkeypatch.setattr(FakeBackend, "start", taken_over_meanwhile)

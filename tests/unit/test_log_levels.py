@@ -84,7 +84,7 @@ def test_cuda_only_warnings_are_shown_only_where_there_is_cuda():
 
 
 def test_the_summary_line_is_recognised():
-    from hidden_states.extraction import Summary
+    from hidden_states.run.summary import Summary
 
     for interrupted in (None, 2):
         summary = Summary()

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 
 from hidden_states.batches import ShardBatches  # noqa: E402
 from hidden_states.errors import OutputError  # noqa: E402
-from hidden_states.extraction import Extraction  # noqa: E402
+from hidden_states.extract.command import Extraction  # noqa: E402
 from hidden_states.shards import Shard  # noqa: E402
 from hidden_states.status import status  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, cli, extraction, planner
+from hidden_states import backends, cli, planner
+from hidden_states.extract.command import Extraction
 from hidden_states.errors import UsageError
 from hidden_states.estimates import RATES, estimate_time, rate_for
-from hidden_states.extraction import PLAN_DETAILS
+from hidden_states.run.summary import PLAN_DETAILS
 from hidden_states.model_ids import hub_cache, resolve
 from hidden_states.preflight import CPU_KV_CACHE_ENV, MemoryEstimate, cpu_kv_cache_space, estimate_memory, model_facts
 from tests.conftest import CACHE, ROOT
@@ -83,7 +84,7 @@ def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_st
                                                                                      monkeypatch, capsys):
     """The same lines as the plan, before anything else; the variable vLLM's CPU backend reads is set
     in this process before the backend starts (unset, vLLM 0.17 takes half the host's memory)."""
-    from hidden_states.extraction import Extraction
+    from hidden_states.extract.command import Extraction
     from hidden_states.settings import Settings
     from vllm_compat.extractor_api import vllm_device_type
 
@@ -113,14 +114,14 @@ def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_st
     assert [line.startswith("debug: ") for line in said[:len(run.plan_lines)]] == \
         [line.startswith(PLAN_DETAILS) for line in run.plan_lines]
     assert any(line.startswith("debug: settings:") for line in said)
-    assert any(f"vLLM loads the model (about {round(run.time_estimate.load_s)} s, the plan's estimate;" in line
+    assert any(f"vLLM loads the model (about {round(run.prepared.time_estimate.load_s)} s, the plan's estimate;" in line
                for line in said)
     assert any(line.startswith(f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB") for line in run.plan_lines)
 
 
 @pytest.mark.vllm
 def test_a_kv_cache_size_the_user_set_is_kept(tiny, tmp_path, no_audit, monkeypatch):
-    from hidden_states.extraction import Extraction
+    from hidden_states.extract.command import Extraction
     from hidden_states.settings import Settings
 
     monkeypatch.setenv(CPU_KV_CACHE_ENV, "3")
@@ -128,7 +129,7 @@ def test_a_kv_cache_size_the_user_set_is_kept(tiny, tmp_path, no_audit, monkeypa
     run = Extraction(Settings(model_path=str(model), prepared_data=str(data), output_dir=str(tmp_path / "out"),
                               format="speculators-0.3"))
     run.plan()
-    assert run.cpu_kv_cache is None
+    assert run.prepared.cpu_kv_cache is None
     if any("of host memory available" in line for line in run.plan_lines):
         assert f"KV cache: {CPU_KV_CACHE_ENV}=3 GiB per rank, as set in the environment" in run.plan_lines
 
@@ -189,11 +190,11 @@ def test_config_file_flags_override_it_and_the_run_records_the_effective_setting
     assert (settings.batch_size, settings.layer_ids, settings.strict) == (2, [1, 3], True)  # the flag wins
     assert settings.config_file == str(config.resolve())
     settings.backend = "fake"
-    extraction.Extraction(settings, log=lambda line: None).run()
+    Extraction(settings, log=lambda line: None).run()
     recorded = json.loads((tmp_path / "out" / "data_config.json").read_text())["settings"]
     assert recorded["batch_size"] == 2 and recorded["layer_ids"] == [1, 3] and recorded["strict"] is True
     assert recorded["config_file"] == str(config.resolve()) and recorded["max_seq_len"] == 2048
-    again = extraction.Extraction(settings)
+    again = Extraction(settings)
     again.plan()  # a rerun's plan: what the directory already holds
     assert f"samples: 0 to extract, 3 already finished in {tmp_path / 'out'}" in again.plan_lines
 
@@ -327,7 +328,7 @@ def test_the_plan_of_vllm_engine_checks_its_states_in_flight_before_the_load(tin
     by the plan (what the check says, and the host memory it is asked against, the negative)."""
     import vllm_compat.extractor_api
     from hidden_states.errors import PreflightError
-    from hidden_states.extraction import Extraction
+    from hidden_states.extract.command import Extraction
     from hidden_states.settings import Settings
 
     model, data = tiny
@@ -354,7 +355,7 @@ def test_the_disk_preflight_counts_only_the_samples_left_in_range(fake_model, tm
     from dataclasses import replace
 
     from hidden_states.errors import PreflightError
-    from hidden_states.extraction import Extraction
+    from hidden_states.extract.command import Extraction
     from hidden_states.sizes import human_size
     from hidden_states.settings import Settings
 

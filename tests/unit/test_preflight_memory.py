@@ -194,7 +194,8 @@ def test_device_memory_is_asked_of_vllm_only_where_nvml_answers(monkeypatch):
 def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_path, monkeypatch):
     from safetensors import safe_open
 
-    from hidden_states import extraction, planner
+    from hidden_states import planner
+    from hidden_states.extract.command import Extraction
     from hidden_states.settings import Settings
     from vllm_compat.host import vllm_device_type
 
@@ -202,7 +203,7 @@ def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_pat
     with safe_open(str(model / "model.safetensors"), "pt") as stored:
         stored_bytes = sum(stored.get_tensor(name).nbytes for name in stored.keys())
     monkeypatch.setattr(planner, "check_vllm", lambda backend, touched, speculators: "not run (no speculators here)")
-    planned = extraction.Extraction(Settings(model_path=str(model), prepared_data=str(data),
+    planned = Extraction(Settings(model_path=str(model), prepared_data=str(data),
                                              output_dir=str(tmp_path / "out"), format="speculators-0.3", batch_size=2,
                                              max_seq_len=64))
     planned.plan()

@@ -1,4 +1,4 @@
-"""The Ray driver's hand-out and fault handling (replicas.RayExtraction), on a small in-process stand-in
+"""The Ray driver's hand-out and fault handling (``replicas.driver.RayReplicas``), on a small in-process stand-in
 for Ray that runs each call at once (fake_ray.py), and the fake backend (fakes.py); real Ray and vLLM
 run in tests/e2e/test_data_parallel.py."""
 import json
@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hidden_states import replicas  # noqa: E402
-from hidden_states.extraction import Extraction, ExtractionFailed  # noqa: E402
+from hidden_states.replicas import driver  # noqa: E402
+from hidden_states.extract.command import Extraction
+from hidden_states.run.summary import ExtractionFailed  # noqa: E402
 from tests.unit.fake_ray import FakeRay  # noqa: E402
 from tests.unit.fakes import quiet  # noqa: E402
 
@@ -20,7 +21,7 @@ from tests.unit.fakes import quiet  # noqa: E402
 def ray_job(job, monkeypatch):
     def use(faults):
         fake = FakeRay(faults)
-        monkeypatch.setattr(replicas, "import_ray", lambda: fake)
+        monkeypatch.setattr(driver, "import_ray", lambda: fake)
         return fake
 
     return replace(job, batch_size=1, data_parallel_size=2), use
@@ -33,7 +34,7 @@ def ledgers(out: Path) -> dict[str, list[int]]:
 def test_two_replicas_share_the_batches_and_write_the_single_runs_files(ray_job):
     settings, use = ray_job
     use({})
-    summary = replicas.RayExtraction(settings, log=quiet).run()
+    summary = Extraction(settings, log=quiet).run()
     out = Path(settings.output_dir)
     assert summary.extracted == 6
     shares = ledgers(out)
@@ -47,7 +48,7 @@ def test_a_dead_replicas_batches_go_to_the_other_and_no_file_is_written_twice(ra
     settings, use = ray_job
     use({1: ("die", 2)})
     said = []
-    summary = replicas.RayExtraction(settings, log=said.append).run()
+    summary = Extraction(settings, log=said.append).run()
     out = Path(settings.output_dir)
     assert sorted(int(p.stem.split("_")[1]) for p in out.glob("data_*.pt")) == list(range(6))
     written = [i for indices in ledgers(out).values() for i in indices]
@@ -62,7 +63,7 @@ def test_when_every_replica_fails_the_run_says_which_samples_and_why(ray_job):
     settings, use = ray_job
     use({0: ("raise", 1), 1: ("raise", 1)})
     with pytest.raises(ExtractionFailed) as failed:
-        replicas.RayExtraction(settings, log=quiet).run()
+        Extraction(settings, log=quiet).run()
     message = str(failed.value)
     assert "ValueError: boom" in message and "replica 0 failed" in message
     assert not list(Path(settings.output_dir).glob("data_*.pt"))
@@ -73,7 +74,7 @@ def test_a_batch_failing_on_two_replicas_is_given_up_and_the_rest_is_extracted(r
     settings = replace(settings, data_parallel_size=3)
     use({"every": ("poison", 2)})  # sample 2 fails wherever it goes: two replicas, then given up
     with pytest.raises(ExtractionFailed) as failed:
-        replicas.RayExtraction(settings, log=quiet).run()
+        Extraction(settings, log=quiet).run()
     message = str(failed.value)
     assert message.startswith("1 samples were not extracted") and message.count("ValueError: boom") == 2
     assert [int(index) for index in re.findall(r"(\d+) \(line \d+\)", message)] == [2]

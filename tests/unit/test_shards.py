@@ -12,7 +12,7 @@ from hidden_states.shards import Shard
 
 pytest.importorskip("torch")
 
-from hidden_states.extraction import Extraction  # noqa: E402
+from hidden_states.extract.command import Extraction  # noqa: E402
 from hidden_states.status import status  # noqa: E402
 from tests.unit.fakes import quiet  # noqa: E402
 

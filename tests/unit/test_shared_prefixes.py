@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states.extraction import Extraction
+from hidden_states.extract.command import Extraction
 from hidden_states.inputs import Sample
 from hidden_states.prefixes import share
 from hidden_states.settings import Settings
@@ -125,12 +125,12 @@ def test_static_shards_together_write_every_row_as_extracting_alone(job, tmp_pat
 
 
 def test_ray_replicas_serve_rows_in_their_batches_and_the_driver_counts_them(job, tmp_path, monkeypatch):
-    from hidden_states import replicas
+    from hidden_states.replicas import driver
     from tests.unit.fake_ray import FakeRay
 
-    monkeypatch.setattr(replicas, "import_ray", lambda: FakeRay({}))
+    monkeypatch.setattr(driver, "import_ray", lambda: FakeRay({}))
     driven = Settings(**{**job.__dict__, "data_parallel_size": 2})
-    summary = replicas.RayExtraction(driven, log=lambda line: None).run()
+    summary = Extraction(driven, log=lambda line: None).run()
 
     assert (summary.extracted, summary.shared_rows, summary.computed_tokens) == (8, 4, 44)
     assert_same(files(job), alone(job, tmp_path))
@@ -195,7 +195,7 @@ def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, m
 
 
 def test_a_failed_batch_names_the_rows_served_from_it_too(job, monkeypatch):
-    from hidden_states.extraction import ExtractionFailed
+    from hidden_states.run.summary import ExtractionFailed
 
     def fail(self, batch):
         raise RuntimeError("boom")
