@@ -83,6 +83,9 @@ class InputStream:
         vocab_size: token ids must be below it (None: not checked).
         chat: how conversations are tokenized; None: only tokenized rows are accepted.
         digest: hash the input's bytes when it is opened (``identity``), before its rows are read.
+        keep_records: keep the rows the samples read so far came from, for :meth:`records`.
+        tokenizer: the ``ChatTokenizer`` to tokenize conversations with (None: loaded from ``chat``
+            at the first conversation).
 
     Attributes:
         path: the file or dataset directory.
@@ -95,15 +98,18 @@ class InputStream:
     """
 
     def __init__(self, path: str | Path, vocab_size: int | None = None, chat: ChatSettings | None = None,
-                 digest: bool = False):
+                 digest: bool = False, keep_records: bool = False, tokenizer: ChatTokenizer | None = None):
         self.path = Path(path)
         self.vocab_size = vocab_size
         self.chat = chat
         self.digest = digest
         self.tokenizer: ChatTokenizer | None = None
+        self._given_tokenizer = tokenizer
+        self._kept: list[conversations.Record] | None = [] if keep_records else None
         self.samples_read = 0
         self.token_counts: Counter = Counter()
         self._source: conversations.RecordSource | None = None
+        self._rows: Iterator[conversations.Record] | None = None  # the source's rows (kept as read, if asked)
         self._ended = False
         self._peeked: list[Sample] = []
         self._reader: Iterator[Sample] | None = None
@@ -184,13 +190,40 @@ class InputStream:
             self._counted = self.samples_read + rest
         return self._counted, True
 
+    def first_record(self) -> conversations.Record | None:
+        """The input's first row (None: it has none), of a stream made with ``keep_records``."""
+        self.peek(1)  # up to the first sample: the first row is read, and kept
+        return self._kept[0] if self._kept else None
+
+    def records(self) -> Iterator[conversations.Record]:
+        """Every row of the input, from its first, read once: the rows the samples read so far came
+        from (kept: the stream was made with ``keep_records``), then the rest from the same handle.
+        The stream's samples end where this begins (``generate`` peeks at samples, then reads its
+        conversations as rows)."""
+        if self._kept is None:
+            raise RuntimeError("records() needs an InputStream made with keep_records=True")
+        self._open()
+        kept, self._kept = self._kept, None
+        yield from kept
+        yield from self._rows
+
     def _open(self) -> Iterator[Sample]:
         if self._reader is None:
             self._source = conversations.open_source(self.path, self.digest)
+            self._rows = self._keeping(iter(self._source)) if self._kept is not None else iter(self._source)
             self._reader = self._samples(self._source)
         return self._reader
 
+    def _keeping(self, records: Iterator[conversations.Record]) -> Iterator[conversations.Record]:
+        for record in records:
+            if self._kept is not None:  # until records() takes them over
+                self._kept.append(record)
+            yield record
+
     def _tokenizer(self) -> ChatTokenizer:
+        if self._given_tokenizer is not None:
+            self.tokenizer = self._given_tokenizer
+            return self.tokenizer
         if self.chat is None:
             raise InputError(f"{self.path}: conversations, which need the model's tokenizer to become samples "
                              f"(hidden-states prepare or extract tokenize them)")
@@ -198,7 +231,7 @@ class InputStream:
         return self.tokenizer
 
     def _samples(self, source: conversations.RecordSource) -> Iterator[Sample]:
-        for record, _, ids, mask in tokenized_rows(source, self._tokenizer):
+        for record, _, ids, mask in tokenized_rows(self._rows, self._tokenizer):
             sample = validate({"input_ids": ids, "loss_mask": mask}, record.where, self.samples_read, record.line,
                               self.vocab_size)
             if self.tokenizer is not None:
@@ -209,12 +242,12 @@ class InputStream:
         self._ended = True
 
 
-def trained_token_counts(chat: ChatSettings, data: str | Path) -> Counter:
+def trained_token_counts(chat: ChatSettings, data: str | Path, tokenizer: ChatTokenizer | None = None) -> Counter:
     """How often each token id is trained over the rows of ``data`` (conversations tokenized with
-    ``chat``; tokenized rows as they are, every token trained without a mask): what ``prepare``
-    writes to ``token_freq.pt``."""
+    ``chat``, or ``tokenizer`` where one is loaded already; tokenized rows as they are, every token
+    trained without a mask): what ``prepare`` writes to ``token_freq.pt``."""
     counts: Counter = Counter()
-    for sample in InputStream(data, chat=chat):
+    for sample in InputStream(data, chat=chat, tokenizer=tokenizer):
         count_trained(counts, sample.input_ids,
                       sample.loss_mask if sample.loss_mask is not None else [1] * len(sample.input_ids))
     return counts

@@ -109,7 +109,7 @@ class Planned:
 
 def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: bool = True,
              batches_held: int = BATCHES_HELD, identity: dict | None = None,
-             samples_optional: bool = False) -> Planned:
+             samples_optional: bool = False, keep_records: bool = False) -> Planned:
     """Everything that can be checked and foreseen of a run before anything is written or loaded
     (the module's docstring); the memory on this host's devices only if it ``loads_model_here`` (else
     each replica checks its own as it loads). Reads the output directory, never writes it.
@@ -120,6 +120,8 @@ def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: 
         identity: what the caller adds to the run's identity (``generate``: its sampling).
         samples_optional: an input with no sample to extract is not refused (``generate``: prompts
             with no reply yet make none; their rows are the regenerated replies').
+        keep_records: the input stream keeps its rows for ``InputStream.records`` (``generate`` reads
+            its conversations from the stream the plan opened).
     """
     model, lines = planner.plan_model(settings, log)
     facts, layer_ids = model.facts, model.layers.ids
@@ -128,7 +130,7 @@ def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: 
                        PreflightError)
     chat = ChatSettings(settings.model_path, model.format_name, settings.max_seq_len, settings.trust_remote_code,
                         settings.strict)
-    stream = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True)
+    stream = InputStream(settings.prepared_data, facts.vocab_size, chat, digest=True, keep_records=keep_records)
     if not samples_optional or stream.peek(1):  # read ahead and validated (their length too, with --strict)
         check_first_samples(stream, settings.max_seq_len if settings.strict else None)
     input_source, tokenization = stream.identity(settings.max_seq_len)

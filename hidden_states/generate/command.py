@@ -94,18 +94,18 @@ class Generation:
         if sampling.max_new_tokens >= settings.max_seq_len:
             raise UsageError(f"--max-new-tokens {sampling.max_new_tokens}: must be below --max-seq-len "
                              f"{settings.max_seq_len} (a prompt and its reply make one row)")
-        first = next(iter(conversations.open_source(settings.prepared_data)), None)
+        # as ``extract`` would read them the input may hold no sample at all: with speculators-0.5 (a
+        # row per assistant turn) prompts with no reply yet make none, and their rows are the
+        # regenerated replies'. The sampling joins the run's identity: a rerun with other sampling is
+        # another extraction. The stream the plan opens is the one the conversations are read from
+        prepared = self.prepared
+        prepared.plan(identity={"generation": dataclasses.asdict(sampling)}, samples_optional=True, keep_records=True)
+        first = prepared.input.first_record()
         if first is None:
             raise PreflightError(f"{settings.prepared_data}: no conversations")
         if conversations.kind_of(first) not in (conversations.SHAREGPT, conversations.MESSAGES):
             raise InputError(f"{first.where}: a {conversations.kind_of(first)} row; generate regenerates "
                              f"conversations (ShareGPT 'conversations' or OpenAI 'messages')")
-        # the input holds conversations (checked above); as ``extract`` would read them it may hold no
-        # sample at all: with speculators-0.5 (a row per assistant turn) prompts with no reply yet make
-        # none, and their rows are the regenerated replies'. The sampling joins the run's identity: a
-        # rerun with other sampling is another extraction
-        prepared = self.prepared
-        prepared.plan(identity={"generation": dataclasses.asdict(sampling)}, samples_optional=True)
         prepared.hold(dataclasses.replace(prepared.planned, lines=[
             *prepared.planned.lines, f"regeneration: every user turn answered again ({describe(sampling)}); the "
                                      f"time above is the rows' prefill alone"]))
@@ -159,7 +159,7 @@ class Generation:
                     break
         else:
             runner.open_writer()
-            self.chat = chat_tokenizer(self.prepared)
+            self.chat = self.prepared.input.tokenizer or chat_tokenizer(self.prepared)  # the plan's, loaded once
             loop = ContinuousRegeneration(runner, self.prepared.format, self.chat, self.sampling, settings,
                                           self.summary, streams=streams_files(runner, self.prepared),
                                           interrupted=lifecycle.interrupted, progress=progress)
@@ -195,8 +195,8 @@ class Generation:
             return
         chat = ChatSettings(settings.model_path, prepared.format_name, settings.max_seq_len, settings.trust_remote_code,
                             settings.strict)
-        save_token_frequencies(dict(trained_token_counts(chat, prepared.output.path / regenerated_name(None))),
-                               prepared.output.path / TOKEN_FREQ)
+        counts = trained_token_counts(chat, prepared.output.path / regenerated_name(None), tokenizer=prepared.input.tokenizer)
+        save_token_frequencies(dict(counts), prepared.output.path / TOKEN_FREQ)
 
     def unfinished(self) -> tuple[int, bool]:
         """(samples of the conversations of the range, or the shard's share, not done: a file missing,
@@ -210,7 +210,7 @@ class Generation:
         settings, prepared = self.settings, self.prepared
         per_reply = prepared.format_name == SPECULATORS_05
         owns = self.source.owns
-        source = conversations.open_source(prepared.input.path)
+        source = prepared.input.records()  # read once: the plan's stream, from its first row
         # a turn with an unknown role is context, never regenerated: skipped or kept as an assistant
         # turn as extract tokenizes it (the kept turns are the system and user ones); --strict refuses it
         unknown_roles = conversations.REFUSE if settings.strict else unknown_role_policy(prepared.format_name)

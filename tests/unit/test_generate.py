@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -467,6 +468,37 @@ def run_generation(model, data, out, layout, *extra):
     lines = []
     generation = Generation(settings, Sampling(max_new_tokens=16), log=lines.append)
     return generation.run(), generation, lines
+
+
+def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tmp_path, monkeypatch):
+    """The plan's input stream is the one the conversations are read from, and its chat tokenizer
+    the one the prompts, the rows and token_freq.pt use: one open of the input, one tokenizer load
+    (the negative: each reader opening its own counts more)."""
+    from hidden_states import conversations, tokenization
+
+    model, data, _ = fake_run
+    opened, loaded = [], []
+    real_open, real_load = conversations.open_source, tokenization.load_tokenizer
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real_open(path, *args, **kwargs)
+
+    def counting_load(*args, **kwargs):
+        loaded.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(conversations, "open_source", counting_open)
+    monkeypatch.setattr(tokenization, "load_tokenizer", counting_load)
+    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.3")
+    assert summary.extracted == 2 and (tmp_path / "out" / "token_freq.pt").is_file()
+    assert opened.count(data.name) == 1, opened
+    assert len(loaded) == 1, loaded
+    # the negative: prepare reading the regenerated rows with its own stream loads a tokenizer of its own
+    assert main(["prepare", "--model-path", str(model), "--data", str(tmp_path / "out" / "regenerated.jsonl"),
+                 "--output", str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.3",
+                 "--max-seq-len", "256"]) == 0
+    assert len(loaded) == 2
 
 
 def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
