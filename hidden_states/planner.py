@@ -6,7 +6,10 @@
 * :func:`check_memory_here`: the memory the model needs per rank against this host's devices and,
   on vLLM's CPU backend, the KV cache it will be given; :func:`audit_line`: the vllm-compat audit;
   :func:`states_in_flight_line`: the host memory of ``vllm-engine``'s states in flight;
-* ``run_plan.plan_run``: all of the above, the input's first samples, the output directory read
+* :func:`load_model`: the model loaded as planned, for every command that runs it here (``extract``
+  and ``generate`` through ``run.model_here``, each Ray replica, ``serve``): vLLM's CPU KV cache sized
+  as the memory check said, the backend started, the forward check of its kernels;
+* ``run_plan.plan_run``: all of the above but the load, the input's first samples, the output directory read
   against the run's identity, the samples left, the disk they need, the run's time; and
   ``run_plan.RunPlan``, the immutable plan every process executing the run follows.
 """
@@ -14,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import backends, formats, layer_conventions
 from .errors import UsageError
+from .forward_check import check_forward
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, MemoryEstimate, ModelFacts, check_environment, check_layer_ids,
                         check_memory, check_states_in_flight, check_tensor_parallel, check_vllm, cpu_kv_cache_space,
                         device_budget, estimate_memory, model_facts)
@@ -192,3 +198,43 @@ def device_name_here() -> str | None:
         return device_name()
     except Exception:  # noqa: BLE001 - advisory, as the memory check's device_budget
         return None
+
+
+@dataclass
+class Loaded:
+    """A started backend: ``backend``; ``layer_order``, where each listed layer is among those it
+    captures (backends capture each layer once, in the model's order; files list them as asked);
+    ``info``, what its start reported (the config records it); ``seconds``, the load's time."""
+
+    backend: backends.Backend
+    layer_order: list[int]
+    info: dict
+    seconds: float
+
+
+def load_model(settings: ModelSettings, model_plan: ModelPlan, memory_check: MemoryCheck | None, *, log,
+               batches_held: int, held: Callable[[backends.Backend], None], expected: str | None = None) -> Loaded:
+    """Start ``settings.backend`` on ``model_plan`` (vLLM loads the model), then check its forward
+    (``--skip-forward-check`` says it did not). ``expected``: how long the load should take, said
+    as it starts. ``held`` gets the backend as soon as it is made, before it starts: whatever fails
+    after, the caller closes it (vLLM's processes of a half-done start, or of a failed check, go with
+    it). Call on the main thread, inside ``processes.contained()`` (vLLM's processes die
+    with this one)."""
+    cpu_kv_cache = memory_check.cpu_kv_cache if memory_check is not None else None
+    if cpu_kv_cache is not None:  # vLLM reads it in this process, as it builds its config
+        os.environ.setdefault(CPU_KV_CACHE_ENV, str(cpu_kv_cache))
+    backend_settings = model_plan.backend_settings(settings, batches_held)
+    backend = backends.create(settings.backend, backend_settings)
+    held(backend)
+    layer_order = model_plan.layer_order(backend_settings)
+    started = time.monotonic()
+    log(f"starting the {settings.backend} backend: vLLM loads the model" + (f" ({expected})" if expected else ""))
+    info = backend.start()
+    seconds = time.monotonic() - started
+    log(f"model loaded in {seconds:.0f} s")
+    info = info or {}
+    if settings.forward_check:
+        log(check_forward(backend, model_plan.facts.vocab_size))
+    else:
+        log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
+    return Loaded(backend, layer_order, info, seconds)

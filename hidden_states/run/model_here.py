@@ -11,15 +11,13 @@ from __future__ import annotations
 import os
 import time
 
-from .. import backends
 from ..backends.regions import SHM
 from ..errors import OutputError
 from ..estimates import duration
 from ..files import atomic_write_json, read_json
-from ..forward_check import check_forward
 from ..identity import difference
 from ..output import CONFIG, BackgroundWriter, format_name
-from ..preflight import CPU_KV_CACHE_ENV
+from ..planner import load_model
 from ..sizes import human_size
 from .prepared import PreparedRun
 from .summary import DRAIN_THREADS, Summary
@@ -43,30 +41,23 @@ class ModelHere:
 
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""
-        prepared, settings = self.prepared, self.prepared.run_plan.settings
-        if prepared.cpu_kv_cache is not None:  # vLLM reads it in this process, as it builds its config
-            os.environ.setdefault(CPU_KV_CACHE_ENV, str(prepared.cpu_kv_cache))
-        backend_settings = prepared.run_plan.backend_settings(self.batches_held)
-        self.backend = backends.create(settings.backend, backend_settings)
-        self.layer_order = prepared.model_plan.layer_order(backend_settings)
-        started = time.monotonic()
+        prepared = self.prepared
         estimate = prepared.time_estimate
         expected = f"about {duration(estimate.load_s)}, the plan's estimate" if estimate else "tens of seconds"
-        self.log(f"starting the {settings.backend} backend: vLLM loads the model ({expected}; Ctrl-C stops at once)")
-        info = self.backend.start()
-        self.summary.load_seconds = time.monotonic() - started
-        self.log(f"model loaded in {self.summary.load_seconds:.0f} s")
+        loaded = load_model(prepared.run_plan.settings, prepared.model_plan, prepared.memory_check, log=self.log,
+                            batches_held=self.batches_held, held=self._hold, expected=f"{expected}; Ctrl-C stops at once")
+        self.backend, self.layer_order, info = loaded.backend, loaded.layer_order, loaded.info
+        self.summary.load_seconds = loaded.seconds
         segment = info.get("states_segment")
         if segment and segment["in"] != SHM:
             self.log(f"warning: the states' shared segment ({human_size(segment['bytes'])}) is in {segment['in']}: "
                      f"{SHM} lacks room for it, and a file there is written back to disk (a smaller --batch-size "
                      f"fits in memory)")
-        if settings.forward_check:
-            self.log(check_forward(self.backend, prepared.facts.vocab_size))
-        else:
-            self.log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
         self.check_still_ours()
         atomic_write_json(prepared.output.path / CONFIG, {**prepared.config, **info})
+
+    def _hold(self, backend) -> None:
+        self.backend = backend  # closed by finish, whatever fails from here
 
     def check_still_ours(self) -> None:
         """Refuse to write where another run (a shard given another input, say) took the directory

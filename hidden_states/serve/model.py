@@ -10,14 +10,9 @@ come from clients, states go to files (``serve.state_files``).
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 
-from .. import backends
-from ..forward_check import check_forward
 from ..layer_conventions import SPECULATORS_05
-from ..planner import MemoryCheck, ModelPlan, audit_line, check_memory_here, plan_model
-from ..preflight import CPU_KV_CACHE_ENV
+from ..planner import BATCHES_HELD, MemoryCheck, ModelPlan, audit_line, check_memory_here, load_model, plan_model
 from ..settings import ModelSettings
 
 BACKEND = "vllm-engine"  # states stream from vLLM's own engine into shared memory, from vLLM 0.11
@@ -66,21 +61,12 @@ class ServedModel:
     def load(self) -> None:
         """Start the backend (vLLM loads the model), then the forward check. Call on the main thread,
         inside ``processes.contained()`` (vLLM's processes die with this one)."""
-        cpu_kv_cache = self.memory_check.cpu_kv_cache
-        if cpu_kv_cache is not None:  # vLLM reads it in this process, as it builds its config
-            os.environ.setdefault(CPU_KV_CACHE_ENV, str(cpu_kv_cache))
-        backend_settings = self.model_plan.backend_settings(self.settings)
-        self.layer_order = self.model_plan.layer_order(backend_settings)
-        self.backend = backends.create(self.settings.backend, backend_settings)
-        started = time.monotonic()
-        self.log(f"starting the {self.settings.backend} backend: vLLM loads the model")
-        self.backend.start()
-        self.load_seconds = time.monotonic() - started
-        self.log(f"model loaded in {self.load_seconds:.0f} s")
-        if self.settings.forward_check:
-            self.log(check_forward(self.backend, self.vocab_size))
-        else:
-            self.log("forward check skipped (--skip-forward-check): the kernels' output is not verified")
+        loaded = load_model(self.settings, self.model_plan, self.memory_check, log=self.log, batches_held=BATCHES_HELD,
+                            held=self._hold)
+        self.backend, self.layer_order, self.load_seconds = loaded.backend, loaded.layer_order, loaded.seconds
+
+    def _hold(self, backend) -> None:
+        self.backend = backend  # closed by close(), whatever fails from here
 
     def close(self) -> None:
         backend, self.backend = self.backend, None
