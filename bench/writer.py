@@ -80,7 +80,7 @@ def main() -> int:
     import torch
 
     from hidden_states import formats
-    from hidden_states.inputs import Sample
+    from hidden_states.inputs.streams import Sample
 
     stacked = torch.randn(args.tokens, args.layers, args.hidden, dtype=torch.bfloat16)
     sample = Sample(0, 1, list(range(args.tokens)), None)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Protocol
 
 from .errors import InputError
-from .inputs import InputStream, Sample
+from .inputs.streams import InputStream, Sample
 from .preflight import too_long
 from .settings import Settings
 

@@ -489,7 +489,7 @@ def _convert(args) -> int:
 def _prepare(args) -> int:
     from .layer_conventions import default_format
     from .prepare import prepare
-    from .tokenization import ChatSettings
+    from .inputs.tokenization import ChatSettings
 
     chat = ChatSettings(model_ids.resolve(args.model_path), args.format or default_format(), args.max_seq_len,
                         args.trust_remote_code, args.strict)

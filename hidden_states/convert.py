@@ -21,8 +21,8 @@ from pathlib import Path
 
 from . import extras, formats, layer_conventions, run_log
 from .errors import OutputError, UsageError
-from .identity import recorded
-from .inputs import Sample
+from .inputs.identity import recorded
+from .inputs.streams import Sample
 from .output import CONFIG, BackgroundWriter, DirectoryLock, OutputDir, format_name
 from .files import TEMP_PREFIX, read_json
 from .progress import log_to_stderr

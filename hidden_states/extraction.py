@@ -34,18 +34,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, formats, fp8_states, layer_conventions, prefixes, processes, run_log
+from . import backends, formats, fp8_states, layer_conventions, processes, run_log
+from .inputs import prefixes
 from .batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, InputError, OutputError
-from .inputs import InputStream, Sample
-from .tokenization import save_token_frequencies
+from .inputs.streams import InputStream, Sample
+from .inputs.tokenization import save_token_frequencies
 from .interrupts import Interrupt
 from .output import CONFIG, TOKEN_FREQ, BackgroundWriter, DirectoryLock, OutputDir, format_name
 from .files import atomic_write_json, read_json
 from .forward_check import check_forward
 from .estimates import TimeEstimate, duration
 from .backends.regions import SHM
-from .identity import describe_input, difference, stop_record
+from .inputs.identity import describe_input, difference, stop_record
 from .planner import BATCHES_HELD, MemoryCheck, ModelPlan
 from .run_plan import Planned, RunPlan, plan_run
 from .preflight import CPU_KV_CACHE_ENV, ModelFacts

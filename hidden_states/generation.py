@@ -44,12 +44,13 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from . import conversations, fp8_states
+from . import fp8_states
 from .backends import Reply, Sampling
 from .errors import InputError, OutputError, PreflightError, UsageError
 from .extraction import PLAN_DETAILS, Extraction
 from .formats.speculators_05 import StreamedFile
-from .inputs import Sample, trained_token_counts
+from .inputs import conversations
+from .inputs.streams import Sample, trained_token_counts
 from .layer_conventions import SPECULATORS_05
 from .progress import Progress
 from .regeneration import (TOO_LONG, Kept, Regeneration, Tally, keep_finished_lines, kept, merge_shards,
@@ -57,7 +58,7 @@ from .regeneration import (TOO_LONG, Kept, Regeneration, Tally, keep_finished_li
 from .replicas import Handle, RayExtraction, ReplicaBatch
 from .output import TOKEN_FREQ
 from .run_plan import plan_run
-from .tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
+from .inputs.tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
 
 BACKEND = "vllm-engine"
 STREAM_ENV = "VLLM_COMPAT_STREAM_FILES"  # 0: speculators-0.5 files written when their rows are done (to compare)

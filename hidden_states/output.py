@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .errors import OutputError
 from .files import TEMP_PREFIX, atomic_write_json, describe_os_error, read_json
-from .identity import describe_input, difference, recorded
+from .inputs.identity import describe_input, difference, recorded
 from .settings import default
 
 LEDGER = "done.jsonl"

@@ -15,7 +15,7 @@ from .files import TEMP_PREFIX, read_json
 from .sizes import human_size
 
 if TYPE_CHECKING:  # (annotations: the checks of the input's samples are handed its stream)
-    from .inputs import InputStream, Sample
+    from .inputs.streams import InputStream, Sample
 
 FIRST_LINES = 64  # samples validated before the model loads (a bounded peek); the rest as they stream
 

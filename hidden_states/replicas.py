@@ -39,7 +39,7 @@ from .errors import UsageError
 from .extraction import Extraction, ExtractionFailed
 from .planner import check_memory_here
 from .run_plan import RunPlan
-from .inputs import Sample
+from .inputs.streams import Sample
 from .progress import log_to_stderr
 
 IN_FLIGHT = 2  # calls queued per replica: the next batch is there when one ends

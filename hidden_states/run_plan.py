@@ -17,13 +17,13 @@ from . import backends, extras, formats, layer_conventions, planner
 from .batches import BatchSource, Pending
 from .errors import OutputError, PreflightError
 from .estimates import TimeEstimate, estimate_time, rate_for
-from .inputs import InputStream
+from .inputs.streams import InputStream
 from .output import OutputDir, holder
 from .planner import BATCHES_HELD, MemoryCheck, ModelPlan
 from .preflight import MemoryEstimate, check_disk, check_first_samples, estimate_memory, estimate_tokens
 from .sizes import human_size
 from .settings import Settings
-from .tokenization import ChatSettings
+from .inputs.tokenization import ChatSettings
 
 
 @dataclass(frozen=True)

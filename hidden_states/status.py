@@ -7,12 +7,12 @@ from pathlib import Path
 
 from . import formats
 from .errors import InputError
-from .identity import SHORT, describe_input, recorded, same_input
-from .inputs import InputStream
+from .inputs.identity import SHORT, describe_input, recorded, same_input
+from .inputs.streams import InputStream
 from .output import CONFIG, LEDGERS, OutputDir, format_name, holder
 from .files import TEMP_PREFIX, read_json
 from .regeneration import REGENERATED_FILES
-from .tokenization import ChatSettings
+from .inputs.tokenization import ChatSettings
 
 
 def _ranges(indices: list[int], shown: int = 8) -> str:

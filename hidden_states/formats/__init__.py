@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
 
 if TYPE_CHECKING:
-    from ..inputs import Sample
+    from ..inputs.streams import Sample
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
-from ..inputs import Sample
+from ..inputs.streams import Sample
 from ..output import atomic_write_json
 from . import Layers
 

@@ -33,7 +33,7 @@ from typing import BinaryIO
 
 from .. import extras, fp8_states
 from ..errors import OutputError
-from ..inputs import Sample
+from ..inputs.streams import Sample
 from ..layer_conventions import MEANING, SPECULATORS_05, from_extractor
 from ..output import Continued
 from . import Layers

@@ -29,7 +29,7 @@ EXTRACTOR_LAYERS = _layers([
     ("support", {"extras", "sizes", "files", "layer_conventions", "fp8_states", "forward_check", "log_levels",
                  "run_log", "progress", "processes", "interrupts"}),
     # the input's rows to samples, and what they were made from
-    ("inputs", {"conversations", "identity", "tokenization", "inputs", "prefixes", "regeneration"}),
+    ("inputs", {"inputs", "regeneration"}),
     # ways to run the model: below the output, so no format or output directory reaches a backend
     ("backends", {"backends"}),
     # the output directory, its writer and the formats

@@ -14,7 +14,7 @@ from hidden_states.batches import Pending, Sequential, batched
 from hidden_states.errors import InputError
 from hidden_states.extraction import Extraction
 from hidden_states.formats.speculators_03 import Speculators03
-from hidden_states.inputs import InputStream, Sample
+from hidden_states.inputs.streams import InputStream, Sample
 from hidden_states.preflight import FIRST_LINES
 from hidden_states.settings import Settings, default
 from tests.unit.fakes import FakeBackend, quiet

@@ -7,8 +7,8 @@ import pytest
 
 from hidden_states import formats, fp8_states
 from hidden_states.cli import main
-from hidden_states.identity import difference
-from hidden_states.inputs import Sample
+from hidden_states.inputs.identity import difference
+from hidden_states.inputs.streams import Sample
 
 torch = pytest.importorskip("torch")
 

@@ -19,9 +19,9 @@ from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, REWRITTEN,
 from hidden_states.backends.engine_replies import ROW_TAIL
 from hidden_states.backends.vllm_engine import VllmEngineBackend
 from hidden_states.cli import main
-from hidden_states.conversations import Conversation
+from hidden_states.inputs.conversations import Conversation
 from hidden_states.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
-from hidden_states.tokenization import common_prefix
+from hidden_states.inputs.tokenization import common_prefix
 from tests.unit.fakes import FakeGenerating
 from tests.unit.streaming_worker import HIDDEN, LAYERS, WAIT, rows_of, worker
 
@@ -352,7 +352,7 @@ def test_a_per_turn_row_the_template_rerenders_takes_its_own_turns_reply():
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     from hidden_states.fixtures.chat_templates import build_tokenizer
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
 
     path = build_tokenizer("llama3", tmp_path_factory.mktemp("llama3"))
     return ChatTokenizer(load_tokenizer(str(path)), "speculators-0.3", 256)
@@ -361,7 +361,7 @@ def llama3(tmp_path_factory):
 def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
     """Llama-3's template renders a reply as its content (trimmed), then <|eot_id|>: a reply ending
     on the sampled <|eot_id|> is the row itself; one with spaces around it is re-rendered."""
-    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.inputs.conversations import MESSAGES, Record
 
     tokenizer = llama3.tokenizer
     eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
@@ -418,7 +418,7 @@ def test_bad_input_is_one_line_and_exit_2(chat_model, tmp_path, capsys, monkeypa
 
 
 def test_the_sampling_is_part_of_the_output_directorys_identity():
-    from hidden_states.identity import difference
+    from hidden_states.inputs.identity import difference
 
     base = {"model": "m", "layer_ids": [1], "format": "f", "state_dtype": "model",
             "input": {"resolved": "x"}, "tokenization": {}}
@@ -435,7 +435,7 @@ def test_the_sampling_is_part_of_the_output_directorys_identity():
 @pytest.fixture
 def fake_run(chat_model, tmp_path, monkeypatch):
     from hidden_states import backends, planner
-    from hidden_states.tokenization import load_tokenizer
+    from hidden_states.inputs.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(str(chat_model))
     made = []
@@ -478,7 +478,7 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     assert [(r["index"], r["sample_indices"]) for r in regenerated] == [(0, [0]), (2, [2])]
     assert [m["content"] for m in regenerated[0]["messages"]] == ["brief", "one", "ok 1", "two", "ok 3"]
     saved = torch.load(out / "data_0.pt", weights_only=True)
-    row = generation.chat.rows(__import__("hidden_states.conversations", fromlist=["Record"]).Record(
+    row = generation.chat.rows(__import__("hidden_states.inputs.conversations", fromlist=["Record"]).Record(
         "x", 1, {"messages": regenerated[0]["messages"]}), "messages")[0]
     assert saved["input_ids"].tolist() == row.input_ids and saved["loss_mask"].tolist() == row.loss_mask
     assert saved["hidden_states"][1][:, 0].tolist() == [2000.0 + p for p in range(len(row.input_ids))]
@@ -562,7 +562,7 @@ def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra, replies=No
     reply comes once the events ``long_until`` have happened: (its backend, what the run returned or
     raised)."""
     from hidden_states import backends, interrupts
-    from hidden_states.tokenization import load_tokenizer
+    from hidden_states.inputs.tokenization import load_tokenizer
 
     model, _, _ = fake_run
     tokenizer, made = load_tokenizer(str(model)), []

@@ -140,7 +140,7 @@ class LastFirstRay(FakeRay):
 
 @pytest.fixture
 def scale(chat_model, tmp_path, monkeypatch):
-    from hidden_states.tokenization import load_tokenizer
+    from hidden_states.inputs.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(str(chat_model))
     monkeypatch.setattr(backends, "create", lambda name, settings: PromptReplies(settings, tokenizer))
@@ -244,8 +244,8 @@ def test_a_batch_lost_with_its_files_on_disk_is_regenerated_whole_and_its_files_
     """Replica 1 wrote its batch's files and died before returning the line: the batch is regenerated
     whole on replica 0, whose replies differ (sampling), and every file is rewritten from them: each
     file holds the rows of its conversation as ``regenerated.jsonl`` has it."""
-    from hidden_states.conversations import MESSAGES, Record
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.inputs.conversations import MESSAGES, Record
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
 
     settings, use_ray = scale
     tokenizer = load_tokenizer(settings("ray").model_path)

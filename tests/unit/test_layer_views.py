@@ -10,7 +10,7 @@ import torch
 
 from hidden_states import formats
 from hidden_states.formats.speculators_05 import read_sample
-from hidden_states.inputs import Sample
+from hidden_states.inputs.streams import Sample
 
 TOKENS, LAYERS, HIDDEN = 5, 3, 8
 
@@ -71,7 +71,7 @@ import torch
 from hidden_states import formats
 from hidden_states.output import BackgroundWriter
 from hidden_states.errors import OutputError
-from hidden_states.inputs import Sample
+from hidden_states.inputs.streams import Sample
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

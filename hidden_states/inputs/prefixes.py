@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .inputs import Sample
+from .streams import Sample
 
 
 @dataclass
