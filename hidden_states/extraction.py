@@ -36,7 +36,7 @@ from pathlib import Path
 
 from . import backends, formats, fp8_states, layer_conventions, processes, run_log
 from .inputs import prefixes
-from .batches import BatchSource, Pending, batch_source
+from .plan.batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, InputError, OutputError
 from .inputs.streams import InputStream, Sample
 from .inputs.tokenization import save_token_frequencies
@@ -44,12 +44,12 @@ from .interrupts import Interrupt
 from .output import CONFIG, TOKEN_FREQ, BackgroundWriter, DirectoryLock, OutputDir, format_name
 from .files import atomic_write_json, read_json
 from .forward_check import check_forward
-from .estimates import TimeEstimate, duration
+from .plan.estimates import TimeEstimate, duration
 from .backends.regions import SHM
 from .inputs.identity import describe_input, difference, stop_record
-from .planner import BATCHES_HELD, MemoryCheck, ModelPlan
-from .run_plan import Planned, RunPlan, plan_run
-from .preflight import CPU_KV_CACHE_ENV, ModelFacts
+from .plan.planner import BATCHES_HELD, MemoryCheck, ModelPlan
+from .plan.run_plan import Planned, RunPlan, plan_run
+from .plan.preflight import CPU_KV_CACHE_ENV, ModelFacts
 from .processes import EXIT_WAIT, ProcessDied
 from .sizes import human_size
 from .progress import Progress, log_to_stderr

@@ -57,7 +57,7 @@ from .regeneration import (TOO_LONG, Kept, Regeneration, Tally, keep_finished_li
                            order_lines, regenerated_name, row_source)
 from .replicas import Handle, RayExtraction, ReplicaBatch
 from .output import TOKEN_FREQ
-from .run_plan import plan_run
+from .plan.run_plan import plan_run
 from .inputs.tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
 
 BACKEND = "vllm-engine"

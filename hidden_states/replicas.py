@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from . import processes
 from .errors import UsageError
 from .extraction import Extraction, ExtractionFailed
-from .planner import check_memory_here
-from .run_plan import RunPlan
+from .plan.planner import check_memory_here
+from .plan.run_plan import RunPlan
 from .inputs.streams import Sample
 from .progress import log_to_stderr
 

@@ -16,8 +16,8 @@ import time
 from .. import backends
 from ..forward_check import check_forward
 from ..layer_conventions import SPECULATORS_05
-from ..planner import MemoryCheck, ModelPlan, audit_line, check_memory_here, plan_model
-from ..preflight import CPU_KV_CACHE_ENV
+from ..plan.planner import MemoryCheck, ModelPlan, audit_line, check_memory_here, plan_model
+from ..plan.preflight import CPU_KV_CACHE_ENV
 from ..settings import ModelSettings
 
 BACKEND = "vllm-engine"  # states stream from vLLM's own engine into shared memory, from vLLM 0.11

@@ -35,7 +35,7 @@ EXTRACTOR_LAYERS = _layers([
     # the output directory, its writer and the formats
     ("output", {"output", "formats"}),
     # the checks and estimates before the model loads, the run plan, and the samples still to do
-    ("plan", {"planner", "run_plan", "preflight", "estimates", "batches"}),
+    ("plan", {"plan"}),
     # one run of a command, from its plan to its last file
     ("the run", {"extraction", "generation", "replicas", "convert", "status", "prepare"}),
     # what a user calls: the command line, and serve's wing (its server, protocol, model, batching, files)

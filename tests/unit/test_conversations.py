@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import planner
+from hidden_states.plan import planner
 from hidden_states.cli import main
 from hidden_states.inputs.conversations import Record
 from hidden_states.errors import InputError

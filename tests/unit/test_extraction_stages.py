@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from hidden_states import backends, formats
-from hidden_states.batches import Pending, Sequential, batched
+from hidden_states.plan.batches import Pending, Sequential, batched
 from hidden_states.errors import InputError
 from hidden_states.extraction import Extraction
 from hidden_states.formats.speculators_03 import Speculators03
 from hidden_states.inputs.streams import InputStream, Sample
-from hidden_states.preflight import FIRST_LINES
+from hidden_states.plan.run_checks import FIRST_LINES
 from hidden_states.settings import Settings, default
 from tests.unit.fakes import FakeBackend, quiet
 

@@ -191,7 +191,8 @@ def test_host_states_are_quantized_on_the_writer_thread_not_in_record(tmp_path):
 
 
 def test_the_plans_disk_estimate_counts_one_byte_a_state_and_a_scale_a_token(model, tmp_path):
-    from hidden_states.preflight import check_disk, model_facts
+    from hidden_states.plan.preflight import model_facts
+    from hidden_states.plan.run_checks import check_disk
 
     facts = model_facts(str(model))
     assert check_disk(tmp_path, 40, facts, [0, 2], "fp8") == int(40 * (2 * 128 + 4) * 1.05)

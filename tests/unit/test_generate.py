@@ -434,7 +434,8 @@ def test_the_sampling_is_part_of_the_output_directorys_identity():
 
 @pytest.fixture
 def fake_run(chat_model, tmp_path, monkeypatch):
-    from hidden_states import backends, planner
+    from hidden_states import backends
+    from hidden_states.plan import planner
     from hidden_states.inputs.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(str(chat_model))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_states import backends, extraction, planner, replicas
+from hidden_states import backends, extraction, replicas
+from hidden_states.plan import planner
 from hidden_states.backends import Reply, Sampling
 from hidden_states.generation import Generation, RayGeneration
 from hidden_states.regeneration import row_source

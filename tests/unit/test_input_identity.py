@@ -13,7 +13,7 @@ import pytest
 
 from hidden_states import backends
 from hidden_states.inputs import identity
-from hidden_states.batches import ShardBatches
+from hidden_states.plan.batches import ShardBatches
 from hidden_states.shards import Shard
 from hidden_states.cli import main
 from hidden_states.errors import InputError, OutputError, PreflightError
@@ -111,9 +111,9 @@ def test_start_over_removes_only_the_other_extractions_files(job, tmp_path):
 
 
 def test_a_run_refused_by_a_check_writes_nothing(job, monkeypatch):
-    from hidden_states import preflight
+    from hidden_states.plan import run_checks
 
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0})())
+    monkeypatch.setattr(run_checks.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0})())
     with pytest.raises(PreflightError, match="of hidden states expected"):
         Extraction(job, log=quiet).run()
     # the plan refuses before the directory is made
@@ -206,7 +206,7 @@ MAX_SEQ_LEN = 50
 def estimated(path, chat=None) -> tuple[int, int]:
     """(the preflight's token estimate, the tokens the input makes as extracted)."""
     from hidden_states.inputs.streams import InputStream
-    from hidden_states.preflight import check_first_samples, estimate_tokens
+    from hidden_states.plan.run_checks import check_first_samples, estimate_tokens
 
     stream = InputStream(path, chat=chat)
     check_first_samples(stream)

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hidden_states.batches import ShardBatches  # noqa: E402
+from hidden_states.plan.batches import ShardBatches  # noqa: E402
 from hidden_states.errors import OutputError  # noqa: E402
 from hidden_states.extraction import Extraction  # noqa: E402
 from hidden_states.shards import Shard  # noqa: E402

@@ -166,7 +166,7 @@ def test_per_turn_rows_are_prefixes_where_the_template_keeps_earlier_turns(tmp_p
 
 @pytest.mark.parametrize("flag", [[], ["--no-shared-prefix"]], ids=["default", "no-shared-prefix"])
 def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, monkeypatch, capsys, flag):
-    from hidden_states import planner
+    from hidden_states.plan import planner
     from hidden_states.cli import main
     from hidden_states.fixtures.chat_templates import build_tokenizer
 
