@@ -34,14 +34,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import backends, formats, fp8_states, layer_conventions, processes, run_log
+from . import backends, fp8_states, layer_conventions, processes, run_log
+from .output import formats
 from .inputs import prefixes
 from .plan.batches import BatchSource, Pending, batch_source
 from .errors import ExtractError, InputError, OutputError
 from .inputs.streams import InputStream, Sample
 from .inputs.tokenization import save_token_frequencies
 from .interrupts import Interrupt
-from .output import CONFIG, TOKEN_FREQ, BackgroundWriter, DirectoryLock, OutputDir, format_name
+from .output.directory import OutputDir
+from .output.writer import BackgroundWriter
+from .output.lock import DirectoryLock
+from .output.names import CONFIG, TOKEN_FREQ, format_name
 from .files import atomic_write_json, read_json
 from .forward_check import check_forward
 from .plan.estimates import TimeEstimate, duration

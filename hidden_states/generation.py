@@ -48,7 +48,7 @@ from . import fp8_states
 from .backends import Reply, Sampling
 from .errors import InputError, OutputError, PreflightError, UsageError
 from .extraction import PLAN_DETAILS, Extraction
-from .formats.speculators_05 import StreamedFile
+from .output.formats.speculators_05 import StreamedFile
 from .inputs import conversations
 from .inputs.streams import Sample, trained_token_counts
 from .layer_conventions import SPECULATORS_05
@@ -56,7 +56,7 @@ from .progress import Progress
 from .regeneration import (TOO_LONG, Kept, Regeneration, Tally, keep_finished_lines, kept, merge_shards,
                            order_lines, regenerated_name, row_source)
 from .replicas import Handle, RayExtraction, ReplicaBatch
-from .output import TOKEN_FREQ
+from .output.names import TOKEN_FREQ
 from .plan.run_plan import plan_run
 from .inputs.tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
 

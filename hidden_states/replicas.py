@@ -7,7 +7,7 @@ config, one finished set, one batch source: a single run's batches, or a static 
 its batches out: each replica holds at most two calls in flight (one running, one queued behind it),
 so a slow replica gets fewer. A replica is the same :class:`~hidden_states.extraction.Extraction`,
 loaded in the actor: the same backend and forward check, and ``extract_batch`` writing through its
-own :class:`~hidden_states.output.BackgroundWriter` into the shared directory (tag ``replica-K``: its
+own :class:`~hidden_states.output.writer.BackgroundWriter` into the shared directory (tag ``replica-K``: its
 ledger is ``done.replica-K.jsonl``). Hidden states never travel through Ray; each call returns the
 samples its writer has put on disk since the last one. What differs between the two commands is
 five methods of the driver: :meth:`RayExtraction._batch_of` (a batch's sample indices),

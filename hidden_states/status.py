@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import formats
+from .output import formats
 from .errors import InputError
 from .inputs.identity import SHORT, describe_input, recorded, same_input
 from .inputs.streams import InputStream
-from .output import CONFIG, LEDGERS, OutputDir, format_name, holder
+from .output.directory import OutputDir
+from .output.lock import holder
+from .output.names import CONFIG, LEDGERS, format_name
 from .files import TEMP_PREFIX, read_json
 from .regeneration import REGENERATED_FILES
 from .inputs.tokenization import ChatSettings

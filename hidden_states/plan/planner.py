@@ -16,7 +16,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from .. import backends, formats, layer_conventions
+from .. import backends, layer_conventions
+from ..output import formats
 from ..errors import UsageError
 from ..settings import ModelSettings, Settings
 from ..sizes import human_size

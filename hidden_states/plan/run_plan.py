@@ -13,11 +13,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import backends, extras, formats, layer_conventions
+from .. import backends, extras, layer_conventions
+from ..output import formats
 from ..errors import OutputError, PreflightError
 from ..inputs.streams import InputStream
 from ..inputs.tokenization import ChatSettings
-from ..output import OutputDir, holder
+from ..output.directory import OutputDir
+from ..output.lock import holder
 from ..settings import Settings
 from ..sizes import human_size
 from . import planner

@@ -447,7 +447,7 @@ def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, sta
 
     from hidden_states.inputs.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
-    from hidden_states.formats.speculators_05 import safetensors_header
+    from hidden_states.output.formats.speculators_05 import safetensors_header
     from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
     from tests.e2e import generate_runs as generate
 

@@ -33,7 +33,7 @@ EXTRACTOR_LAYERS = _layers([
     # ways to run the model: below the output, so no format or output directory reaches a backend
     ("backends", {"backends"}),
     # the output directory, its writer and the formats
-    ("output", {"output", "formats"}),
+    ("output", {"output"}),
     # the checks and estimates before the model loads, the run plan, and the samples still to do
     ("plan", {"plan"}),
     # one run of a command, from its plan to its last file

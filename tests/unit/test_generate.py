@@ -695,7 +695,7 @@ def test_per_reply_files_begun_while_generating_end_as_files_written_at_the_end(
     """speculators-0.5: a reply's file is begun as its rows land; the writer takes the rows its row's
     prefill computed again (the fake's stale ones) from the final states and finishes the header.
     Both ways give the same tensors; the files streamed are counted."""
-    from hidden_states.formats.speculators_05 import read_sample
+    from hidden_states.output.formats.speculators_05 import read_sample
     from hidden_states.generation import STREAM_ENV
 
     model, data, _ = fake_run
@@ -738,7 +738,7 @@ def test_a_rerun_in_the_other_format_is_refused_and_every_finished_file_kept(fak
 
     from hidden_states import extras
     from hidden_states.errors import OutputError
-    from hidden_states.formats import speculators_05
+    from hidden_states.output.formats import speculators_05
 
     if importlib.util.find_spec("datasets") is None:  # the sample files are written all the same; not the index
         monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)

@@ -169,7 +169,7 @@ def test_the_extractor_checks_catch_what_they_look_for():
     upward = planted({
         "inputs.conversations": "from ..plan.preflight import human_size\n",  # inputs -> plan, at module level
         "inputs.tokenization": "def f():\n    from ..layer_conventions import X\n    from ..output import Y\n",  # -> output
-        "backends.planted": "def f():\n    from ..formats.speculators_05 import StreamedFile\n",  # -> output
+        "backends.planted": "def f():\n    from ..output.formats.speculators_05 import StreamedFile\n",  # -> output
         "output": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .extraction import Extraction\n",
         "cli": "def demo():\n    from .fixtures.demo import run\n",
     })

@@ -74,7 +74,7 @@ def test_the_serve_command_line_imports_nothing_of_the_inputs():
 @pytest.mark.parametrize("planted, caught", [
     (["hidden_states.serve", "hidden_states.inputs.tokenization"], ["hidden_states.inputs.tokenization"]),
     (["hidden_states.inputs.conversations"], ["hidden_states.inputs.conversations"]),
-    (["hidden_states.formats.speculators_05", "hidden_states.inputs.streams"], ["hidden_states.inputs.streams"]),
+    (["hidden_states.output.formats.speculators_05", "hidden_states.inputs.streams"], ["hidden_states.inputs.streams"]),
     (["hidden_states.serve.model", "hidden_states.plan.planner"], []),
 ])
 def test_the_check_catches_what_it_looks_for(planted, caught):
