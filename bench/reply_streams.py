@@ -31,7 +31,7 @@ def main(argv=None) -> int:
 
     from hidden_states.backends.regions import RegionPool, layer_start, region_bytes
     from hidden_states.backends.reply_streams import ReplyStreams
-    from hidden_states.formats.speculators_05 import StreamedFile
+    from hidden_states.output.formats.speculators_05 import StreamedFile
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replies", type=int, default=256)

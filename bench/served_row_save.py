@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main(argv=None) -> int:
     import torch
 
-    from hidden_states.formats.speculators_03 import Speculators03, own_storage
+    from hidden_states.output.formats.speculators_03 import Speculators03, own_storage
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)

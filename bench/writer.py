@@ -5,7 +5,7 @@ extraction loop of Python's GIL while it writes.
     python bench/writer.py --dir /path/on/the/target/disk [--samples 32] [--tokens 2048] \\
         [--hidden 4096] [--layers 4] [--threads 1 2 4] [--formats speculators-0.3 speculators-0.5]
 
-Feeds ``hidden_states.output.BackgroundWriter`` 8B-shaped samples (bf16, ``layers`` x ``tokens`` x
+Feeds ``hidden_states.output.writer.BackgroundWriter`` 8B-shaped samples (bf16, ``layers`` x ``tokens`` x
 ``hidden``, the layers as columns of one ``[tokens, layers, hidden]`` tensor, as vllm-native hands
 them over), in each output format: once alone (the main thread waits), once while the main thread
 spins a pure-Python loop, the stand-in for a scheduling loop that wants the GIL. ``loop share`` is
@@ -39,8 +39,8 @@ def idle_rate(seconds: float = 1.0) -> float:
 def write_all(args, name: str, threads: int, stacked, sample, layers, beside_loop: bool) -> tuple[float, float]:
     """Seconds for the writer to write ``args.samples`` copies of the sample in format ``name``, and
     the spinning loop's rate meanwhile (``beside_loop``; else the main thread only waits)."""
-    from hidden_states import formats
-    from hidden_states.output import BackgroundWriter
+    from hidden_states.output import formats
+    from hidden_states.output.writer import BackgroundWriter
 
     work = Path(tempfile.mkdtemp(prefix="bench-writer-", dir=args.dir))
     try:
@@ -79,8 +79,8 @@ def main() -> int:
 
     import torch
 
-    from hidden_states import formats
-    from hidden_states.inputs import Sample
+    from hidden_states.output import formats
+    from hidden_states.inputs.streams import Sample
 
     stacked = torch.randn(args.tokens, args.layers, args.hidden, dtype=torch.bfloat16)
     sample = Sample(0, 1, list(range(args.tokens)), None)

@@ -35,7 +35,7 @@ from . import log_levels, model_ids, shards
 from .backends import BACKENDS
 from .config_file import config_path, flags_from
 from .errors import ExtractError, UsageError
-from .formats import FORMATS
+from .output.formats import FORMATS
 from .fp8_states import STATE_DTYPES
 from .presets import PRESETS
 from .settings import (ENGINE_STEPS_HELD, SERVE_DEFAULTS, WRITER_THREADS_CAP, ModelSettings, ServeSettings, Settings,
@@ -484,7 +484,7 @@ def _convert(args) -> int:
 def _prepare(args) -> int:
     from .layer_conventions import default_format
     from .prepare import prepare
-    from .tokenization import ChatSettings
+    from .inputs.tokenization import ChatSettings
 
     chat = ChatSettings(model_ids.resolve(args.model_path), args.format or default_format(), args.max_seq_len,
                         args.trust_remote_code, args.strict)

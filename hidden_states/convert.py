@@ -19,11 +19,15 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import extras, formats, layer_conventions, run_log
+from . import extras, layer_conventions, run_log
+from .output import formats
 from .errors import OutputError, UsageError
-from .identity import recorded
-from .inputs import Sample
-from .output import CONFIG, BackgroundWriter, DirectoryLock, OutputDir, format_name
+from .inputs.identity import recorded
+from .inputs.streams import Sample
+from .output.directory import OutputDir
+from .output.writer import BackgroundWriter
+from .output.lock import DirectoryLock
+from .output.names import CONFIG, format_name
 from .files import TEMP_PREFIX, read_json
 from .progress import log_to_stderr
 
@@ -34,7 +38,7 @@ def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], lis
     """``input_ids``, ``loss_mask`` and the per-layer ``[T, hidden]`` states (in the file's layer
     order) of one sample file of ``format_name``."""
     if format_name == layer_conventions.SPECULATORS_05:
-        from .formats.speculators_05 import read_sample as read_05
+        from .output.formats.speculators_05 import read_sample as read_05
 
         tensors = read_05(path)
         if "loss_mask" not in tensors:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from .errors import OutputError, UsageError
 from .files import TEMP_PREFIX, describe_os_error
-from .inputs import InputStream
+from .inputs.streams import InputStream
 from .progress import log_to_stderr
-from .tokenization import ChatSettings, Counts, count_trained, save_token_frequencies
+from .inputs.tokenization import ChatSettings, Counts, count_trained, save_token_frequencies
 
 
 def rows_file_counts(path: Path) -> Counter | None:

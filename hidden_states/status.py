@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import formats
+from .output import formats
 from .errors import InputError
-from .identity import SHORT, describe_input, recorded, same_input
-from .inputs import InputStream
-from .output import CONFIG, LEDGERS, OutputDir, format_name, holder
+from .inputs.identity import SHORT, describe_input, recorded, same_input
+from .inputs.streams import InputStream
+from .output.directory import OutputDir
+from .output.lock import holder
+from .output.names import CONFIG, LEDGERS, format_name
 from .files import TEMP_PREFIX, read_json
 from .generate.regeneration import REGENERATED_FILES
-from .tokenization import ChatSettings
+from .inputs.tokenization import ChatSettings
 
 
 def _ranges(indices: list[int], shown: int = 8) -> str:

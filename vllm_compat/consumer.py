@@ -33,7 +33,7 @@ SPECULATORS_04 = ">=0.4.0,<0.5"
 SERVING_SPECULATORS = ">=0.5"
 
 # -- the trainers that read the extractor's output ---------------------------------------------------
-# Not generators: they read the files hidden_states writes (hidden_states.formats). speculators 0.5
+# Not generators: they read the files hidden_states writes (hidden_states.output.formats). speculators 0.5
 # added the Arrow + hidden_states/hs_{i}.safetensors layout and 0.8 removed the reader of the old one.
 # Per layout: the releases that train on it, and the release whose own trainer the e2e suite runs on
 # it (tests/e2e/test_formats.py).

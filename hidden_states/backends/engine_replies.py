@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import Future
 
-from ..tokenization import common_prefix
+from ..inputs.tokenization import common_prefix
 from . import Reply, Sampling
 from .engine_feed import EngineBatch
 from .regions import HEADER, SECOND, layer_start

@@ -16,19 +16,19 @@ from __future__ import annotations
 import itertools
 import time
 
-from ..batches import BatchSource, batch_source
-from ..inputs import Sample
-from ..output import TOKEN_FREQ
-from ..planner import BATCHES_HELD
+from ..plan.batches import BatchSource, batch_source
+from ..inputs.streams import Sample
+from ..output.names import TOKEN_FREQ
+from ..plan.planner import BATCHES_HELD
 from ..progress import Progress, log_to_stderr
 from ..replicas.driver import RayReplicas, SampleBatches
 from ..run.lifecycle import Lifecycle
 from ..run.model_here import ModelHere
 from ..run.prepared import PreparedRun
 from ..run.summary import PLAN_DETAILS, Summary
-from ..run_plan import RunPlan
+from ..plan.run_plan import RunPlan
 from ..settings import Settings
-from ..tokenization import save_token_frequencies
+from ..inputs.tokenization import save_token_frequencies
 from .rows import ExtractRows
 
 

@@ -9,8 +9,9 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
-from .. import fp8_states, prefixes
-from ..inputs import Sample
+from .. import fp8_states
+from ..inputs import prefixes
+from ..inputs.streams import Sample
 from ..run.summary import ExtractionFailed, Summary
 
 

@@ -22,22 +22,22 @@ import dataclasses
 import os
 import time
 
-from .. import conversations
+from ..inputs import conversations
 from ..backends import Sampling
-from ..batches import BatchSource, batch_source
+from ..plan.batches import BatchSource, batch_source
 from ..errors import InputError, PreflightError, UsageError
-from ..inputs import trained_token_counts
+from ..inputs.streams import trained_token_counts
 from ..layer_conventions import SPECULATORS_05
-from ..output import TOKEN_FREQ
+from ..output.names import TOKEN_FREQ
 from ..progress import Progress, log_to_stderr
 from ..replicas.driver import RayReplicas
 from ..run.lifecycle import Lifecycle
 from ..run.model_here import ModelHere
 from ..run.prepared import PreparedRun
 from ..run.summary import PLAN_DETAILS, Summary
-from ..run_plan import RunPlan
+from ..plan.run_plan import RunPlan
 from ..settings import Settings
-from ..tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
+from ..inputs.tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
 from .continuous import ContinuousRegeneration
 from .lines import RegeneratedLines
 from .on_ray import ConversationBatches

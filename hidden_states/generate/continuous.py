@@ -19,13 +19,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from .. import conversations, fp8_states
+from .. import fp8_states
+from ..inputs import conversations
 from ..backends import Reply, Sampling
 from ..errors import InputError
-from ..formats.speculators_05 import StreamedFile
-from ..inputs import Sample
+from ..output.formats.speculators_05 import StreamedFile
+from ..inputs.streams import Sample
 from ..progress import Progress
-from ..tokenization import ChatTokenizer
+from ..inputs.tokenization import ChatTokenizer
 from .lines import InOrder, regenerated_line
 from .regeneration import TOO_LONG, Kept, Regeneration, Tally, row_source
 

@@ -21,9 +21,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..conversations import Conversation
+from ..inputs.conversations import Conversation
 from ..files import atomic_write_bytes
-from ..tokenization import common_prefix
+from ..inputs.tokenization import common_prefix
 
 
 @dataclass(frozen=True)

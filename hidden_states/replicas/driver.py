@@ -27,7 +27,7 @@ import sys
 import time
 
 from ..errors import UsageError
-from ..inputs import Sample
+from ..inputs.streams import Sample
 from ..progress import Progress
 from ..run.prepared import PreparedRun
 from ..run.summary import ExtractionFailed, Summary

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from .. import processes
 from ..errors import UsageError
-from ..planner import check_memory_here
+from ..plan.planner import check_memory_here
 from ..progress import log_to_stderr
-from ..run_plan import RunPlan
+from ..plan.run_plan import RunPlan
 
 
 def import_ray():

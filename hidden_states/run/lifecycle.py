@@ -18,9 +18,9 @@ from collections.abc import Callable
 from .. import processes
 from ..errors import ExtractError, InputError, OutputError
 from ..files import atomic_write_json, read_json
-from ..identity import stop_record
+from ..inputs.identity import stop_record
 from ..interrupts import Interrupt
-from ..output import CONFIG
+from ..output.names import CONFIG
 from ..processes import EXIT_WAIT, ProcessDied
 from .prepared import PreparedRun
 from .summary import Summary, next_step

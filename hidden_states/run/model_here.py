@@ -13,11 +13,12 @@ import time
 
 from ..backends.regions import SHM
 from ..errors import OutputError
-from ..estimates import duration
+from ..plan.estimates import duration
 from ..files import atomic_write_json, read_json
-from ..identity import difference
-from ..output import CONFIG, BackgroundWriter, format_name
-from ..planner import load_model
+from ..inputs.identity import difference
+from ..output.names import CONFIG, format_name
+from ..output.writer import BackgroundWriter
+from ..plan.planner import load_model
 from ..sizes import human_size
 from .prepared import PreparedRun
 from .summary import DRAIN_THREADS, Summary

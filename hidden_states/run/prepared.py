@@ -12,15 +12,17 @@ import dataclasses
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .. import formats, layer_conventions, run_log
-from ..batches import BatchSource, Pending
-from ..estimates import TimeEstimate
-from ..identity import describe_input
-from ..inputs import InputStream
-from ..output import DirectoryLock, OutputDir
-from ..planner import BATCHES_HELD, MemoryCheck, ModelPlan
-from ..preflight import ModelFacts
-from ..run_plan import Planned, RunPlan, plan_run
+from .. import layer_conventions, run_log
+from ..plan.batches import BatchSource, Pending
+from ..plan.estimates import TimeEstimate
+from ..inputs.identity import describe_input
+from ..inputs.streams import InputStream
+from ..output import formats
+from ..output.directory import OutputDir
+from ..output.lock import DirectoryLock
+from ..plan.planner import BATCHES_HELD, MemoryCheck, ModelPlan
+from ..plan.preflight import ModelFacts
+from ..plan.run_plan import Planned, RunPlan, plan_run
 from ..settings import Settings
 from .summary import package_versions
 

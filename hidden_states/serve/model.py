@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..layer_conventions import SPECULATORS_05
-from ..planner import BATCHES_HELD, MemoryCheck, ModelPlan, audit_line, check_memory_here, load_model, plan_model
+from ..plan.planner import BATCHES_HELD, MemoryCheck, ModelPlan, audit_line, check_memory_here, load_model, plan_model
 from ..settings import ModelSettings
 
 BACKEND = "vllm-engine"  # states stream from vLLM's own engine into shared memory, from vLLM 0.11

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..files import describe_os_error
-from ..formats.safetensors_files import state_tensors, write_safetensors
+from ..output.formats.safetensors_files import state_tensors, write_safetensors
 
 TEMP_PREFIX = ".tmp-"
 # exclusive, never through a link planted under the name, not inherited by vLLM's processes

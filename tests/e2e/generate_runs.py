@@ -139,9 +139,9 @@ def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0, decode
     otherwise than it was generated)."""
     import torch
 
-    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.inputs.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
-    from hidden_states.tokenization import ChatTokenizer, common_prefix, load_tokenizer
+    from hidden_states.inputs.tokenization import ChatTokenizer, common_prefix, load_tokenizer
 
     chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
     hf = load_model(model)

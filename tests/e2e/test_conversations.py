@@ -130,7 +130,7 @@ def ours(workspace, family: str, kind: str, layout: str) -> tuple[list, dict]:
     import torch
 
     from hidden_states.prepare import prepare
-    from hidden_states.tokenization import ChatSettings
+    from hidden_states.inputs.tokenization import ChatSettings
 
     root, files, tokenizers = workspace
     out = root / "ours" / f"{family}-{kind}-{layout}.jsonl"
@@ -233,7 +233,7 @@ def test_speculators_03_layout_matches_load_and_preprocess_dataset(workspace, fa
     if not reasons:
         assert my_freq == their_freq
     else:  # the frequencies of the rows both made alike agree; the rest follow their masks
-        from hidden_states.tokenization import token_frequencies
+        from hidden_states.inputs.tokenization import token_frequencies
 
         assert my_freq == token_frequencies(mine)
         assert their_freq == token_frequencies(their)

@@ -445,10 +445,10 @@ def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, sta
 
     import torch
 
-    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.inputs.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
-    from hidden_states.formats.speculators_05 import safetensors_header
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.output.formats.speculators_05 import safetensors_header
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
     from tests.e2e import generate_runs as generate
 
     # a system prompt, a one-turn and a two-turn conversation: four rows, one per reply

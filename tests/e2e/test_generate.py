@@ -97,8 +97,8 @@ def test_the_resumed_run_writes_prepares_token_freq_of_the_regenerated_rows(gene
 
 def test_replies_are_vllms_own_greedy_generation(generated, tmp_path):
     """Each reply, given the conversation before it as regenerated, is what ``LLM.generate`` gives."""
-    from hidden_states.conversations import ROLES
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.inputs.conversations import ROLES
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
 
     model, out, *_ = generated
     chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
@@ -136,7 +136,7 @@ def test_rows_going_on_from_their_reply_are_prefilled_in_its_region(tmp_path):
     template's end: it is prefilled in the reply's region, its first whole block of vLLM's prefix cache
     (the system prompt and the first decode rows) kept where the reply's steps stored it. Its states
     are still HF's, and the log counts the rows prefilled in place exactly."""
-    from hidden_states.tokenization import ChatTokenizer, common_prefix, load_tokenizer
+    from hidden_states.inputs.tokenization import ChatTokenizer, common_prefix, load_tokenizer
 
     conversations = [CONVERSATIONS[3], CONVERSATIONS[0]]  # the first row runs past one block of 128
     model = marker_model(tmp_path)
@@ -144,7 +144,7 @@ def test_rows_going_on_from_their_reply_are_prefilled_in_its_region(tmp_path):
     chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
     in_place, past_a_block = 0, 0
     for line in regenerated(out):
-        from hidden_states.conversations import MESSAGES, Record
+        from hidden_states.inputs.conversations import MESSAGES, Record
 
         replied = chat.prompt_ids(line["messages"][:-1]) + line["generated"][-1]["token_ids"]
         row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0].input_ids

@@ -80,9 +80,9 @@ def assert_one_process_output(out: Path, single: Path, near_ties: bool = False) 
     regenerated conversation's, as ``generate`` tokenizes it."""
     import torch
 
-    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.inputs.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
 
     got, want = samples(out), samples(single)
     assert sorted(got) == sorted(want) == sorted(i for indices in PER_REPLY.values() for i in indices)
@@ -196,7 +196,7 @@ def test_two_replicas_with_cuda_graphs_write_what_one_process_writes(workspace):
     import torch
 
     from hidden_states.fixtures.reference import load_model
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
 
     hf, chat = load_model(model), ChatTokenizer(load_tokenizer(str(model)), "speculators-0.5", 1024)
     line = regenerated(single / "regenerated.jsonl")[0]

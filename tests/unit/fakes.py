@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from hidden_states import backends
 from hidden_states.backends import Reply
 from hidden_states.generate.regeneration import row_source
-from hidden_states.tokenization import common_prefix
+from hidden_states.inputs.tokenization import common_prefix
 
 
 def quiet(message):

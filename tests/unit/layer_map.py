@@ -29,13 +29,13 @@ EXTRACTOR_LAYERS = _layers([
     ("support", {"extras", "sizes", "files", "layer_conventions", "fp8_states", "forward_check", "log_levels",
                  "run_log", "progress", "processes", "interrupts"}),
     # the input's rows to samples, and what they were made from
-    ("inputs", {"conversations", "identity", "tokenization", "inputs", "prefixes"}),
+    ("inputs", {"inputs"}),
     # ways to run the model: below the output, so no format or output directory reaches a backend
     ("backends", {"backends"}),
     # the output directory, its writer and the formats
-    ("output", {"output", "formats"}),
+    ("output", {"output"}),
     # the checks and estimates before the model loads, the run plan, and the samples still to do
-    ("plan", {"planner", "run_plan", "preflight", "estimates", "batches"}),
+    ("plan", {"plan"}),
     # one run's parts every command composes: its plan and output prepared, its lifecycle, the model
     # here or on Ray replicas
     ("the run", {"run", "replicas"}),

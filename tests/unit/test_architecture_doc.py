@@ -66,7 +66,8 @@ def test_each_rows_modules_are_its_layers(section, package, layers):
                                  f"the layer holds {sorted(listed)}")
 
 
-@pytest.mark.parametrize("subpackage, row", [("backends", "backends"), ("formats", "output")])
+@pytest.mark.parametrize("subpackage, row", [("backends", "backends"), ("inputs", "inputs"), ("output", "output"),
+                                             ("output/formats", "output"), ("plan", "plan")])
 def test_every_backend_and_format_module_is_named(subpackage, row):
     cell = table("## hidden_states: the extractor")[row]
     named = {Path(name).name for name in FILE.findall(cell)}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from hidden_states import preflight
+from hidden_states.plan import preflight
 from hidden_states.errors import PreflightError
 from tests.conftest import ROOT
 from vllm_compat import audit as audit_module

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import planner
+from hidden_states.plan import planner
 from hidden_states.cli import main
-from hidden_states.conversations import Record
+from hidden_states.inputs.conversations import Record
 from hidden_states.errors import InputError
-from hidden_states.inputs import InputStream
-from hidden_states.tokenization import ChatSettings, ChatTokenizer, token_frequencies
+from hidden_states.inputs.streams import InputStream
+from hidden_states.inputs.tokenization import ChatSettings, ChatTokenizer, token_frequencies
 from tests.unit.fakes import fake_backends, rows_run
 
 pytest.importorskip("transformers")
@@ -403,7 +403,7 @@ def test_strict_refuses_an_unknown_role_naming_the_file_line_and_role(chat_model
 
 
 def test_the_tokenization_identity_records_what_an_unknown_role_becomes(chat_model):
-    from hidden_states.identity import tokenization_change, tokenization_record
+    from hidden_states.inputs.identity import tokenization_change, tokenization_record
 
     skip = tokenization_record(64, ChatSettings(str(chat_model), "speculators-0.3", 64))
     assistant = tokenization_record(64, ChatSettings(str(chat_model), "speculators-0.5", 64))

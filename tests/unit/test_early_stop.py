@@ -21,7 +21,7 @@ from hidden_states.cli import main  # noqa: E402
 from hidden_states.errors import InputError  # noqa: E402
 from hidden_states.extract.command import Extraction
 from hidden_states.run.summary import ExtractionFailed  # noqa: E402
-from hidden_states.preflight import FIRST_LINES  # noqa: E402
+from hidden_states.plan.run_checks import FIRST_LINES  # noqa: E402
 from tests.unit.fake_ray import FakeRay  # noqa: E402
 from tests.unit.fakes import FakeBackend, fails, interrupt  # noqa: E402
 from vllm_compat.environment import installer  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hidden_states.errors import PreflightError
-from hidden_states.preflight import check_environment
+from hidden_states.plan.preflight import check_environment
 from vllm_compat import environment
 
 ROOT = Path(__file__).resolve().parents[2]

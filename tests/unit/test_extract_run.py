@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, planner
+from hidden_states import backends
+from hidden_states.plan import planner
 from hidden_states.errors import PreflightError
 from hidden_states.extract.command import Extraction
 from hidden_states.settings import Settings

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, formats
-from hidden_states.batches import Pending, Sequential, batched
+from hidden_states import backends
+from hidden_states.output import formats
+from hidden_states.plan.batches import Pending, Sequential, batched
 from hidden_states.errors import InputError
 from hidden_states.extract.command import Extraction
-from hidden_states.formats.speculators_03 import Speculators03
-from hidden_states.inputs import InputStream, Sample
-from hidden_states.preflight import FIRST_LINES
+from hidden_states.output.formats.speculators_03 import Speculators03
+from hidden_states.inputs.streams import InputStream, Sample
+from hidden_states.plan.run_checks import FIRST_LINES
 from hidden_states.settings import Settings, default
 from tests.unit.fakes import FakeBackend, quiet
 
@@ -50,7 +51,7 @@ def test_a_format_plug_in_gets_each_sample_its_states_in_listed_order_and_the_le
         def finish(self, lengths):
             seen["finish"] = lengths
 
-    module = types.ModuleType("hidden_states.formats.recording")
+    module = types.ModuleType("hidden_states.output.formats.recording")
     module.FORMAT = Recording
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(formats.FORMATS, "recording", "recording")
@@ -90,7 +91,7 @@ def test_a_rerun_in_another_format_over_the_real_files_of_the_first_is_refused_a
 
     from hidden_states import extras
     from hidden_states.errors import OutputError
-    from hidden_states.formats import speculators_05
+    from hidden_states.output.formats import speculators_05
 
     if importlib.util.find_spec("datasets") is None:  # the sample files are written all the same; not the index
         monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)
@@ -119,7 +120,7 @@ def test_start_over_in_a_directory_holding_both_layouts_removes_both(job, tmp_pa
     import shutil
 
     from hidden_states import extras
-    from hidden_states.formats import speculators_05
+    from hidden_states.output.formats import speculators_05
 
     if importlib.util.find_spec("datasets") is None:  # the sample files are written all the same; not the index
         monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)

@@ -163,7 +163,7 @@ def test_tensor_parallel_size_is_checked_against_the_heads(model, tmp_path, caps
 
 
 def test_kv_heads_replicated_over_more_ranks_are_accepted():
-    from hidden_states.preflight import ModelFacts, check_tensor_parallel
+    from hidden_states.plan.preflight import ModelFacts, check_tensor_parallel
 
     check_tensor_parallel(ModelFacts("m", 6, 128, 512, 2, False, num_heads=8, num_kv_heads=2), 8)
 
@@ -184,7 +184,8 @@ def test_output_dir_that_is_a_file(model, tmp_path, capsys):
 
 def test_disk_estimate_counts_16_bit_states_in_readable_units(model, tmp_path):
     """vLLM runs a float32 checkpoint in 16 bits: states are written in 2 bytes, not the config's 4."""
-    from hidden_states.preflight import check_disk, model_facts
+    from hidden_states.plan.preflight import model_facts
+    from hidden_states.plan.run_checks import check_disk
     from hidden_states.sizes import human_size
 
     facts = model_facts(str(model))

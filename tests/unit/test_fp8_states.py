@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from hidden_states import formats, fp8_states
+from hidden_states import fp8_states
+from hidden_states.output import formats
 from hidden_states.cli import main
-from hidden_states.identity import difference
-from hidden_states.inputs import Sample
+from hidden_states.inputs.identity import difference
+from hidden_states.inputs.streams import Sample
 
 torch = pytest.importorskip("torch")
 
@@ -77,7 +78,7 @@ def sample_file(tmp_path, state_dtype, hidden=8, tokens=5, layer_count=3):
 def test_the_05_file_holds_speculators_09s_fp8_layout(tmp_path):
     from safetensors import safe_open
 
-    from hidden_states.formats.speculators_05 import safetensors_header
+    from hidden_states.output.formats.speculators_05 import safetensors_header
 
     layout, layers, path = sample_file(tmp_path, "fp8")
     header = safetensors_header(path)
@@ -103,7 +104,7 @@ def test_fp8_files_take_about_half_of_bf16s_bytes_per_token(tmp_path):
 
 
 def test_the_model_dtype_file_is_unchanged(tmp_path):
-    from hidden_states.formats.speculators_05 import safetensors_header
+    from hidden_states.output.formats.speculators_05 import safetensors_header
 
     layout, layers, path = sample_file(tmp_path, "model")
     header = safetensors_header(path)
@@ -191,7 +192,8 @@ def test_host_states_are_quantized_on_the_writer_thread_not_in_record(tmp_path):
 
 
 def test_the_plans_disk_estimate_counts_one_byte_a_state_and_a_scale_a_token(model, tmp_path):
-    from hidden_states.preflight import check_disk, model_facts
+    from hidden_states.plan.preflight import model_facts
+    from hidden_states.plan.run_checks import check_disk
 
     facts = model_facts(str(model))
     assert check_disk(tmp_path, 40, facts, [0, 2], "fp8") == int(40 * (2 * 128 + 4) * 1.05)

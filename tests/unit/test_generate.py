@@ -20,9 +20,9 @@ from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, REWRITTEN,
 from hidden_states.backends.engine_replies import ROW_TAIL
 from hidden_states.backends.vllm_engine import VllmEngineBackend
 from hidden_states.cli import main
-from hidden_states.conversations import Conversation
+from hidden_states.inputs.conversations import Conversation
 from hidden_states.generate.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
-from hidden_states.tokenization import common_prefix
+from hidden_states.inputs.tokenization import common_prefix
 from tests.unit.fakes import FakeGenerating
 from tests.unit.streaming_worker import HIDDEN, LAYERS, WAIT, rows_of, worker
 
@@ -353,7 +353,7 @@ def test_a_per_turn_row_the_template_rerenders_takes_its_own_turns_reply():
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     from hidden_states.fixtures.chat_templates import build_tokenizer
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
 
     path = build_tokenizer("llama3", tmp_path_factory.mktemp("llama3"))
     return ChatTokenizer(load_tokenizer(str(path)), "speculators-0.3", 256)
@@ -362,7 +362,7 @@ def llama3(tmp_path_factory):
 def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
     """Llama-3's template renders a reply as its content (trimmed), then <|eot_id|>: a reply ending
     on the sampled <|eot_id|> is the row itself; one with spaces around it is re-rendered."""
-    from hidden_states.conversations import MESSAGES, Record
+    from hidden_states.inputs.conversations import MESSAGES, Record
 
     tokenizer = llama3.tokenizer
     eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
@@ -419,7 +419,7 @@ def test_bad_input_is_one_line_and_exit_2(chat_model, tmp_path, capsys, monkeypa
 
 
 def test_the_sampling_is_part_of_the_output_directorys_identity():
-    from hidden_states.identity import difference
+    from hidden_states.inputs.identity import difference
 
     base = {"model": "m", "layer_ids": [1], "format": "f", "state_dtype": "model",
             "input": {"resolved": "x"}, "tokenization": {}}
@@ -435,8 +435,9 @@ def test_the_sampling_is_part_of_the_output_directorys_identity():
 
 @pytest.fixture
 def fake_run(chat_model, tmp_path, monkeypatch):
-    from hidden_states import backends, planner
-    from hidden_states.tokenization import load_tokenizer
+    from hidden_states import backends
+    from hidden_states.plan import planner
+    from hidden_states.inputs.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(str(chat_model))
     made = []
@@ -474,7 +475,7 @@ def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tm
     """The plan's input stream is the one the conversations are read from, and its chat tokenizer
     the one the prompts, the rows and token_freq.pt use: one open of the input, one tokenizer load
     (the negative: each reader opening its own counts more)."""
-    from hidden_states import conversations, tokenization
+    from hidden_states.inputs import conversations, tokenization
 
     model, data, _ = fake_run
     opened, loaded = [], []
@@ -510,7 +511,7 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     assert [(r["index"], r["sample_indices"]) for r in regenerated] == [(0, [0]), (2, [2])]
     assert [m["content"] for m in regenerated[0]["messages"]] == ["brief", "one", "ok 1", "two", "ok 3"]
     saved = torch.load(out / "data_0.pt", weights_only=True)
-    row = generation.chat.rows(__import__("hidden_states.conversations", fromlist=["Record"]).Record(
+    row = generation.chat.rows(__import__("hidden_states.inputs.conversations", fromlist=["Record"]).Record(
         "x", 1, {"messages": regenerated[0]["messages"]}), "messages")[0]
     assert saved["input_ids"].tolist() == row.input_ids and saved["loss_mask"].tolist() == row.loss_mask
     assert saved["hidden_states"][1][:, 0].tolist() == [2000.0 + p for p in range(len(row.input_ids))]
@@ -594,7 +595,7 @@ def timed_run(fake_run, tmp_path, monkeypatch, conversations, *extra, replies=No
     reply comes once the events ``long_until`` have happened: (its backend, what the run returned or
     raised)."""
     from hidden_states import backends, interrupts
-    from hidden_states.tokenization import load_tokenizer
+    from hidden_states.inputs.tokenization import load_tokenizer
 
     model, _, _ = fake_run
     tokenizer, made = load_tokenizer(str(model)), []
@@ -726,7 +727,7 @@ def test_per_reply_files_begun_while_generating_end_as_files_written_at_the_end(
     """speculators-0.5: a reply's file is begun as its rows land; the writer takes the rows its row's
     prefill computed again (the fake's stale ones) from the final states and finishes the header.
     Both ways give the same tensors; the files streamed are counted."""
-    from hidden_states.formats.speculators_05 import read_sample
+    from hidden_states.output.formats.speculators_05 import read_sample
     from hidden_states.generate.command import STREAM_ENV
 
     model, data, _ = fake_run
@@ -769,7 +770,7 @@ def test_a_rerun_in_the_other_format_is_refused_and_every_finished_file_kept(fak
 
     from hidden_states import extras
     from hidden_states.errors import OutputError
-    from hidden_states.formats import speculators_05
+    from hidden_states.output.formats import speculators_05
 
     if importlib.util.find_spec("datasets") is None:  # the sample files are written all the same; not the index
         monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)

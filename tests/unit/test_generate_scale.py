@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_states import backends, planner
+from hidden_states import backends
+from hidden_states.plan import planner
 from hidden_states.extract.command import Extraction
 from hidden_states.replicas import driver
 from hidden_states.run.summary import ExtractionFailed
@@ -143,7 +144,7 @@ class LastFirstRay(FakeRay):
 
 @pytest.fixture
 def scale(chat_model, tmp_path, monkeypatch):
-    from hidden_states.tokenization import load_tokenizer
+    from hidden_states.inputs.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(str(chat_model))
     monkeypatch.setattr(backends, "create", lambda name, settings: PromptReplies(settings, tokenizer))
@@ -247,8 +248,8 @@ def test_a_batch_lost_with_its_files_on_disk_is_regenerated_whole_and_its_files_
     """Replica 1 wrote its batch's files and died before returning the line: the batch is regenerated
     whole on replica 0, whose replies differ (sampling), and every file is rewritten from them: each
     file holds the rows of its conversation as ``regenerated.jsonl`` has it."""
-    from hidden_states.conversations import MESSAGES, Record
-    from hidden_states.tokenization import ChatTokenizer, load_tokenizer
+    from hidden_states.inputs.conversations import MESSAGES, Record
+    from hidden_states.inputs.tokenization import ChatTokenizer, load_tokenizer
 
     settings, use_ray = scale
     tokenizer = load_tokenizer(settings("ray").model_path)

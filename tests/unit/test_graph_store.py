@@ -250,7 +250,7 @@ def test_the_backend_starts_vllm_compiled_with_the_graph_capture(monkeypatch):
 
 
 def test_the_plan_says_the_flag():
-    from hidden_states.planner import settings_line
+    from hidden_states.plan.planner import settings_line
     from hidden_states.settings import Settings
 
     assert settings_line(Settings("m", "d", "o", backend="vllm-engine", cuda_graphs=True)).endswith(" --cuda-graphs")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, identity
-from hidden_states.batches import ShardBatches
+from hidden_states import backends
+from hidden_states.inputs import identity
+from hidden_states.plan.batches import ShardBatches
 from hidden_states.shards import Shard
 from hidden_states.cli import main
 from hidden_states.errors import InputError, OutputError, PreflightError
@@ -110,9 +111,9 @@ def test_start_over_removes_only_the_other_extractions_files(job, tmp_path):
 
 
 def test_a_run_refused_by_a_check_writes_nothing(job, monkeypatch):
-    from hidden_states import preflight
+    from hidden_states.plan import run_checks
 
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0})())
+    monkeypatch.setattr(run_checks.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0})())
     with pytest.raises(PreflightError, match="of hidden states expected"):
         Extraction(job, log=quiet).run()
     # the plan refuses before the directory is made
@@ -204,8 +205,8 @@ MAX_SEQ_LEN = 50
 
 def estimated(path, chat=None) -> tuple[int, int]:
     """(the preflight's token estimate, the tokens the input makes as extracted)."""
-    from hidden_states.inputs import InputStream
-    from hidden_states.preflight import check_first_samples, estimate_tokens
+    from hidden_states.inputs.streams import InputStream
+    from hidden_states.plan.run_checks import check_first_samples, estimate_tokens
 
     stream = InputStream(path, chat=chat)
     check_first_samples(stream)
@@ -240,7 +241,7 @@ def test_disk_estimate_of_parquet(tmp_path):
 @pytest.mark.datasets
 def test_disk_estimate_and_hash_of_a_dataset_directory(tmp_path):
     import datasets
-    from hidden_states.conversations import open_source
+    from hidden_states.inputs.conversations import open_source
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in LENGTHS))
@@ -257,7 +258,7 @@ def test_disk_estimate_and_hash_of_a_dataset_directory(tmp_path):
 
 
 def test_disk_estimate_of_conversations_counts_the_tokenized_rows(chat_model, tmp_path):
-    from hidden_states.tokenization import ChatSettings
+    from hidden_states.inputs.tokenization import ChatSettings
 
     rng = random.Random(3)
     words = "the quick brown fox jumps over lazy dog what is capital of France Paris".split()
@@ -271,8 +272,8 @@ def test_disk_estimate_of_conversations_counts_the_tokenized_rows(chat_model, tm
 
 
 def test_conversations_record_the_tokenizer_and_layout(chat_model, tmp_path):
-    from hidden_states.inputs import InputStream
-    from hidden_states.tokenization import ChatSettings
+    from hidden_states.inputs.streams import InputStream
+    from hidden_states.inputs.tokenization import ChatSettings
 
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},

@@ -47,8 +47,8 @@ def test_default_format_follows_the_installed_speculators(monkeypatch, installed
 def test_05_sample_files_are_whole_or_cut_short(tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("safetensors")
-    from hidden_states import formats
-    from hidden_states.inputs import Sample
+    from hidden_states.output import formats
+    from hidden_states.inputs.streams import Sample
 
     logged = []
     layout = formats.create("speculators-0.5", tmp_path, formats.Layers([0, 2], 6, 8), log=logged.append)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_states import formats
-from hidden_states.formats.speculators_05 import read_sample
-from hidden_states.inputs import Sample
+from hidden_states.output import formats
+from hidden_states.output.formats.speculators_05 import read_sample
+from hidden_states.inputs.streams import Sample
 
 TOKENS, LAYERS, HIDDEN = 5, 3, 8
 
@@ -68,10 +68,10 @@ WRITE_PAST_THE_LIMIT = """
 import resource, signal, sys
 from pathlib import Path
 import torch
-from hidden_states import formats
-from hidden_states.output import BackgroundWriter
+from hidden_states.output import formats
+from hidden_states.output.writer import BackgroundWriter
 from hidden_states.errors import OutputError
-from hidden_states.inputs import Sample
+from hidden_states.inputs.streams import Sample
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
@@ -110,7 +110,7 @@ def test_sample_files_are_what_safetensors_reads(tmp_path, dtype):
     element size (the states' odd byte count would put the int64 ids off by 2 if written first)."""
     from safetensors import safe_open
 
-    from hidden_states.formats.speculators_05 import safetensors_header, write_safetensors
+    from hidden_states.output.formats.speculators_05 import safetensors_header, write_safetensors
 
     for tokens, layers, hidden in ((TOKENS, LAYERS, HIDDEN), (0, LAYERS, HIDDEN), (3, 1, 3)):
         tensors = {"hidden_states": torch.randn(tokens, layers, hidden).to(dtype),
@@ -127,7 +127,7 @@ def test_sample_files_are_what_safetensors_reads(tmp_path, dtype):
 
 
 def test_a_tensor_a_sample_file_cannot_hold_is_refused(tmp_path, stacked):
-    from hidden_states.formats.speculators_05 import write_safetensors
+    from hidden_states.output.formats.speculators_05 import write_safetensors
 
     with open(tmp_path / "x", "wb") as handle:
         with pytest.raises(ValueError, match="hidden_states: torch.uint8 is not a sample file's dtype"):
@@ -137,7 +137,7 @@ def test_a_tensor_a_sample_file_cannot_hold_is_refused(tmp_path, stacked):
 
 
 def test_a_contiguous_run_of_a_longer_rows_states_is_written_without_a_copy(tmp_path):
-    from hidden_states.formats.speculators_03 import own_storage
+    from hidden_states.output.formats.speculators_03 import own_storage
 
     longer = torch.arange(12 * HIDDEN, dtype=torch.float32).reshape(12, HIDDEN).to(torch.bfloat16)
     for run in (longer[:5], longer[3:9]):  # a served row's first rows; a run that starts inside the storage

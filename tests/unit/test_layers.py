@@ -167,17 +167,19 @@ def test_the_extractor_checks_catch_what_they_look_for():
         return {f"hidden_states.{name}": (ast.parse(source), False) for name, source in sources.items()}
 
     upward = planted({
-        "conversations": "from .preflight import human_size\n",  # inputs -> plan, at module level
-        "tokenization": "def f():\n    from .layer_conventions import X\n    from .output import Y\n",  # -> output
-        "backends.planted": "def f():\n    from ..formats.speculators_05 import StreamedFile\n",  # -> output
+        "inputs.conversations": "from ..plan.preflight import human_size\n",  # inputs -> plan, at module level
+        "inputs.tokenization": "def f():\n    from ..layer_conventions import X\n    from ..output import Y\n",  # -> output
+        "backends.planted": "def f():\n    from ..output.formats.speculators_05 import StreamedFile\n",  # -> output
         "output": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .extraction import Extraction\n",
         "cli": "def demo():\n    from .fixtures.demo import run\n",
     })
     assert [v.split(" ")[0] for v in layer_violations(upward, EXTRACTOR_LAYERS, EXTRACTOR_ALLOWED)] == [
-        "hidden_states.conversations:1", "hidden_states.tokenization:3", "hidden_states.backends.planted:2"]
-    circle = planted({"identity": "from .conversations import open_source\n",
-                      "conversations": "def digest():\n    from .identity import sha256_of\n"})
-    assert cycles(circle) == [["hidden_states.identity", "hidden_states.conversations", "hidden_states.identity"]]
+        "hidden_states.inputs.conversations:1", "hidden_states.inputs.tokenization:3",
+        "hidden_states.backends.planted:2"]
+    circle = planted({"inputs.identity": "from .conversations import open_source\n",
+                      "inputs.conversations": "def digest():\n    from .identity import sha256_of\n"})
+    assert cycles(circle) == [["hidden_states.inputs.identity", "hidden_states.inputs.conversations",
+                               "hidden_states.inputs.identity"]]
     assert layer_violations(circle, EXTRACTOR_LAYERS) == []  # one layer: only the circle check sees it
 
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hidden_states.batches import ShardBatches  # noqa: E402
+from hidden_states.plan.batches import ShardBatches  # noqa: E402
 from hidden_states.errors import OutputError  # noqa: E402
 from hidden_states.extract.command import Extraction  # noqa: E402
 from hidden_states.shards import Shard  # noqa: E402
@@ -24,7 +24,7 @@ from tests.conftest import ROOT  # noqa: E402
 from tests.unit.fakes import FakeBackend, quiet  # noqa: E402
 
 HOLD = ("import sys, time\n"
-        "from hidden_states.output import DirectoryLock\n"
+        "from hidden_states.output.lock import DirectoryLock\n"
         "DirectoryLock(sys.argv[1], sys.argv[2] or None).acquire()\n"
         "print('held', flush=True)\n"
         "time.sleep(300)\n")

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from hidden_states import backends, cli, planner
+from hidden_states import backends, cli
+from hidden_states.plan import planner
 from hidden_states.extract.command import Extraction
 from hidden_states.errors import UsageError
-from hidden_states.estimates import RATES, estimate_time, rate_for
+from hidden_states.plan.estimates import RATES, estimate_time, rate_for
 from hidden_states.run.summary import PLAN_DETAILS
 from hidden_states.model_ids import hub_cache, resolve
-from hidden_states.preflight import CPU_KV_CACHE_ENV, MemoryEstimate, cpu_kv_cache_space, estimate_memory, model_facts
+from hidden_states.plan.preflight import CPU_KV_CACHE_ENV, MemoryEstimate, cpu_kv_cache_space, estimate_memory, model_facts
 from tests.conftest import CACHE, ROOT
 from tests.unit.fakes import FakeBackend
 
@@ -306,7 +307,7 @@ def test_the_demos_printed_plan_command_works_as_printed(tiny, tmp_path):
 
 def test_states_in_flight_beyond_the_hosts_memory_are_refused_naming_the_batch_size_that_fits():
     from hidden_states.errors import PreflightError
-    from hidden_states.preflight import check_states_in_flight
+    from hidden_states.plan.preflight import check_states_in_flight
 
     # 4 layers of 4,096 bf16 and a token id: 32,772 bytes a token; 2,048-token sequences: 67 MB each
     args = dict(batches_held=3, extra_sequences=8, max_seq_len=2048, token_bytes=32_772)

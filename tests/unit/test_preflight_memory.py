@@ -6,7 +6,7 @@ import types
 import pytest
 
 from hidden_states.errors import PreflightError
-from hidden_states.preflight import DeviceBudget, MemoryEstimate, check_memory, estimate_memory, model_facts
+from hidden_states.plan.preflight import DeviceBudget, MemoryEstimate, check_memory, estimate_memory, model_facts
 
 torch = pytest.importorskip("torch")
 save_file = pytest.importorskip("safetensors.torch").save_file
@@ -194,7 +194,7 @@ def test_device_memory_is_asked_of_vllm_only_where_nvml_answers(monkeypatch):
 def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_path, monkeypatch):
     from safetensors import safe_open
 
-    from hidden_states import planner
+    from hidden_states.plan import planner
     from hidden_states.extract.command import Extraction
     from hidden_states.settings import Settings
     from vllm_compat.host import vllm_device_type

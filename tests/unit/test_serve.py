@@ -321,7 +321,8 @@ def test_serve_flags_the_servers_defaults_under_a_preset_and_the_flags(tmp_path)
 def test_the_served_model_is_planned_by_the_planner_and_gets_extracts_backend_settings(fake_model, monkeypatch):
     """serve plans with the planner's parts (no input, no output directory) and its backend gets what
     a run's plan gives extract's for the same model settings: the layers, the regions' sequences."""
-    from hidden_states import backends, planner, run_plan
+    from hidden_states import backends
+    from hidden_states.plan import planner, run_plan
     from hidden_states.serve import model as serve_model
     from hidden_states.settings import ModelSettings, Settings
 

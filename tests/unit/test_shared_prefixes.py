@@ -1,4 +1,4 @@
-"""Rows served from a longer row's states (hidden_states/prefixes.py): which rows run, and that every
+"""Rows served from a longer row's states (hidden_states/inputs/prefixes.py): which rows run, and that every
 row's file is what extracting it alone writes, across batches, resume and shards. A fake backend whose
 states are causal (a token's state depends on the tokens up to it only) stands in for vLLM; the real
 one runs in tests/e2e/test_formats.py."""
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hidden_states.extract.command import Extraction
-from hidden_states.inputs import Sample
-from hidden_states.prefixes import share
+from hidden_states.inputs.streams import Sample
+from hidden_states.inputs.prefixes import share
 from hidden_states.settings import Settings
 from hidden_states.shards import Shard
 from tests.unit.fakes import FakeBackend, fake_backends, rows_run
@@ -153,8 +153,8 @@ def test_per_turn_rows_are_prefixes_where_the_template_keeps_earlier_turns(tmp_p
     next; Qwen3 gives only the last turn a ``<think>`` block (empty without reasoning): no row begins
     another, and all run whole."""
     from hidden_states.fixtures.chat_templates import build_tokenizer
-    from hidden_states.inputs import InputStream
-    from hidden_states.tokenization import ChatSettings
+    from hidden_states.inputs.streams import InputStream
+    from hidden_states.inputs.tokenization import ChatSettings
 
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(chat(think)) + "\n")
@@ -166,7 +166,7 @@ def test_per_turn_rows_are_prefixes_where_the_template_keeps_earlier_turns(tmp_p
 
 @pytest.mark.parametrize("flag", [[], ["--no-shared-prefix"]], ids=["default", "no-shared-prefix"])
 def test_the_cli_serves_per_turn_rows_and_says_so_unless_told_not_to(tmp_path, monkeypatch, capsys, flag):
-    from hidden_states import planner
+    from hidden_states.plan import planner
     from hidden_states.cli import main
     from hidden_states.fixtures.chat_templates import build_tokenizer
 

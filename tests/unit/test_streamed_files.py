@@ -7,10 +7,10 @@ from safetensors.torch import load_file
 
 from hidden_states import fp8_states
 from hidden_states.backends.reply_streams import ReplyStreams
-from hidden_states.formats import Layers
-from hidden_states.formats.speculators_05 import RESERVED_HEADER, Speculators05, StreamedFile, safetensors_header
-from hidden_states.inputs import Sample
-from hidden_states.output import BackgroundWriter
+from hidden_states.output.formats import Layers
+from hidden_states.output.formats.speculators_05 import RESERVED_HEADER, Speculators05, StreamedFile, safetensors_header
+from hidden_states.inputs.streams import Sample
+from hidden_states.output.writer import BackgroundWriter
 
 
 def layers_of(tokens: int, hidden: int, count: int = 3, dtype=torch.bfloat16) -> list:

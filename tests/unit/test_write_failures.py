@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hidden_states import backends, planner  # noqa: E402
+from hidden_states import backends  # noqa: E402
+from hidden_states.plan import planner  # noqa: E402
 from hidden_states.cli import main  # noqa: E402
 from tests.unit.fakes import FakeBackend  # noqa: E402
 

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from hidden_states.output import BackgroundWriter
+from hidden_states.output.writer import BackgroundWriter
 
 QUEUED = 4
 

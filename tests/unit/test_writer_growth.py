@@ -4,7 +4,7 @@ and a run whose writer keeps up keeps the threads it started with."""
 import threading
 import time
 
-from hidden_states.output import BackgroundWriter
+from hidden_states.output.writer import BackgroundWriter
 from hidden_states.settings import WRITER_THREADS_CAP, Settings
 
 
@@ -52,7 +52,7 @@ def test_a_fixed_writer_keeps_its_threads(tmp_path):
 
 
 class SteppedClock:
-    """The writer's clock (``time`` in hidden_states.output), moved only by the test: the producer's
+    """The writer's clock (``time`` in hidden_states.output.writer), moved only by the test: the producer's
     work between two files takes ``step``, a file written takes no time. How long a busy host keeps
     a thread off the CPU then never counts as the producer waiting."""
 
@@ -67,10 +67,10 @@ class SteppedClock:
 
 
 def test_a_writer_that_keeps_up_does_not_grow(tmp_path, monkeypatch):
-    from hidden_states import output
+    from hidden_states.output import writer as writer_module
 
     clock = SteppedClock()
-    monkeypatch.setattr(output, "time", clock)
+    monkeypatch.setattr(writer_module, "time", clock)
     writer = BackgroundWriter(tmp_path, max_pending=8, format=SlowFormat(0.0), threads=1, max_threads=4)
     writer.GROW_INTERVAL = 0.05
     for index in range(20):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sizes import human_size
+from ..sizes import human_size
 
 
 @dataclass(frozen=True)

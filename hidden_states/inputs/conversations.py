@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import extras
-from .errors import InputError
+from .. import extras
+from ..errors import InputError
 
 TOKENIZED, SHAREGPT, MESSAGES, TEXT = "tokenized", "sharegpt", "messages", "text"
 KEYS = {TOKENIZED: "input_ids", SHAREGPT: "conversations", MESSAGES: "messages", TEXT: "text"}

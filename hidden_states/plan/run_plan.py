@@ -13,17 +13,21 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import backends, extras, formats, layer_conventions, planner
+from .. import backends, extras, layer_conventions
+from ..output import formats
+from ..errors import OutputError, PreflightError
+from ..inputs.streams import InputStream
+from ..inputs.tokenization import ChatSettings
+from ..output.directory import OutputDir
+from ..output.lock import holder
+from ..settings import Settings
+from ..sizes import human_size
+from . import planner
 from .batches import BatchSource, Pending
-from .errors import OutputError, PreflightError
 from .estimates import TimeEstimate, estimate_time, rate_for
-from .inputs import InputStream
-from .output import OutputDir, holder
 from .planner import BATCHES_HELD, MemoryCheck, ModelPlan
-from .preflight import MemoryEstimate, check_disk, check_first_samples, estimate_memory, estimate_tokens
-from .sizes import human_size
-from .settings import Settings
-from .tokenization import ChatSettings
+from .preflight import MemoryEstimate, estimate_memory
+from .run_checks import check_disk, check_first_samples, estimate_tokens
 
 
 @dataclass(frozen=True)

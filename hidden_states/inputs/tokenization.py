@@ -38,9 +38,9 @@ from pathlib import Path
 
 from . import conversations
 from .conversations import Conversation, Record
-from .errors import InputError, UsageError
-from .files import atomic_write_bytes
-from .layer_conventions import SPECULATORS_03, SPECULATORS_05
+from ..errors import InputError, UsageError
+from ..files import atomic_write_bytes
+from ..layer_conventions import SPECULATORS_03, SPECULATORS_05
 
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 # Stands in for a reply's content to find where the template puts it: no whitespace to trim, no

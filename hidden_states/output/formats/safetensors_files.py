@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import fp8_states
+from ... import fp8_states
 
 # torch dtype -> safetensors' name for it: the dtypes a sample file holds (states in the model's dtype)
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64",

@@ -8,14 +8,14 @@ its carrier's states, cut to its own length, with its own ids and mask.
 
 The window is the batch: the input is streamed and a batch is all the look-ahead there is, so a
 conversation whose turns straddle two batches has its earlier turns extracted on their own. Rows are
-still written and recorded one by one (``output.py``), so resume and shards are unchanged: a row is
+still written and recorded one by one (``output/``), so resume and shards are unchanged: a row is
 finished when its file is whole, whether it was extracted or sliced.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .inputs import Sample
+from .streams import Sample
 
 
 @dataclass

@@ -18,10 +18,10 @@ import bisect
 from collections.abc import Callable, Collection, Iterator
 from typing import Protocol
 
-from .errors import InputError
-from .inputs import InputStream, Sample
-from .preflight import too_long
-from .settings import Settings
+from ..errors import InputError
+from ..inputs.streams import InputStream, Sample
+from ..settings import Settings
+from .run_checks import too_long
 
 
 class Pending:

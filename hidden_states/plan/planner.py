@@ -21,14 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import backends, formats, layer_conventions
-from .errors import UsageError
-from .forward_check import check_forward
+from .. import backends, layer_conventions
+from ..errors import UsageError
+from ..forward_check import check_forward
+from ..output import formats
+from ..settings import ModelSettings, Settings
+from ..sizes import human_size
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, MemoryEstimate, ModelFacts, check_environment, check_layer_ids,
                         check_memory, check_states_in_flight, check_tensor_parallel, check_vllm, cpu_kv_cache_space,
                         device_budget, estimate_memory, model_facts)
-from .sizes import human_size
-from .settings import ModelSettings, Settings
 
 # The batches' worth of sequences whose states a run holds at once: the batch awaited, the writer's
 # queue, slack (RunPlan.backend_settings); generate holds a batch's replies besides (its own number).
@@ -94,7 +95,7 @@ def plan_model(settings: ModelSettings, log) -> tuple[ModelPlan, list[str]]:
     if settings.writer_threads < 1:  # no thread would ever write: files lost, or a hang on a full queue
         raise UsageError(f"--writer-threads {settings.writer_threads}: must be at least 1")
     if settings.cuda_graphs:
-        from .backends.vllm_engine import refuse_cuda_graphs
+        from ..backends.vllm_engine import refuse_cuda_graphs
 
         refuse_cuda_graphs(settings.backend)
     if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM

@@ -3,7 +3,7 @@
 A format is a writer. It names each sample's file, turns one sample and its states into a record,
 saves a record into an open file, tells a whole file from one cut short, describes itself for
 ``data_config.json``, writes its index files when a run ends and names them (for ``--start-over``). Everything around that is shared
-by every format (``output.py``): the temporary name and the rename, the background writer threads,
+by every format (``output/``): the temporary name and the rename, the background writer threads,
 the ``done.jsonl`` ledger, resume and the finished set.
 
 A new format is a module here with a class following :class:`Format`, registered in
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
 
 if TYPE_CHECKING:
-    from ..inputs import Sample
+    from ...inputs.streams import Sample
 
 
 @dataclass(frozen=True)

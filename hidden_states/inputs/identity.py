@@ -27,8 +27,8 @@ import json
 from pathlib import Path
 
 from .conversations import open_source
-from .errors import InputError
-from .sizes import human_size
+from ..errors import InputError
+from ..sizes import human_size
 
 SHORT = 12  # hex digits of a hash shown in messages and status
 # A checkpoint's files that decide how text becomes tokens (transformers' tokenizer files).

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
-from ..inputs import Sample
-from ..output import atomic_write_json
+from ...files import atomic_write_json
+from ...inputs.streams import Sample
 from . import Layers
 
 DATA_FILE = re.compile(r"^data_(\d+)\.pt$")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import conversations, identity
-from .errors import InputError
+from ..errors import InputError
 from .tokenization import ChatSettings, ChatTokenizer, count_trained, tokenized_rows
 
 

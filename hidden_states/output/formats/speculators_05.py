@@ -31,11 +31,11 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import extras, fp8_states
-from ..errors import OutputError
-from ..inputs import Sample
-from ..layer_conventions import MEANING, SPECULATORS_05, from_extractor
-from ..output import Continued
+from ... import extras, fp8_states
+from ...errors import OutputError
+from ...inputs.streams import Sample
+from ...layer_conventions import MEANING, SPECULATORS_05, from_extractor
+from ..writer import Continued
 from . import Layers
 from .safetensors_files import (SAFETENSORS_DTYPES, safetensors_header, safetensors_json, state_tensors,
                                 write_safetensors)
