@@ -105,7 +105,7 @@ class Extraction:
             dispatch = runner
         else:
             runner.open_writer()
-            dispatch = ExtractRows(runner, prepared.format, summary, share_prefixes=settings.share_prefixes,
+            dispatch = ExtractRows(runner, summary, share_prefixes=settings.share_prefixes,
                                    written=self._written)
         todo, exact = prepared.pending.todo()
         self.progress = Progress(self.source.expected(todo), log=self.log, exact=exact,
@@ -176,7 +176,7 @@ class ExtractReplica:
         """Load the model, open the writer."""
         self.model.load()
         self.model.open_writer()
-        self.rows = ExtractRows(self.model, self.prepared.format, self.summary,
+        self.rows = ExtractRows(self.model, self.summary,
                                 share_prefixes=self.prepared.run_plan.settings.share_prefixes)
 
     def replica_batch(self, batch: list[Sample], skip: frozenset[int]) -> dict:

@@ -1,7 +1,8 @@
 """A batch's rows through this process's backend to its writer: the rows a shared prefix serves
 taken apart (``prefixes.share``), the others submitted in groups of about one engine step
 (:func:`submit_groups`) with the backend's ``tokens_ahead`` in flight, each group's states handed,
-once in, to the format and the background writer with the rows served from them. A single run's
+once in, to the background writer (which has the format make each file) with the rows served
+from them. A single run's
 loop and a Ray replica's batches both run here."""
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ class ExtractRows:
         written: (rows, tokens) -> None, called as a group's rows go to the writer (the progress).
     """
 
-    def __init__(self, model, format, summary: Summary, *, share_prefixes: bool,
+    def __init__(self, model, summary: Summary, *, share_prefixes: bool,
                  written: Callable[[int, int], None] = lambda rows, tokens: None):
         self.backend, self.writer, self.layer_order = model.backend, model.writer, model.layer_order
-        self.format, self.summary, self.share_prefixes, self.written = format, summary, share_prefixes, written
+        self.summary, self.share_prefixes, self.written = summary, share_prefixes, written
         # (batch, future, tokens): submitted to the backend, not yet written, oldest first
         self._in_flight: deque[tuple] = deque()
         # by a submitted row's sample index: the rows written from its states (prefixes.py)
@@ -65,7 +66,7 @@ class ExtractRows:
         return shared.carriers
 
     def extract_batch(self, batch: list[Sample], skip: frozenset[int] = frozenset()) -> int:
-        """One batch, start to end: backend -> the format's records -> the writer, except the samples
+        """One batch, start to end: backend -> the writer (the format's records), except the samples
         in ``skip`` (extracted with the batch, not written: a data-parallel retry of a batch some of
         whose files are already whole). Returns the batch's tokens."""
         carriers = self.carriers(batch)
@@ -106,7 +107,7 @@ class ExtractRows:
                     # the states as the backend hands them, on its device: the format copies them to
                     # the host (FP8 quantized first, so half the bytes cross); a served row's are its
                     # carrier's first rows, a view the format makes its own storage where it must
-                    self.writer.submit(row.index, self.format.record(row, fp8_states.first_rows(layers, len(row.input_ids))))
+                    self.writer.write(row, fp8_states.first_rows(layers, len(row.input_ids)))
                 tokens += len(row.input_ids)
         return tokens
 

@@ -160,7 +160,7 @@ class Generation:
         else:
             runner.open_writer()
             self.chat = self.prepared.input.tokenizer or chat_tokenizer(self.prepared)  # the plan's, loaded once
-            loop = ContinuousRegeneration(runner, self.prepared.format, self.chat, self.sampling, settings,
+            loop = ContinuousRegeneration(runner, self.chat, self.sampling, settings,
                                           self.summary, streams=streams_files(runner, self.prepared),
                                           interrupted=lifecycle.interrupted, progress=progress)
             loop.tally = self.tally
@@ -256,7 +256,7 @@ class GenerateReplica:
         """Load the model, open the writer, load the chat template's tokenizer."""
         self.model.load()
         self.model.open_writer()
-        self.loop = ContinuousRegeneration(self.model, self.prepared.format, chat_tokenizer(self.prepared),
+        self.loop = ContinuousRegeneration(self.model, chat_tokenizer(self.prepared),
                                            self.sampling, self.prepared.run_plan.settings, self.summary,
                                            streams=streams_files(self.model, self.prepared))
 

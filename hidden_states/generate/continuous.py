@@ -9,9 +9,9 @@ reply's (``VllmEngineBackend.row_states``); its rows go to the background writer
 states are in, and the next conversation takes its place in the engine.
 
 A reply's file (speculators-0.5, the backend's layers in its order) is begun while the reply is
-generated: the writer hands out the temporary file (``BackgroundWriter.temp_path``), the backend
-streams the reply's rows into it, and the format finishes it with the row's states
-(``StreamedFile``).
+generated: the writer hands it out (``BackgroundWriter.sink``), the backend streams the reply's rows
+into it, and the writer finishes it with the row's states (``BackgroundWriter.write``).
+The loop never sees the format.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from .. import fp8_states
 from ..inputs import conversations
 from ..backends import Reply, Sampling
 from ..errors import InputError
-from ..output.formats.speculators_05 import StreamedFile
 from ..inputs.streams import Sample
 from ..progress import Progress
 from ..inputs.tokenization import ChatTokenizer
@@ -44,13 +43,12 @@ class ContinuousRegeneration:
         tally: what regeneration did (``regeneration.Tally``); a Ray replica takes a new one per batch.
     """
 
-    def __init__(self, model, format, chat: ChatTokenizer, sampling: Sampling, settings, summary, *,
+    def __init__(self, model, chat: ChatTokenizer, sampling: Sampling, settings, summary, *,
                  streams: bool, interrupted: Callable[[], bool] = lambda: False, progress: Progress | None = None):
         self.backend, self.writer, self.layer_order = model.backend, model.writer, model.layer_order
-        self.format, self.chat, self.sampling, self.settings, self.summary = format, chat, sampling, settings, summary
+        self.chat, self.sampling, self.settings, self.summary = chat, sampling, settings, summary
         self.streams, self._interrupted, self.progress = streams, interrupted, progress
         self.tally = Tally()
-        self._streams: dict[int, StreamedFile] = {}  # by sample index: its reply's file, begun while generating
 
     def run(self, todo, window: int, write_lines) -> list[int]:
         """Keep ``--batch-size`` conversations in the engine: each user turn answered as its turn comes
@@ -132,18 +130,11 @@ class ContinuousRegeneration:
         rowed[self.backend.row_states(rows, sources)] = (regen, indices, samples)
         return False
 
-    def _stream_for(self, regen: Regeneration, indices: list[int]) -> StreamedFile | None:
+    def _stream_for(self, regen: Regeneration, indices: list[int]):
         """The file of ``regen``'s next reply's row (a row per reply: its sample is the reply's number
-        among the conversation's), begun for its rows to go to as they land; None: not streamed."""
-        if not self.streams:
-            return None
-        index = indices[len(regen.replies)]
-        try:
-            stream = StreamedFile(self.writer.temp_path(index))
-        except OSError:  # written whole at the end, where the error, if it stays, is said
-            return None
-        self._streams[index] = stream
-        return stream
+        among the conversation's), handed out by the writer for its rows to go to as they land (a
+        sink); None: not streamed."""
+        return self.writer.sink(indices[len(regen.replies)]) if self.streams else None
 
     def _next_prompt_ids(self, regen: Regeneration) -> list[int] | None:
         """``regen``'s next prompt, as token ids; None once every turn is answered, or for a prompt
@@ -191,16 +182,10 @@ class ContinuousRegeneration:
         tokens = 0
         for sample, layers in zip(samples, states, strict=True):
             layers = fp8_states.pick(layers, self.layer_order)
-            stream = self._streams.pop(sample.index, None)
-            if stream is not None and stream.kept is not None and stream.error is None:
-                record = self.format.streamed_record(sample, layers, stream)
+            streamed = self.writer.write(sample, layers)
+            if streamed is not None:
                 self.tally.streamed += 1
-                self.tally.streamed_rows += min(stream.kept, stream.rows)
-            else:
-                if stream is not None:
-                    stream.discard()
-                record = self.format.record(sample, layers)
-            self.writer.submit(sample.index, record)
+                self.tally.streamed_rows += min(streamed.kept, streamed.rows)
             self.summary.extracted += 1
             self.summary.tokens += len(sample.input_ids)
             self.summary.computed_tokens += len(sample.input_ids)

@@ -88,6 +88,7 @@ class BackgroundWriter:
         self._temp_prefix = temp_prefix(tag)
         self._ledger = self.ledger.open("ab", buffering=0)
         self._threads: list[threading.Thread] = []
+        self._sinks: dict = {}  # by sample index: the file begun for its rows (sink), until write
         for _ in range(threads):
             self._start_thread()
 
@@ -123,6 +124,34 @@ class BackgroundWriter:
                 self._start_thread()
         # the wait under way counts from here on: what of it came before is this interval's
         self._grown_at, self._stall_since_grown = now, -waiting
+
+    def sink(self, index: int):
+        """The file sample ``index``'s rows go to as they are computed (``generate``'s replies: the
+        backend streams each row as the engine generates it), begun under this writer's temporary
+        name by the format (``Format.stream_file``); None where the format writes whole files only,
+        or the file cannot be begun (then it is written whole by :meth:`write`, where an error that
+        stays is said). :meth:`write` finishes it."""
+        try:
+            sink = self.format.stream_file(self.temp_path(index))
+        except OSError:
+            return None
+        if sink is not None:
+            self._sinks[index] = sink
+        return sink
+
+    def write(self, sample, states: list):
+        """Hand ``sample``'s file to the threads: its record made by the format from ``states`` (one
+        per layer, on any device), finishing the file its :meth:`sink` began where that holds the
+        rows it should (else that file is removed and the file written whole). Returns the sink whose
+        file it finishes, or None."""
+        sink = self._sinks.pop(sample.index, None)
+        if sink is not None and sink.kept is not None and sink.error is None:
+            self.submit(sample.index, self.format.streamed_record(sample, states, sink))
+            return sink
+        if sink is not None:
+            sink.discard()
+        self.submit(sample.index, self.format.record(sample, states))
+        return None
 
     def temp_path(self, index: int) -> Path:
         """Where sample ``index``'s file is written before its rename: this writer's temporary name for it."""

@@ -1,5 +1,6 @@
-"""Sample files begun while their reply is generated (``formats.speculators_05.StreamedFile``, filled
-by ``backends.reply_streams.ReplyStreams``) and finished by the writer: the same tensors as a file
+"""Sample files begun while their reply is generated (``formats.speculators_05.StreamedFile``, handed
+out by the writer, ``BackgroundWriter.sink``, filled by ``backends.reply_streams.ReplyStreams``) and
+finished by the writer (``BackgroundWriter.write``): the same tensors as a file
 written at the end, whatever the stream got; written whole instead where it cannot be finished."""
 import pytest
 import torch
@@ -33,15 +34,15 @@ def written(tmp_path, states, *, streamed: int | None, kept: int | None, state_d
     writer = BackgroundWriter(tmp_path, format=form)
     sample = Sample(0, 1, list(range(tokens)), [0, 1] * (tokens // 2) + [1] * (tokens % 2))
     if streamed is None:
-        record = form.record(sample, states)
+        assert writer.write(sample, states) is None
     else:
-        stream = StreamedFile(writer.temp_path(0))
+        stream = writer.sink(0)  # the writer hands out the file; the backend fills it
+        assert stream.path == writer.temp_path(0) and stream.path.is_file()
         stream.append(token_major(states, 0, streamed - stale))
         if stale:
             stream.append(torch.zeros_like(token_major(states, 0, stale)))
         stream.kept = kept
-        record = form.streamed_record(sample, states, stream)
-    writer.submit(0, record)
+        assert writer.write(sample, states) is stream
     writer.close()
     path = tmp_path / form.sample_file(0)
     assert safetensors_header(path) is not None and not list(tmp_path.glob(".tmp-*"))
@@ -145,3 +146,30 @@ def test_streamed_files_hold_no_descriptor_between_appends(tmp_path):
         stream.append(token_major(layers_of(4, 8), 0, 4))
     assert len(os.listdir("/proc/self/fd")) == before
     assert all(stream.path.stat().st_size == RESERVED_HEADER + 4 * 3 * 16 for stream in streams)
+
+
+def test_a_sink_never_the_samples_is_removed_and_the_file_written_whole(tmp_path):
+    """The writer finishes only a file that holds its sample's rows: one never told it does (a reply
+    whose row took a region of its own) goes, and the sample's file is written whole."""
+    states = layers_of(12, 64)
+    form = Speculators05(tmp_path, Layers([1, 2, 3], 4, 64))
+    (tmp_path / "hidden_states").mkdir(parents=True)
+    writer = BackgroundWriter(tmp_path, format=form)
+    stream = writer.sink(0)
+    stream.append(token_major(states, 0, 4))
+    assert writer.write(Sample(0, 1, list(range(12)), None), states) is None
+    writer.close()
+    assert not stream.path.exists()
+    got = load_file(str(tmp_path / form.sample_file(0)))
+    assert torch.equal(got["hidden_states"], torch.stack(states, dim=1))
+
+
+def test_a_format_of_whole_files_hands_out_no_sink(tmp_path):
+    from hidden_states.output.formats.speculators_03 import Speculators03
+
+    form = Speculators03(tmp_path, Layers([1, 2], 4, 8))
+    writer = BackgroundWriter(tmp_path, format=form)
+    try:
+        assert writer.sink(0) is None and not list(tmp_path.glob(".tmp-*"))
+    finally:
+        writer.close()

@@ -62,6 +62,13 @@ class Format(Protocol):
 
     def record(self, sample: Sample, states: list) -> object: ...  # states: one [n, hidden] per layers.ids entry, on any device
 
+    # a file a sample's rows are streamed into as they are computed, begun at ``path`` (the writer's
+    # temporary name; ``BackgroundWriter.sink``); None: this format writes whole files only
+    def stream_file(self, path: Path) -> object | None: ...
+
+    # the record finishing a file ``stream_file`` began (called only for such a file)
+    def streamed_record(self, sample: Sample, states: list, stream) -> object: ...
+
     def save(self, record, handle: BinaryIO) -> None: ...
 
     def length(self, record) -> int: ...  # tokens of a record (the ledger's length)

@@ -67,6 +67,14 @@ class Speculators03:
                 "hidden_states": [layer.cpu() for layer in states],
                 "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
+    def stream_file(self, path: Path) -> None:
+        """None: a speculators-0.3 file stores each layer whole (``[T, hidden]``), so a row's layers
+        never lie side by side to be written as the row comes."""
+        return None
+
+    def streamed_record(self, sample: Sample, states: list, stream) -> dict:
+        raise TypeError("speculators-0.3 files are written whole: no file of it is streamed")
+
     def save(self, record: dict, handle: BinaryIO) -> None:
         import torch
 

@@ -215,6 +215,9 @@ class Speculators05:
             return {**id_tensors(sample.input_ids, mask), UNQUANTIZED: list(states)}
         return sample_tensors(sample.input_ids, mask, states, self.state_dtype)
 
+    def stream_file(self, path: Path) -> StreamedFile:
+        return StreamedFile(path)
+
     def streamed_record(self, sample: Sample, states: list, stream: StreamedFile) -> Continued:
         """The record of a sample whose file ``stream`` began (its rows before ``stream.kept`` in place);
         ``states``: the sample's final states, one ``[T, hidden]`` per layer (or
