@@ -44,7 +44,7 @@ from .output import CONFIG, TOKEN_FREQ, BackgroundWriter, DirectoryLock, OutputD
 from .files import atomic_write_json, read_json
 from .forward_check import check_forward
 from .estimates import TimeEstimate, duration
-from .backends.regions import SHM
+from .backends.shared.regions import SHM
 from .identity import describe_input, difference, stop_record
 from .planner import BATCHES_HELD, MemoryCheck, ModelPlan
 from .run_plan import Planned, RunPlan, plan_run

@@ -43,7 +43,7 @@ class ModelSettings:
         share_prefixes: a row that is an exact prefix of another row of its batch is written from
             that row's states, not extracted (``prefixes.py``); False: every row extracted whole.
         cuda_graphs: run vLLM's compiled forward and CUDA graphs, the capture's copies inside them
-            (``--backend vllm-engine`` only: ``backends/graph_capture.py``); False: vLLM runs eager.
+            (``--backend vllm-engine`` only: ``backends/worker/graph_capture.py``); False: vLLM runs eager.
     """
 
     model_path: str

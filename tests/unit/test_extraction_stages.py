@@ -220,7 +220,7 @@ def test_a_replicas_plan_takes_cuda_graphs_to_its_backend_checked_once(job, monk
     not check the environment again (speculators' capture asked for there: the plan refused that)."""
     import pickle
 
-    from hidden_states.backends.graph_store import LAYERS_ENV
+    from hidden_states.backends.shared.graph_store import LAYERS_ENV
     from hidden_states.backends.vllm_engine import CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend
     from hidden_states.errors import UsageError
 
