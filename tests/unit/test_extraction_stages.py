@@ -339,7 +339,8 @@ def test_pending_skips_finished_and_fits_lengths(tmp_path):
 
 
 def test_every_default_is_the_settings_one():
-    from hidden_states.cli import build_parser, settings_from
+    from hidden_states.cli import build_parser
+    from hidden_states.cli.runs import settings_from
 
     args = build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o"])
     assert settings_from(args) == Settings(model_path="m", prepared_data="d", output_dir="o")
