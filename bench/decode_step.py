@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main(argv=None) -> int:
     import torch
 
-    from hidden_states.backends.regions import region_bytes
+    from hidden_states.backends.shared.regions import region_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=256)
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--direct", action="store_true", help="one copy per request and layer (no gathering)")
     args = parser.parse_args(argv)
-    capture = importlib.import_module("hidden_states.backends.engine_capture")
+    capture = importlib.import_module("hidden_states.backends.worker.engine_capture")
     if args.direct:
         capture.GATHER_ROWS = 0
     row_bytes = args.hidden * 2

@@ -29,7 +29,7 @@ def spin(seconds: float) -> int:
 def main(argv=None) -> int:
     import torch
 
-    from hidden_states.backends.regions import RegionPool, layer_start, region_bytes
+    from hidden_states.backends.shared.regions import RegionPool, layer_start, region_bytes
     from hidden_states.backends.reply_streams import ReplyStreams
     from hidden_states.output.formats.speculators_05 import StreamedFile
 

@@ -1,6 +1,6 @@
 """The extractor's settings and their defaults: the one place each default is defined.
 
-The CLI (``cli.py``) and the presets (``presets.py``) read their defaults from :class:`Settings`;
+The CLI (``cli/``) and the presets (``presets.py``) read their defaults from :class:`Settings`;
 a library caller gets the same values by leaving a field out. Each command gets what it uses:
 :class:`ModelSettings` (the model and how it runs) for ``serve``, with :class:`ServeSettings` (the
 HTTP side); :class:`Settings` (the model's settings and the run's input, output and range) for
@@ -43,7 +43,7 @@ class ModelSettings:
         share_prefixes: a row that is an exact prefix of another row of its batch is written from
             that row's states, not extracted (``prefixes.py``); False: every row extracted whole.
         cuda_graphs: run vLLM's compiled forward and CUDA graphs, the capture's copies inside them
-            (``--backend vllm-engine`` only: ``backends/graph_capture.py``); False: vLLM runs eager.
+            (``--backend vllm-engine`` only: ``backends/worker/graph_capture.py``); False: vLLM runs eager.
     """
 
     model_path: str

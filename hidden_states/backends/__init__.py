@@ -6,6 +6,9 @@ what is installed) and, when it
 touches vLLM beyond speculators' generator, its touch points (``TOUCHPOINTS``, a
 ``BackendTouchpoints``: the first vLLM release, the checks, the adapters it requires), which the
 shim's audit and the extractor's preflight read through :func:`touchpoints`.
+
+The modules here are the parent side, in the run's process; ``worker/`` holds the code that runs
+inside vLLM's processes (named to vLLM by dotted path), ``shared/`` what both sides read.
 """
 from __future__ import annotations
 

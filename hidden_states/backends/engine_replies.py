@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from ..inputs.tokenization import common_prefix
 from . import Reply, Sampling
 from .engine_feed import EngineBatch
-from .regions import HEADER, SECOND, layer_start
+from .shared.regions import HEADER, SECOND, layer_start
 from .reply_streams import ReplyStreams, Sink
 
 # rows a reply's region holds past its prompt and its most new tokens: room for what the chat template

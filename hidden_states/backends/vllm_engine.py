@@ -50,8 +50,8 @@ from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
-from .graph_store import LAYERS_ENV, report_line
-from .regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
+from .shared.graph_store import LAYERS_ENV, report_line
+from .shared.regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -66,9 +66,9 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
     # LLM(worker_extension_cls=...) reaches EngineArgs; collective_rpc(method, args=...) the workers
     *present("vllm.engine.arg_utils:EngineArgs", "worker_extension_cls"),
     (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), GIVEN),
-    # the worker (engine_capture.py): execute_model's scheduler output says whose rows go where
+    # the worker (worker/engine_capture.py): execute_model's scheduler output says whose rows go where
     (Param("vllm.v1.worker.gpu_worker:Worker.execute_model", "scheduler_output"), GIVEN),
-    # --cuda-graphs (graph_capture.py): the copies go onto the model as Worker.load_model returns, before
+    # --cuda-graphs (worker/graph_capture.py): the copies go onto the model as Worker.load_model returns, before
     # vLLM's first forward compiles it (wrapped on the class, which the CPU worker loads through)
     *present("vllm.v1.worker.gpu_worker:Worker", "load_model"),
     *present(f"{_OUTPUT}:SchedulerOutput", "scheduled_new_reqs", "scheduled_cached_reqs",
@@ -77,7 +77,7 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
              "num_computed_tokens"),
     *present(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
     (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
-    # the own capture (own_capture.py) hooks the decoder layers and wraps the decoder stack's forward,
+    # the own capture (worker/own_capture.py) hooks the decoder layers and wraps the decoder stack's forward,
     # whose input ids and positions both captures' rows are checked with (vLLM's Llama stands for the
     # decoder models: a stack's `layers` and `start_layer`/`end_layer` are set in __init__, which the
     # end-to-end runs prove)
@@ -87,10 +87,10 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
 ROWS_TIMEOUT = 30.0  # seconds a finished request's rows may take to land in its region
 # The worker side, named to vLLM (worker_extension_cls): its workers import it, this process need not.
 OWN, SPECULATORS = "own", "speculators"
-EXTENSIONS = {SPECULATORS: f"{__package__}.speculators_capture.StreamingCapture",
-              OWN: f"{__package__}.own_capture.OwnStreamingCapture"}
-# --cuda-graphs: the own capture, its copies traced into vLLM's compiled forward (graph_capture.py)
-GRAPH_EXTENSION = f"{__package__}.graph_capture.GraphStreamingCapture"
+EXTENSIONS = {SPECULATORS: f"{__package__}.worker.speculators_capture.StreamingCapture",
+              OWN: f"{__package__}.worker.own_capture.OwnStreamingCapture"}
+# --cuda-graphs: the own capture, its copies traced into vLLM's compiled forward (worker/graph_capture.py)
+GRAPH_EXTENSION = f"{__package__}.worker.graph_capture.GraphStreamingCapture"
 CAPTURE_ENV = "VLLM_COMPAT_ENGINE_CAPTURE"  # own or speculators; unset: speculators' where 0.3/0.4 is installed
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..backends.regions import SHM
+from ..backends.shared.regions import SHM
 from ..errors import OutputError
 from ..plan.estimates import duration
 from ..files import atomic_write_json, read_json

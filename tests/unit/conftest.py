@@ -72,4 +72,4 @@ def capture():
     """engine_capture: the streaming half both captures share (it imports neither speculators nor vLLM)."""
     import importlib
 
-    return importlib.import_module("hidden_states.backends.engine_capture")
+    return importlib.import_module("hidden_states.backends.worker.engine_capture")

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from hidden_states.backends import BackendSettings, engine_capture, own_capture
-from hidden_states.backends.regions import REGION, RegionPool
+from hidden_states.backends import BackendSettings
+from hidden_states.backends.worker import engine_capture, own_capture
+from hidden_states.backends.shared.regions import REGION, RegionPool
 from hidden_states.backends.vllm_engine import RegionBatch, VllmEngineBackend
 
 HIDDEN = 4

@@ -46,4 +46,4 @@ EXTRACTOR_LAYERS = _layers([
     ("fixtures", {"fixtures"}),
 ])
 # The one upward import the map allows: `hidden-states demo` runs the demo fixture (imported lazily).
-EXTRACTOR_ALLOWED = frozenset({("hidden_states.cli", "hidden_states.fixtures.demo")})
+EXTRACTOR_ALLOWED = frozenset({("hidden_states.cli.tools", "hidden_states.fixtures.demo")})

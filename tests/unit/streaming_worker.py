@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hidden_states.backends.regions import HEADER, layer_start, region_bytes
+from hidden_states.backends.shared.regions import HEADER, layer_start, region_bytes
 
 HIDDEN = 4
 LAYERS = 2

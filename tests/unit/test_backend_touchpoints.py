@@ -19,8 +19,9 @@ from hidden_states.backends import touchpoints, touchpoints_of
 
 BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_states/backends)
 
-MODULES = {"vllm-engine": ["vllm_engine.py", "engine_capture.py", "speculators_capture.py", "own_capture.py",
-                           "graph_capture.py", "graph_store.py", "engine_feed.py", "engine_base.py", "engine_replies.py"],
+MODULES = {"vllm-engine": ["vllm_engine.py", "worker/engine_capture.py", "worker/speculators_capture.py",
+                           "worker/own_capture.py", "worker/graph_capture.py", "shared/graph_store.py", "engine_feed.py",
+                           "engine_base.py", "engine_replies.py"],
            "vllm-native": ["vllm_native.py", "engine_feed.py", "engine_base.py"]}
 
 

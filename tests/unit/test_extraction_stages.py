@@ -223,7 +223,7 @@ def test_a_replicas_plan_takes_cuda_graphs_to_its_backend_checked_once(job, monk
     not check the environment again (speculators' capture asked for there: the plan refused that)."""
     import pickle
 
-    from hidden_states.backends.graph_store import LAYERS_ENV
+    from hidden_states.backends.shared.graph_store import LAYERS_ENV
     from hidden_states.backends.vllm_engine import CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend
     from hidden_states.errors import UsageError
 
@@ -342,7 +342,8 @@ def test_pending_skips_finished_and_fits_lengths(tmp_path):
 
 
 def test_every_default_is_the_settings_one():
-    from hidden_states.cli import build_parser, settings_from
+    from hidden_states.cli import build_parser
+    from hidden_states.cli.runs import settings_from
 
     args = build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o"])
     assert settings_from(args) == Settings(model_path="m", prepared_data="d", output_dir="o")

@@ -195,7 +195,8 @@ def test_disk_estimate_counts_16_bit_states_in_readable_units(model, tmp_path):
 
 
 def test_preset_values_and_flag_overrides():
-    from hidden_states.cli import build_parser, settings_from
+    from hidden_states.cli import build_parser
+    from hidden_states.cli.runs import settings_from
 
     args = build_parser().parse_args(["extract", "--model-path", "m", "--prepared-data", "d", "--output-dir", "o",
                                       "--preset", "blackwell-tp8", "--batch-size", "2"])

@@ -16,7 +16,7 @@ import torch
 
 from hidden_states.backends import BackendSettings, Reply, Sampling
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, SECOND, RegionPool, layer_start
+from hidden_states.backends.shared.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, SECOND, RegionPool, layer_start
 from hidden_states.backends.engine_replies import ROW_TAIL
 from hidden_states.backends.vllm_engine import VllmEngineBackend
 from hidden_states.cli import main

@@ -363,13 +363,13 @@ def test_shards_number_per_reply_rows_as_one_process_does(scale):
 def test_generate_takes_the_scale_out_flags_as_extract_does(scale):
     """The CLI's door: ``--data-parallel-size`` and ``--ray-address`` give a generation on Ray replicas, ``--shard``
     a shard's Generation."""
-    from hidden_states import cli
+    from hidden_states.cli import runs
 
     settings, use_ray = scale
     use_ray()
     sampling = Sampling()
-    assert cli.extraction_for(replace(settings("a"), data_parallel_size=2), sampling).on_ray
-    assert cli.extraction_for(replace(settings("a"), ray_address="auto"), sampling).on_ray
-    shard = cli.extraction_for(replace(settings("a"), shard=Shard(1, 2, "--shard")), sampling)
+    assert runs.extraction_for(replace(settings("a"), data_parallel_size=2), sampling).on_ray
+    assert runs.extraction_for(replace(settings("a"), ray_address="auto"), sampling).on_ray
+    shard = runs.extraction_for(replace(settings("a"), shard=Shard(1, 2, "--shard")), sampling)
     assert type(shard) is Generation and shard.source.tag == "shard-1-of-2" and not shard.on_ray
-    assert type(cli.extraction_for(settings("a"))) is Extraction
+    assert type(runs.extraction_for(settings("a"))) is Extraction

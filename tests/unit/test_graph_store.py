@@ -1,4 +1,4 @@
-"""``--cuda-graphs``' capture (hidden_states/backends/graph_store.py, graph_capture.py) with a small
+"""``--cuda-graphs``' capture (hidden_states/backends/shared/graph_store.py, worker/graph_capture.py) with a small
 torch stack standing in for vLLM's decoder, compiled as vLLM compiles it (torch.compile, its guards
 dropped: the compiled code runs whatever changed on the modules afterwards): the buffers, the
 step's real rows (not the padding a CUDA graph runs), the copies inside the compiled forward, and
@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hidden_states.backends import BackendSettings, graph_capture, own_capture
-from hidden_states.backends.graph_store import LAYERS_ENV, GraphStore, buffer_rows, report_line
+from hidden_states.backends import BackendSettings
+from hidden_states.backends.worker import graph_capture, own_capture
+from hidden_states.backends.shared.graph_store import LAYERS_ENV, GraphStore, buffer_rows, report_line
 from hidden_states.backends.vllm_engine import (CAPTURE_ENV, GRAPH_EXTENSION, OWN, VllmEngineBackend,
                                                 graph_capture_environment)
 from hidden_states.cli import main

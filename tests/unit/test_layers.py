@@ -171,7 +171,7 @@ def test_the_extractor_checks_catch_what_they_look_for():
         "inputs.tokenization": "def f():\n    from ..layer_conventions import X\n    from ..output import Y\n",  # -> output
         "backends.planted": "def f():\n    from ..output.formats.speculators_05 import StreamedFile\n",  # -> output
         "output": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .extraction import Extraction\n",
-        "cli": "def demo():\n    from .fixtures.demo import run\n",
+        "cli.tools": "def demo():\n    from ..fixtures.demo import run\n",
     })
     assert [v.split(" ")[0] for v in layer_violations(upward, EXTRACTOR_LAYERS, EXTRACTOR_ALLOWED)] == [
         "hidden_states.inputs.conversations:1", "hidden_states.inputs.tokenization:3",

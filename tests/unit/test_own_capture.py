@@ -1,4 +1,4 @@
-"""vllm-engine's own capture (hidden_states/backends/own_capture.py) with a small torch stack standing in
+"""vllm-engine's own capture (hidden_states/backends/worker/own_capture.py) with a small torch stack standing in
 for vLLM's decoder: which capture is chosen, what its hooks keep, and that a broken row attribution
 cannot reach a file (the parent's row check fails the batch). Real vLLM runs it in
 tests/e2e/test_backends.py (speculators 0.9 on the path, 0.17.0 and 0.32.0), compared with HF."""
@@ -6,7 +6,8 @@ import pytest
 import torch
 from packaging.version import Version
 
-from hidden_states.backends import BackendSettings, engine_capture, needs_speculators, own_capture
+from hidden_states.backends import BackendSettings, needs_speculators
+from hidden_states.backends.worker import engine_capture, own_capture
 from hidden_states.backends.vllm_engine import (CAPTURE_ENV, EXTENSIONS, OWN, SPECULATORS, VllmEngineBackend,
                                                 chosen_capture)
 from hidden_states.errors import UsageError

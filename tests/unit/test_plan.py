@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from hidden_states import backends, cli
-from hidden_states.plan import planner
+from hidden_states.cli import flags as cli_flags
+from hidden_states.cli import runs
 from hidden_states.extract.command import Extraction
+from hidden_states.plan import planner
 from hidden_states.errors import UsageError
 from hidden_states.plan.estimates import RATES, estimate_time, rate_for
 from hidden_states.run.summary import PLAN_DETAILS
@@ -187,7 +189,7 @@ def test_config_file_flags_override_it_and_the_run_records_the_effective_setting
     config.write_text(f'model-path = "{fake_model}"\ndata = "{data}"\noutput_dir = "{tmp_path / "out"}"\n'
                       'batch-size = 8\nlayer-ids = [1, 3]\nformat = "speculators-0.3"\nstrict = true\n')
     args = cli.parse(["extract", "--config", str(config), "--batch-size", "2"])
-    settings = cli.settings_from(args)
+    settings = runs.settings_from(args)
     assert (settings.batch_size, settings.layer_ids, settings.strict) == (2, [1, 3], True)  # the flag wins
     assert settings.config_file == str(config.resolve())
     settings.backend = "fake"
@@ -267,8 +269,8 @@ def test_extract_help_is_grouped_with_examples_and_every_flag_says_what_it_does(
     assert headings[:8] == ["options:", "input:", "model:", "output:", "performance:", "scale-out:", "log:",
                             "examples:"]
     assert "hidden-states plan --model-path" in text and "--config run.toml" in text
-    parser = cli.argparse.ArgumentParser(add_help=False)
-    cli.add_run_arguments(parser)
+    parser = cli_flags.argparse.ArgumentParser(add_help=False)
+    cli_flags.add_run_arguments(parser)
     assert [a.dest for a in parser._actions if not a.help] == []
 
 

@@ -297,7 +297,8 @@ def test_a_client_gone_before_its_reply_leaves_a_file_for_the_sweep_and_the_serv
 
 
 def test_serve_flags_the_servers_defaults_under_a_preset_and_the_flags(tmp_path):
-    from hidden_states.cli import parse, serve_settings_from
+    from hidden_states.cli import parse
+    from hidden_states.cli.serve_command import serve_settings_from
     from hidden_states.settings import ModelSettings
 
     given = str(tmp_path)
@@ -351,7 +352,8 @@ def test_the_served_model_is_planned_by_the_planner_and_gets_extracts_backend_se
 def test_engine_tokens_default_to_engine_steps_and_a_negative_is_refused(tmp_path):
     from types import SimpleNamespace
 
-    from hidden_states.cli import parse, serve_settings_from
+    from hidden_states.cli import parse
+    from hidden_states.cli.serve_command import serve_settings_from
     from hidden_states.errors import UsageError
     from hidden_states.serve import engine_tokens
     from hidden_states.settings import ENGINE_STEPS_HELD, ServeSettings
@@ -581,7 +583,8 @@ def test_serve_takes_log_level_quiet_and_a_config_file(tmp_path):
     import logging
 
     from hidden_states import log_levels
-    from hidden_states.cli import parse, serve_settings_from
+    from hidden_states.cli import parse
+    from hidden_states.cli.serve_command import serve_settings_from
     from hidden_states.errors import UsageError
 
     given = str(tmp_path)

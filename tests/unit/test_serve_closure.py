@@ -1,5 +1,5 @@
 """``hidden-states serve``'s import closure stays small: its wing (``hidden_states.serve``, what
-``cli.py`` calls) imports at most ``MOST_MODULES`` of the extractor's modules, and the command, its
+``cli/`` calls) imports at most ``MOST_MODULES`` of the extractor's modules, and the command, its
 command line included, nothing of the input's side (tokenization, conversations, their identity,
 the input stream, regeneration): a server of token ids needs no tokenizer and no dataset reader.
 

@@ -290,7 +290,8 @@ def test_an_api_key_is_asked_on_every_route_but_health(server_of):
 
 
 def test_replies_name_the_served_model_never_its_path(tmp_path):
-    from hidden_states.cli import parse, serve_settings_from
+    from hidden_states.cli import parse
+    from hidden_states.cli.serve_command import serve_settings_from
 
     model = tmp_path / "models" / "Tiny-Llama"
     model.mkdir(parents=True)
@@ -479,7 +480,8 @@ def test_listening_beyond_loopback_without_a_key_is_warned():
 
 
 def test_the_api_key_comes_from_the_flag_else_vllms_variable(tmp_path, monkeypatch):
-    from hidden_states.cli import parse, serve_settings_from
+    from hidden_states.cli import parse
+    from hidden_states.cli.serve_command import serve_settings_from
 
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert serve_settings_from(parse(["serve", "--model-path", str(tmp_path)]))[1].api_key == "from-env"

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hidden_states.backends import regions, vllm_native
+from hidden_states.backends import vllm_native
+from hidden_states.backends.shared import regions
 from hidden_states.errors import ExtractError
 
 

@@ -74,7 +74,7 @@ def test_every_way_of_importing_a_test_module_is_found(tmp_path):
         "import importlib\n"
         "from tests.unit.fakes import FakeBackend\n"
         "from tests.e2e import harness\n"
-        "importlib.import_module('hidden_states.backends.engine_capture')\n")
+        "importlib.import_module('hidden_states.backends.worker.engine_capture')\n")
     (root / "unit" / "test_planted.py").write_text(
         "import importlib\n"
         "from tests.unit.test_other import FakeBackend\n"          # 2: from a test module

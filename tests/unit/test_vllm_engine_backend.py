@@ -11,7 +11,7 @@ import torch
 
 from hidden_states.backends import BackendSettings
 from hidden_states.backends.engine_feed import EngineFeed
-from hidden_states.backends.regions import (FIRST_ROW, HEADER, REGION, REWRITTEN, UNREWRITTEN, RegionPool, layer_start,
+from hidden_states.backends.shared.regions import (FIRST_ROW, HEADER, REGION, REWRITTEN, UNREWRITTEN, RegionPool, layer_start,
                                            region_bytes, scales_start)
 from hidden_states.backends.vllm_engine import RegionBatch, VllmEngineBackend
 from tests.unit.streaming_worker import HIDDEN, LAYERS, WAIT, rows_of, token, worker
@@ -52,7 +52,7 @@ def test_decoding_rows_gathered_into_one_copy_land_as_direct_copies_would(captur
     """A step mixing a prompt chunk (over GATHER_ROWS rows: copied straight to its region) and requests
     with a row or a few (gathered, moved with one indexed copy per kind): every region holds what it
     holds when every request is copied directly, byte for byte."""
-    import hidden_states.backends.row_scatter as row_scatter
+    import hidden_states.backends.worker.row_scatter as row_scatter
 
     lengths = {"r1": 40, "r2": 3, "r3": 6, "r4": 3, "r5": 1}
     regions, offset = {}, 0

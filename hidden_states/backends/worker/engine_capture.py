@@ -49,8 +49,8 @@ import threading
 
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
-from .. import fp8_states
-from .regions import FIRST_ROW, HEADER, REGION, REWRITTEN, layer_start, scales_start
+from ... import fp8_states
+from ..shared.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, layer_start, scales_start
 from .row_scatter import GATHER_ROWS, GatheredRows
 
 logger = logging.getLogger(__name__)

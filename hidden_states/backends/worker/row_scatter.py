@@ -12,7 +12,7 @@ step's copies, they are placed with one indexed copy per kind into the region fi
 """
 from __future__ import annotations
 
-from .regions import HEADER, layer_start, scales_start
+from ..shared.regions import HEADER, layer_start, scales_start
 
 GATHER_ROWS = 32  # rows of one request in one step at most, for the gathered path
 

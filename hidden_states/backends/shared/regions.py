@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-from ..errors import ExtractError
+from ...errors import ExtractError
 
 ALIGN = 64
 # A request's region, shared by this process and the worker (engine_capture).

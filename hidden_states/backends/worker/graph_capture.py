@@ -31,7 +31,7 @@ from vllm_compat.extractor_api import wrap_method
 
 from . import engine_capture
 from .engine_capture import StreamingStates, base_model
-from .graph_store import LAYERS_ENV, GraphStore, buffer_rows
+from ..shared.graph_store import LAYERS_ENV, GraphStore, buffer_rows
 from .own_capture import layer_output
 
 _LOAD_WRAPPED = False  # Worker.load_model installs the copies (install_at_model_load, once per process)
