@@ -48,7 +48,7 @@ def plan_command(args) -> int:
     with run_log.captured(None, log_levels.level_of(args)):
         planned = extraction_for(settings_from(args))
         planned.plan()
-    print("plan (no model loaded, nothing written):\n  " + "\n  ".join(planned.plan_lines))
+    print("plan (no model loaded, nothing written):\n  " + "\n  ".join(planned.prepared.plan_lines))
     return 0
 
 

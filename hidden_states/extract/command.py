@@ -25,7 +25,7 @@ from ..replicas.driver import RayReplicas, SampleBatches
 from ..run.lifecycle import Lifecycle
 from ..run.model_here import ModelHere
 from ..run.prepared import PreparedRun
-from ..run.summary import PLAN_DETAILS, Summary
+from ..run.summary import Summary
 from ..plan.run_plan import RunPlan
 from ..settings import Settings
 from ..inputs.tokenization import save_token_frequencies
@@ -70,16 +70,11 @@ class Extraction:
         self.prepared.plan()
         self.summary.layer_ids = self.prepared.format_layer_ids
 
-    @property
-    def plan_lines(self) -> list[str]:
-        return self.prepared.plan_lines
-
     def run(self) -> Summary:
         prepared = self.prepared
         try:
             self.plan()
-            for line in self.plan_lines:  # the plan's details go to the log file; `hidden-states plan` shows them
-                self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
+            prepared.log_plan()
             prepared.prepare()
             batches = self.source.batches(prepared.pending, self.settings.batch_size)
             first = next(batches, None)  # streams up to the first sample to do: no model load when none is left

@@ -34,7 +34,7 @@ from ..replicas.driver import RayReplicas
 from ..run.lifecycle import Lifecycle
 from ..run.model_here import ModelHere
 from ..run.prepared import PreparedRun
-from ..run.summary import PLAN_DETAILS, Summary
+from ..run.summary import Summary
 from ..plan.run_plan import RunPlan
 from ..settings import Settings
 from ..inputs.tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
@@ -111,17 +111,12 @@ class Generation:
                                      f"time above is the rows' prefill alone"]))
         self.summary.layer_ids = prepared.format_layer_ids
 
-    @property
-    def plan_lines(self) -> list[str]:
-        return self.prepared.plan_lines
-
     # -- run
     def run(self) -> Summary:
         prepared = self.prepared
         try:
             self.plan()
-            for line in self.plan_lines:  # as extract: the plan's details to the log file
-                self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
+            prepared.log_plan()
             prepared.prepare()
             self.lines = RegeneratedLines(prepared.output.path, self.source.tag, log=self.log)
             self.lines.keep_finished(prepared.finished)

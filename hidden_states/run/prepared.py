@@ -24,7 +24,7 @@ from ..plan.planner import BATCHES_HELD, MemoryCheck, ModelPlan
 from ..plan.preflight import ModelFacts
 from ..plan.run_plan import Planned, RunPlan, plan_run
 from ..settings import Settings
-from .summary import package_versions
+from .summary import PLAN_DETAILS, package_versions
 
 
 class PreparedRun:
@@ -69,6 +69,13 @@ class PreparedRun:
         directory, never writes it."""
         self.hold(plan_run(self.settings, self.source, log=self.log, loads_model_here=self.loads_model_here,
                            batches_held=self.batches_held, **extra))
+
+    def log_plan(self) -> None:
+        """Say the plan's lines first, before anything is written or loaded: its details (how a
+        setting was chosen, the model's shape, the estimate's basis: ``PLAN_DETAILS``) to the log file
+        only; ``hidden-states plan`` prints them all."""
+        for line in self.plan_lines:
+            self.log(f"debug: {line}" if line.startswith(PLAN_DETAILS) else line)
 
     def hold(self, planned: Planned) -> None:
         self.planned = planned

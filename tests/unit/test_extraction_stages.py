@@ -201,9 +201,9 @@ def test_the_plan_is_the_planners_held_whole(job):
     run = Extraction(job, log=quiet)
     run.plan()
     prepared = run.prepared
-    assert prepared.model_plan is prepared.planned.model and run.plan_lines is prepared.planned.lines
+    assert prepared.model_plan is prepared.planned.model and prepared.plan_lines is prepared.planned.lines
     assert prepared.input is prepared.planned.input and prepared.identity is prepared.planned.identity
-    assert prepared.identity["layer_ids"] == [3, 1] and run.plan_lines[0].startswith("settings: --backend fake")
+    assert prepared.identity["layer_ids"] == [3, 1] and prepared.plan_lines[0].startswith("settings: --backend fake")
 
 
 def test_data_config_records_the_models_settings_and_the_runs(job):

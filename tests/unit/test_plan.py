@@ -113,13 +113,13 @@ def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_st
         run.run()
     assert seen["env"] == "1"
     # every plan line first; its details marked for the log file only
-    assert [line.removeprefix("debug: ") for line in said[:len(run.plan_lines)]] == run.plan_lines
-    assert [line.startswith("debug: ") for line in said[:len(run.plan_lines)]] == \
-        [line.startswith(PLAN_DETAILS) for line in run.plan_lines]
+    assert [line.removeprefix("debug: ") for line in said[:len(run.prepared.plan_lines)]] == run.prepared.plan_lines
+    assert [line.startswith("debug: ") for line in said[:len(run.prepared.plan_lines)]] == \
+        [line.startswith(PLAN_DETAILS) for line in run.prepared.plan_lines]
     assert any(line.startswith("debug: settings:") for line in said)
     assert any(f"vLLM loads the model (about {round(run.prepared.time_estimate.load_s)} s, the plan's estimate;" in line
                for line in said)
-    assert any(line.startswith(f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB") for line in run.plan_lines)
+    assert any(line.startswith(f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB") for line in run.prepared.plan_lines)
 
 
 @pytest.mark.vllm
@@ -133,8 +133,8 @@ def test_a_kv_cache_size_the_user_set_is_kept(tiny, tmp_path, no_audit, monkeypa
                               format="speculators-0.3"))
     run.plan()
     assert run.prepared.cpu_kv_cache is None
-    if any("of host memory available" in line for line in run.plan_lines):
-        assert f"KV cache: {CPU_KV_CACHE_ENV}=3 GiB per rank, as set in the environment" in run.plan_lines
+    if any("of host memory available" in line for line in run.prepared.plan_lines):
+        assert f"KV cache: {CPU_KV_CACHE_ENV}=3 GiB per rank, as set in the environment" in run.prepared.plan_lines
 
 
 def test_the_cpu_kv_cache_is_twice_the_estimate_in_whole_gib():
@@ -199,7 +199,7 @@ def test_config_file_flags_override_it_and_the_run_records_the_effective_setting
     assert recorded["config_file"] == str(config.resolve()) and recorded["max_seq_len"] == 2048
     again = Extraction(settings)
     again.plan()  # a rerun's plan: what the directory already holds
-    assert f"samples: 0 to extract, 3 already finished in {tmp_path / 'out'}" in again.plan_lines
+    assert f"samples: 0 to extract, 3 already finished in {tmp_path / 'out'}" in again.prepared.plan_lines
 
 
 @pytest.mark.parametrize("text, message", [
@@ -339,14 +339,14 @@ def test_the_plan_of_vllm_engine_checks_its_states_in_flight_before_the_load(tin
                     format="speculators-0.3", backend="vllm-engine", batch_size=64, max_seq_len=1024)
     run = Extraction(Settings(**settings))
     run.plan()
-    assert any(line.startswith("host memory for states in flight: about") for line in run.plan_lines)
+    assert any(line.startswith("host memory for states in flight: about") for line in run.prepared.plan_lines)
     monkeypatch.setattr(vllm_compat.extractor_api, "host_memory", lambda: (2**20, 2**30))
     monkeypatch.setattr(planner, "check_memory_here", lambda settings, facts, memory=None: planner.MemoryCheck([]))  # the model's own check, apart
     with pytest.raises(PreflightError, match="--batch-size 64: the states of the sequences in flight need"):
         Extraction(Settings(**settings)).plan()
     other = Extraction(Settings(**{**settings, "backend": "speculators"}))
     other.plan()  # its states go through the generator's own copies: not this segment
-    assert not any(line.startswith("host memory for states") for line in other.plan_lines)
+    assert not any(line.startswith("host memory for states") for line in other.prepared.plan_lines)
 
 
 def test_the_disk_preflight_counts_only_the_samples_left_in_range(fake_model, tmp_path, no_audit, monkeypatch):
@@ -374,7 +374,7 @@ def test_the_disk_preflight_counts_only_the_samples_left_in_range(fake_model, tm
     def plan(**changed) -> list[str]:
         planned = Extraction(replace(settings, **changed), log=lambda line: None)
         planned.plan()
-        return planned.plan_lines
+        return planned.prepared.plan_lines
 
     lines = plan(max_samples=None)  # the whole input now: 50 left, room for 60
     assert f"disk: about {human_size(50 * per_sample)} of hidden states for the 50 samples left in range (150 " \

@@ -207,7 +207,7 @@ def test_the_extractor_plan_logs_the_estimate_of_a_real_checkpoint(tiny, tmp_pat
                                              output_dir=str(tmp_path / "out"), format="speculators-0.3", batch_size=2,
                                              max_seq_len=64))
     planned.plan()
-    lines = planned.plan_lines
+    lines = planned.prepared.plan_lines
     memory = [line for line in lines if line.startswith("memory: ")]
     assert len(memory) == 1, lines
     estimate = estimate_memory(model_facts(str(model)), 1, 2, 64)
