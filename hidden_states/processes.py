@@ -45,6 +45,11 @@ _PROLOGUE = ("import ctypes, os, signal; os.setpgid(0, 0); "
              "os.getppid() == {parent} or os._exit(1)\n")
 
 
+# How long a failed run (or a server whose engine stopped) waits for one of vLLM's processes to exit
+# before it shuts vLLM down: the engine core of ``vllm.LLM`` reports its death to this process before it exits.
+EXIT_WAIT = 5.0
+
+
 def _contain(spawnv_passfds):
     def spawn(path, args, passfds):
         # PR_SET_PDEATHSIG fires when the *thread* that started the child ends: only children started
@@ -309,6 +314,17 @@ class Children:
         self._watched.clear()
 
 
+def death(children: Children, then: str, wait: float = EXIT_WAIT) -> ProcessDied | None:
+    """The error that names the process(es) of ``children`` that first died, how, and the likely
+    cause, followed by ``then`` (what stopped on it, what to do); None when none has died within
+    ``wait`` seconds (vLLM's own error may come before its process ends). ``extract``, ``generate``
+    and ``serve`` say a death the same way."""
+    exits = children.first_exits(wait=wait)
+    if not exits:
+        return None
+    return ProcessDied("; ".join(e.explain(children.oom_kills()) for e in exits) + then, exits)
+
+
 def running(pid: int) -> bool:
     """Whether the child ``pid`` has not yet ended, asked of the kernel without reaping it: a child
     another waiter reaped first is not running, though multiprocessing, which then never learns its
@@ -327,11 +343,6 @@ def _exitcode(process, timeout: float = 5.0) -> int | None:
         return process.exitcode
     except (ValueError, AssertionError):  # closed by its owner, or not this process's child
         return None
-
-
-# How long a failed run (or a server whose engine stopped) waits for one of vLLM's processes to exit
-# before it shuts vLLM down: the engine core of ``vllm.LLM`` reports its death to this process before it exits.
-EXIT_WAIT = 5.0
 
 
 class ProcessDied(RuntimeError):

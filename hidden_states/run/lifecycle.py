@@ -126,11 +126,7 @@ class Lifecycle:
         says little: "cancelled", "EngineCore encountered an issue"), the error that names it."""
         if isinstance(failure, ExtractError):  # the extractor's own clear errors: a full disk, bad input
             return None
-        exits = self.children.first_exits(wait=EXIT_WAIT)
-        if not exits:
-            return None
-        oom_kills = self.children.oom_kills()
         stopped = f"{type(failure).__name__}: {str(failure).rstrip('.') or '(no message)'}"
-        return ProcessDied("; ".join(e.explain(oom_kills) for e in exits) + f". The run stopped on it: {stopped}. "
-                           f"Finished samples are kept: rerun the same command to resume", exits)
+        return processes.death(self.children, f". The run stopped on it: {stopped}. Finished samples are kept: "
+                                              f"rerun the same command to resume", wait=EXIT_WAIT)
 

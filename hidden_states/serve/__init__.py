@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .. import model_ids, processes
 from ..errors import UsageError
-from ..processes import EXIT_WAIT, ProcessDied
+from ..processes import EXIT_WAIT
 from ..settings import ENGINE_STEPS_HELD, ModelSettings, ServeSettings
 from .batching import Gatherer
 from .http_server import REQUEST_TIMEOUT, StatesServer, exposure_warning
@@ -204,10 +204,7 @@ def serve(settings: ModelSettings, options: ServeSettings, log) -> int:
 
 def engine_failure(children: processes.Children, why: str) -> Exception:
     """The error ``serve`` ends with when vLLM's engine is gone: the process that died, how, and the
-    likely cause, as ``extract`` names it (:class:`ProcessDied`); else what the backend said."""
-    exits = children.first_exits(wait=EXIT_WAIT)  # vLLM's own error may come before its process ends
-    if exits:
-        return ProcessDied("; ".join(e.explain(children.oom_kills()) for e in exits)
-                           + ". The server stopped on it, every request it held answered with an error: restart it",
-                           exits)
-    return ServeFailed(why)
+    likely cause, as ``extract`` names it (``processes.ProcessDied``); else what the backend said."""
+    died = processes.death(children, ". The server stopped on it, every request it held answered with an error: "
+                                     "restart it", wait=EXIT_WAIT)
+    return died if died is not None else ServeFailed(why)
