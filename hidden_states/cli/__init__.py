@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "(the OpenAI-compatible calls they make to vLLM: /v1/models, /v1/completions)")
     add_serve_arguments(sub.add_parser("serve", help=serve_help, description=serve_help, epilog=SERVE_EXAMPLES,
                                        formatter_class=argparse.RawDescriptionHelpFormatter))
-    # hidden-states generate: extract's flags, the sampling flags (hidden_states/generation.py)
+    # hidden-states generate: extract's flags, the sampling flags (hidden_states/generate/)
     generate_help = ("regenerate the assistant turns with the model and write the rows of the regenerated "
                      "conversations with the states the generation computed (on-policy data in one pass; "
                      "--backend vllm-engine)")
