@@ -21,7 +21,7 @@ from ..inputs.streams import Sample
 from ..output.names import TOKEN_FREQ
 from ..plan.planner import BATCHES_HELD
 from ..progress import Progress, log_to_stderr
-from ..replicas.driver import RayReplicas, SampleBatches
+from ..replicas.driver import RayReplicas, SampleBatches, on_ray
 from ..run.lifecycle import Lifecycle
 from ..run.model_here import ModelHere
 from ..run.prepared import PreparedRun
@@ -30,11 +30,6 @@ from ..plan.run_plan import RunPlan
 from ..settings import Settings
 from ..inputs.tokenization import save_token_frequencies
 from .rows import ExtractRows
-
-
-def on_ray(settings: Settings) -> bool:
-    """Whether the run's batches go to Ray replicas (``--data-parallel-size`` over 1, ``--ray-address``)."""
-    return settings.data_parallel_size > 1 or bool(settings.ray_address)
 
 
 class Extraction:

@@ -30,14 +30,14 @@ from ..inputs.streams import trained_token_counts
 from ..layer_conventions import SPECULATORS_05
 from ..output.names import TOKEN_FREQ
 from ..progress import Progress, log_to_stderr
-from ..replicas.driver import RayReplicas
+from ..replicas.driver import RayReplicas, on_ray
 from ..run.lifecycle import Lifecycle
 from ..run.model_here import ModelHere
 from ..run.prepared import PreparedRun
 from ..run.summary import Summary
 from ..plan.run_plan import RunPlan
 from ..settings import Settings
-from ..inputs.tokenization import ChatSettings, ChatTokenizer, load_tokenizer, save_token_frequencies, unknown_role_policy
+from ..inputs.tokenization import ChatSettings, ChatTokenizer, save_token_frequencies, unknown_role_policy
 from .continuous import ContinuousRegeneration
 from .lines import RegeneratedLines
 from .on_ray import ConversationBatches
@@ -66,7 +66,7 @@ class Generation:
         self.source = source or batch_source(settings)
         self.summary = Summary()
         self.tally = Tally()
-        self.on_ray = settings.data_parallel_size > 1 or bool(settings.ray_address)
+        self.on_ray = on_ray(settings)
         self.prepared = PreparedRun(settings, self.source, log=self.log, loads_model_here=not self.on_ray,
                                     batches_held=BATCHES_HELD, runner=Generation)
         self.lifecycle = Lifecycle(self.prepared, self.summary, log=self.log, unfinished=self.unfinished)
@@ -154,7 +154,7 @@ class Generation:
                     break
         else:
             runner.open_writer()
-            self.chat = self.prepared.input.tokenizer or chat_tokenizer(self.prepared)  # the plan's, loaded once
+            self.chat = self.prepared.input.tokenizer or chat_settings(self.prepared).tokenizer()  # the plan's, loaded once
             loop = ContinuousRegeneration(runner, self.chat, self.sampling, settings,
                                           self.summary, streams=streams_files(runner, self.prepared),
                                           interrupted=lifecycle.interrupted, progress=progress)
@@ -188,9 +188,8 @@ class Generation:
         whole = settings.start_index == 0 and (settings.end_index is None or settings.end_index >= self._conversations)
         if not whole or self.source.tag is not None or self.unfinished()[0]:
             return
-        chat = ChatSettings(settings.model_path, prepared.format_name, settings.max_seq_len, settings.trust_remote_code,
-                            settings.strict)
-        counts = trained_token_counts(chat, prepared.output.path / regenerated_name(None), tokenizer=prepared.input.tokenizer)
+        counts = trained_token_counts(chat_settings(prepared), prepared.output.path / regenerated_name(None),
+                                      tokenizer=prepared.input.tokenizer)
         save_token_frequencies(dict(counts), prepared.output.path / TOKEN_FREQ)
 
     def unfinished(self) -> tuple[int, bool]:
@@ -251,7 +250,7 @@ class GenerateReplica:
         """Load the model, open the writer, load the chat template's tokenizer."""
         self.model.load()
         self.model.open_writer()
-        self.loop = ContinuousRegeneration(self.model, chat_tokenizer(self.prepared),
+        self.loop = ContinuousRegeneration(self.model, chat_settings(self.prepared).tokenizer(),
                                            self.sampling, self.prepared.run_plan.settings, self.summary,
                                            streams=streams_files(self.model, self.prepared))
 
@@ -269,10 +268,11 @@ class GenerateReplica:
                 "computed_tokens": summary.computed_tokens - before[2]}
 
 
-def chat_tokenizer(prepared: PreparedRun) -> ChatTokenizer:
+def chat_settings(prepared: PreparedRun) -> ChatSettings:
+    """How the run's conversations are tokenized: the model's chat template, ``--format``'s layout."""
     settings = prepared.run_plan.settings
-    return ChatTokenizer(load_tokenizer(settings.model_path, settings.trust_remote_code), prepared.format_name,
-                         settings.max_seq_len, settings.strict)
+    return ChatSettings(settings.model_path, prepared.format_name, settings.max_seq_len, settings.trust_remote_code,
+                        settings.strict)
 
 
 def streams_files(model: ModelHere, prepared: PreparedRun) -> bool:

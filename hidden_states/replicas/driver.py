@@ -41,6 +41,11 @@ RETIRE_SECONDS = 120  # for a replica whose call raised to finish its files and 
 FORWARDED_ENV = ("VLLM_", "HF_", "TRANSFORMERS_", "VLLM_COMPAT_", "OMP_NUM_THREADS")
 
 
+def on_ray(settings) -> bool:
+    """Whether a run's batches go to Ray replicas (``--data-parallel-size`` over 1, ``--ray-address``)."""
+    return settings.data_parallel_size > 1 or bool(settings.ray_address)
+
+
 class SampleBatches:
     """``extract``'s batch kind: a batch is samples; a returned call counts them; a retired replica's
     batch runs again less the samples whose files are whole."""
