@@ -33,6 +33,7 @@ from .state_files import StateFiles, default_directory
 
 PROGRESS_INTERVAL = 30.0  # seconds between the server's progress lines
 WATCH_INTERVAL = 0.2  # seconds between two looks at vLLM's processes: a death is noticed within this
+REPLY_WAIT = 5.0  # seconds a stopping server waits for the replies it is writing (a client reads them at once)
 
 
 def no_exits(wait: float = 0.0) -> list[processes.Exit]:
@@ -126,6 +127,9 @@ def serve_until_signal(server: StatesServer, gatherer: Gatherer, log, drain_time
         answered = gatherer.drain(timeout=drain_timeout)
         if not answered:
             log(f"warning: requests still unanswered after {drain_timeout:.0f} s; stopping anyway")
+        elif not server.replies_written(timeout=max(REPLY_WAIT, server.keep_alive_timeout)):
+            log(f"warning: replies still being written after {max(REPLY_WAIT, server.keep_alive_timeout):.0f} s "
+                f"(a client not reading them); stopping anyway")
         return None if server.engine_stopped else received[0]
     finally:
         finished.set()

@@ -15,6 +15,7 @@ accept runs out of file descriptors the loop waits instead of spinning.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import json
@@ -101,6 +102,8 @@ class StatesServer(ThreadingHTTPServer):
         self._open = 0
         self._open_lock = threading.Lock()
         self._idle: set = set()  # open connections waiting for their next request (under _open_lock)
+        self._replying = 0  # requests read whose reply is not yet written (under _replies)
+        self._replies = threading.Condition()
 
     def get_request(self):
         try:
@@ -186,6 +189,25 @@ class StatesServer(ThreadingHTTPServer):
         exc = sys.exc_info()[1]
         self.log(f"a connection from {client_address[0]} failed: {type(exc).__name__}: {exc or '(no message)'}")
 
+    @contextlib.contextmanager
+    def replying(self):
+        """A request read and being answered, until its reply is written (``replies_written``)."""
+        with self._replies:
+            self._replying += 1
+        try:
+            yield
+        finally:
+            with self._replies:
+                self._replying -= 1
+                self._replies.notify_all()
+
+    def replies_written(self, timeout: float) -> bool:
+        """Wait until every request read has its reply written; False after ``timeout`` s. A handler's
+        thread is a daemon (an idle kept-alive connection must not hold the process at exit), so the
+        process ending first would cut a reply: the 500 naming a dead engine among them."""
+        with self._replies:
+            return self._replies.wait_for(lambda: self._replying == 0, timeout)
+
     def stop_accepting(self) -> None:
         """End the accept loop and close the listening socket: a new connection is refused at once
         (not left in the backlog); connections already open are answered."""
@@ -212,7 +234,8 @@ class Handler(BaseHTTPRequestHandler):
         if not self.server.working(self.connection) or not arrived:
             self.close_connection = True
             return
-        super().handle_one_request()
+        with self.server.replying():
+            super().handle_one_request()
 
     def finish(self) -> None:
         self.server.working(self.connection)  # (no longer idle, whatever ended it)

@@ -2,6 +2,9 @@
 check a run's shutdown with (support module)."""
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 
@@ -22,6 +25,24 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def stop(pid: int, seconds: float = 10) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. ``kill`` returns when the signal
+    is sent; the group stop starts only when one of its threads runs to take it, and on a busy host
+    its other threads (the background writer) go on meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + seconds
+    while not all(_state(task) in "tT" for task in Path(f"/proc/{pid}/task").glob("*")):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop within {seconds} s"
+        time.sleep(0.005)
+
+
+def _state(task: Path) -> str:
+    try:
+        return (task / "stat").read_text().rsplit(") ", 1)[1][0]
+    except (OSError, IndexError):  # the thread ended
+        return "T"
 
 
 def cmdline(pid: int) -> bytes:

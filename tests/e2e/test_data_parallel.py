@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e.extract_runs import cli, extract_args, run_cli, write_jsonl
-from tests.e2e.process_tree import alive, cmdline, descendants
+from tests.e2e.process_tree import alive, cmdline, descendants, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.data_parallel]
 
@@ -118,13 +118,6 @@ def test_static_shards_give_the_same_set_and_status_sees_both(model, data, refer
 EXTRACTING = b"ray::Replica.extract"
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] in "Tt"
-    except (OSError, IndexError):
-        return False
-
-
 def freeze_a_replica_mid_batch(proc: subprocess.Popen, deadline: float) -> int:
     """SIGSTOP the first replica seen running a batch (still running one once stopped); its pid.
     Watched from the run's start, so from before any batch is handed out, and only a replica caught
@@ -134,9 +127,7 @@ def freeze_a_replica_mid_batch(proc: subprocess.Popen, deadline: float) -> int:
         for pid in descendants(proc.pid):
             if not cmdline(pid).startswith(EXTRACTING):
                 continue
-            os.kill(pid, signal.SIGSTOP)
-            while not _stopped(pid) and alive(pid):
-                time.sleep(0.01)
+            stop(pid)
             if cmdline(pid).startswith(EXTRACTING):
                 return pid
             os.kill(pid, signal.SIGCONT)  # its call ended before the stop landed: look again

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.e2e import harness
 from tests.e2e.extract_runs import LAYERS, SPECULATORS, cli, data_files, extract_args, run_cli, write_jsonl
-from tests.e2e.process_tree import alive, cmdline, descendants
+from tests.e2e.process_tree import alive, cmdline, descendants, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
 
@@ -229,7 +229,7 @@ def test_kill_9_loses_at_most_the_batch_in_flight(model, tmp_path, clean_run):
     proc, started, segments = _run_until(model, tmp_path / "data.jsonl", tmp_path / "out", 8)
     # one run at a time per directory: the same command again, while this one holds it (held still:
     # stopped, a fast pass would finish its samples first), is refused naming it and writes nothing
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop(proc.pid)
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
     second = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--batch-size", "4"))
     assert second.returncode == 2, second.stderr[-3000:]

@@ -352,8 +352,13 @@ def test_a_dead_engine_answers_what_it_held_turns_health_503_and_stops_naming_th
     code = server.proc.wait(timeout=60)
     seconds = time.monotonic() - killed
     assert code == 1 and seconds < 30, (code, seconds, server.output()[-4000:])
+    while not replies:  # written before the server ended; the client's thread may read it later
+        assert time.monotonic() - killed < 60, server.output()[-4000:]
+        time.sleep(0.05)
+    assert isinstance(replies[0], tuple), (replies, server.output()[-4000:])
     status, reply = replies[0]
-    assert status == 500 and f"vLLM's process EngineCore (pid {core}) was killed by SIGKILL" in reply["error"]["message"]
+    assert status == 500 and f"vLLM's process EngineCore (pid {core}) was killed by SIGKILL" in reply["error"]["message"], \
+        (status, reply)
     assert last_line(server).startswith(f"hidden-states: failed: ProcessDied: vLLM's process EngineCore (pid {core}) "
                                         f"was killed by SIGKILL"), server.output()[-4000:]
 

@@ -500,6 +500,34 @@ def test_requests_held_when_the_engine_dies_are_answered_with_its_death_at_once(
     assert backend.batches  # they had reached the engine
 
 
+def test_the_server_returns_only_once_the_replies_to_held_requests_are_written(tmp_path, monkeypatch):
+    """A handler's thread is a daemon: ``serve`` ends the process once ``serve_until_signal`` returns,
+    so a reply still being written then is cut, and the client hears a dropped connection instead of
+    the 500 naming the dead engine. On a busy host the handler's thread runs late; here it is slowed."""
+    from hidden_states.serve import http_server
+
+    sent = []
+    send = http_server.Handler._send
+
+    def slow_send(self, status, reply, close=False):
+        if self.command == "POST":
+            time.sleep(0.5)
+        send(self, status, reply, close)
+        sent.append(status)
+
+    monkeypatch.setattr(http_server.Handler, "_send", slow_send)
+    backend = Held()
+    server, gatherer = idle_server(tmp_path, backend)
+    answered = []
+    threading.Thread(target=lambda: answered.append(call(server, "POST", "/v1/completions", completion([1, 2]))),
+                     daemon=True).start()
+    death = DeadEngine(lambda: gatherer.held == 1 and backend.batches)
+    assert serve_until_signal(server, gatherer, log=lambda line: None, drain_timeout=60, engine_exits=death) is None
+    assert sent == [500]
+    until(lambda: answered, "the request's reply")
+    assert answered[0][0] == 500 and "EngineCore (pid 4321) was killed by SIGKILL" in answered[0][1]["error"]["message"]
+
+
 def test_a_batch_vllm_fails_as_its_engine_dies_is_answered_naming_the_process(tmp_path):
     """vLLM's own client may fail the batch in the engine ("EngineDeadError") a moment before the
     watch sees the process end: the reply still names the process, not only vLLM's vague error."""
