@@ -125,11 +125,12 @@ def serve_until_signal(server: StatesServer, gatherer: Gatherer, log, drain_time
                 f"(a second {signal.Signals(received[0]).name} stops at once)")
         server.stop_accepting()  # a new connection is refused; connections already open go on (new requests: 503)
         answered = gatherer.drain(timeout=drain_timeout)
+        reply_wait = max(REPLY_WAIT, server.keep_alive_timeout)  # a write waits this long on its client
         if not answered:
             log(f"warning: requests still unanswered after {drain_timeout:.0f} s; stopping anyway")
-        elif not server.replies_written(timeout=max(REPLY_WAIT, server.keep_alive_timeout)):
-            log(f"warning: replies still being written after {max(REPLY_WAIT, server.keep_alive_timeout):.0f} s "
-                f"(a client not reading them); stopping anyway")
+        elif not server.replies_written(timeout=reply_wait):
+            log(f"warning: replies still being written after {reply_wait:.0f} s (a client not reading them); "
+                f"stopping anyway")
         return None if server.engine_stopped else received[0]
     finally:
         finished.set()

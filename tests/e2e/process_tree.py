@@ -20,29 +20,28 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def alive(pid: int) -> bool:
+def _state(stat: Path) -> str | None:
+    """The state letter a task's ``stat`` file gives; None once the task has ended."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+        return stat.read_text().rsplit(") ", 1)[1][0]
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def alive(pid: int) -> bool:
+    return _state(Path(f"/proc/{pid}/stat")) not in (None, "Z")
 
 
 def stop(pid: int, seconds: float = 10) -> None:
-    """SIGSTOP ``pid`` and return once every thread of it is stopped. ``kill`` returns when the signal
-    is sent; the group stop starts only when one of its threads runs to take it, and on a busy host
-    its other threads (the background writer) go on meanwhile."""
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (or it has ended). ``kill`` returns
+    when the signal is sent; the group stop starts only when one of its threads runs to take it, and
+    on a busy host its other threads (the background writer) go on meanwhile."""
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + seconds
-    while not all(_state(task) in "tT" for task in Path(f"/proc/{pid}/task").glob("*")):
+    while alive(pid) and not all(_state(task / "stat") in (None, "t", "T")
+                                 for task in Path(f"/proc/{pid}/task").glob("*")):
         assert time.monotonic() < deadline, f"pid {pid} did not stop within {seconds} s"
         time.sleep(0.005)
-
-
-def _state(task: Path) -> str:
-    try:
-        return (task / "stat").read_text().rsplit(") ", 1)[1][0]
-    except (OSError, IndexError):  # the thread ended
-        return "T"
 
 
 def cmdline(pid: int) -> bytes:
