@@ -1,0 +1,196 @@
+"""A row's certificate: the engine's own log-probabilities at a few of the row's positions, and what the
+row's written last-layer state gives there through the final norm and LM head (:mod:`.head`).
+
+Two paths that share nothing past the model's weights: vLLM's logits for the request (its sampler's
+logprobs, mapped to the request by vLLM itself) and ours from the state the row holds, read back as
+the trainer reads it. A capture that wrote another position's, another request's or another layer's
+state, or a state cut short, makes them disagree by far more than rounding can (:func:`bound`).
+
+A certificate also holds a *sketch* of every written layer at its positions (each state projected on
+one fixed random sign vector): the last layer is certified by the model, the others are bound to it,
+so a layer taken from another row, or states moved after writing, fail ``verify`` too.
+
+Stored in the row under ``certificate.*`` names (:func:`Certificate.tensors`), which no trainer reads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SIGMAS = 6.0  # rounding noise is a sum of many independent roundings: Gaussian; 6 sigma: ~1e-9 false alarms
+SKETCH_SEED = 20261205
+SKETCH_TOLERANCE = 1e-9  # relative to sum |state|: float64 sums of the same values in another order
+PREFIX = "certificate."
+NAMES = ("positions", "token_ids", "logprobs", "error", "sketch")
+# half a unit in the last place, relative: the largest relative rounding error of one value of a dtype
+HALF_ULP = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float8_e4m3fn": 2.0 ** -4}
+
+
+@dataclass
+class Certificate:
+    """What a row carries to prove itself.
+
+    Attributes:
+        positions: ``[p]`` long, the row positions certified (the state at ``i`` predicts token ``i + 1``).
+        token_ids: ``[p, k]`` long, the ids whose log-probabilities the engine gave at each position
+            (``-1``: none in that place).
+        logprobs: ``[p, k]`` float32, the engine's log-probabilities of ``token_ids``.
+        error: ``[p]`` float32, ``|ours - engine|`` at each position (the largest over its ids), as
+            measured when the row was written.
+        sketch: ``[p, layers]`` float64, each written layer's state at each position, projected
+            (:func:`sketch`).
+    """
+
+    positions: "torch.Tensor"
+    token_ids: "torch.Tensor"
+    logprobs: "torch.Tensor"
+    error: "torch.Tensor"
+    sketch: "torch.Tensor"
+
+    def tensors(self) -> dict:
+        """The certificate as a row's extra tensors (contiguous, on the CPU)."""
+        return {PREFIX + name: getattr(self, name).detach().cpu().contiguous() for name in NAMES}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict) -> Certificate | None:
+        """The certificate a row's tensors hold; None when it holds none."""
+        if PREFIX + NAMES[0] not in tensors:
+            return None
+        return cls(**{name: tensors[PREFIX + name] for name in NAMES})
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How the written last-layer state agrees with the engine at the certified positions.
+
+    Attributes:
+        error: ``[p]``, the largest ``|ours - engine|`` over each position's ids.
+        bound: ``[p]``, the largest difference rounding explains there (:func:`bound`).
+    """
+
+    error: "torch.Tensor"
+    bound: "torch.Tensor"
+
+    @property
+    def failing(self) -> list[int]:
+        """Indexes (into the certificate's positions) where the error is past the bound."""
+        return [i for i, bad in enumerate((self.error > self.bound).tolist()) if bad]
+
+    @property
+    def worst(self) -> float:
+        """The largest error as a fraction of its bound (1 and above: failing)."""
+        if self.error.numel() == 0:
+            return 0.0
+        return float((self.error / self.bound).max())
+
+
+def sketch_vector(hidden: int, device="cpu") -> "torch.Tensor":
+    """The fixed random sign vector the sketch projects on (float64, the same on every host)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(SKETCH_SEED)
+    return (torch.randint(0, 2, (hidden,), generator=generator).double() * 2 - 1).to(device)
+
+
+def sketch(layers: list, positions: "torch.Tensor") -> "torch.Tensor":
+    """``[p, layers]``: each layer's ``[n, hidden]`` state (as written, dequantized) at ``positions``,
+    projected on :func:`sketch_vector`, in float64."""
+    import torch
+
+    if not layers:
+        return torch.zeros(len(positions), 0, dtype=torch.float64)
+    vector = sketch_vector(layers[0].shape[-1], layers[0].device)
+    index = positions.to(layers[0].device)
+    return torch.stack([layer[index].double() @ vector for layer in layers], dim=1).cpu()
+
+
+def sketch_mismatch(layers: list, certificate: Certificate) -> list[int]:
+    """Indexes of the layers whose written states no longer match the certificate's sketch."""
+    import torch
+
+    now = sketch(layers, certificate.positions)
+    if now.shape != certificate.sketch.shape:
+        return list(range(max(now.shape[1], certificate.sketch.shape[1])))
+    scale = torch.stack([layer[certificate.positions.to(layer.device)].double().abs().sum(dim=-1).cpu()
+                         for layer in layers], dim=1)
+    off = (now - certificate.sketch).abs() > SKETCH_TOLERANCE * scale + 1e-30
+    return [i for i, bad in enumerate(off.any(dim=0).tolist()) if bad]
+
+
+def ours(head, last_layer: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor"):
+    """Our log-probabilities of ``token_ids`` ``[p, k]`` from the written last-layer states at
+    ``positions``, and the logits ``[p, V]`` they come from."""
+    import torch
+
+    logits = head.logits(last_layer[positions.to(last_layer.device)])
+    return torch.log_softmax(logits, dim=-1).gather(1, token_ids.clamp(min=0).to(logits.device)), logits
+
+
+def bound(head, state: "torch.Tensor", logits: "torch.Tensor", token_ids: "torch.Tensor", *, state_unit: float,
+          engine_unit: float, state_floor=0.0) -> "torch.Tensor":
+    """``[p, k]``: the largest ``|ours - engine|`` rounding explains for each id, ``state`` ``[p, H]``
+    being the written last-layer states at the certified positions and ``logits`` ours from them.
+
+    The engine's log-probability of id ``j`` is ``z_j - logsumexp(z)``; both sides compute ``z`` from
+    the same weights and differ only by roundings (``u``: half an ulp, relative):
+
+    * the state: the written one is the engine's rounded to its stored dtype (``state_unit``, and for
+      FP8 an absolute ``state_floor`` per position where its values go subnormal: ``scale * 2**-10``),
+      and the engine rounds its normed state to its own dtype (``engine_unit``). Each element's
+      rounding is independent and uniform (std ``e/sqrt(3)`` for a bound ``e``), so ``delta z_j`` is
+      Gaussian with ``var_j = sum_i w_ji^2 e_i^2 / 3``, ``e_i`` the element's bound after the norm;
+      :data:`SIGMAS` of it, for ``j`` and for the softmax's mean over ``z``;
+    * the logits: the engine computes them in its dtype (vLLM's LM head runs in the model's dtype,
+      its sampler turns the result to float32): each ``z_k`` is off by at most ``u_engine |z_k|``, so
+      ``|delta| <= u_engine (|z_j| + sum_k p_k |z_k|)``, said exactly.
+
+    On bfloat16 the logits term leads for a real model (``|z|`` of 10-30: a few hundredths). The bound
+    is computed per id from the row's own values: no constant is fitted to a model.
+    """
+    import torch
+
+    x = state.float().to(head.weight.device)
+    rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + head.eps)
+    floor = torch.as_tensor(state_floor, dtype=torch.float32, device=x.device).reshape(-1, 1)
+    stored = torch.maximum(state_unit * x.abs(), floor) * head.norm * rms  # the stored rounding, after the norm
+    computed = engine_unit * (x * rms * head.norm).abs()  # the engine's rounding of its normed state
+    variance = (stored.pow(2) + computed.pow(2)) @ head.weight.pow(2).T / 3.0  # [p, V]
+    ids = token_ids.clamp(min=0).to(logits.device)
+    probabilities = torch.softmax(logits, dim=-1)
+    spread = variance.gather(1, ids).sqrt() + (probabilities * variance).sum(dim=-1, keepdim=True).sqrt()
+    magnitude = (probabilities * logits.abs()).sum(dim=-1, keepdim=True)
+    logits_term = engine_unit * (logits.abs().gather(1, ids) + magnitude)
+    ours_term = 8 * HALF_ULP["float32"] * (logits.abs().max(dim=-1, keepdim=True).values + 1)  # our float32 itself
+    return SIGMAS * spread + logits_term + ours_term
+
+
+def agreement(head, last_layer: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor",
+              logprobs: "torch.Tensor", *, state_unit: float, engine_unit: float, state_floor=0.0) -> Agreement:
+    """The written last-layer state against the engine's ``logprobs`` of ``token_ids`` at ``positions``."""
+    import torch
+
+    mine, logits = ours(head, last_layer, positions, token_ids)
+    state = last_layer[positions.to(last_layer.device)]
+    limit = bound(head, state, logits, token_ids, state_unit=state_unit, engine_unit=engine_unit,
+                  state_floor=state_floor)
+    present = (token_ids >= 0).to(mine.device)
+    off = (mine - logprobs.float().to(mine.device)).abs() * present
+    if off.numel() == 0:
+        return Agreement(torch.zeros(len(positions)), torch.ones(len(positions)))
+    at = (off / limit).argmax(dim=-1, keepdim=True)  # each position's id furthest past (or nearest) its bound
+    return Agreement(off.gather(1, at).squeeze(1).cpu(), limit.gather(1, at).squeeze(1).cpu())
+
+
+def certify(head, layers: list, last_index: int, positions: "torch.Tensor", token_ids: "torch.Tensor",
+            logprobs: "torch.Tensor", *, state_unit: float, engine_unit: float,
+            state_floor=0.0) -> tuple[Certificate, Agreement]:
+    """A row's certificate from its written ``layers`` (``layers[last_index]``: the last decoder
+    layer's output) and the engine's ``logprobs`` of ``token_ids`` at ``positions``."""
+    import torch
+
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    found = agreement(head, layers[last_index], positions, token_ids, logprobs, state_unit=state_unit,
+                      engine_unit=engine_unit, state_floor=state_floor)
+    certificate = Certificate(positions, token_ids.long().cpu(), logprobs.float().cpu(), found.error.float(),
+                              sketch(layers, positions))
+    return certificate, found
