@@ -38,6 +38,8 @@ class ModelSettings:
         max_writer_threads: threads the writer may grow to while the run waits on it; None: the
             backend's own number, else half the cores, at most ``WRITER_THREADS_CAP``.
         forward_check: self-test the model's kernels after the load.
+        certificates: certify each row before it is written (``certify``): the engine's logprobs at a
+            few of its positions against its written last-layer state; a row that fails stops the run.
         overlap: run the next batch's forward while this batch's states are copied out of vLLM
             (the ``speculators`` backend; ``backends/overlap.py``); False: one batch at a time.
         share_prefixes: a row that is an exact prefix of another row of its batch is written from
@@ -60,6 +62,7 @@ class ModelSettings:
     writer_threads: int | None = None
     max_writer_threads: int | None = None
     forward_check: bool = True
+    certificates: bool = True
     overlap: bool = True
     share_prefixes: bool = True
     cuda_graphs: bool = False

@@ -8,7 +8,7 @@ fails on any other import). Each name here is one of the shim's own, re-exported
   :class:`~vllm_compat.report.Report` it returns;
 * checking vLLM: :func:`audit`, :func:`audit_backend`, :class:`AuditError`, ``BAD`` (the verdicts
   that are problems), and what a backend declares for the audit: :class:`BackendTouchpoints` with the
-  checks of ``probes.shapes`` it is written in (``Attr``, ``Param``, ``Exists``, ``LiteralMember``,
+  checks of ``probes.shapes`` it is written in (``Attr``, ``Param``, ``Exists``, ``FieldDefault``, ``LiteralMember``,
   ``Dispatched``, ``Registered``, ``Branch``; ``PRESENT``, ``REQUIRED``, ``OPTIONAL``);
 * the installed packages: :func:`environment_conflicts` (a transformers or torch the installed vLLM
   cannot run with, each with its ``line()``) and :func:`install_command` (a ``pip install`` that keeps
@@ -35,8 +35,8 @@ from .consumer import IN_PROCESS_SPECULATORS, TRAINER_LAYOUTS, BackendTouchpoint
 from .environment import install_command
 from .environment import installed_conflicts as environment_conflicts
 from .host import device_name, device_total_memory, host_memory, vllm_device_type
-from .probes.shapes import (OPTIONAL, PRESENT, REQUIRED, Attr, Branch, Dispatched, Exists, LiteralMember, Param,
-                            Registered)
+from .probes.shapes import (OPTIONAL, PRESENT, REQUIRED, Attr, Branch, Dispatched, Exists, FieldDefault, LiteralMember,
+                            Param, Registered)
 from .transport import pin_host_memory
 from .versions import base, package_dir, speculators_version, vllm_version
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply", "audit", "audit_backend", "AuditError", "BAD", "BackendTouchpoints",
-    "Attr", "Param", "Exists", "LiteralMember", "Dispatched", "Registered", "Branch", "PRESENT", "REQUIRED", "OPTIONAL",
+    "Attr", "Param", "Exists", "FieldDefault", "LiteralMember", "Dispatched", "Registered", "Branch", "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
     "speculators_version", "IN_PROCESS_SPECULATORS", "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
     "environment_conflicts", "install_command",

@@ -68,6 +68,7 @@ class EngineBatch:
         self.future: Future = Future()
         self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
         self.failed = False
+        self.probes: list[list[int]] | None = None  # a certified batch's: each row's positions to probe
 
     def salt(self, position: int) -> str | None:
         """The cache salt of the request at ``position`` (the batch's; a batch may give each its own)."""

@@ -41,14 +41,15 @@ from concurrent.futures import Future
 
 from packaging.specifiers import SpecifierSet
 
-from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
+from vllm_compat.extractor_api import PRESENT, REQUIRED, BackendTouchpoints, Exists, FieldDefault, Param
 
 from .. import fp8_states
 from ..errors import UsageError
-from . import Reply, Sampling
+from . import Reply, Sampling, witnessed
 from .cached_rows import fill_order
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
+
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .shared.graph_store import LAYERS_ENV, report_line
 from .shared.regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
@@ -63,6 +64,9 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
     # compares each finished request's prompt with the one it submitted
     *present("vllm.sampling_params:SamplingParams", "extra_args"),
     (Param("vllm.outputs:RequestOutput.__init__", "prompt_token_ids"), GIVEN),
+    # a certified row's witness (backends/witnessed.py): the engine's logprobs with its one token
+    *present("vllm.sampling_params:SamplingParams", "logprobs"),
+    (FieldDefault("vllm.outputs:CompletionOutput", "logprobs"), frozenset({REQUIRED})),
     # LLM(worker_extension_cls=...) reaches EngineArgs; collective_rpc(method, args=...) the workers
     *present("vllm.engine.arg_utils:EngineArgs", "worker_extension_cls"),
     (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), GIVEN),
@@ -244,21 +248,38 @@ class VllmEngineBackend(EngineBackend):
         if self._feed.failure is not None:
             raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
 
+    def submit_certified(self, batch: list[list[int]], probes: list[list[int]]) -> Future:
+        """``submit``, each row's states with the engine's witness (``certify.witness``): its logprobs at
+        its last position and at ``probes[i]``, positions inside row ``i``."""
+        work = self.new_batch(batch)
+        work.probes = probes
+        self._feed.put(work)
+        return work.future
+
     def params(self, work: RegionBatch, position: int):
         from vllm import SamplingParams
 
+        if isinstance(work, witnessed.ProbeBatch):
+            return witnessed.params()
         region = {REGION: (work.offsets[position], work.lengths[position], work.counters[position])}
         if isinstance(work, PromptWork):
             return self.replies.params(work, region)
+        if work.probes is not None:
+            return witnessed.params(region)
         return SamplingParams(max_tokens=1, extra_args=region)
 
     def failed(self, work: RegionBatch) -> None:
+        if isinstance(work, witnessed.ProbeBatch):
+            return  # its states hold their regions (released as they go); its batch hears the error
         for offset in work.offsets:
             self.replies.discard_stream(offset)
             self.pool.release(offset)
         discard_rows_streams(work)
 
     def finished(self, work: RegionBatch) -> None:
+        if isinstance(work, witnessed.ProbeBatch):
+            witnessed.finished(work)
+            return
         if isinstance(work, PromptWork):
             self.replies.answered(work)
             return
@@ -277,7 +298,10 @@ class VllmEngineBackend(EngineBackend):
             states.clear()  # the exception's traceback keeps this frame: its tensors must not keep their regions
             work.future.set_exception(exc)
         else:
-            work.future.set_result(states)
+            if work.probes is not None:
+                witnessed.resolve(work, states, self._feed.put)
+            else:
+                work.future.set_result(states)
 
     def _fill_cached_rows(self, work: RegionBatch) -> None:
         """Copy into each region the first rows vLLM's prefix cache spared its request, from the region

@@ -14,11 +14,14 @@ Stored in the row under ``certificate.*`` names (:func:`Certificate.tensors`), w
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SIGMAS = 6.0  # rounding noise is a sum of many independent roundings: Gaussian; 6 sigma: ~1e-9 false alarms
-SKETCH_SEED = 20261205
+SKETCH_SEED = 271828
 SKETCH_TOLERANCE = 1e-9  # relative to sum |state|: float64 sums of the same values in another order
 PREFIX = "certificate."
 NAMES = ("positions", "token_ids", "logprobs", "error", "sketch")
@@ -41,11 +44,11 @@ class Certificate:
             (:func:`sketch`).
     """
 
-    positions: "torch.Tensor"
-    token_ids: "torch.Tensor"
-    logprobs: "torch.Tensor"
-    error: "torch.Tensor"
-    sketch: "torch.Tensor"
+    positions: torch.Tensor
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    error: torch.Tensor
+    sketch: torch.Tensor
 
     def tensors(self) -> dict:
         """The certificate as a row's extra tensors (contiguous, on the CPU)."""
@@ -68,8 +71,8 @@ class Agreement:
         bound: ``[p]``, the largest difference rounding explains there (:func:`bound`).
     """
 
-    error: "torch.Tensor"
-    bound: "torch.Tensor"
+    error: torch.Tensor
+    bound: torch.Tensor
 
     @property
     def failing(self) -> list[int]:
@@ -84,7 +87,7 @@ class Agreement:
         return float((self.error / self.bound).max())
 
 
-def sketch_vector(hidden: int, device="cpu") -> "torch.Tensor":
+def sketch_vector(hidden: int, device="cpu") -> torch.Tensor:
     """The fixed random sign vector the sketch projects on (float64, the same on every host)."""
     import torch
 
@@ -92,42 +95,32 @@ def sketch_vector(hidden: int, device="cpu") -> "torch.Tensor":
     return (torch.randint(0, 2, (hidden,), generator=generator).double() * 2 - 1).to(device)
 
 
-def sketch(layers: list, positions: "torch.Tensor") -> "torch.Tensor":
-    """``[p, layers]``: each layer's ``[n, hidden]`` state (as written, dequantized) at ``positions``,
-    projected on :func:`sketch_vector`, in float64."""
+def sketch(rows: list) -> torch.Tensor:
+    """``[p, layers]``: each layer's written (dequantized) states at the certified positions, ``[p,
+    hidden]`` each, projected on :func:`sketch_vector`, in float64."""
     import torch
 
-    if not layers:
-        return torch.zeros(len(positions), 0, dtype=torch.float64)
-    vector = sketch_vector(layers[0].shape[-1], layers[0].device)
-    index = positions.to(layers[0].device)
-    return torch.stack([layer[index].double() @ vector for layer in layers], dim=1).cpu()
+    if not rows:
+        return torch.zeros(0, 0, dtype=torch.float64)
+    vector = sketch_vector(rows[0].shape[-1], rows[0].device)
+    return torch.stack([layer.double() @ vector for layer in rows], dim=1).cpu()
 
 
-def sketch_mismatch(layers: list, certificate: Certificate) -> list[int]:
-    """Indexes of the layers whose written states no longer match the certificate's sketch."""
+def sketch_mismatch(rows: list, certificate: Certificate) -> list[int]:
+    """Indexes of the layers whose written states (``rows``: at the certificate's positions) no longer
+    match its sketch."""
     import torch
 
-    now = sketch(layers, certificate.positions)
+    now = sketch(rows)
     if now.shape != certificate.sketch.shape:
         return list(range(max(now.shape[1], certificate.sketch.shape[1])))
-    scale = torch.stack([layer[certificate.positions.to(layer.device)].double().abs().sum(dim=-1).cpu()
-                         for layer in layers], dim=1)
+    scale = torch.stack([layer.double().abs().sum(dim=-1).cpu() for layer in rows], dim=1)
     off = (now - certificate.sketch).abs() > SKETCH_TOLERANCE * scale + 1e-30
     return [i for i, bad in enumerate(off.any(dim=0).tolist()) if bad]
 
 
-def ours(head, last_layer: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor"):
-    """Our log-probabilities of ``token_ids`` ``[p, k]`` from the written last-layer states at
-    ``positions``, and the logits ``[p, V]`` they come from."""
-    import torch
-
-    logits = head.logits(last_layer[positions.to(last_layer.device)])
-    return torch.log_softmax(logits, dim=-1).gather(1, token_ids.clamp(min=0).to(logits.device)), logits
-
-
-def bound(head, state: "torch.Tensor", logits: "torch.Tensor", token_ids: "torch.Tensor", *, state_unit: float,
-          engine_unit: float, state_floor=0.0) -> "torch.Tensor":
+def bound(head, state: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor, *, state_unit: float,
+          engine_unit: float, state_floor=0.0) -> torch.Tensor:
     """``[p, k]``: the largest ``|ours - engine|`` rounding explains for each id, ``state`` ``[p, H]``
     being the written last-layer states at the certified positions and ``logits`` ours from them.
 
@@ -151,7 +144,7 @@ def bound(head, state: "torch.Tensor", logits: "torch.Tensor", token_ids: "torch
 
     x = state.float().to(head.weight.device)
     rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + head.eps)
-    floor = torch.as_tensor(state_floor, dtype=torch.float32, device=x.device).reshape(-1, 1)
+    floor = torch.as_tensor(state_floor, dtype=torch.float32).to(x.device).reshape(-1, 1)
     stored = torch.maximum(state_unit * x.abs(), floor) * head.norm * rms  # the stored rounding, after the norm
     computed = engine_unit * (x * rms * head.norm).abs()  # the engine's rounding of its normed state
     variance = (stored.pow(2) + computed.pow(2)) @ head.weight.pow(2).T / 3.0  # [p, V]
@@ -164,33 +157,33 @@ def bound(head, state: "torch.Tensor", logits: "torch.Tensor", token_ids: "torch
     return SIGMAS * spread + logits_term + ours_term
 
 
-def agreement(head, last_layer: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor",
-              logprobs: "torch.Tensor", *, state_unit: float, engine_unit: float, state_floor=0.0) -> Agreement:
-    """The written last-layer state against the engine's ``logprobs`` of ``token_ids`` at ``positions``."""
+def agreement(head, last_rows: torch.Tensor, token_ids: torch.Tensor, logprobs: torch.Tensor, *,
+              state_unit: float, engine_unit: float, state_floor=0.0) -> Agreement:
+    """The written last-layer states at the certified positions (``last_rows`` ``[p, H]``) against the
+    engine's ``logprobs`` of ``token_ids`` ``[p, k]`` there."""
     import torch
 
-    mine, logits = ours(head, last_layer, positions, token_ids)
-    state = last_layer[positions.to(last_layer.device)]
-    limit = bound(head, state, logits, token_ids, state_unit=state_unit, engine_unit=engine_unit,
+    logits = head.logits(last_rows)
+    mine = torch.log_softmax(logits, dim=-1).gather(1, token_ids.clamp(min=0).to(logits.device))
+    limit = bound(head, last_rows, logits, token_ids, state_unit=state_unit, engine_unit=engine_unit,
                   state_floor=state_floor)
     present = (token_ids >= 0).to(mine.device)
     off = (mine - logprobs.float().to(mine.device)).abs() * present
     if off.numel() == 0:
-        return Agreement(torch.zeros(len(positions)), torch.ones(len(positions)))
+        return Agreement(torch.zeros(len(last_rows)), torch.ones(len(last_rows)))
     at = (off / limit).argmax(dim=-1, keepdim=True)  # each position's id furthest past (or nearest) its bound
     return Agreement(off.gather(1, at).squeeze(1).cpu(), limit.gather(1, at).squeeze(1).cpu())
 
 
-def certify(head, layers: list, last_index: int, positions: "torch.Tensor", token_ids: "torch.Tensor",
-            logprobs: "torch.Tensor", *, state_unit: float, engine_unit: float,
-            state_floor=0.0) -> tuple[Certificate, Agreement]:
-    """A row's certificate from its written ``layers`` (``layers[last_index]``: the last decoder
-    layer's output) and the engine's ``logprobs`` of ``token_ids`` at ``positions``."""
+def certify(head, rows: list, last_index: int, positions, token_ids: torch.Tensor, logprobs: torch.Tensor, *,
+            state_unit: float, engine_unit: float, state_floor=0.0) -> tuple[Certificate, Agreement]:
+    """A row's certificate from its written layers at ``positions`` (``rows``: ``[p, H]`` each, as the
+    trainer reads them; ``rows[last_index]`` the last decoder layer's) and the engine's ``logprobs``
+    of ``token_ids`` there."""
     import torch
 
-    positions = torch.as_tensor(positions, dtype=torch.long)
-    found = agreement(head, layers[last_index], positions, token_ids, logprobs, state_unit=state_unit,
-                      engine_unit=engine_unit, state_floor=state_floor)
-    certificate = Certificate(positions, token_ids.long().cpu(), logprobs.float().cpu(), found.error.float(),
-                              sketch(layers, positions))
+    found = agreement(head, rows[last_index], token_ids, logprobs, state_unit=state_unit, engine_unit=engine_unit,
+                      state_floor=state_floor)
+    certificate = Certificate(torch.as_tensor(positions, dtype=torch.long).cpu(), token_ids.long().cpu(),
+                              logprobs.float().cpu(), found.error.float(), sketch(rows))
     return certificate, found

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
+
+if TYPE_CHECKING:
+    import torch
 
 # model_type -> how its final norm is written: "rms" = x / sqrt(mean(x^2) + eps) * weight
 FINAL_NORMS = {
@@ -39,9 +43,9 @@ class FinalHead:
         weight: the LM head, ``[vocab, hidden]``.
     """
 
-    norm: "torch.Tensor"
+    norm: torch.Tensor
     eps: float
-    weight: "torch.Tensor"
+    weight: torch.Tensor
 
     @classmethod
     def load(cls, model_path: str | Path, device: str = "cpu") -> FinalHead:
@@ -64,14 +68,14 @@ class FinalHead:
             raise Uncertifiable(f"{path}/config.json: no rms_norm_eps")
         return cls(tensors[NORM_WEIGHT].float().to(device), float(eps), tensors[head_name].float().to(device))
 
-    def normed(self, states: "torch.Tensor") -> "torch.Tensor":
+    def normed(self, states: torch.Tensor) -> torch.Tensor:
         """``states`` ``[n, hidden]`` (the last decoder layer's output) through the final norm, float32."""
         import torch
 
         x = states.float().to(self.weight.device)
         return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.norm
 
-    def logits(self, states: "torch.Tensor") -> "torch.Tensor":
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` float32 logits of ``states`` ``[n, hidden]``."""
         return self.normed(states) @ self.weight.T
 

@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", help="where the converted extraction goes")
     convert.add_argument("--to", required=True, choices=sorted(FORMATS), help="the layout to write")
     log_levels.add_flags(convert)
+    verify = sub.add_parser("verify", help="check every row's certificate again, from the checkpoint's final norm "
+                                           "and LM head alone (no vLLM, no GPU); exit 1 naming the rows that fail")
+    verify.add_argument("output_dir", help="an extraction's output directory")
+    verify.add_argument("--model-path", metavar="DIR", help="the checkpoint (default: the one data_config.json names)")
     status = sub.add_parser("status", help="what an output directory holds, across shards and replicas")
     status.add_argument("output_dir")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
@@ -160,6 +164,11 @@ def _output_captured(args):
 
 def _run(args) -> int:
     try:
+        if args.command == "verify":
+            from ..certify.verify import verify
+            from ..progress import log_to_stderr
+
+            return verify(args.output_dir, log_to_stderr, model_path=args.model_path)
         if args.command == "status":
             from ..status import status
 

@@ -91,6 +91,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                             "the output of layer L (default 2, N/2, N-3, N-1), speculators-0.5 the state "
                             "after k layers (default 2, N/2, N-3, N)")
     add_forward_check_flag(model)
+    model.add_argument("--no-certificates", action="store_true",
+                       help="write rows without their certificate (the engine's logprobs at a few positions, "
+                            "checked against each row's written last-layer state: docs/certificates.md)")
     output = parser.add_argument_group("output")
     output.add_argument("--output-dir", required=True, metavar="DIR",
                         help="where the sample files go (a rerun resumes)")

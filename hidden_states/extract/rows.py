@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import fp8_states
+from ..certify.witness import probe_positions
 from ..inputs import prefixes
 from ..inputs.streams import Sample
 from ..run.summary import ExtractionFailed, Summary
@@ -26,6 +27,7 @@ class ExtractRows:
     def __init__(self, model, summary: Summary, *, share_prefixes: bool,
                  written: Callable[[int, int], None] = lambda rows, tokens: None):
         self.backend, self.writer, self.layer_order = model.backend, model.writer, model.layer_order
+        self.certifier = getattr(model, "certifier", None)  # None: rows written uncertified (the load said why)
         self.summary, self.share_prefixes, self.written = summary, share_prefixes, written
         # (batch, future, tokens): submitted to the backend, not yet written, oldest first
         self._in_flight: deque[tuple] = deque()
@@ -82,7 +84,13 @@ class ExtractRows:
                 "computed_tokens": summary.computed_tokens - computed, "cached_tokens": summary.cached_tokens - cached}
 
     def submit(self, batch: list[Sample]):
-        return self.backend.submit([s.input_ids for s in batch])
+        if self.certifier is None:
+            return self.backend.submit([s.input_ids for s in batch])
+        # the engine's witness for each row: its last position, and probes inside it that certify the
+        # rows served from its first tokens too (certify.witness)
+        probes = [probe_positions(s.input_ids, [len(r.input_ids) for r in self._served.get(s.index, ())])
+                  for s in batch]
+        return self.backend.submit_certified([s.input_ids for s in batch], probes)
 
     def write_batch(self, batch: list[Sample], submitted, skip: frozenset[int] = frozenset()) -> int:
         """Wait for a submitted batch's states and hand them to the writer, with the rows served from
@@ -100,6 +108,7 @@ class ExtractRows:
         self.summary.computed_tokens -= cached
         tokens = 0
         for sample, layers in zip(batch, states, strict=True):
+            layers, witness = layers if self.certifier is not None else (layers, None)
             layers = fp8_states.pick(layers, self.layer_order)
             self.summary.computed_tokens += len(sample.input_ids)
             for row in [sample, *self._served.pop(sample.index, ())]:
@@ -107,7 +116,11 @@ class ExtractRows:
                     # the states as the backend hands them, on its device: the format copies them to
                     # the host (FP8 quantized first, so half the bytes cross); a served row's are its
                     # carrier's first rows, a view the format makes its own storage where it must
-                    self.writer.write(row, fp8_states.first_rows(layers, len(row.input_ids)))
+                    row_layers = fp8_states.first_rows(layers, len(row.input_ids))
+                    extra = None
+                    if witness is not None:  # certified before it is written: a failing row stops the run
+                        extra = self.certifier.certify(row, row_layers, witness.within(len(row.input_ids))).tensors()
+                    self.writer.write(row, row_layers, extra)
                 tokens += len(row.input_ids)
         return tokens
 

@@ -139,18 +139,18 @@ class BackgroundWriter:
             self._sinks[index] = sink
         return sink
 
-    def write(self, sample, states: list):
+    def write(self, sample, states: list, extra: dict | None = None):
         """Hand ``sample``'s file to the threads: its record made by the format from ``states`` (one
         per layer, on any device), finishing the file its :meth:`sink` began where that holds the
-        rows it should (else that file is removed and the file written whole). Returns the sink whose
-        file it finishes, or None."""
+        rows it should (else that file is removed and the file written whole); ``extra``: tensors the
+        file holds beside (``Format.record``). Returns the sink whose file it finishes, or None."""
         sink = self._sinks.pop(sample.index, None)
         if sink is not None and sink.kept is not None and sink.error is None:
-            self.submit(sample.index, self.format.streamed_record(sample, states, sink))
+            self.submit(sample.index, self.format.streamed_record(sample, states, sink, extra))
             return sink
         if sink is not None:
             sink.discard()
-        self.submit(sample.index, self.format.record(sample, states))
+        self.submit(sample.index, self.format.record(sample, states, extra))
         return None
 
     def temp_path(self, index: int) -> Path:

@@ -12,6 +12,7 @@ import os
 import time
 
 from ..backends.shared.regions import SHM
+from ..certify.certifier import Certifier
 from ..errors import OutputError
 from ..plan.estimates import duration
 from ..files import atomic_write_json, read_json
@@ -39,6 +40,7 @@ class ModelHere:
         self.backend = None
         self.layer_order: list[int] = []
         self.writer: BackgroundWriter | None = None
+        self.certifier: Certifier | None = None  # after load: None where rows go uncertified (said then)
 
     def load(self) -> None:
         """Start the backend (vLLM loads the model), check its forward, write the full config."""
@@ -54,8 +56,25 @@ class ModelHere:
             self.log(f"warning: the states' shared segment ({human_size(segment['bytes'])}) is in {segment['in']}: "
                      f"{SHM} lacks room for it, and a file there is written back to disk (a smaller --batch-size "
                      f"fits in memory)")
+        self.certifier = self._certifier()
         self.check_still_ours()
         atomic_write_json(prepared.output.path / CONFIG, {**prepared.config, **info})
+
+    def _certifier(self) -> Certifier | None:
+        """The run's certifier, or None, said in one line, where its rows go uncertified."""
+        settings, plan = self.prepared.run_plan.settings, self.prepared.model_plan
+        if not settings.certificates:
+            self.log("certificates: off (--no-certificates): rows are written without the proof of their states")
+            return None
+        if not hasattr(self.backend, "submit_certified"):
+            self.log(f"certificates: off: --backend {settings.backend} does not certify its rows (--backend "
+                     f"vllm-engine does)")
+            return None
+        certifier = Certifier.for_run(settings.model_path, list(plan.layers.ids), plan.facts.num_layers,
+                                      settings.state_dtype, self.log)
+        if certifier is not None:
+            self.log("certificates: on: every row is checked against the engine's logprobs before it is written")
+        return certifier
 
     def _hold(self, backend) -> None:
         self.backend = backend  # closed by finish, whatever fails from here

@@ -21,7 +21,7 @@ def head(tmp_path_factory):
 
 def worst(head, state, engine_state, unit=BF16, floor=0.0):
     ids, logprobs = engine_logprobs(head, engine_state, POSITIONS)
-    return C.agreement(head, state, POSITIONS, ids, logprobs, state_unit=unit, engine_unit=BF16, state_floor=floor)
+    return C.agreement(head, state[POSITIONS], ids, logprobs, state_unit=unit, engine_unit=BF16, state_floor=floor)
 
 
 def test_the_head_is_read_from_the_checkpoint_alone(tmp_path):
@@ -86,17 +86,18 @@ def test_fp8_states_pass_with_fp8s_rounding_counted_and_not_without(head):
 
 def test_the_sketch_names_a_layer_taken_from_another_row():
     a, b = [states(3, 32, seed=s) for s in (7, 8)]
-    sketch = C.sketch(a, POSITIONS)
+    at = [layer[POSITIONS] for layer in a]
     certificate = C.Certificate(POSITIONS, torch.zeros(5, 1, dtype=torch.long), torch.zeros(5, 1),
-                                torch.zeros(5), sketch)
-    assert C.sketch_mismatch(a, certificate) == []
-    assert C.sketch_mismatch([a[0], b[1], a[2]], certificate) == [1]
+                                torch.zeros(5), C.sketch(at))
+    assert C.sketch_mismatch(at, certificate) == []
+    assert C.sketch_mismatch([at[0], b[1][POSITIONS], at[2]], certificate) == [1]
 
 
 def test_a_certificate_travels_as_tensors_and_back(head):
     layers = states(2, 32)
     ids, logprobs = engine_logprobs(head, layers[1], POSITIONS)
-    certificate, found = C.certify(head, layers, 1, POSITIONS, ids, logprobs, state_unit=BF16, engine_unit=BF16)
+    certificate, found = C.certify(head, [layer[POSITIONS] for layer in layers], 1, POSITIONS, ids, logprobs,
+                                   state_unit=BF16, engine_unit=BF16)
     assert found.failing == []
     tensors = certificate.tensors()
     assert sorted(tensors) == sorted(C.PREFIX + name for name in C.NAMES)

@@ -60,14 +60,16 @@ class Format(Protocol):
     state_dtypes: tuple[str, ...]  # the --state-dtype values its trainer reads (fp8_states.STATE_DTYPES)
     state_dtype: str  # this writer's
 
-    def record(self, sample: Sample, states: list) -> object: ...  # states: one [n, hidden] per layers.ids entry, on any device
+    # states: one [n, hidden] per layers.ids entry, on any device; extra: tensors stored beside them under
+    # their own names, which no trainer reads (a row's certificate: certify.certificate)
+    def record(self, sample: Sample, states: list, extra: dict | None = None) -> object: ...
 
     # a file a sample's rows are streamed into as they are computed, begun at ``path`` (the writer's
     # temporary name; ``BackgroundWriter.sink``); None: this format writes whole files only
     def stream_file(self, path: Path) -> object | None: ...
 
     # the record finishing a file ``stream_file`` began (called only for such a file)
-    def streamed_record(self, sample: Sample, states: list, stream) -> object: ...
+    def streamed_record(self, sample: Sample, states: list, stream, extra: dict | None = None) -> object: ...
 
     def save(self, record, handle: BinaryIO) -> None: ...
 

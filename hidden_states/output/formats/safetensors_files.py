@@ -15,7 +15,7 @@ from typing import BinaryIO
 from ... import fp8_states
 
 # torch dtype -> safetensors' name for it: the dtypes a sample file holds (states in the model's dtype)
-SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64",
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
                       "float8_e4m3fn": "F8_E4M3"}
 
 

@@ -58,21 +58,21 @@ class Speculators03:
         except OSError:  # shorter than the record, or unreadable
             return False
 
-    def record(self, sample: Sample, states: list) -> dict:
+    def record(self, sample: Sample, states: list, extra: dict | None = None) -> dict:
         import torch
 
         n = len(sample.input_ids)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
         return {"input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
                 "hidden_states": [layer.cpu() for layer in states],
-                "loss_mask": torch.tensor(mask, dtype=torch.long)}
+                "loss_mask": torch.tensor(mask, dtype=torch.long), **(extra or {})}
 
     def stream_file(self, path: Path) -> None:
         """None: a speculators-0.3 file stores each layer whole (``[T, hidden]``), so a row's layers
         never lie side by side to be written as the row comes."""
         return None
 
-    def streamed_record(self, sample: Sample, states: list, stream) -> dict:
+    def streamed_record(self, sample: Sample, states: list, stream, extra: dict | None = None) -> dict:
         raise TypeError("speculators-0.3 files are written whole: no file of it is streamed")
 
     def save(self, record: dict, handle: BinaryIO) -> None:

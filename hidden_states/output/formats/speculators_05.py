@@ -131,9 +131,10 @@ def finish_streamed(record: dict, handle: BinaryIO) -> bool:
     if str(states[0].dtype).removeprefix("torch.") not in SAFETENSORS_DTYPES or (tokens * row_bytes) % 8 \
             or stream.row_bytes not in (None, row_bytes):
         return False
-    after = [("token_ids", record["token_ids"]), ("loss_mask", record["loss_mask"])]
+    after = [(name, tensor) for name, tensor in record.items() if name != STREAMED]  # ids, mask, any extra
     if isinstance(states, fp8_states.Quantized):
         after.append((fp8_states.SCALES, states.scales.contiguous()))
+    after.sort(key=lambda item: -item[1].element_size())  # each after the states starts aligned to its size
     header = safetensors_json([("hidden_states", states[0].dtype, [tokens, count, states[0].shape[1]]),
                                *((name, tensor.dtype, list(tensor.shape)) for name, tensor in after)])
     if len(header) > RESERVED_HEADER - 8:
@@ -207,24 +208,24 @@ class Speculators05:
     def ends_whole(self, path: Path) -> bool:
         return safetensors_header(path) is not None
 
-    def record(self, sample: Sample, states: list) -> dict:
+    def record(self, sample: Sample, states: list, extra: dict | None = None) -> dict:
         n = len(sample.input_ids)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
         if self.state_dtype == "fp8" and not isinstance(states, fp8_states.Quantized) and states[0].device.type == "cpu":
             # already on the host: quantized on a writer thread (save), not on the extraction loop's
-            return {**id_tensors(sample.input_ids, mask), UNQUANTIZED: list(states)}
-        return sample_tensors(sample.input_ids, mask, states, self.state_dtype)
+            return {**id_tensors(sample.input_ids, mask), UNQUANTIZED: list(states), **(extra or {})}
+        return {**sample_tensors(sample.input_ids, mask, states, self.state_dtype), **(extra or {})}
 
     def stream_file(self, path: Path) -> StreamedFile:
         return StreamedFile(path)
 
-    def streamed_record(self, sample: Sample, states: list, stream: StreamedFile) -> Continued:
+    def streamed_record(self, sample: Sample, states: list, stream: StreamedFile, extra: dict | None = None) -> Continued:
         """The record of a sample whose file ``stream`` began (its rows before ``stream.kept`` in place);
         ``states``: the sample's final states, one ``[T, hidden]`` per layer (or
         ``fp8_states.Quantized``), whose rows past those the writer writes."""
         n = len(sample.input_ids)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
-        return Continued({**id_tensors(sample.input_ids, mask), STREAMED: (stream, states)})
+        return Continued({**id_tensors(sample.input_ids, mask), STREAMED: (stream, states), **(extra or {})})
 
     def save(self, record: dict, handle: BinaryIO) -> None:
         if STREAMED in record:

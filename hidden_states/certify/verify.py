@@ -1,0 +1,155 @@
+"""``hidden-states verify OUT``: every row's certificate checked again, offline, from the checkpoint's final
+norm and LM head alone (no vLLM, no model load, the CPU): the written last-layer state against the
+engine's logprobs the certificate keeps, and every written layer against its sketch. Prints a line per
+layer and one per failing row; exits 1 naming exactly the rows that fail (or when no row is certified).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import fp8_states, layer_conventions
+from ..errors import UsageError
+from ..files import TEMP_PREFIX, read_json
+from ..output import formats
+from ..output.names import CONFIG, format_name
+from .certificate import HALF_ULP, Certificate, agreement, sketch_mismatch
+from .certifier import FP8_SUBNORMAL
+from .head import FinalHead, Uncertifiable, _config
+
+
+@dataclass
+class Findings:
+    """What ``verify`` found, row by row."""
+
+    rows: int = 0
+    certified: int = 0
+    positions: int = 0
+    worst: float = 0.0
+    failing: dict[int, list[str]] = field(default_factory=dict)  # row -> what fails in it
+    layer_mismatch: dict[int, list[int]] = field(default_factory=dict)  # written layer index -> rows
+    uncertified: list[int] = field(default_factory=list)
+
+
+def verify(directory: str | Path, log, model_path: str | None = None) -> int:
+    """Check every row of the extraction in ``directory``; 0 when every row is certified and holds, else 1."""
+    directory = Path(directory)
+    if not (directory / CONFIG).is_file():
+        raise UsageError(f"{directory}: no {CONFIG}: not an extraction")
+    config = read_json(directory / CONFIG, UsageError)
+    name = format_name(config)
+    model = model_path or config.get("model")
+    if not model:
+        raise UsageError(f"{directory / CONFIG}: names no model: pass --model-path")
+    try:
+        num_layers = int(_config(Path(model))["num_hidden_layers"])
+        head = FinalHead.load(model)
+    except (Uncertifiable, KeyError, ValueError) as exc:
+        raise UsageError(f"--model-path {model}: {exc}") from None
+    written = layer_conventions.to_extractor(name, config["layer_ids"], num_layers)
+    if num_layers - 1 not in written:
+        raise UsageError(f"{directory}: the last decoder layer ({num_layers - 1}) is not among the written layers "
+                         f"{written}: no row of it can be certified")
+    last = written.index(num_layers - 1)
+    files = _sample_files(directory, name)
+    log(f"verify {directory}: {len(files)} rows ({name}, layers {config['layer_ids']}), the final norm and LM head "
+        f"of {model}")
+    found = Findings()
+    for index in sorted(files):
+        found.rows += 1
+        _check_row(index, files[index], name, head, written, found)
+    return _report(found, written, last, log)
+
+
+def _sample_files(directory: Path, name: str) -> dict[int, Path]:
+    layout = formats.create(name, directory)
+    folder = (directory / layout.sample_file(0)).parent
+    found = {}
+    for entry in os.scandir(folder) if folder.is_dir() else ():
+        index = layout.sample_index(entry.name)
+        if index is not None and not entry.name.startswith(TEMP_PREFIX):
+            found[index] = Path(entry.path)
+    return found
+
+
+def read_row(name: str, path: Path) -> tuple[list, object, Certificate | None]:
+    """A row's written layers (``[T, H]`` each, as the trainer reads them), their FP8 scales (None: not
+    FP8) and its certificate."""
+    import torch
+
+    if name == layer_conventions.SPECULATORS_05:
+        from ..output.formats.speculators_05 import read_sample
+
+        tensors = read_sample(path)
+        states, scales = tensors["hidden_states"], tensors.get(fp8_states.SCALES)
+        if scales is not None:
+            states = fp8_states.dequantize(states, scales)
+        return list(states.unbind(dim=1)), scales, Certificate.from_tensors(tensors)
+    record = torch.load(path, weights_only=True)
+    return list(record["hidden_states"]), None, Certificate.from_tensors(record)
+
+
+def _check_row(index: int, path: Path, name: str, head, written: list[int], found: Findings) -> None:
+    last = written.index(max(written))
+    try:
+        layers, scales, certificate = read_row(name, path)
+    except Exception as exc:  # noqa: BLE001 - a file cut short or not a sample's: that row fails
+        found.failing[index] = [f"{path.name}: unreadable ({type(exc).__name__}: {exc})"]
+        return
+    if certificate is None:
+        found.uncertified.append(index)
+        return
+    found.certified += 1
+    positions = certificate.positions
+    if len(positions) and int(positions.max()) >= len(layers[0]):
+        found.failing[index] = [f"{path.name}: certified position {int(positions.max())} past its {len(layers[0])} rows"]
+        return
+    rows = [layer[positions] for layer in layers]
+    problems = []
+    for layer in sketch_mismatch(rows, certificate):
+        found.layer_mismatch.setdefault(layer, []).append(index)
+        problems.append(f"layer {written[layer]}: not the states its certificate was made with")
+    if scales is not None:
+        unit, floor, engine = HALF_ULP["float8_e4m3fn"], scales.view(-1)[positions].float() * FP8_SUBNORMAL, HALF_ULP["bfloat16"]
+    else:
+        unit = engine = HALF_ULP.get(str(layers[0].dtype).removeprefix("torch."), HALF_ULP["bfloat16"])
+        floor = 0.0
+    agreed = agreement(head, rows[last], certificate.token_ids, certificate.logprobs, state_unit=unit,
+                       engine_unit=engine, state_floor=floor)
+    found.positions += len(positions)
+    found.worst = max(found.worst, agreed.worst)
+    for i in agreed.failing:
+        problems.append(f"position {int(positions[i])}: |our logprob - the engine's| {float(agreed.error[i]):.3g} > "
+                        f"{float(agreed.bound[i]):.3g} ({float(agreed.error[i] / agreed.bound[i]):.0f}x)")
+    if problems:
+        found.failing[index] = [f"{path.name}: {problem}" for problem in problems]
+
+
+def _report(found: Findings, written: list[int], last: int, log) -> int:
+    checked = found.certified
+    for i, layer in enumerate(written):
+        differs = found.layer_mismatch.get(i, [])
+        line = f"  layer {layer}: {checked - len(differs)} of {checked} certified rows hold the states certified"
+        if differs:
+            line += f"; differs in rows {', '.join(map(str, differs[:20]))}{' ...' if len(differs) > 20 else ''}"
+        if i == last:
+            line += (f"; the engine's logprobs at {found.positions} positions, the largest disagreement "
+                     f"{found.worst:.2f} of what rounding explains")
+        log(line)
+    for index, problems in sorted(found.failing.items()):
+        for problem in problems:
+            log(f"  row {index}: {problem}")
+    if found.uncertified:
+        log(f"  {len(found.uncertified)} rows carry no certificate (written with --no-certificates, or by a backend "
+            f"that does not certify): {', '.join(map(str, found.uncertified[:20]))}"
+            f"{' ...' if len(found.uncertified) > 20 else ''}")
+    if found.failing:
+        log(f"verify: {len(found.failing)} of {found.rows} rows fail: {', '.join(map(str, sorted(found.failing)))}")
+        return 1
+    if not checked:
+        log(f"verify: none of the {found.rows} rows carries a certificate: nothing is proven")
+        return 1
+    log(f"verify: ok: {checked} certified rows hold the engine's states"
+        + (f" ({len(found.uncertified)} rows uncertified)" if found.uncertified else ""))
+    return 0
