@@ -69,6 +69,7 @@ class EngineBatch:
         self.finished: dict[int, object] = {}  # batch position -> the engine's RequestOutput
         self.failed = False
         self.probes: list[list[int]] | None = None  # a certified batch's: each row's positions to probe
+        self.cached: list[int] | None = None  # each row's first position computed (before: vLLM's prefix cache)
 
     def salt(self, position: int) -> str | None:
         """The cache salt of the request at ``position`` (the batch's; a batch may give each its own)."""

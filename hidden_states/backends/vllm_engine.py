@@ -313,6 +313,7 @@ class VllmEngineBackend(EngineBackend):
         stored = [self.pool.rows_stored(offset, length, timeout=self.rows_timeout) == length
                   for offset, length in zip(work.offsets, lengths)]
         first = [self.pool.first_row(offset) if whole else 0 for offset, whole in zip(work.offsets, stored)]
+        work.cached = first  # a certified batch also probes the last row each took from another (witnessed.py)
         for position, source in fill_order(work.ids, first):
             self.copy_rows(work.offsets[position], lengths[position], work.offsets[source], lengths[source],
                             first[position])

@@ -20,7 +20,7 @@ class ProbeBatch(EngineBatch):
     """The probes of a certified batch ``parent`` whose ``states`` are in."""
 
     def __init__(self, parent: EngineBatch, states: list):
-        self.where = [(row, position) for row, positions in enumerate(parent.probes) for position in positions]
+        self.where = [(row, position) for row, positions in enumerate(probed(parent)) for position in positions]
         super().__init__([parent.ids[row][:position + 1] for row, position in self.where], parent.cache_salt)
         self.parent, self.states = parent, states
         self.future.add_done_callback(self._settle)
@@ -36,10 +36,18 @@ class ProbeBatch(EngineBatch):
             self.parent.future.set_result(list(zip(self.states, future.result(), strict=True)))
 
 
+def probed(parent: EngineBatch) -> list[list[int]]:
+    """Each row's positions to probe: those asked, and the last of the rows vLLM's prefix cache gave it
+    (copied from another request's region: a copy from the wrong place shows there first)."""
+    cached = parent.cached or [0] * len(parent.ids)
+    return [sorted({*asked, *([first - 1] if 0 < first < len(ids) else [])})
+            for asked, first, ids in zip(parent.probes, cached, parent.ids, strict=True)]
+
+
 def resolve(parent: EngineBatch, states: list, put) -> None:
     """``parent``'s states are in: resolve it now if it probes nothing, else ``put`` its probes into
     the engine; they resolve it."""
-    if not any(parent.probes):
+    if not any(probed(parent)):
         parent.future.set_result(list(zip(states, witnesses(parent, None), strict=True)))
     else:
         put(ProbeBatch(parent, states))
