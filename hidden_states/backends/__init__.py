@@ -67,6 +67,8 @@ class Backend(Protocol):
     cached_tokens: int = 0
     # What the backend says of the run once it has closed, which the run logs (None: nothing).
     closing_line: str | None = None
+    # Whether it hands each row's witness with its states (``submit_certified``; certify.witness).
+    certifies: bool = False
 
     @abstractmethod
     def start(self) -> dict: ...  # loads the model; returns facts for data_config.json
@@ -86,6 +88,11 @@ class Backend(Protocol):
     def engine_alive(self) -> bool:
         """False once the process running the backend's engine has ended (a backend without one: always True)."""
         return True
+
+    def submit_certified(self, batch: list[list[int]], probes: list[list[int]]) -> Future:
+        """``submit``, resolving to ``(layers, Witness)`` per row: the engine's logprobs at each row's
+        last position and at ``probes[i]`` inside row ``i`` (a backend that ``certifies``)."""
+        raise NotImplementedError(f"--backend {self.name} does not certify its rows")
 
 
 @dataclass(frozen=True)

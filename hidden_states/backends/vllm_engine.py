@@ -150,6 +150,7 @@ def graph_capture_environment(layer_ids: list[int], environ=os.environ) -> None:
 class VllmEngineBackend(EngineBackend):
     name = "vllm-engine"
     touchpoints = TOUCHPOINTS
+    certifies = True
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -249,8 +250,6 @@ class VllmEngineBackend(EngineBackend):
             raise RuntimeError(f"the engine loop has stopped: {self._feed.failure}") from self._feed.failure
 
     def submit_certified(self, batch: list[list[int]], probes: list[list[int]]) -> Future:
-        """``submit``, each row's states with the engine's witness (``certify.witness``): its logprobs at
-        its last position and at ``probes[i]``, positions inside row ``i``."""
         work = self.new_batch(batch)
         work.probes = probes
         self._feed.put(work)

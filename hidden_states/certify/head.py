@@ -52,7 +52,7 @@ class FinalHead:
         """Read the two tensors from ``model_path``'s safetensors files (found through their index
         when there is one); raises :class:`Uncertifiable` for a family or file it cannot read."""
         path = Path(model_path)
-        config = _config(path)
+        config = model_config(path)
         model_type = config.get("model_type")
         if FINAL_NORMS.get(model_type) != "rms":
             raise Uncertifiable(f"{path}: model_type {model_type!r}: its final norm is not one the certificate "
@@ -80,7 +80,8 @@ class FinalHead:
         return self.normed(states) @ self.weight.T
 
 
-def _config(path: Path) -> dict:
+def model_config(path: Path) -> dict:
+    """The checkpoint's ``config.json`` (a multimodal one's text model's part)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:

@@ -165,7 +165,7 @@ def _output_captured(args):
 def _run(args) -> int:
     try:
         if args.command == "verify":
-            from ..certify.verify import verify
+            from ..verify import verify
             from ..progress import log_to_stderr
 
             return verify(args.output_dir, log_to_stderr, model_path=args.model_path)

@@ -146,11 +146,12 @@ class BackgroundWriter:
         file holds beside (``Format.record``). Returns the sink whose file it finishes, or None."""
         sink = self._sinks.pop(sample.index, None)
         if sink is not None and sink.kept is not None and sink.error is None:
-            self.submit(sample.index, self.format.streamed_record(sample, states, sink, extra))
+            self.submit(sample.index, self.format.streamed_record(sample, states, sink, *([extra] if extra else [])))
             return sink
         if sink is not None:
             sink.discard()
-        self.submit(sample.index, self.format.record(sample, states, extra))
+        # (without extra tensors, called as a format written before they existed is)
+        self.submit(sample.index, self.format.record(sample, states, *([extra] if extra else [])))
         return None
 
     def temp_path(self, index: int) -> Path:

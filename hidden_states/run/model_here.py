@@ -66,7 +66,7 @@ class ModelHere:
         if not settings.certificates:
             self.log("certificates: off (--no-certificates): rows are written without the proof of their states")
             return None
-        if not hasattr(self.backend, "submit_certified"):
+        if not self.backend.certifies:
             self.log(f"certificates: off: --backend {settings.backend} does not certify its rows (--backend "
                      f"vllm-engine does)")
             return None

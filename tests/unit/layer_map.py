@@ -28,6 +28,8 @@ EXTRACTOR_LAYERS = _layers([
     # one job each, knowing nothing of inputs, outputs or plans
     ("support", {"extras", "sizes", "files", "layer_conventions", "fp8_states", "forward_check", "log_levels",
                  "run_log", "progress", "processes", "interrupts"}),
+    # a row's certificate: the checkpoint's last step read alone, the engine's witness, the bound
+    ("certificates", {"certify"}),
     # the input's rows to samples, and what they were made from
     ("inputs", {"inputs"}),
     # ways to run the model: below the output, so no format or output directory reaches a backend
@@ -40,7 +42,7 @@ EXTRACTOR_LAYERS = _layers([
     # here or on Ray replicas
     ("the run", {"run", "replicas"}),
     # one wing per command: extract's and generate's runs and loops; the one-module commands
-    ("commands", {"extract", "generate", "convert", "status", "prepare"}),
+    ("commands", {"extract", "generate", "convert", "status", "prepare", "verify"}),
     # what a user calls: the command line, and serve's wing (its server, protocol, model, batching, files)
     ("entry points", {"cli", "__main__", "serve"}),
     ("fixtures", {"fixtures"}),

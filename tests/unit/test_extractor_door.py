@@ -16,7 +16,7 @@ DOOR = "vllm_compat.extractor_api"
 # docstring (and docs/usage.md) together.
 ALLOWED = frozenset({
     "apply", "audit", "audit_backend", "AuditError", "BAD",
-    "BackendTouchpoints", "Attr", "Param", "Exists", "LiteralMember", "Dispatched", "Registered", "Branch",
+    "BackendTouchpoints", "Attr", "Param", "Exists", "FieldDefault", "LiteralMember", "Dispatched", "Registered", "Branch",
     "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
     "speculators_version", "IN_PROCESS_SPECULATORS", "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from hidden_states.certify.certifier import CertificateFailed, Certifier  # noqa: E402
 from hidden_states.certify.head import FinalHead  # noqa: E402
-from hidden_states.certify.verify import verify  # noqa: E402
+from hidden_states.verify import verify  # noqa: E402
 from hidden_states.certify.witness import Witness  # noqa: E402
 from hidden_states.inputs.streams import Sample  # noqa: E402
 from hidden_states.output import formats  # noqa: E402

@@ -9,14 +9,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import fp8_states, layer_conventions
-from ..errors import UsageError
-from ..files import TEMP_PREFIX, read_json
-from ..output import formats
-from ..output.names import CONFIG, format_name
-from .certificate import HALF_ULP, Certificate, agreement, sketch_mismatch
-from .certifier import FP8_SUBNORMAL
-from .head import FinalHead, Uncertifiable, _config
+from . import fp8_states, layer_conventions
+from .certify.certificate import HALF_ULP, Certificate, agreement, sketch_mismatch
+from .certify.certifier import FP8_SUBNORMAL
+from .certify.head import FinalHead, Uncertifiable, model_config
+from .errors import UsageError
+from .files import TEMP_PREFIX, read_json
+from .output import formats
+from .output.names import CONFIG, format_name
 
 
 @dataclass
@@ -43,7 +43,7 @@ def verify(directory: str | Path, log, model_path: str | None = None) -> int:
     if not model:
         raise UsageError(f"{directory / CONFIG}: names no model: pass --model-path")
     try:
-        num_layers = int(_config(Path(model))["num_hidden_layers"])
+        num_layers = int(model_config(Path(model))["num_hidden_layers"])
         head = FinalHead.load(model)
     except (Uncertifiable, KeyError, ValueError) as exc:
         raise UsageError(f"--model-path {model}: {exc}") from None
@@ -79,7 +79,7 @@ def read_row(name: str, path: Path) -> tuple[list, object, Certificate | None]:
     import torch
 
     if name == layer_conventions.SPECULATORS_05:
-        from ..output.formats.speculators_05 import read_sample
+        from .output.formats.speculators_05 import read_sample
 
         tensors = read_sample(path)
         states, scales = tensors["hidden_states"], tensors.get(fp8_states.SCALES)
