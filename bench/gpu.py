@@ -363,6 +363,7 @@ def phase_extract(args) -> None:
                "--state-dtype", args.state_dtype] \
         + (["--writer-threads", str(args.writer_threads)] if args.writer_threads else []) \
         + (["--skip-forward-check"] if args.skip_forward_check else []) \
+        + (["--no-certificates"] if args.no_certificates else []) \
         + (["--no-overlap"] if args.no_overlap else []) \
         + (["--no-shared-prefix"] if args.no_shared_prefix else []) \
         + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
@@ -384,7 +385,9 @@ def phase_extract(args) -> None:
     # "shared prefixes: R of N rows served from a longer row's states, C tokens computed for T row tokens"
     shared = next((l for l in proc.stderr.splitlines() if "] shared prefixes:" in l), "")
     computed = re.search(r"([\d,]+) tokens computed", shared)
+    certified = next((l for l in proc.stderr.splitlines() if "] certificates: " in l and "rows certified" in l), "")
     emit("extract", model=Path(args.model).name, backend=args.backend, format=args.format, state_dtype=args.state_dtype,
+         certificates=certified.split("] ", 1)[-1] or "off",
          batch=args.batch, tp=args.tp, bytes_per_token=round(found["mb"] * 1e6 / found["tokens"]),
          overlap=not args.no_overlap, data_parallel_size=args.data_parallel_size, rows=args.rows,
          shared_prefix=not args.no_shared_prefix, shared=shared.split("] ", 1)[-1],
@@ -596,6 +599,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16-floor", action="store_true", help="check: also HF bf16 against HF fp32")
     parser.add_argument("--skip-forward-check", action="store_true", help="extract: pass --skip-forward-check")
     parser.add_argument("--no-overlap", action="store_true", help="extract: pass --no-overlap (one batch at a time)")
+    parser.add_argument("--no-certificates", action="store_true", help="extract: pass --no-certificates")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="extract: replicas (Ray), each --tp GPUs")
     parser.add_argument("--format", default="speculators-0.3", help="extract: the output format (check reads either)")
     parser.add_argument("--state-dtype", default="model", choices=["model", "fp8"], help="extract: --state-dtype")

