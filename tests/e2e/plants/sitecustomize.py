@@ -91,21 +91,17 @@ def _without_residual(wrapped, instance, args, kwargs):
     return output[0] if isinstance(output, tuple) else output
 
 
-if PLANT in ("shift", "swap"):
-    @wrapt.when_imported("hidden_states.backends.worker.engine_capture")
-    def _plant_store(module):
-        wrapt.wrap_function_wrapper(module, "StreamingStates._store_captured_states", _store)
-elif PLANT == "stale":
-    @wrapt.when_imported("hidden_states.backends.worker.engine_capture")
-    def _plant_copy(module):
-        wrapt.wrap_function_wrapper(module, "StreamingStates._copy_rows", _copy_rows)
-elif PLANT == "prefix_offset":
-    @wrapt.when_imported("hidden_states.backends.vllm_engine")
-    def _plant_prefix(module):
-        wrapt.wrap_function_wrapper(module, "VllmEngineBackend.copy_rows", _copy_from_one_row_on)
-elif PLANT == "pre_residual":
-    @wrapt.when_imported("hidden_states.backends.worker.own_capture")
-    def _plant_residual(module):
-        wrapt.wrap_function_wrapper(module, "layer_output", _without_residual)
-elif PLANT:
-    raise SystemExit(f"HIDDEN_STATES_PLANT={PLANT!r}: no such plant")
+# plant -> (the module, the function it wraps there, the wrapper)
+PLANTS = {
+    "shift": ("hidden_states.backends.worker.engine_capture", "StreamingStates._store_captured_states", _store),
+    "swap": ("hidden_states.backends.worker.engine_capture", "StreamingStates._store_captured_states", _store),
+    "stale": ("hidden_states.backends.worker.engine_capture", "StreamingStates._copy_rows", _copy_rows),
+    "prefix_offset": ("hidden_states.backends.vllm_engine", "VllmEngineBackend.copy_rows", _copy_from_one_row_on),
+    "pre_residual": ("hidden_states.backends.worker.own_capture", "layer_output", _without_residual),
+}
+
+if PLANT:
+    if PLANT not in PLANTS:
+        raise SystemExit(f"HIDDEN_STATES_PLANT={PLANT!r}: no such plant (known: {', '.join(PLANTS)})")
+    _module, _target, _wrapper = PLANTS[PLANT]
+    wrapt.when_imported(_module)(lambda module: wrapt.wrap_function_wrapper(module, _target, _wrapper))
