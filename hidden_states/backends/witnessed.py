@@ -9,11 +9,12 @@ from .engine_feed import EngineBatch
 
 
 def params(region: dict | None = None):
-    """A certified request's sampling parameters: one token, with the engine's logprobs at its last
-    position (and the worker's region, for a row whose states are captured)."""
+    """A certified request's sampling parameters: one token, greedy (the certificate's ids are the same
+    on every run of the same rows), with the engine's logprobs at its last position (and the worker's
+    region, for a row whose states are captured)."""
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=1, logprobs=TOP, **({"extra_args": region} if region else {}))
+    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=TOP, **({"extra_args": region} if region else {}))
 
 
 class ProbeBatch(EngineBatch):
