@@ -30,11 +30,14 @@ class ProbeBatch(EngineBatch):
         return witnesses(self.parent, self)
 
     def _settle(self, future) -> None:
+        # let go of the states (and the batch) first: the future keeps this callback, and so this probe,
+        # alive; their regions go back to the pool only when the last reference to them does
+        parent, states, self.parent, self.states = self.parent, self.states, None, None
         exc = future.exception()
         if exc is not None:
-            self.parent.future.set_exception(exc)
+            parent.future.set_exception(exc)
         else:
-            self.parent.future.set_result(list(zip(self.states, future.result(), strict=True)))
+            parent.future.set_result(list(zip(states, future.result(), strict=True)))
 
 
 def probed(parent: EngineBatch) -> list[list[int]]:

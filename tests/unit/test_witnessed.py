@@ -1,0 +1,86 @@
+"""A certified batch on an engine backend (``backends/witnessed.py``), with vLLM's outputs stood in for:
+each row's witness is its probes' logprobs then its own request's at its last position, the rows the
+prefix cache gave a request are probed at their last, and a settled probe lets go of the states."""
+from __future__ import annotations
+
+import gc
+import weakref
+from types import SimpleNamespace
+
+import pytest
+
+from hidden_states.backends.engine_feed import EngineBatch
+from hidden_states.backends import witnessed
+
+
+def output(ids, top):
+    """A finished request as vLLM returns it: its prompt, and its one token's logprobs (id -> value)."""
+    ranked = {token: SimpleNamespace(logprob=value) for token, value in top.items()}
+    return SimpleNamespace(prompt_token_ids=list(ids), outputs=[SimpleNamespace(logprobs=[ranked])])
+
+
+class States(list):
+    """A row's layers (weak-referenceable, to see who keeps them)."""
+
+
+def certified_batch(rows, probes, cached=None):
+    batch = EngineBatch(rows, "salt-1")
+    batch.probes, batch.cached = probes, cached
+    for position, ids in enumerate(rows):
+        batch.finished[position] = output(ids, {7: -0.5, 8: -1.5})
+    return batch
+
+
+def run_probes(probe):
+    for index, ids in enumerate(probe.ids):
+        probe.finished[index] = output(ids, {len(ids): -0.25})
+    witnessed.finished(probe)
+
+
+def test_a_row_is_witnessed_at_its_probes_and_its_last_position():
+    rows = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    batch = certified_batch(rows, [[1], []])
+    put = []
+    witnessed.resolve(batch, [States(), States()], put.append)
+    probe, = put
+    assert probe.ids == [[1, 2]] and probe.cache_salt == "salt-1"
+    run_probes(probe)
+    (_, first), (_, second) = batch.future.result()
+    assert (first.positions, first.token_ids, first.logprobs) == ([1, 4], [[2], [7, 8]], [[-0.25], [-0.5, -1.5]])
+    assert (second.positions, second.token_ids) == ([2], [[7, 8]])
+
+
+def test_the_last_row_the_prefix_cache_gave_is_probed_and_a_batch_probing_nothing_resolves_at_once():
+    batch = certified_batch([[1, 2, 3, 4, 5, 6]], [[]], cached=[4])
+    assert witnessed.probed(batch) == [[3]]
+    batch = certified_batch([[1, 2, 3]], [[]])
+    witnessed.resolve(batch, [States()], pytest.fail)
+    assert batch.future.result()[0][1].positions == [2]
+
+
+def test_a_probe_of_other_token_ids_fails_its_batch():
+    batch = certified_batch([[1, 2, 3, 4]], [[1]])
+    put = []
+    witnessed.resolve(batch, [States()], put.append)
+    put[0].finished[0] = output([5, 5], {1: -1.0})
+    witnessed.finished(put[0])
+    with pytest.raises(RuntimeError, match="probe of batch position 0 holds other token ids"):
+        batch.future.result()
+
+
+def test_a_settled_probe_lets_go_of_the_states():
+    """The states hold their regions of the pool until collected: a probe kept alive by its future's
+    callback must not keep them (with the collector off, as in a process that allocates little)."""
+    batch = certified_batch([[1, 2, 3, 4]], [[1]])
+    states = States()
+    kept = weakref.ref(states)
+    put = []
+    witnessed.resolve(batch, [states], put.append)
+    del states
+    gc.disable()
+    try:
+        run_probes(put[0])
+        batch.future = None  # the caller has taken the result and written the row
+        assert kept() is None
+    finally:
+        gc.enable()
