@@ -147,7 +147,7 @@ def bound(head, state: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tens
     floor = torch.as_tensor(state_floor, dtype=torch.float32).to(x.device).reshape(-1, 1)
     stored = torch.maximum(state_unit * x.abs(), floor) * head.norm * rms  # the stored rounding, after the norm
     computed = engine_unit * (x * rms * head.norm).abs()  # the engine's rounding of its normed state
-    variance = (stored.pow(2) + computed.pow(2)) @ head.weight.pow(2).T / 3.0  # [p, V]
+    variance = (stored.pow(2) + computed.pow(2)) @ head.squared.T / 3.0  # [p, V]
     ids = token_ids.clamp(min=0).to(logits.device)
     probabilities = torch.softmax(logits, dim=-1)
     spread = variance.gather(1, ids).sqrt() + (probabilities * variance).sum(dim=-1, keepdim=True).sqrt()

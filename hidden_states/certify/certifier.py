@@ -2,12 +2,34 @@
 before the row goes to the writer; a row that fails stops the run before it is written."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .. import fp8_states
-from .certificate import HALF_ULP, Certificate, certify
-from .head import FinalHead, Uncertifiable
+from .certificate import HALF_ULP, Agreement, Certificate, agreement, sketch
+from .head import FinalHead, Uncertifiable, model_config
 from .witness import Witness
 
+HEAD_SPARE = 2 ** 30  # bytes a GPU keeps beside the head (the products of a batch's positions, CUDA's own)
 FP8_SUBNORMAL = 2.0 ** -10  # half e4m3fn's smallest subnormal: a value's absolute rounding, times its scale
+
+
+def head_device(model_path: str, log) -> str:
+    """Where the head runs: a GPU's first, where this process sees one with room for it (a batch's
+    certificates are two products with the LM head: a CPU falls behind an 8B's rows), else the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    config = model_config(Path(model_path))
+    needs = 2 * 4 * config.get("vocab_size", 0) * config.get("hidden_size", 0) + HEAD_SPARE  # FinalHead.squared
+    free, _ = torch.cuda.mem_get_info(0)
+    return "cuda:0" if free > needs else _said(log, f"certificates: the head runs on the CPU: it needs "
+                                                    f"{needs / 2**30:.1f} GiB, cuda:0 has {free / 2**30:.1f} GiB free")
+
+
+def _said(log, line: str) -> str:
+    log(line)
+    return "cpu"
 
 
 class CertificateFailed(RuntimeError):
@@ -39,7 +61,7 @@ class Certifier:
                 f"written layers {written_ids}; its state is what a certificate checks")
             return None
         try:
-            head = FinalHead.load(model_path)
+            head = FinalHead.load(model_path, head_device(model_path, log))
         except Uncertifiable as exc:
             log(f"certificates: off: {exc}")
             return None
@@ -48,6 +70,46 @@ class Certifier:
     def certify(self, row, layers: list, witness: Witness) -> Certificate:
         """``row``'s certificate from its ``layers`` (as the writer gets them) and the engine's
         ``witness``; raises :class:`CertificateFailed` where they disagree past the bound."""
+        found = self.certify_all([(row, layers, witness)])[0]
+        if isinstance(found, CertificateFailed):
+            raise found
+        return found
+
+    def certify_all(self, rows: list) -> list:
+        """Each of ``rows`` (``(row, layers, witness)``) certified: its :class:`Certificate`, or the
+        :class:`CertificateFailed` that stops the run at it. One pass through the head for all of them:
+        a batch's positions in one product with the LM head, not a small one per row."""
+        import torch
+
+        read = [self._read(layers, witness) for _, layers, witness in rows]
+        counts = [len(r["positions"]) for r in read]
+        width = max((r["token_ids"].shape[1] for r in read), default=0)
+
+        def padded(name, fill):
+            return torch.cat([torch.nn.functional.pad(r[name], (0, width - r[name].shape[1]), value=fill)
+                              for r in read])
+
+        def per_position(name):
+            return torch.cat([torch.as_tensor(r[name], dtype=torch.float32).expand(count).reshape(-1, 1)
+                              for r, count in zip(read, counts, strict=True)])
+
+        found = agreement(self.head, torch.cat([r["rows"][self.last_index] for r in read]), padded("token_ids", -1),
+                          padded("logprobs", 0.0), state_unit=per_position("state_unit"),
+                          engine_unit=per_position("engine_unit"), state_floor=per_position("floor"))
+        results, start = [], 0
+        for (row, _, _), r, count in zip(rows, read, counts, strict=True):
+            own = Agreement(found.error[start:start + count], found.bound[start:start + count])
+            start += count
+            self.rows += 1
+            self.worst = max(self.worst, own.worst)
+            results.append(self._failed(row, r["positions"], own) if own.failing else
+                           Certificate(r["positions"], r["token_ids"], r["logprobs"], own.error.float(),
+                                       sketch(r["rows"])))
+        return results
+
+    def _read(self, layers: list, witness: Witness) -> dict:
+        """A row's written states at its witness's positions, as the trainer reads them (on the CPU), and
+        the roundings that explain a difference there."""
         positions, token_ids, logprobs = witness.tensors()
         rows = [layer[positions.to(layer.device)] for layer in layers]
         scales = None
@@ -64,16 +126,14 @@ class Certifier:
         else:  # the engine's own states, in its dtype (an unknown one counted as the coarsest)
             state_unit = engine_unit = HALF_ULP.get(str(layers[0].dtype).removeprefix("torch."), HALF_ULP["bfloat16"])
             floor = 0.0
-        rows = [r.cpu() for r in rows]
-        certificate, found = certify(self.head, rows, self.last_index, positions, token_ids, logprobs,
-                                     state_unit=state_unit, engine_unit=engine_unit, state_floor=floor)
-        self.rows += 1
-        self.worst = max(self.worst, found.worst)
+        return {"positions": positions, "token_ids": token_ids.long(), "logprobs": logprobs.float(),
+                "rows": [r.cpu() for r in rows], "state_unit": state_unit, "engine_unit": engine_unit, "floor": floor}
+
+    @staticmethod
+    def _failed(row, positions, found: Agreement) -> CertificateFailed:
         failing = found.failing
-        if failing:
-            said = ", ".join(f"position {int(positions[i])}: {float(found.error[i]):.3g} > {float(found.bound[i]):.3g}"
-                             for i in failing[:4])
-            raise CertificateFailed(f"sample {row.index} ({row.where}): its written last-layer state is not the "
-                                    f"engine's ({said}{', ...' if len(failing) > 4 else ''}: |our logprob - the "
-                                    f"engine's| past what rounding explains, {found.worst:.0f}x); not written")
-        return certificate
+        said = ", ".join(f"position {int(positions[i])}: {float(found.error[i]):.3g} > {float(found.bound[i]):.3g}"
+                         for i in failing[:4])
+        return CertificateFailed(f"sample {row.index} ({row.where}): its written last-layer state is not the "
+                                 f"engine's ({said}{', ...' if len(failing) > 4 else ''}: |our logprob - the "
+                                 f"engine's| past what rounding explains, {found.worst:.0f}x); not written")

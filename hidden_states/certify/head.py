@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 from pathlib import Path
 
@@ -67,6 +68,12 @@ class FinalHead:
         if eps is None:
             raise Uncertifiable(f"{path}/config.json: no rms_norm_eps")
         return cls(tensors[NORM_WEIGHT].float().to(device), float(eps), tensors[head_name].float().to(device))
+
+    @cached_property
+    def squared(self) -> torch.Tensor:
+        """The LM head squared, ``[vocab, hidden]``: every certificate's bound sums over it
+        (:func:`.certificate.bound`), computed once."""
+        return self.weight.pow(2)
 
     def normed(self, states: torch.Tensor) -> torch.Tensor:
         """``states`` ``[n, hidden]`` (the last decoder layer's output) through the final norm, float32."""

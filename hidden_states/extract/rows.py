@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import fp8_states
+from ..certify.certifier import CertificateFailed
 from ..certify.witness import probe_positions
 from ..inputs import prefixes
 from ..inputs.streams import Sample
@@ -107,6 +108,7 @@ class ExtractRows:
         self.summary.cached_tokens += cached
         self.summary.computed_tokens -= cached
         tokens = 0
+        handed: list = []  # (row, its layers, its witness or None), in the batch's order
         for sample, layers in zip(batch, states, strict=True):
             layers, witness = layers if self.certifier is not None else (layers, None)
             layers = fp8_states.pick(layers, self.layer_order)
@@ -116,12 +118,18 @@ class ExtractRows:
                     # the states as the backend hands them, on its device: the format copies them to
                     # the host (FP8 quantized first, so half the bytes cross); a served row's are its
                     # carrier's first rows, a view the format makes its own storage where it must
-                    row_layers = fp8_states.first_rows(layers, len(row.input_ids))
-                    extra = None
-                    if witness is not None:  # certified before it is written: a failing row stops the run
-                        extra = self.certifier.certify(row, row_layers, witness.within(len(row.input_ids))).tensors()
-                    self.writer.write(row, row_layers, extra)
+                    length = len(row.input_ids)
+                    handed.append((row, fp8_states.first_rows(layers, length),
+                                   witness.within(length) if witness is not None else None))
                 tokens += len(row.input_ids)
+        # certified before they are written, all in one pass: the rows before a failing one are
+        # written, the failing one and those after it are not, and the run stops there
+        certificates = self.certifier.certify_all(handed) if self.certifier is not None and handed else None
+        for index, (row, row_layers, _) in enumerate(handed):
+            certificate = certificates[index] if certificates is not None else None
+            if isinstance(certificate, CertificateFailed):
+                raise certificate
+            self.writer.write(row, row_layers, certificate.tensors() if certificate is not None else None)
         return tokens
 
 

@@ -12,8 +12,11 @@ import os
 import time
 
 from ..backends.shared.regions import SHM
-from ..certify.certifier import Certifier
-from ..errors import OutputError
+from .. import fp8_states
+from ..certify.certifier import CertificateFailed, Certifier
+from ..certify.witness import probe_positions
+from ..errors import OutputError, PreflightError
+from ..inputs.streams import Sample
 from ..plan.estimates import duration
 from ..files import atomic_write_json, read_json
 from ..inputs.identity import difference
@@ -23,6 +26,9 @@ from ..plan.planner import load_model
 from ..sizes import human_size
 from .prepared import PreparedRun
 from .summary import DRAIN_THREADS, Summary
+
+
+CHECK_TOKENS = 48  # the load's certified sequence: three blocks of vLLM's prefix cache, a probe inside
 
 
 class ModelHere:
@@ -73,8 +79,26 @@ class ModelHere:
         certifier = Certifier.for_run(settings.model_path, list(plan.layers.ids), plan.facts.num_layers,
                                       settings.state_dtype, self.log)
         if certifier is not None:
-            self.log("certificates: on: every row is checked against the engine's logprobs before it is written")
+            self._first_certificate(certifier)
         return certifier
+
+    def _first_certificate(self, certifier: Certifier) -> None:
+        """One sequence certified before the first sample: vLLM's logprobs path runs once (it compiles
+        a kernel on first use: seconds spent in the load, not in the run's rate), and a run whose
+        certificates cannot hold stops here, with nothing written."""
+        started = time.monotonic()
+        vocab = self.prepared.model_plan.facts.vocab_size
+        ids = [(11 + 37 * i) % vocab for i in range(CHECK_TOKENS)]  # any ids: the model's weights are what is checked
+        layers, witness = self.backend.submit_certified([ids], [probe_positions(ids)]).result()[0]
+        try:
+            certifier.certify(Sample(-1, 0, ids, None), fp8_states.pick(layers, self.layer_order), witness)
+        except CertificateFailed as exc:
+            raise PreflightError(f"certificates: a check sequence at load fails its certificate, so would every "
+                                 f"row: {str(exc).split(': ', 1)[-1]}; nothing was written (--no-certificates writes "
+                                 f"rows without the proof)") from None
+        worst, certifier.rows, certifier.worst = certifier.worst, 0, 0.0
+        self.log(f"certificates: on: every row is checked against the engine's logprobs before it is written "
+                 f"(a check sequence at load: {worst:.2f} of what rounding explains, {time.monotonic() - started:.1f} s)")
 
     def _hold(self, backend) -> None:
         self.backend = backend  # closed by finish, whatever fails from here
