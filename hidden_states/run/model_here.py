@@ -15,7 +15,7 @@ from ..backends.shared.regions import SHM
 from .. import fp8_states
 from ..certify.certifier import CertificateFailed, Certifier
 from ..certify.witness import probe_positions
-from ..errors import OutputError, PreflightError
+from ..errors import OutputError
 from ..inputs.streams import Sample
 from ..plan.estimates import duration
 from ..files import atomic_write_json, read_json
@@ -93,9 +93,9 @@ class ModelHere:
         try:
             certifier.certify(Sample(-1, 0, ids, None), fp8_states.pick(layers, self.layer_order), witness)
         except CertificateFailed as exc:
-            raise PreflightError(f"certificates: a check sequence at load fails its certificate, so would every "
-                                 f"row: {str(exc).split(': ', 1)[-1]}; nothing was written (--no-certificates writes "
-                                 f"rows without the proof)") from None
+            raise CertificateFailed(f"a sequence certified at load, before the first sample: "
+                                    f"{str(exc).split(': ', 1)[-1].removesuffix('; not written')}; every row would fail "
+                                    f"so: nothing was written") from None
         worst, certifier.rows, certifier.worst = certifier.worst, 0, 0.0
         self.log(f"certificates: on: every row is checked against the engine's logprobs before it is written "
                  f"(a check sequence at load: {worst:.2f} of what rounding explains, {time.monotonic() - started:.1f} s)")

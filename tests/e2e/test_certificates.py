@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 from tests.e2e import harness
 from tests.e2e.extract_runs import cli, data_files, extract_args
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.certificates]
 
 PLANTS = Path(ROOT) / "tests" / "e2e" / "plants"
 ROWS = 16
@@ -126,17 +126,30 @@ def test_verify_names_exactly_the_tampered_rows(certified, tmp_path):
     assert "row 4: data_4.pt: layer 2: not the states its certificate was made with" in checked.stderr
 
 
-@pytest.mark.parametrize("plant", ["shift", "swap", "stale", "prefix_offset", "pre_residual"])
-def test_a_planted_capture_bug_stops_the_run_at_a_row_it_does_not_write(data, tmp_path, plant):
+# where each plant is caught: a bug in every request's capture already in the sequence certified at load
+# (nothing written), one that needs two requests in a step, a reused region or a prefix served from
+# another request at the row it first touches
+CAUGHT_AT = {"shift": "load", "swap": "row", "stale": "row", "prefix_offset": "row", "pre_residual": "load"}
+
+
+@pytest.mark.parametrize("plant", sorted(CAUGHT_AT))
+def test_a_planted_capture_bug_stops_the_run_before_it_writes_a_wrong_row(data, tmp_path, plant):
     """Each plant keeps the token ids right (the parent's check of them passes): only the
-    certificate sees the states are not the engine's. The run stops with exit 1 naming the row, its
-    positions and the numbers; that row has no file."""
+    certificate sees the states are not the engine's. The run stops with exit 1 naming the row (or
+    the sequence certified at load), its positions and the numbers; that row has no file."""
     own_capture = {"VLLM_COMPAT_ENGINE_CAPTURE": "own"} if plant == "pre_residual" else None  # (its hooks hold the plant)
     proc = extract(harness.tiny_model("llama"), data, tmp_path / "out", plant, env_extra=own_capture)
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = failed_line(proc)
+    assert "its written last-layer state is not the engine's (position " in line, proc.stderr[-3000:]
+    if CAUGHT_AT[plant] == "load":
+        assert line.startswith("hidden-states: failed: CertificateFailed: a sequence certified at load, before the "
+                               "first sample: "), proc.stderr[-3000:]
+        assert line.endswith("; every row would fail so: nothing was written"), line
+        assert not data_files(tmp_path / "out"), line
+        return
     assert line.startswith("hidden-states: failed: CertificateFailed: sample "), proc.stderr[-3000:]
-    assert "its written last-layer state is not the engine's (position " in line and "); not written" in line
+    assert line.endswith("); not written"), line
     sample = int(line.split("sample ", 1)[1].split(" ", 1)[0])
     assert f"(line {sample + 1})" in line
     assert not (tmp_path / "out" / f"data_{sample}.pt").exists()

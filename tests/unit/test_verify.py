@@ -104,3 +104,19 @@ def test_a_row_the_engine_disagrees_with_is_refused_before_it_is_written(tmp_pat
     with pytest.raises(CertificateFailed, match=r"^sample 7 \(line 8\): its written last-layer state is not the "
                                                 r"engine's \(position 0: .* > .*; not written$"):
         Certifier(head, 2).certify(Sample(7, 8, list(range(30)), None), layers, witness(head, other[-1], 30))
+
+
+def test_a_batch_certified_in_one_pass_gives_each_row_what_it_gets_alone(tmp_path):
+    head = FinalHead.load(head_checkpoint(tmp_path / "model", num_hidden_layers=4))
+    rows = []
+    for index, length in enumerate([30, 17, 41]):
+        layers = states(len(LAYERS), length, seed=10 + index)
+        engine = states(len(LAYERS), length, seed=99)[-1] if index == 1 else layers[-1]  # row 1: another's states
+        rows.append((Sample(index, index + 1, list(range(length)), None), layers, witness(head, engine, length)))
+    together = Certifier(head, 2).certify_all(rows)
+    assert isinstance(together[1], CertificateFailed) and str(together[1]).startswith("sample 1 (line 2): ")
+    for index in (0, 2):
+        alone = Certifier(head, 2).certify(*rows[index])
+        for name, value in alone.tensors().items():  # the errors: float32 noise, summed in another order
+            atol = 1e-5 if name.endswith("error") else 0
+            assert torch.allclose(together[index].tensors()[name], value, rtol=1e-6, atol=atol), (index, name)
