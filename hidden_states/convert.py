@@ -27,6 +27,7 @@ from .inputs.streams import Sample
 from .output.directory import OutputDir
 from .output.writer import BackgroundWriter
 from .output.lock import DirectoryLock
+from .certify.certificate import Certificate
 from .output.names import CONFIG, format_name
 from .files import TEMP_PREFIX, read_json
 from .progress import log_to_stderr
@@ -34,9 +35,9 @@ from .progress import log_to_stderr
 CONVERTIBLE = (layer_conventions.SPECULATORS_03, layer_conventions.SPECULATORS_05)
 
 
-def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], list]:
-    """``input_ids``, ``loss_mask`` and the per-layer ``[T, hidden]`` states (in the file's layer
-    order) of one sample file of ``format_name``."""
+def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], list, Certificate | None]:
+    """``input_ids``, ``loss_mask``, the per-layer ``[T, hidden]`` states (in the file's layer order)
+    and the certificate (None: the row has none) of one sample file of ``format_name``."""
     if format_name == layer_conventions.SPECULATORS_05:
         from .output.formats.speculators_05 import read_sample as read_05
 
@@ -44,11 +45,13 @@ def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], lis
         if "loss_mask" not in tensors:
             raise UsageError(f"{path}: no loss_mask (not written by hidden-states): cannot convert it")
         states = tensors["hidden_states"]
-        return tensors["token_ids"].tolist(), tensors["loss_mask"].tolist(), list(states.unbind(dim=1))
+        return (tensors["token_ids"].tolist(), tensors["loss_mask"].tolist(), list(states.unbind(dim=1)),
+                Certificate.from_tensors(tensors))
     import torch
 
     record = torch.load(path, weights_only=True)
-    return record["input_ids"].tolist(), record["loss_mask"].tolist(), list(record["hidden_states"])
+    return (record["input_ids"].tolist(), record["loss_mask"].tolist(), list(record["hidden_states"]),
+            Certificate.from_tensors(record))
 
 
 def source_format(src: Path) -> tuple[str, dict]:
@@ -150,11 +153,14 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
         writer = BackgroundWriter(dst, max_pending=8, format=layout)
         try:
             for index in todo:
-                input_ids, loss_mask, states = read_sample(name, files[index])
+                input_ids, loss_mask, states, certificate = read_sample(name, files[index])
                 if len(states) != len(src_ids):
                     raise OutputError(f"{files[index]}: {len(states)} layers, {CONFIG} lists {len(src_ids)}")
+                if certificate is not None:  # it travels with the row: its sketch's layers as the row's now lie
+                    certificate.sketch = certificate.sketch[:, order]
                 writer.submit(index, layout.record(Sample(index, index + 1, input_ids, loss_mask),
-                                                   [states[k] for k in order]))
+                                                   [states[k] for k in order],
+                                                   *([certificate.tensors()] if certificate is not None else [])))
         finally:
             writer.close()
             finished.update(writer.stats.lengths)

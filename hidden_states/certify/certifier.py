@@ -2,13 +2,15 @@
 before the row goes to the writer; a row that fails stops the run before it is written."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from .. import fp8_states
 from .certificate import HALF_ULP, Agreement, Certificate, agreement, sketch
 from .head import FinalHead, Uncertifiable, model_config
-from .witness import Witness
+from .witness import Witness, probe_positions
 
+CHECK_TOKENS = 48  # the sequence certified at load: three blocks of vLLM's prefix cache, a probe inside
 HEAD_SPARE = 2 ** 30  # bytes a GPU keeps beside the head (the products of a batch's positions, CUDA's own)
 FP8_SUBNORMAL = 2.0 ** -10  # half e4m3fn's smallest subnormal: a value's absolute rounding, times its scale
 
@@ -66,6 +68,40 @@ class Certifier:
             log(f"certificates: off: {exc}")
             return None
         return cls(head, written_ids.index(last), fp8=state_dtype == "fp8")
+
+    @classmethod
+    def for_model(cls, settings, plan, backend, layer_order: list[int], log):
+        """The certifier of a loaded model (``settings``: the run's; ``plan``: ``planner.ModelPlan``),
+        its first certificate made (:meth:`check_at_load`); or None, said in one line, where the
+        rows go uncertified."""
+        if not settings.certificates:
+            log("certificates: off (--no-certificates): rows are written without the proof of their states")
+            return None
+        if not backend.certifies:
+            log(f"certificates: off: --backend {settings.backend} does not certify its rows (--backend "
+                f"vllm-engine does)")
+            return None
+        certifier = cls.for_run(settings.model_path, list(plan.layers.ids), plan.facts.num_layers,
+                                settings.state_dtype, log)
+        if certifier is not None:
+            certifier.check_at_load(backend, layer_order, plan.facts.vocab_size, log)
+        return certifier
+
+    def check_at_load(self, backend, layer_order: list[int], vocab_size: int, log) -> None:
+        """One sequence certified before the first row: vLLM's logprobs path runs once (it compiles a
+        kernel on first use: seconds spent in the load, not in the run's rate), and a capture wrong
+        for every request stops the run here, with nothing written (raises :class:`CertificateFailed`)."""
+        started = time.monotonic()
+        ids = [(11 + 37 * i) % vocab_size for i in range(CHECK_TOKENS)]  # any ids: the weights are what is checked
+        layers, witness = backend.submit_certified([ids], [probe_positions(ids)]).result()[0]
+        found = self.certify_all([("a sequence certified at load, before the first sample",
+                                   fp8_states.pick(layers, layer_order), witness)])[0]
+        if isinstance(found, CertificateFailed):
+            raise CertificateFailed(f"{str(found).removesuffix('; not written')}; every row would fail so: "
+                                    f"nothing was written")
+        worst, self.rows, self.worst = self.worst, 0, 0.0
+        log(f"certificates: on: every row is checked against the engine's logprobs before it is written "
+            f"(a check sequence at load: {worst:.2f} of what rounding explains, {time.monotonic() - started:.1f} s)")
 
     def certify(self, row, layers: list, witness: Witness) -> Certificate:
         """``row``'s certificate from its ``layers`` (as the writer gets them) and the engine's
@@ -131,9 +167,11 @@ class Certifier:
 
     @staticmethod
     def _failed(row, positions, found: Agreement) -> CertificateFailed:
+        """``row``: a sample (named by its index and line), or a string naming what it is."""
         failing = found.failing
         said = ", ".join(f"position {int(positions[i])}: {float(found.error[i]):.3g} > {float(found.bound[i]):.3g}"
                          for i in failing[:4])
-        return CertificateFailed(f"sample {row.index} ({row.where}): its written last-layer state is not the "
+        named = row if isinstance(row, str) else f"sample {row.index} ({row.where})"
+        return CertificateFailed(f"{named}: its written last-layer state is not the "
                                  f"engine's ({said}{', ...' if len(failing) > 4 else ''}: |our logprob - the "
                                  f"engine's| past what rounding explains, {found.worst:.0f}x); not written")

@@ -12,11 +12,8 @@ import os
 import time
 
 from ..backends.shared.regions import SHM
-from .. import fp8_states
-from ..certify.certifier import CertificateFailed, Certifier
-from ..certify.witness import probe_positions
+from ..certify.certifier import Certifier
 from ..errors import OutputError
-from ..inputs.streams import Sample
 from ..plan.estimates import duration
 from ..files import atomic_write_json, read_json
 from ..inputs.identity import difference
@@ -26,9 +23,6 @@ from ..plan.planner import load_model
 from ..sizes import human_size
 from .prepared import PreparedRun
 from .summary import DRAIN_THREADS, Summary
-
-
-CHECK_TOKENS = 48  # the load's certified sequence: three blocks of vLLM's prefix cache, a probe inside
 
 
 class ModelHere:
@@ -67,38 +61,10 @@ class ModelHere:
         atomic_write_json(prepared.output.path / CONFIG, {**prepared.config, **info})
 
     def _certifier(self) -> Certifier | None:
-        """The run's certifier, or None, said in one line, where its rows go uncertified."""
-        settings, plan = self.prepared.run_plan.settings, self.prepared.model_plan
-        if not settings.certificates:
-            self.log("certificates: off (--no-certificates): rows are written without the proof of their states")
-            return None
-        if not self.backend.certifies:
-            self.log(f"certificates: off: --backend {settings.backend} does not certify its rows (--backend "
-                     f"vllm-engine does)")
-            return None
-        certifier = Certifier.for_run(settings.model_path, list(plan.layers.ids), plan.facts.num_layers,
-                                      settings.state_dtype, self.log)
-        if certifier is not None:
-            self._first_certificate(certifier)
-        return certifier
-
-    def _first_certificate(self, certifier: Certifier) -> None:
-        """One sequence certified before the first sample: vLLM's logprobs path runs once (it compiles
-        a kernel on first use: seconds spent in the load, not in the run's rate), and a run whose
-        certificates cannot hold stops here, with nothing written."""
-        started = time.monotonic()
-        vocab = self.prepared.model_plan.facts.vocab_size
-        ids = [(11 + 37 * i) % vocab for i in range(CHECK_TOKENS)]  # any ids: the model's weights are what is checked
-        layers, witness = self.backend.submit_certified([ids], [probe_positions(ids)]).result()[0]
-        try:
-            certifier.certify(Sample(-1, 0, ids, None), fp8_states.pick(layers, self.layer_order), witness)
-        except CertificateFailed as exc:
-            raise CertificateFailed(f"a sequence certified at load, before the first sample: "
-                                    f"{str(exc).split(': ', 1)[-1].removesuffix('; not written')}; every row would fail "
-                                    f"so: nothing was written") from None
-        worst, certifier.rows, certifier.worst = certifier.worst, 0, 0.0
-        self.log(f"certificates: on: every row is checked against the engine's logprobs before it is written "
-                 f"(a check sequence at load: {worst:.2f} of what rounding explains, {time.monotonic() - started:.1f} s)")
+        """The run's certifier, its first certificate made; or None, said in one line, where its rows go
+        uncertified."""
+        return Certifier.for_model(self.prepared.run_plan.settings, self.prepared.model_plan, self.backend,
+                                   self.layer_order, self.log)
 
     def _hold(self, backend) -> None:
         self.backend = backend  # closed by finish, whatever fails from here

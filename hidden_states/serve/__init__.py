@@ -174,7 +174,7 @@ def serve(settings: ModelSettings, options: ServeSettings, log) -> int:
                 model.load()
                 gatherer = Gatherer(model.backend, files, model.layer_order, batch_size=model.settings.batch_size,
                                     window=options.gather_window, writer_threads=model.settings.writer_threads,
-                                    engine_tokens=engine_tokens(options, model.backend))
+                                    engine_tokens=engine_tokens(options, model.backend), certifier=model.certifier)
                 server.gatherer = gatherer
                 files.start_sweeping()
                 host, port = server.server_address[:2]
@@ -193,6 +193,9 @@ def serve(settings: ModelSettings, options: ServeSettings, log) -> int:
                 seconds = time.monotonic() - started
                 log(f"stopped after {seconds:.0f} s: {server.served} requests served ({gatherer.tokens:,} tokens in "
                     f"{gatherer.batches} batches), {server.refused} refused, {files.swept} uncollected files swept")
+                if model.certifier is not None:
+                    log(f"certificates: {model.certifier.rows} rows certified, the largest disagreement with the engine "
+                        f"{model.certifier.worst:.2f} of what rounding explains")
                 if signum is None:
                     failure = engine_failure(children, server.engine_stopped)
                     # what is left of a dead engine (its core, when a worker died) has nothing to finish:

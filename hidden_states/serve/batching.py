@@ -15,12 +15,14 @@ fuller: every request gathered at once would wait inside vLLM's scheduler instea
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from .. import fp8_states
+from ..certify.witness import probe_positions
 from .state_files import StateFiles
 
 STOP = object()
@@ -44,8 +46,9 @@ def _settle(future: Future, result=None, error: BaseException | None = None) -> 
 
 
 class _Request:
-    def __init__(self, ids: list[int]):
+    def __init__(self, ids: list[int], number: int = 0):
         self.ids = ids
+        self.number = number  # the server's count of requests taken (a failing certificate names it)
         self.future: Future = Future()  # the file's path
         self.taken = time.monotonic()  # the moments it passes each stage (``Stages``)
         self.submitted = self.returned = self.resolved = self.writing = 0.0
@@ -103,11 +106,15 @@ class Gatherer:
         writer_threads: threads writing files.
         engine_tokens: the most tokens of submitted, unresolved requests (a batch is submitted alone
             past it); None: as many as the backend's regions hold.
+        certifier: certifies each row before its file is written (``certify.certifier``); a row that
+            fails is answered with the error, never with a file. None: rows go uncertified.
     """
 
     def __init__(self, backend, files: StateFiles, layer_order: list[int], *, batch_size: int, window: float,
-                 writer_threads: int, engine_tokens: int | None = None):
+                 writer_threads: int, engine_tokens: int | None = None, certifier=None):
         self.backend, self.files, self.layer_order = backend, files, layer_order
+        self.certifier = certifier
+        self._numbers = itertools.count(1)  # requests as a failing certificate names them
         self.batch_size, self.window, self.engine_tokens = batch_size, window, engine_tokens
         self._in_engine = 0  # tokens submitted, not yet resolved
         self._engine_room = threading.Condition()
@@ -129,7 +136,7 @@ class Gatherer:
 
     def submit(self, ids: list[int]) -> Future:
         """Queue one row; its future holds the file's path (or the error that stopped it)."""
-        request = _Request(ids)
+        request = _Request(ids, next(self._numbers))
         with self._open:
             if self._draining:
                 raise Draining(self._refusal)
@@ -219,7 +226,9 @@ class Gatherer:
                 return
             self._in_engine += tokens
         try:
-            submitted = self.backend.submit([request.ids for request in batch])
+            rows = [request.ids for request in batch]
+            submitted = self.backend.submit(rows) if self.certifier is None else \
+                self.backend.submit_certified(rows, [probe_positions(ids) for ids in rows])
         except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, and the server stops
             self._left_engine(tokens)
             self.failure = self.failure or exc
@@ -255,13 +264,21 @@ class Gatherer:
         self.stages.handed_to_writers(len(batch))
         for request, layers in zip(batch, states, strict=True):
             request.resolved = now
-            self._writers.submit(self._write, request, fp8_states.pick(layers, self.layer_order))
+            layers, witness = layers if self.certifier is not None else (layers, None)
+            self._writers.submit(self._write, request, fp8_states.pick(layers, self.layer_order), witness)
         states.clear()  # each row's layers now live only in its writer's task: its region frees as it ends
 
-    def _write(self, request: _Request, layers: list) -> None:
+    def _write(self, request: _Request, layers: list, witness=None) -> None:
         request.writing = time.monotonic()
         try:
-            path = self.files.write(request.ids, layers)
+            extra = None
+            if witness is not None:  # certified before its file is written: a failing row is answered with the error
+                certificate = self.certifier.certify_all([(f"request {request.number} ({len(request.ids)} tokens)",
+                                                           layers, witness)])[0]
+                if isinstance(certificate, Exception):
+                    raise certificate
+                extra = certificate.tensors()
+            path = self.files.write(request.ids, layers, extra)
         except Exception as exc:  # noqa: BLE001 - the request's reply says it
             _settle(request.future, error=exc)
         else:

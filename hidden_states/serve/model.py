@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..certify.certifier import Certifier
 from ..layer_conventions import SPECULATORS_05
 from ..plan.planner import BATCHES_HELD, MemoryCheck, ModelPlan, audit_line, check_memory_here, load_model, plan_model
 from ..settings import ModelSettings
@@ -36,6 +37,8 @@ class ServedModel:
         vocab_size: the model's vocabulary (a request's ids are checked against it).
         backend: the started backend (after :meth:`load`).
         load_seconds: the model load's time.
+        certifier: what certifies each request's row before its file is written (after :meth:`load`;
+            None: rows go uncertified, the load said why).
     """
 
     def __init__(self, settings: ModelSettings, log):
@@ -49,6 +52,7 @@ class ServedModel:
         self.vocab_size = 0
         self.backend = None
         self.load_seconds = 0.0
+        self.certifier: Certifier | None = None
 
     def plan(self) -> list[str]:
         self.model_plan, lines = plan_model(self.settings, self.log)
@@ -59,11 +63,12 @@ class ServedModel:
         return self.plan_lines
 
     def load(self) -> None:
-        """Start the backend (vLLM loads the model), then the forward check. Call on the main thread,
+        """Start the backend (vLLM loads the model), then the forward check and the first certificate. Call on the main thread,
         inside ``processes.contained()`` (vLLM's processes die with this one)."""
         loaded = load_model(self.settings, self.model_plan, self.memory_check, log=self.log, batches_held=BATCHES_HELD,
                             held=self._hold)
         self.backend, self.layer_order, self.load_seconds = loaded.backend, loaded.layer_order, loaded.seconds
+        self.certifier = Certifier.for_model(self.settings, self.model_plan, self.backend, self.layer_order, self.log)
 
     def _hold(self, backend) -> None:
         self.backend = backend  # closed by close(), whatever fails from here

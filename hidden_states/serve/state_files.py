@@ -119,13 +119,14 @@ class StateFiles:
         self._sweeper: threading.Thread | None = None
         self.swept = 0
 
-    def write(self, token_ids: list[int], layers: list) -> Path:
-        """One request's file: ``layers`` (one ``[n, hidden]`` per layer, or ``fp8_states.Quantized``)
-        and ``token_ids``, written under a temporary name, then renamed into place. Returns its path."""
+    def write(self, token_ids: list[int], layers: list, extra: dict | None = None) -> Path:
+        """One request's file: ``layers`` (one ``[n, hidden]`` per layer, or ``fp8_states.Quantized``),
+        ``token_ids`` and any ``extra`` tensors (its certificate), written under a temporary name, then
+        renamed into place. Returns its path."""
         import torch
 
         tensors = {**state_tensors(layers, self.state_dtype),
-                   "token_ids": torch.as_tensor(token_ids, dtype=torch.long)}
+                   "token_ids": torch.as_tensor(token_ids, dtype=torch.long), **(extra or {})}
         final = self.directory / f"served-{self._token}-{next(self._numbers)}.safetensors"
         temp = final.with_name(f"{TEMP_PREFIX}{final.name}")
         created = False

@@ -66,11 +66,13 @@ def with_datasets() -> dict:
 def both(model, tmp_path_factory):
     """The same samples extracted into each layout (speculators 0.3.0 runs the generator; the 0.9.0
     folder, after it on the path, brings ``datasets`` for the 0.5 layout's dataset index), and into
-    the 0.5 layout with FP8 states by ``--backend vllm-engine``, which quantizes in vLLM's worker."""
+    the 0.5 layout with FP8 states by ``--backend vllm-engine``, which quantizes in vLLM's worker; and
+    the 0.3 layout by ``--backend vllm-engine`` too, whose rows carry their certificates."""
     root = tmp_path_factory.mktemp("formats")
     rows = write_jsonl(root / "data.jsonl", SAMPLES, seed=21)
     for fmt, ids, out, extra in (("speculators-0.3", IDS_03, "out03", ()), ("speculators-0.5", IDS_05, "out05", ()),
-                                 ("speculators-0.5", IDS_05, "fp8", ("--state-dtype", "fp8", "--backend", "vllm-engine"))):
+                                 ("speculators-0.5", IDS_05, "fp8", ("--state-dtype", "fp8", "--backend", "vllm-engine")),
+                                 ("speculators-0.3", IDS_03, "certified03", ("--backend", "vllm-engine"))):
         proc = run_cli(*layout_args(model, root / "data.jsonl", root / out, fmt, ids), *extra,
                        env_extra=with_datasets())
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -295,10 +297,16 @@ def test_speculators_09_trainer_learns_from_the_05_layout(both, model, tmp_path)
     assert losses[-1] < losses[0], losses
 
 
-def test_speculators_03_trainer_learns_from_the_03_layout(both, model, tmp_path):
+@pytest.mark.parametrize("out", ["out03", "certified03"])
+def test_speculators_03_trainer_learns_from_the_03_layout(both, model, tmp_path, out):
+    """Also from rows that carry their certificates (tensors beside the states, which it does not read)."""
+    import torch
+
     root, _ = both
+    certified = "certificate.positions" in torch.load(root / out / "data_0.pt", weights_only=True)
+    assert certified == (out == "certified03"), out
     losses = run_trainer(transformers_4_python(), harness.speculators_path(TRAINER_PROOF_RELEASES["speculators-0.3"]),
-                         ["0.3", str(root / "out03"), str(model), "3"], tmp_path)
+                         ["0.3", str(root / out), str(model), "3"], tmp_path)
     assert len(losses) >= 4, losses
     assert losses[-1] < losses[0], losses
 
@@ -345,6 +353,7 @@ def test_fp8_files_hold_speculators_09s_fp8_layout_quantized_in_the_worker(both)
     assert config["backend"] == "vllm-engine" and config["format"]["train_with"].endswith("--hidden-states-backend fp8")
     for i in range(SAMPLES):
         fp8, bf16 = load_05(root / "fp8", i), load_05(root / "out05", i)
+        assert "certificate.positions" in fp8 and "certificate.positions" not in bf16  # what the 0.9 readers below skip
         n = len(rows[i]["input_ids"])
         assert fp8["hidden_states"].dtype == torch.float8_e4m3fn and fp8["hidden_states_scales"].dtype == torch.float32
         assert tuple(fp8["hidden_states"].shape) == (n, len(IDS_05), 128)

@@ -120,3 +120,13 @@ def test_a_batch_certified_in_one_pass_gives_each_row_what_it_gets_alone(tmp_pat
         for name, value in alone.tensors().items():  # the errors: float32 noise, summed in another order
             atol = 1e-5 if name.endswith("error") else 0
             assert torch.allclose(together[index].tensors()[name], value, rtol=1e-6, atol=atol), (index, name)
+
+
+def test_converted_rows_keep_their_certificates(tmp_path):
+    from hidden_states.convert import convert
+
+    out = write_run(tmp_path, "speculators-0.5")
+    converted = tmp_path / "converted"
+    assert convert(out, converted, "speculators-0.3", log=lambda line: None) == ROWS
+    code, lines = checked(converted)
+    assert code == 0 and lines[-1] == f"verify: ok: {ROWS} certified rows hold the engine's states", lines
