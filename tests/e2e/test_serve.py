@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from hidden_states.certify.certificate import NAMES, PREFIX
 from tests.conftest import ROOT
 from tests.e2e import harness
 from tests.e2e.extract_runs import run_cli
@@ -188,7 +189,9 @@ def test_two_offline_jobs_at_once_get_hfs_states(model, setup):
         finished(proc)
         assert judged(model, root / f"out-{name}", jobs[name]) == "ok", name
         saved = load(root / f"out-{name}", 0)
-        assert set(saved) == {"hidden_states", "token_ids"} and saved["hidden_states"].shape[1:] == (4, 128)
+        # the states, the ids, and the row's certificate (which the client moved along and its readers skip)
+        assert set(saved) == {"hidden_states", "token_ids", *(PREFIX + name for name in NAMES)}, set(saved)
+        assert saved["hidden_states"].shape[1:] == (4, 128)
     assert list((root / "states").iterdir()) == []  # every file was moved by its client
     if SERVER_PYTHON:  # a compatibility run: the files came from that environment's vLLM
         release = subprocess.run([SERVER_PYTHON, "-c", "import vllm; print(vllm.__version__.split('+')[0])"],
