@@ -2,6 +2,7 @@
 before the row goes to the writer; a row that fails stops the run before it is written."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class Certifier:
         self.head, self.last_index, self.fp8 = head, last_index, fp8
         self.rows = 0
         self.worst = 0.0  # the largest error over its bound of every row certified so far
+        self._counting = threading.Lock()  # serve's writer threads certify side by side
 
     @classmethod
     def for_run(cls, model_path: str, written_ids: list[int], num_layers: int, state_dtype: str, log):
@@ -136,8 +138,9 @@ class Certifier:
         for (row, _, _), r, count in zip(rows, read, counts, strict=True):
             own = Agreement(found.error[start:start + count], found.bound[start:start + count])
             start += count
-            self.rows += 1
-            self.worst = max(self.worst, own.worst)
+            with self._counting:
+                self.rows += 1
+                self.worst = max(self.worst, own.worst)
             results.append(self._failed(row, r["positions"], own) if own.failing else
                            Certificate(r["positions"], r["token_ids"], r["logprobs"], own.error.float(),
                                        sketch(r["rows"])))
