@@ -17,6 +17,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from extract_workload import add_arguments, run_extract
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -39,13 +41,7 @@ def provenance() -> dict:
 
 
 def run(args, certificates: bool) -> dict:
-    command = [sys.executable, str(ROOT / "bench" / "gpu.py"), "extract", "--backend", "vllm-engine",
-               "--model", args.model, "--samples", str(args.samples), "--length", str(args.length),
-               "--batch", str(args.batch), "--gpu-memory-utilization", args.gpu_memory_utilization,
-               "--work", "/tmp/bench-certificates"] + ([] if certificates else ["--no-certificates"])
-    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OUT": ""})
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    result = json.loads(line[7:]) if line else {"error": proc.stderr[-2000:]}
+    result = run_extract(args, "vllm-engine", "/tmp/bench-certificates", *([] if certificates else ["--no-certificates"]))
     if "error" in result:
         raise SystemExit(f"bench/certificates.py: a run failed: {result['error'][-1500:]}")
     return {"certificates": certificates, "tokens_per_s": result["tokens_per_s"], "seconds": result["seconds"],
@@ -54,12 +50,8 @@ def run(args, certificates: bool) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=str(ROOT / ".cache" / "models" / "llama"))
-    parser.add_argument("--samples", type=int, default=64)
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=16)
+    add_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gpu-memory-utilization", default="0.02")
     parser.add_argument("--out", help="append the record to this JSONL file")
     args = parser.parse_args()
     record = {"bench": "certificates", **provenance(), "model": Path(args.model).name, "samples": args.samples,
