@@ -36,7 +36,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import weakref
 from concurrent.futures import Future
 
 from packaging.specifiers import SpecifierSet
@@ -351,16 +350,15 @@ class VllmEngineBackend(EngineBackend):
             raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
                                f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
+        count = len(self.settings.layer_ids)
+        # released once no tensor over any of its bytes is left: the writer's rows cut from these included
+        release = _Countdown(count + (1 if self.scales else 0), self.pool.release, offset)
         layers = [self.pool.view(offset + layer_start(length, index, self.row_bytes, self.scales), dtype,
-                                  len(ids) * hidden).view(len(ids), hidden)
-                  for index in range(len(self.settings.layer_ids))]
-        views = list(layers)
+                                  len(ids) * hidden, on_free=release).view(len(ids), hidden)
+                  for index in range(count)]
         if self.scales:
-            scales = self.pool.view(offset + scales_start(length), torch.float32, len(ids)).view(-1, 1, 1)
-            layers, views = fp8_states.Quantized(layers, scales), views + [scales]
-        release = _Countdown(len(views), self.pool.release, offset)
-        for view in views:
-            weakref.finalize(view, release)
+            scales = self.pool.view(offset + scales_start(length), torch.float32, len(ids), on_free=release)
+            layers = fp8_states.Quantized(layers, scales.view(-1, 1, 1))
         return layers
 
     def close(self) -> None:

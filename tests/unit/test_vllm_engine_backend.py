@@ -304,6 +304,29 @@ def test_a_region_returns_to_the_pool_when_its_tensors_are_gone(capture):
         backend.close()
 
 
+def test_a_region_stays_held_while_rows_cut_from_its_layers_live(capture):
+    """The writer holds rows cut from a batch's layers (``layer[:n]``), not the layers themselves: the
+    region is not reserved again (and overwritten) until the last of those is gone."""
+    backend = started_backend(capture, sequences_in_flight=1)  # room for one sequence of 16 tokens
+    try:
+        layers = backend.submit([[10] * 16]).result(timeout=WAIT)[0]
+        rows = [layer[:12] for layer in layers]  # what fp8_states.first_rows hands the writer
+        del layers
+        gc.collect()
+        later: list = []
+        waiting = threading.Thread(target=lambda: later.append(backend.submit([[30] * 16]).result(timeout=WAIT)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not later  # the region is still the rows' ...
+        assert rows[1][:, 0].tolist() == [11.0] * 12  # ... and they were not overwritten
+        del rows
+        gc.collect()
+        waiting.join(WAIT)
+        assert later[0][0][0][:, 0].tolist() == [30.0] * 16
+    finally:
+        backend.close()
+
+
 def test_states_held_past_close_keep_the_mapping_open(capture):
     backend = started_backend(capture)
     pool = backend.pool

@@ -23,6 +23,7 @@ import struct
 import tempfile
 import threading
 import time
+import weakref
 
 from ...errors import ExtractError
 
@@ -143,16 +144,30 @@ class RegionPool:
         (``UNREWRITTEN``: none)."""
         return struct.unpack_from("<q", self.mapping, offset + REWRITTEN)[0]
 
-    def view(self, offset: int, dtype, count: int):
-        """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy).
+    def view(self, offset: int, dtype, count: int, on_free=None):
+        """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy);
+        ``on_free`` is called once no tensor over these bytes is left (this one, and every view made
+        of it: a row cut from a layer, a layer reshaped).
 
         Through a ``memoryview``: ``torch.frombuffer`` on the mapping itself does not hold it
         exported, so ``close`` would unmap it under a live tensor (reads and writes through it then
         hit unmapped or reused memory: a segfault, or another allocation's bytes). The memoryview
-        each tensor keeps makes ``close`` leave the mapping to the last tensor instead."""
+        each tensor keeps makes ``close`` leave the mapping to the last tensor instead.
+
+        ``on_free`` watches the bytes' owner, not the tensor returned: a tensor's Python object dies
+        while views made of it live on (``layer[:n]`` in the writer's queue), and a region released
+        then is reserved again and overwritten under them. A numpy array owns the bytes here: the
+        tensor's storage holds it until the last view of it is gone, and it can be watched."""
         import torch
 
-        return torch.frombuffer(memoryview(self.mapping)[offset:offset + count * dtype.itemsize], dtype=dtype)
+        window = memoryview(self.mapping)[offset:offset + count * dtype.itemsize]
+        if on_free is None:
+            return torch.frombuffer(window, dtype=dtype)
+        import numpy
+
+        owner = numpy.frombuffer(window, dtype=numpy.uint8)
+        weakref.finalize(owner, on_free)
+        return torch.from_numpy(owner).view(dtype)
 
     def unlink(self) -> None:
         if os.path.exists(self.path):
