@@ -116,7 +116,7 @@ def _check_row(index: int, path: Path, name: str, head, written: list[int], foun
         unit = engine = HALF_ULP.get(str(layers[0].dtype).removeprefix("torch."), HALF_ULP["bfloat16"])
         floor = 0.0
     agreed = agreement(head, rows[last], certificate.token_ids, certificate.logprobs, state_unit=unit,
-                       engine_unit=engine, state_floor=floor)
+                       engine_unit=engine, state_floor=floor, slack=certificate.slack)
     found.positions += len(positions)
     found.worst = max(found.worst, agreed.worst)
     for i in agreed.failing:

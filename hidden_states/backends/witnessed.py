@@ -77,5 +77,6 @@ def witnesses(parent: EngineBatch, probe: ProbeBatch | None) -> list[Witness]:
         found[row].append((position, *first_token_logprobs(output, row)))
     for row, ids in enumerate(parent.ids):
         found[row].append((len(ids) - 1, *first_token_logprobs(parent.finished[row], row)))
-    return [Witness([p for p, _, _ in entries], [i for _, i, _ in entries], [v for _, _, v in entries])
+    return [Witness([p for p, _, _ in entries], [i for _, i, _ in entries], [v for _, _, v in entries],
+                    tuple(p for p, _, _ in entries[:-1]))  # all but the last came from probes
             for entries in found]

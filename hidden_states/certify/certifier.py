@@ -133,7 +133,8 @@ class Certifier:
 
         found = agreement(self.head, torch.cat([r["rows"][self.last_index] for r in read]), padded("token_ids", -1),
                           padded("logprobs", 0.0), state_unit=per_position("state_unit"),
-                          engine_unit=per_position("engine_unit"), state_floor=per_position("floor"))
+                          engine_unit=per_position("engine_unit"), state_floor=per_position("floor"),
+                          slack=torch.cat([r["slack"] for r in read]))
         results, start = [], 0
         for (row, _, _), r, count in zip(rows, read, counts, strict=True):
             own = Agreement(found.error[start:start + count], found.bound[start:start + count])
@@ -143,13 +144,13 @@ class Certifier:
                 self.worst = max(self.worst, own.worst)
             results.append(self._failed(row, r["positions"], own) if own.failing else
                            Certificate(r["positions"], r["token_ids"], r["logprobs"], own.error.float(),
-                                       sketch(r["rows"])))
+                                       sketch(r["rows"]), r["slack"]))
         return results
 
     def _read(self, layers: list, witness: Witness) -> dict:
         """A row's written states at its witness's positions, as the trainer reads them (on the CPU), and
         the roundings that explain a difference there."""
-        positions, token_ids, logprobs = witness.tensors()
+        positions, token_ids, logprobs, slack = witness.tensors()
         rows = [layer[positions.to(layer.device)] for layer in layers]
         scales = None
         if isinstance(layers, fp8_states.Quantized):
@@ -165,7 +166,7 @@ class Certifier:
         else:  # the engine's own states, in its dtype (an unknown one counted as the coarsest)
             state_unit = engine_unit = HALF_ULP.get(str(layers[0].dtype).removeprefix("torch."), HALF_ULP["bfloat16"])
             floor = 0.0
-        return {"positions": positions, "token_ids": token_ids.long(), "logprobs": logprobs.float(),
+        return {"positions": positions, "token_ids": token_ids.long(), "logprobs": logprobs.float(), "slack": slack,
                 "rows": [r.cpu() for r in rows], "state_unit": state_unit, "engine_unit": engine_unit, "floor": floor}
 
     @staticmethod

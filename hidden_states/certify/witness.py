@@ -28,22 +28,27 @@ class Witness:
     positions: list[int]
     token_ids: list[list[int]]
     logprobs: list[list[float]]
+    probed: tuple[int, ...] = ()  # those of ``positions`` whose logprobs come from a probe's forward
 
     def within(self, length: int) -> Witness:
         """The positions inside a row's first ``length`` tokens: what certifies a row served from them."""
         keep = [i for i, p in enumerate(self.positions) if p < length]
         return Witness([self.positions[i] for i in keep], [self.token_ids[i] for i in keep],
-                       [self.logprobs[i] for i in keep])
+                       [self.logprobs[i] for i in keep], tuple(p for p in self.probed if p < length))
 
     def tensors(self):
-        """``(positions [p], token_ids [p, k], logprobs [p, k])``, ids padded with -1."""
+        """``(positions [p], token_ids [p, k], logprobs [p, k], slack [p])``, ids padded with -1; the
+        slack :data:`.certificate.PROBE_SLACK` at probed positions, 1 at the row's own."""
         import torch
+
+        from .certificate import PROBE_SLACK
 
         width = max((len(ids) for ids in self.token_ids), default=0)
         ids = [row + [-1] * (width - len(row)) for row in self.token_ids]
         values = [row + [0.0] * (width - len(row)) for row in self.logprobs]
+        slack = [PROBE_SLACK if p in self.probed else 1.0 for p in self.positions]
         return (torch.tensor(self.positions, dtype=torch.long), torch.tensor(ids, dtype=torch.long).view(-1, width),
-                torch.tensor(values, dtype=torch.float32).view(-1, width))
+                torch.tensor(values, dtype=torch.float32).view(-1, width), torch.tensor(slack, dtype=torch.float32))
 
 
 def first_token_logprobs(output, position: int) -> tuple[list[int], list[float]]:

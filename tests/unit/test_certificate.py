@@ -88,7 +88,7 @@ def test_the_sketch_names_a_layer_taken_from_another_row():
     a, b = [states(3, 32, seed=s) for s in (7, 8)]
     at = [layer[POSITIONS] for layer in a]
     certificate = C.Certificate(POSITIONS, torch.zeros(5, 1, dtype=torch.long), torch.zeros(5, 1),
-                                torch.zeros(5), C.sketch(at))
+                                torch.zeros(5), C.sketch(at), torch.ones(5))
     assert C.sketch_mismatch(at, certificate) == []
     assert C.sketch_mismatch([at[0], b[1][POSITIONS], at[2]], certificate) == [1]
 
@@ -104,3 +104,21 @@ def test_a_certificate_travels_as_tensors_and_back(head):
     again = C.Certificate.from_tensors(tensors)
     assert all(torch.equal(getattr(again, n), getattr(certificate, n)) for n in C.NAMES)
     assert C.Certificate.from_tensors({"hidden_states": layers[0]}) is None
+
+
+def test_a_probed_position_is_allowed_a_recomputations_difference_the_rows_own_is_not(head):
+    """A state off by a few bounds (as a second forward of the prefix may be, in bfloat16) passes at a
+    probed position and fails at the row's own; a wrong state fails at either."""
+    state = states(1, 32, seed=3)[0]
+    ids, logprobs = engine_logprobs(head, state, POSITIONS)
+    alone = C.agreement(head, state[POSITIONS], ids, logprobs, state_unit=BF16, engine_unit=BF16)
+    nudged = logprobs + 4 * alone.bound.view(-1, 1)  # four bounds off at every position
+    strict = C.agreement(head, state[POSITIONS], ids, nudged, state_unit=BF16, engine_unit=BF16)
+    assert strict.failing == [0, 1, 2, 3, 4]
+    probed = C.agreement(head, state[POSITIONS], ids, nudged, state_unit=BF16, engine_unit=BF16,
+                         slack=torch.tensor([C.PROBE_SLACK] * 4 + [1.0]))
+    assert probed.failing == [4]
+    other = states(1, 32, seed=4)[0]
+    wrong = C.agreement(head, other[POSITIONS], ids, logprobs, state_unit=BF16, engine_unit=BF16,
+                        slack=torch.full((5,), C.PROBE_SLACK))
+    assert wrong.failing == [0, 1, 2, 3, 4]

@@ -11,6 +11,7 @@ import pytest
 
 from hidden_states.backends.engine_feed import EngineBatch
 from hidden_states.backends import witnessed
+from hidden_states.certify import certificate as C
 
 
 def output(ids, top):
@@ -48,6 +49,8 @@ def test_a_row_is_witnessed_at_its_probes_and_its_last_position():
     (_, first), (_, second) = batch.future.result()
     assert (first.positions, first.token_ids, first.logprobs) == ([1, 4], [[2], [7, 8]], [[-0.25], [-0.5, -1.5]])
     assert (second.positions, second.token_ids) == ([2], [[7, 8]])
+    assert first.probed == (1,) and second.probed == ()  # the last position is the request's own forward
+    assert first.tensors()[3].tolist() == [C.PROBE_SLACK, 1.0] and first.within(3).probed == (1,)
 
 
 def test_the_last_row_the_prefix_cache_gave_is_probed_and_a_batch_probing_nothing_resolves_at_once():
