@@ -47,6 +47,10 @@
 #                                           hidden-states generate (one pass); 256 x 512 prompts, 1,024 new tokens each
 #   bash bench/device/stages.sh generate-graphs  # issue 33 item 3: the same, hidden-states generate --cuda-graphs (the capture
 #                                           inside vLLM's CUDA graphs), its files against HF fp32
+#   bash bench/device/stages.sh certificates  # certificates' cost: vllm-engine b8 over 128 x 2048, off/on alternating (3 each,
+#                                           bench/certificates.py), then hidden-states verify on the last (certified) run
+#   bash bench/device/stages.sh certificates-kimi  # the Kimi-K2-shaped INT4 MoE (kimi-int4's checkpoint) through vllm-engine
+#                                           with certificates on: its "certificates:" lines, then hidden-states verify
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
 # CPU dry run of a stage (a tiny model, short sequences; README.md): DRY_RUN=1 (or NO_INSTALL=1, on the
 # device once this checkout is installed there) skips the install of
@@ -406,6 +410,25 @@ case "${1:?stage}" in
     PYTHONPATH=$SPEC:$PYTHONPATH $B extract --model $M --samples 32 --batch 16 --work /tmp/moe1 2>&1 | grep -E "RESULT" | tail -1
     # against HF fp32, beside HF's own bf16 forward against the same: the bf16 floor of this model
     PYTHONPATH=$SPEC:$PYTHONPATH $B check --model $M --samples 4 --work /tmp/moe1 --bf16-floor 2>&1 | grep RESULT
+    ;;
+  certificates)  # what certificates cost on the GPU (bench/certificates.py): --backend vllm-engine batch 8 over
+                 # ${CSAMPLES:-128} x $LENGTH, off/on alternating, ${CREPEATS:-3} runs each, one process (one model load) per run,
+                 # its record appended to $OUT/results.jsonl; then hidden-states verify on the last run's files (certified)
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 300 "PYTHONPATH=$SPEC:\$PYTHONPATH python3 bench/certificates.py --model $M8 --samples ${CSAMPLES:-128} --length $LENGTH \
+      --batch 8 --repeats ${CREPEATS:-3} --gpu-memory-utilization 0.85 --out $OUT/results.jsonl 2>&1 | tee $OUT/certificates.txt | cut -c1-900"
+    grep -h "certificates:" "$OUT/extract-bench-certificates.log" 2>/dev/null | cut -c1-600 | tee "$OUT/certificates-log.txt"
+    step 120 "python3 -m hidden_states verify /tmp/bench-certificates/out 2>&1 | tee $OUT/verify.txt | tail -20 | cut -c1-600"
+    ;;
+  certificates-kimi)  # the Kimi-K2-shaped INT4 MoE (kimi-int4's checkpoint, built here if absent) through --backend
+                      # vllm-engine, certificates on, 32 x $LENGTH batch 16: its "certificates:" lines, then verify
+    KIMI=${KIMI:-kimi-k2-small-int4}
+    MK=/tmp/models/$KIMI
+    [ -f $MK/config.json ] || step 240 "PYTHONPATH=${BUILD_SITE:-/tmp/build-site}:\$PYTHONPATH $B build --family $KIMI --path $MK 2>&1 | grep -E 'RESULT|Error'"
+    step 200 "PYTHONPATH=$SPEC:\$PYTHONPATH $B extract --model $MK --backend vllm-engine --samples 32 --length $LENGTH --batch 16 \
+      --work /tmp/kimi-cert 2>&1 | grep -E 'RESULT|Error' | tail -1 | cut -c1-1500"
+    grep -h "certificates:" "$OUT/extract-kimi-cert.log" 2>/dev/null | cut -c1-600 | tee "$OUT/certificates-kimi.txt"
+    step 120 "python3 -m hidden_states verify /tmp/kimi-cert/out 2>&1 | tee $OUT/verify-kimi.txt | tail -20 | cut -c1-600"
     ;;
   kimi-int4)  # issue 16: Kimi-K2 routing and RoPE, INT4 routed experts (compressed-tensors pack-quantized, group 32).
     # The build runs with compressed-tensors 0.17 (its checkpoint converters, BUILD_SITE from install.sh),
