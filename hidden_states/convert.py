@@ -15,7 +15,6 @@ for every sample ``0 .. n-1``. Anything else is refused, naming what is wrong; `
 """
 from __future__ import annotations
 
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from .output.writer import BackgroundWriter
 from .output.lock import DirectoryLock
 from .certify.certificate import Certificate
 from .output.names import CONFIG, format_name
-from .files import TEMP_PREFIX, read_json
+from .files import read_json
 from .progress import log_to_stderr
 
 CONVERTIBLE = (layer_conventions.SPECULATORS_03, layer_conventions.SPECULATORS_05)
@@ -63,7 +62,7 @@ def source_format(src: Path) -> tuple[str, dict]:
     name = format_name(config)
     if name not in CONVERTIBLE:
         raise UsageError(f"{src}: format {name!r} cannot be converted (known: {', '.join(CONVERTIBLE)})")
-    present = [other for other in CONVERTIBLE if _sample_files(src, other)]
+    present = [other for other in CONVERTIBLE if formats.sample_files(other, src)]
     if len(present) > 1:
         raise UsageError(f"{src} holds samples of both {' and '.join(present)}: a mixed directory; convert from "
                          f"a directory holding one extraction")
@@ -72,23 +71,10 @@ def source_format(src: Path) -> tuple[str, dict]:
     return name, config
 
 
-def _sample_files(directory: Path, format_name: str) -> dict[int, Path]:
-    layout = formats.create(format_name, directory)
-    folder = (directory / layout.sample_file(0)).parent
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for entry in os.scandir(folder):
-        index = layout.sample_index(entry.name)
-        if index is not None and not entry.name.startswith(TEMP_PREFIX):
-            found[index] = Path(entry.path)
-    return found
-
-
 def whole_samples(src: Path, name: str) -> dict[int, Path]:
     """Every sample file of ``src``, refusing a source that is cut short or has gaps."""
     layout = formats.create(name, src)
-    files = _sample_files(src, name)
+    files = formats.sample_files(name, src)
     if not files:
         raise UsageError(f"{src}: no {name} sample files")
     cut = sorted(index for index, path in files.items() if not layout.ends_whole(path))

@@ -5,16 +5,14 @@ layer and one per failing row; exits 1 naming exactly the rows that fail (or whe
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import fp8_states, layer_conventions
-from .certify.certificate import HALF_ULP, Certificate, agreement, sketch_mismatch
-from .certify.certifier import FP8_SUBNORMAL
+from .certify.certificate import Certificate, agreement, roundings, sketch_mismatch
 from .certify.head import FinalHead, Uncertifiable, model_config
 from .errors import UsageError
-from .files import TEMP_PREFIX, read_json
+from .files import read_json
 from .output import formats
 from .output.names import CONFIG, format_name
 
@@ -52,25 +50,14 @@ def verify(directory: str | Path, log, model_path: str | None = None) -> int:
         raise UsageError(f"{directory}: the last decoder layer ({num_layers - 1}) is not among the written layers "
                          f"{written}: no row of it can be certified")
     last = written.index(num_layers - 1)
-    files = _sample_files(directory, name)
+    files = formats.sample_files(name, directory)
     log(f"verify {directory}: {len(files)} rows ({name}, layers {config['layer_ids']}), the final norm and LM head "
         f"of {model}")
     found = Findings()
     for index in sorted(files):
         found.rows += 1
-        _check_row(index, files[index], name, head, written, found)
+        _check_row(index, files[index], name, head, written, last, found)
     return _report(found, written, last, log)
-
-
-def _sample_files(directory: Path, name: str) -> dict[int, Path]:
-    layout = formats.create(name, directory)
-    folder = (directory / layout.sample_file(0)).parent
-    found = {}
-    for entry in os.scandir(folder) if folder.is_dir() else ():
-        index = layout.sample_index(entry.name)
-        if index is not None and not entry.name.startswith(TEMP_PREFIX):
-            found[index] = Path(entry.path)
-    return found
 
 
 def read_row(name: str, path: Path) -> tuple[list, object, Certificate | None]:
@@ -90,8 +77,7 @@ def read_row(name: str, path: Path) -> tuple[list, object, Certificate | None]:
     return list(record["hidden_states"]), None, Certificate.from_tensors(record)
 
 
-def _check_row(index: int, path: Path, name: str, head, written: list[int], found: Findings) -> None:
-    last = written.index(max(written))
+def _check_row(index: int, path: Path, name: str, head, written: list[int], last: int, found: Findings) -> None:
     try:
         layers, scales, certificate = read_row(name, path)
     except Exception as exc:  # noqa: BLE001 - a file cut short or not a sample's: that row fails
@@ -110,11 +96,7 @@ def _check_row(index: int, path: Path, name: str, head, written: list[int], foun
     for layer in sketch_mismatch(rows, certificate):
         found.layer_mismatch.setdefault(layer, []).append(index)
         problems.append(f"layer {written[layer]}: not the states its certificate was made with")
-    if scales is not None:
-        unit, floor, engine = HALF_ULP["float8_e4m3fn"], scales.view(-1)[positions].float() * FP8_SUBNORMAL, HALF_ULP["bfloat16"]
-    else:
-        unit = engine = HALF_ULP.get(str(layers[0].dtype).removeprefix("torch."), HALF_ULP["bfloat16"])
-        floor = 0.0
+    unit, engine, floor = roundings(layers[0].dtype, scales.reshape(-1)[positions] if scales is not None else None)
     agreed = agreement(head, rows[last], certificate.token_ids, certificate.logprobs, state_unit=unit,
                        engine_unit=engine, state_floor=floor, slack=certificate.slack)
     found.positions += len(positions)

@@ -34,6 +34,7 @@ NAMES = ("positions", "token_ids", "logprobs", "error", "sketch", "slack")
 PROBE_SLACK = 16.0
 # half a unit in the last place, relative: the largest relative rounding error of one value of a dtype
 HALF_ULP = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float8_e4m3fn": 2.0 ** -4}
+FP8_SUBNORMAL = 2.0 ** -10  # half e4m3fn's smallest subnormal: a value's absolute rounding, times its scale
 
 
 @dataclass
@@ -131,6 +132,17 @@ def sketch_mismatch(rows: list, certificate: Certificate) -> list[int]:
     scale = torch.stack([layer.double().abs().sum(dim=-1).cpu() for layer in rows], dim=1)
     off = (now - certificate.sketch).abs() > SKETCH_TOLERANCE * scale + 1e-30
     return [i for i, bad in enumerate(off.any(dim=0).tolist()) if bad]
+
+
+def roundings(dtype, scales=None) -> tuple[float, float, object]:
+    """``(state_unit, engine_unit, state_floor)`` for a row's written states of ``dtype``, read back
+    with FP8 ``scales`` (those at the certified positions; None: not FP8)."""
+    if scales is not None:  # FP8's rounding, and where its values go subnormal an absolute floor
+        # FP8 rows do not say the engine's dtype: the coarsest it runs
+        return HALF_ULP["float8_e4m3fn"], HALF_ULP["bfloat16"], scales.reshape(-1).float().cpu() * FP8_SUBNORMAL
+    # the engine's own states, in its dtype (an unknown one counted as the coarsest)
+    unit = HALF_ULP.get(str(dtype).removeprefix("torch."), HALF_ULP["bfloat16"])
+    return unit, unit, 0.0
 
 
 def bound(head, state: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor, *, state_unit: float,

@@ -7,13 +7,12 @@ import time
 from pathlib import Path
 
 from .. import fp8_states
-from .certificate import HALF_ULP, Agreement, Certificate, agreement, sketch
+from .certificate import Agreement, Certificate, agreement, roundings, sketch
 from .head import FinalHead, Uncertifiable, model_config
 from .witness import Witness, probe_positions
 
 CHECK_TOKENS = 48  # the sequence certified at load: three blocks of vLLM's prefix cache, a probe inside
 HEAD_SPARE = 2 ** 30  # bytes a GPU keeps beside the head (the products of a batch's positions, CUDA's own)
-FP8_SUBNORMAL = 2.0 ** -10  # half e4m3fn's smallest subnormal: a value's absolute rounding, times its scale
 
 
 def head_device(model_path: str, log) -> str:
@@ -160,12 +159,7 @@ class Certifier:
             quantized, scales = fp8_states.quantize(rows)
             scales = scales.view(-1, 1)
             rows = [fp8_states.dequantize(r, scales) for r in quantized]
-        if scales is not None:  # FP8's rounding, and where its values go subnormal an absolute floor
-            state_unit, floor = HALF_ULP["float8_e4m3fn"], scales.view(-1).float().cpu() * FP8_SUBNORMAL
-            engine_unit = HALF_ULP["bfloat16"]  # FP8 rows do not say the engine's dtype: the coarsest it runs
-        else:  # the engine's own states, in its dtype (an unknown one counted as the coarsest)
-            state_unit = engine_unit = HALF_ULP.get(str(layers[0].dtype).removeprefix("torch."), HALF_ULP["bfloat16"])
-            floor = 0.0
+        state_unit, engine_unit, floor = roundings(layers[0].dtype, scales)
         return {"positions": positions, "token_ids": token_ids.long(), "logprobs": logprobs.float(), "slack": slack,
                 "rows": [r.cpu() for r in rows], "state_unit": state_unit, "engine_unit": engine_unit, "floor": floor}
 

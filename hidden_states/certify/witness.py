@@ -12,6 +12,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from .certificate import PROBE_SLACK
+
 TOP = 4  # ids per position: the engine's likeliest (a wrong state moves every one; 4 cost nothing more)
 
 
@@ -40,8 +42,6 @@ class Witness:
         """``(positions [p], token_ids [p, k], logprobs [p, k], slack [p])``, ids padded with -1; the
         slack :data:`.certificate.PROBE_SLACK` at probed positions, 1 at the row's own."""
         import torch
-
-        from .certificate import PROBE_SLACK
 
         width = max((len(ids) for ids in self.token_ids), default=0)
         ids = [row + [-1] * (width - len(row)) for row in self.token_ids]

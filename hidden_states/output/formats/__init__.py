@@ -12,9 +12,12 @@ A new format is a module here with a class following :class:`Format`, registered
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
+
+from ...files import TEMP_PREFIX
 
 if TYPE_CHECKING:
     from ...inputs.streams import Sample
@@ -114,6 +117,19 @@ def create(name: str, directory: Path, layers: Layers | None = None, *, log: Cal
     layout = module.FORMAT(Path(directory), layers, log)
     layout.state_dtype = state_dtype
     return layout
+
+
+def sample_files(name: str, directory: Path) -> dict[int, Path]:
+    """Every sample file of format ``name`` in ``directory``, by sample index (a file being written,
+    under its temporary name, left out); reads only."""
+    layout = create(name, directory)
+    folder = (directory / layout.sample_file(0)).parent
+    found = {}
+    for entry in os.scandir(folder) if folder.is_dir() else ():
+        index = layout.sample_index(entry.name)
+        if index is not None and not entry.name.startswith(TEMP_PREFIX):
+            found[index] = Path(entry.path)
+    return found
 
 
 def readers(directory: Path) -> list[Format]:
