@@ -90,8 +90,9 @@ class Backend(Protocol):
         return True
 
     def submit_certified(self, batch: list[list[int]], probes: list[list[int]]) -> Future:
-        """``submit``, resolving to ``(layers, Witness)`` per row: the engine's logprobs at each row's
-        last position and at ``probes[i]`` inside row ``i`` (a backend that ``certifies``)."""
+        """``submit``, resolving to ``(layers, Future[Witness])`` per row once the states are in; the
+        witness (the engine's logprobs at the row's last position and at ``probes[i]`` inside row ``i``)
+        follows when its probes have run (a backend that ``certifies``)."""
         raise NotImplementedError(f"--backend {self.name} does not certify its rows")
 
 

@@ -1,8 +1,12 @@
 """Certified batches on an engine backend (``--backend vllm-engine``): each request asks vLLM for its
-logprobs at its last position, and once a batch's states are in, its probes (``certify.witness``: the
-rows' first ``p + 1`` tokens, under the batch's cache salt, no region) run; the batch then resolves to
-``(layers, Witness)`` per row. Everything here runs on the engine feed's thread."""
+logprobs at its last position; once a batch's states are in it resolves to ``(layers, Future[Witness])``
+per row, and its probes (``certify.witness``: the rows' first ``p + 1`` tokens, under the batch's cache
+salt, no region) go into the engine; they resolve the witnesses. The caller has the states at once and
+does not wait for the probes, which run behind the batches already queued: the engine never idles
+waiting on a certificate. Everything here runs on the engine feed's thread."""
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 from ..certify.witness import TOP, Witness, first_token_logprobs
 from .engine_feed import EngineBatch
@@ -18,26 +22,31 @@ def params(region: dict | None = None):
 
 
 class ProbeBatch(EngineBatch):
-    """The probes of a certified batch ``parent`` whose ``states`` are in."""
+    """The probes of a certified batch ``parent`` whose states are handed out; they resolve its rows'
+    ``witnesses`` (futures). It holds no states: their regions go back as the writer ends with them."""
 
-    def __init__(self, parent: EngineBatch, states: list):
+    def __init__(self, parent: EngineBatch, witnesses: list[Future]):
         self.where = [(row, position) for row, positions in enumerate(probed(parent)) for position in positions]
         super().__init__([parent.ids[row][:position + 1] for row, position in self.where], parent.cache_salt)
-        self.parent, self.states = parent, states
+        self.parent, self.witnesses = parent, witnesses
         self.future.add_done_callback(self._settle)
 
-    def witnesses(self) -> list[Witness]:
+    def found(self) -> list[Witness]:
         return witnesses(self.parent, self)
 
     def _settle(self, future) -> None:
-        # let go of the states (and the batch) first: the future keeps this callback, and so this probe,
-        # alive; their regions go back to the pool only when the last reference to them does
-        parent, states, self.parent, self.states = self.parent, self.states, None, None
-        exc = future.exception()
+        settle(self.witnesses, future)
+        self.parent = None  # the future keeps this callback, and so this probe, alive
+
+
+def settle(witnesses: list[Future], found: Future) -> None:
+    """Each row's witness future from ``found`` (a future of them all): its value, or its error."""
+    exc = found.exception()
+    for index, witness in enumerate(witnesses):
         if exc is not None:
-            parent.future.set_exception(exc)
+            witness.set_exception(exc)
         else:
-            parent.future.set_result(list(zip(states, future.result(), strict=True)))
+            witness.set_result(found.result()[index])
 
 
 def probed(parent: EngineBatch) -> list[list[int]]:
@@ -49,22 +58,33 @@ def probed(parent: EngineBatch) -> list[list[int]]:
 
 
 def resolve(parent: EngineBatch, states: list, put) -> None:
-    """``parent``'s states are in: resolve it now if it probes nothing, else ``put`` its probes into
-    the engine; they resolve it."""
-    if not any(probed(parent)):
-        parent.future.set_result(list(zip(states, witnesses(parent, None), strict=True)))
+    """``parent``'s states are in: it resolves now, each row's states with the future of its witness,
+    which resolves once the row's probes (``put`` into the engine) have run; at once where the batch
+    probes nothing."""
+    rows = [Future() for _ in parent.ids]
+    if any(probed(parent)):
+        put(ProbeBatch(parent, rows))
     else:
-        put(ProbeBatch(parent, states))
+        now: Future = Future()
+        fill(now, lambda: witnesses(parent, None))
+        settle(rows, now)
+    parent.future.set_result(list(zip(states, rows, strict=True)))
 
 
 def finished(probe: ProbeBatch) -> None:
     """Every probe has run: its batch's witnesses, or the error that stops them."""
+    fill(probe.future, probe.found)
+
+
+def fill(future: Future, compute) -> None:
+    """``future`` resolved with what ``compute()`` returns, or the error it raises (which the
+    certified batch's rows hear of)."""
     try:
-        found = probe.witnesses()
-    except Exception as exc:  # noqa: BLE001 - the certified batch's caller hears of it
-        probe.future.set_exception(exc)
+        found = compute()
+    except Exception as exc:  # noqa: BLE001
+        future.set_exception(exc)
     else:
-        probe.future.set_result(found)
+        future.set_result(found)
 
 
 def witnesses(parent: EngineBatch, probe: ProbeBatch | None) -> list[Witness]:

@@ -96,7 +96,7 @@ class Certifier:
         ids = [(11 + 37 * i) % vocab_size for i in range(CHECK_TOKENS)]  # any ids: the weights are what is checked
         layers, witness = backend.submit_certified([ids], [probe_positions(ids)]).result()[0]
         found = self.certify_all([("a sequence certified at load, before the first sample",
-                                   fp8_states.pick(layers, layer_order), witness)])[0]
+                                   fp8_states.pick(layers, layer_order), witness.result())])[0]
         if isinstance(found, CertificateFailed):
             raise CertificateFailed(f"{str(found).removesuffix('; not written')}; every row would fail so: "
                                     f"nothing was written")

@@ -119,6 +119,10 @@ class Extraction:
                     summary.interrupted = interrupt.requested
                     break
             dispatch.drain()
+        except BaseException:
+            if not self.on_ray:  # the rows already certifying are finished work: written before it stops
+                dispatch.settle()
+            raise
         finally:
             summary.skipped = prepared.pending.skipped
             summary.truncated = prepared.pending.truncated

@@ -16,6 +16,7 @@ from ..certify.witness import probe_positions
 from ..inputs import prefixes
 from ..inputs.streams import Sample
 from ..run.summary import ExtractionFailed, Summary
+from .writes_aside import WritesAside
 
 
 class ExtractRows:
@@ -34,6 +35,8 @@ class ExtractRows:
         self._in_flight: deque[tuple] = deque()
         # by a submitted row's sample index: the rows written from its states (prefixes.py)
         self._served: dict[int, list[Sample]] = {}
+        # a certified run's writes wait for their rows' probes there, not in the loop (writes_aside.py)
+        self._aside = WritesAside() if self.certifier is not None else None
 
     def hand_out(self, batch: list[Sample]) -> None:
         """Submit ``batch`` (in groups of at most the backend's ``tokens_per_submit``, if it has one),
@@ -49,13 +52,32 @@ class ExtractRows:
                 self._write(*self._in_flight.popleft()[:2])
 
     def drain(self) -> None:
-        """Hand every group still in flight to the writer."""
+        """Hand every group still in flight to the writer, and wait until it has them all."""
         while self._in_flight:
             self._write(*self._in_flight.popleft()[:2])
+        if self._aside is not None:
+            self._aside.finish()
+
+    def settle(self) -> None:
+        """A run stopping on an error: the groups already certifying end (written, or failed)."""
+        if self._aside is not None:
+            self._aside.settle()
 
     def _write(self, batch: list[Sample], submitted) -> None:
         rows = len(batch) + sum(len(self._served.get(s.index, ())) for s in batch)
-        tokens = self.write_batch(batch, submitted)
+        if self._aside is None:
+            tokens = self.write_batch(batch, submitted)
+            self._count(rows, tokens)
+            return
+        handed, tokens = self.take(batch, submitted)
+
+        def certified_write() -> None:
+            self.certify_and_write(handed)
+            self._count(rows, tokens)
+
+        self._aside.hand(certified_write)
+
+    def _count(self, rows: int, tokens: int) -> None:
         self.summary.extracted += rows
         self.summary.tokens += tokens
         self.written(rows, tokens)
@@ -96,13 +118,18 @@ class ExtractRows:
     def write_batch(self, batch: list[Sample], submitted, skip: frozenset[int] = frozenset()) -> int:
         """Wait for a submitted batch's states and hand them to the writer, with the rows served from
         them (see :meth:`extract_batch`); returns the tokens of the rows handed over and served."""
+        handed, tokens = self.take(batch, submitted, skip)
+        self.certify_and_write(handed)
+        return tokens
+
+    def take(self, batch: list[Sample], submitted, skip: frozenset[int] = frozenset()) -> tuple[list, int]:
+        """A submitted batch's states, once in, as rows for the writer: ``(row, its layers, the future
+        of its witness or None)`` for it and the rows served from it, but those in ``skip``; and
+        their tokens."""
         try:
             states = submitted.result()
         except Exception as exc:
-            held = [row for s in batch for row in (s, *self._served.get(s.index, ()))]  # rows served from them too
-            where = ", ".join(f"{s.index} ({s.where})" for s in sorted(held, key=lambda s: s.index))
-            raise ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: "
-                                   f"{exc or '(no message)'}") from exc
+            raise self._failed(batch, exc) from exc
         # the rows vLLM's prefix cache spared (the backend counts them as it resolves batches)
         cached = self.backend.cached_tokens - self.summary.cached_tokens
         self.summary.cached_tokens += cached
@@ -118,19 +145,31 @@ class ExtractRows:
                     # the states as the backend hands them, on its device: the format copies them to
                     # the host (FP8 quantized first, so half the bytes cross); a served row's are its
                     # carrier's first rows, a view the format makes its own storage where it must
-                    length = len(row.input_ids)
-                    handed.append((row, fp8_states.first_rows(layers, length),
-                                   witness.within(length) if witness is not None else None))
+                    handed.append((row, fp8_states.first_rows(layers, len(row.input_ids)), witness))
                 tokens += len(row.input_ids)
-        # certified before they are written, all in one pass: the rows before a failing one are
-        # written, the failing one and those after it are not, and the run stops there
-        certificates = self.certifier.certify_all(handed) if self.certifier is not None and handed else None
+        return handed, tokens
+
+    def certify_and_write(self, handed: list) -> None:
+        """Rows from :meth:`take` to the writer, certified first, all in one pass: the rows before a
+        failing one are written, the failing one and those after it are not, and the run stops there."""
+        certificates = None
+        if self.certifier is not None and handed:
+            try:
+                witnesses = [witness.result() for _, _, witness in handed]
+            except Exception as exc:
+                raise self._failed([row for row, _, _ in handed], exc) from exc
+            certificates = self.certifier.certify_all([(row, layers, witness.within(len(row.input_ids)))
+                                                       for (row, layers, _), witness in zip(handed, witnesses)])
         for index, (row, row_layers, _) in enumerate(handed):
             certificate = certificates[index] if certificates is not None else None
             if isinstance(certificate, CertificateFailed):
                 raise certificate
             self.writer.write(row, row_layers, certificate.tensors() if certificate is not None else None)
-        return tokens
+
+    def _failed(self, batch: list[Sample], exc: Exception) -> ExtractionFailed:
+        held = [row for s in batch for row in (s, *self._served.get(s.index, ()))]  # rows served from them too
+        where = ", ".join(f"{s.index} ({s.where})" for s in sorted(held, key=lambda s: s.index))
+        return ExtractionFailed(f"extracting samples {where} failed: {type(exc).__name__}: {exc or '(no message)'}")
 
 
 def submit_groups(batch: list[Sample], tokens: int | None) -> list[list[Sample]]:

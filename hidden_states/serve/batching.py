@@ -274,7 +274,7 @@ class Gatherer:
             extra = None
             if witness is not None:  # certified before its file is written: a failing row is answered with the error
                 certificate = self.certifier.certify_all([(f"request {request.number} ({len(request.ids)} tokens)",
-                                                           layers, witness)])[0]
+                                                           layers, witness.result())])[0]
                 if isinstance(certificate, Exception):
                     raise certificate
                 extra = certificate.tensors()

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 HIDDEN, VOCAB = 64, 512
+LAYERS = 3  # a row's layers in CertifyingBackend: its last is the one certified
 
 
 def head_checkpoint(path: Path, *, seed: int = 0, tied: bool = False, **config) -> Path:
@@ -44,3 +45,55 @@ def engine_logprobs(head, state, positions, top: int = 4):
     logprobs = torch.log_softmax(logits, dim=-1)
     values, ids = logprobs.topk(top, dim=-1)
     return ids, values
+
+
+class CertifyingBackend:
+    """An engine backend's certified surface: each row's states (seeded by its first id) and the
+    engine's witness at its probes and last position, computed from ``engine_states`` (the row's own
+    states unless a test swaps in another's). ``hold``: the witnesses wait for :meth:`run_probes`, as
+    a batch's wait for its probes to run behind the batches queued before them."""
+
+    tokens_per_submit = None
+    tokens_ahead = 0
+    cached_tokens = 0
+
+    def __init__(self, head, engine_states=None, hold: bool = False):
+        self.head, self.engine_states, self.hold = head, engine_states or (lambda ids, layers: layers[-1]), hold
+        self.submitted: list[list[int]] = []
+        self._held: list[tuple] = []
+
+    def engine_alive(self) -> bool:
+        return True
+
+    def submit_certified(self, rows, probes):
+        from concurrent.futures import Future
+
+        from hidden_states.certify.witness import Witness
+
+        found = []
+        for ids, inside in zip(rows, probes, strict=True):
+            self.submitted.append(list(inside))
+            layers = states(LAYERS, len(ids), seed=ids[0])
+            positions = sorted({*inside, len(ids) - 1})
+            top, logprobs = engine_logprobs(self.head, self.engine_states(ids, layers), positions)
+            witness = Witness(positions, top.tolist(), logprobs.tolist())
+            found.append((layers, Future()))
+            self._held.append((found[-1][1], witness))
+        if not self.hold:
+            self.run_probes()
+        return resolved(found)
+
+    def run_probes(self) -> None:
+        """Every witness held so far resolves."""
+        held, self._held = self._held, []
+        for future, witness in held:
+            future.set_result(witness)
+
+
+def resolved(value):
+    """A future already holding ``value``."""
+    from concurrent.futures import Future
+
+    future = Future()
+    future.set_result(value)
+    return future

@@ -4,8 +4,6 @@ certifying backend over the certificate's support model; the real engine: tests/
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,39 +13,9 @@ from safetensors.torch import load_file  # noqa: E402
 from hidden_states.certify.certificate import Certificate  # noqa: E402
 from hidden_states.certify.certifier import CertificateFailed, Certifier  # noqa: E402
 from hidden_states.certify.head import FinalHead  # noqa: E402
-from hidden_states.certify.witness import Witness  # noqa: E402
 from hidden_states.serve.batching import Gatherer  # noqa: E402
 from hidden_states.serve.state_files import StateFiles  # noqa: E402
-from tests.unit.certified_model import engine_logprobs, head_checkpoint, states  # noqa: E402
-
-LAYERS = 3
-
-
-class CertifyingBackend:
-    """An engine backend's certified surface: each row's states (seeded by its first id) and the
-    engine's witness at its probes and last position, computed from ``engine_states`` (the row's own
-    states unless a test swaps in another's)."""
-
-    tokens_per_submit = None
-
-    def __init__(self, head, engine_states=None):
-        self.head, self.engine_states = head, engine_states or (lambda ids, layers: layers[-1])
-        self.submitted: list[list[int]] = []
-
-    def engine_alive(self) -> bool:
-        return True
-
-    def submit_certified(self, rows, probes) -> Future:
-        found = []
-        for ids, inside in zip(rows, probes, strict=True):
-            self.submitted.append(list(inside))
-            layers = states(LAYERS, len(ids), seed=ids[0])
-            positions = sorted({*inside, len(ids) - 1})
-            top, logprobs = engine_logprobs(self.head, self.engine_states(ids, layers), torch.tensor(positions))
-            found.append((layers, Witness(positions, top.tolist(), logprobs.tolist())))
-        future = Future()
-        future.set_result(found)
-        return future
+from tests.unit.certified_model import LAYERS, CertifyingBackend, head_checkpoint, states  # noqa: E402
 
 
 def gatherer(tmp_path, backend, head):

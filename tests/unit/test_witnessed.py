@@ -1,6 +1,7 @@
 """A certified batch on an engine backend (``backends/witnessed.py``), with vLLM's outputs stood in for:
 each row's witness is its probes' logprobs then its own request's at its last position, the rows the
-prefix cache gave a request are probed at their last, and a settled probe lets go of the states."""
+prefix cache gave a request are probed at their last, and the states are handed out before the probes
+run, which never hold them."""
 from __future__ import annotations
 
 import gc
@@ -45,8 +46,10 @@ def test_a_row_is_witnessed_at_its_probes_and_its_last_position():
     witnessed.resolve(batch, [States(), States()], put.append)
     probe, = put
     assert probe.ids == [[1, 2]] and probe.cache_salt == "salt-1"
+    (_, first), (_, second) = batch.future.result()  # the states are out before the probes have run
+    assert not first.done() and not second.done()
     run_probes(probe)
-    (_, first), (_, second) = batch.future.result()
+    first, second = first.result(), second.result()
     assert (first.positions, first.token_ids, first.logprobs) == ([1, 4], [[2], [7, 8]], [[-0.25], [-0.5, -1.5]])
     assert (second.positions, second.token_ids) == ([2], [[7, 8]])
     assert first.probed == (1,) and second.probed == ()  # the last position is the request's own forward
@@ -58,7 +61,7 @@ def test_the_last_row_the_prefix_cache_gave_is_probed_and_a_batch_probing_nothin
     assert witnessed.probed(batch) == [[3]]
     batch = certified_batch([[1, 2, 3]], [[]])
     witnessed.resolve(batch, [States()], pytest.fail)
-    assert batch.future.result()[0][1].positions == [2]
+    assert batch.future.result()[0][1].result().positions == [2]
 
 
 def test_a_probe_of_other_token_ids_fails_its_batch():
@@ -68,12 +71,13 @@ def test_a_probe_of_other_token_ids_fails_its_batch():
     put[0].finished[0] = output([5, 5], {1: -1.0})
     witnessed.finished(put[0])
     with pytest.raises(RuntimeError, match="probe of batch position 0 holds other token ids"):
-        batch.future.result()
+        batch.future.result()[0][1].result()
 
 
-def test_a_settled_probe_lets_go_of_the_states():
-    """The states hold their regions of the pool until collected: a probe kept alive by its future's
-    callback must not keep them (with the collector off, as in a process that allocates little)."""
+def test_a_probe_waiting_to_run_does_not_hold_the_states():
+    """The states hold their regions of the pool until collected: once the writer is done with a row,
+    its region goes back though its probes have not run yet (with the collector off, as in a process
+    that allocates little)."""
     batch = certified_batch([[1, 2, 3, 4]], [[1]])
     states = States()
     kept = weakref.ref(states)
@@ -82,8 +86,18 @@ def test_a_settled_probe_lets_go_of_the_states():
     del states
     gc.disable()
     try:
-        run_probes(put[0])
         batch.future = None  # the caller has taken the result and written the row
-        assert kept() is None
+        assert kept() is None and not put[0].future.done()
+        run_probes(put[0])
     finally:
         gc.enable()
+
+
+def test_an_engine_failing_the_probes_fails_each_row_s_witness():
+    batch = certified_batch([[1, 2, 3, 4], [5, 6, 7]], [[1], [1]])
+    put = []
+    witnessed.resolve(batch, [States(), States()], put.append)
+    put[0].future.set_exception(RuntimeError("the engine loop has stopped"))
+    for _, witness in batch.future.result():
+        with pytest.raises(RuntimeError, match="engine loop has stopped"):
+            witness.result()
