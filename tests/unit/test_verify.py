@@ -27,24 +27,24 @@ def witness(head, last, length):
     return Witness(positions, ids.tolist(), logprobs.tolist())
 
 
-def write_run(tmp_path, name, state_dtype="model", certified=range(ROWS)):
+def write_run(tmp_path, name, state_dtype="model", certified=range(ROWS), layer_ids=LAYERS):
     model = head_checkpoint(tmp_path / "model", num_hidden_layers=4)
     head = FinalHead.load(model)
     out = tmp_path / "out"
     out.mkdir()
-    layout = formats.create(name, out, formats.Layers(LAYERS, 4, HIDDEN), log=lambda line: None,
+    layout = formats.create(name, out, formats.Layers(layer_ids, 4, HIDDEN), log=lambda line: None,
                             state_dtype=state_dtype)
-    certifier = Certifier(head, LAYERS.index(3), fp8=state_dtype == "fp8")
+    certifier = Certifier(head, layer_ids.index(3), fp8=state_dtype == "fp8")
     for index in range(ROWS):
         length = 20 + 7 * index
-        layers = states(len(LAYERS), length, seed=100 + index)
+        layers = states(len(layer_ids), length, seed=100 + index)
         sample = Sample(index, index + 1, list(range(5, 5 + length)), None)
         extra = certifier.certify(sample, layers, witness(head, layers[-1], length)).tensors() \
             if index in certified else None
         (out / layout.sample_file(index)).parent.mkdir(exist_ok=True)
         with open(out / layout.sample_file(index), "wb") as handle:
             layout.save(layout.record(sample, layers, extra), handle)
-    ids = LAYERS if name == "speculators-0.3" else [layer + 1 for layer in LAYERS]
+    ids = layer_ids if name == "speculators-0.3" else [layer + 1 for layer in layer_ids]
     (out / "data_config.json").write_text(json.dumps({"format": {"name": name}, "layer_ids": ids,
                                                       "model": str(model)}))
     return out
@@ -77,6 +77,17 @@ def test_a_shifted_row_and_a_layer_from_another_row_are_named(tmp_path):
     assert "  row 4: data_4.pt: layer 0: not the states its certificate was made with" in lines
     assert not any(line.startswith("  row 4: data_4.pt: position") for line in lines)  # its last layer is its own
     assert any(line.startswith("  row 2: data_2.pt: position") for line in lines)
+
+
+def test_a_layer_written_twice_is_named_by_where_it_is_written(tmp_path):
+    out = write_run(tmp_path, "speculators-0.3", layer_ids=[1, 1, 3])
+    record, other = (torch.load(out / f"data_{i}.pt", weights_only=True) for i in (4, 5))
+    record["hidden_states"][1] = other["hidden_states"][1][:len(record["input_ids"])]
+    torch.save(record, out / "data_4.pt")
+    code, lines = checked(out)
+    assert code == 1 and "  row 4: data_4.pt: layer 1 (written 1): not the states its certificate was made with" in lines
+    assert f"  layer 1 (written 0): {ROWS} of {ROWS} certified rows hold the states certified" in lines
+    assert f"  layer 1 (written 1): {ROWS - 1} of {ROWS} certified rows hold the states certified; differs in rows 4" in lines
 
 
 def test_fp8_rows_changed_after_the_fact_fail(tmp_path):
