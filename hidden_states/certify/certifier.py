@@ -51,7 +51,8 @@ class Certifier:
     def __init__(self, head: FinalHead, last_index: int, fp8: bool = False):
         self.head, self.last_index, self.fp8 = head, last_index, fp8
         self.rows = 0
-        self.worst = 0.0  # the largest error over its bound of every row certified so far
+        # the largest error over its bound so far: at rows' own positions (their states' forward), at probes
+        self.worst_own = self.worst_probed = 0.0
         self._counting = threading.Lock()  # serve's writer threads certify side by side
 
     @classmethod
@@ -100,9 +101,19 @@ class Certifier:
         if isinstance(found, CertificateFailed):
             raise CertificateFailed(f"{str(found).removesuffix('; not written')}; every row would fail so: "
                                     f"nothing was written")
-        worst, self.rows, self.worst = self.worst, 0, 0.0
+        worst, self.rows, self.worst_own, self.worst_probed = self.worst, 0, 0.0, 0.0
         log(f"certificates: on: every row is checked against the engine's logprobs before it is written "
             f"(a check sequence at load: {worst:.2f} of what rounding explains, {time.monotonic() - started:.1f} s)")
+
+    @property
+    def worst(self) -> float:
+        """The largest error over its bound of every position certified so far."""
+        return max(self.worst_own, self.worst_probed)
+
+    def said(self) -> str:
+        """The run's certificates in a line's words: how many, and how near their bounds."""
+        return (f"{self.rows:,} rows certified, the largest disagreement with the engine {self.worst:.2f} of what "
+                f"rounding explains ({self.worst_own:.2f} at rows' own positions, {self.worst_probed:.2f} at probes)")
 
     def certify(self, row, layers: list, witness: Witness) -> Certificate:
         """``row``'s certificate from its ``layers`` (as the writer gets them) and the engine's
@@ -138,9 +149,11 @@ class Certifier:
         for (row, _, _), r, count in zip(rows, read, counts, strict=True):
             own = Agreement(found.error[start:start + count], found.bound[start:start + count])
             start += count
+            probed = r["slack"] > 1
             with self._counting:
                 self.rows += 1
-                self.worst = max(self.worst, own.worst)
+                self.worst_own = max(self.worst_own, Agreement(own.error[~probed], own.bound[~probed]).worst)
+                self.worst_probed = max(self.worst_probed, Agreement(own.error[probed], own.bound[probed]).worst)
             results.append(self._failed(row, r["positions"], own) if own.failing else
                            Certificate(r["positions"], r["token_ids"], r["logprobs"], own.error.float(),
                                        sketch(r["rows"]), r["slack"]))

@@ -103,8 +103,7 @@ class ModelHere:
                 if self.writer is not None:
                     self.count_written(time.monotonic() - drain_started)
                 if self.certifier is not None and self.certifier.rows:
-                    self.log(f"certificates: {self.certifier.rows:,} rows certified, the largest disagreement with "
-                             f"the engine {self.certifier.worst:.2f} of what rounding explains (hidden-states verify "
+                    self.log(f"certificates: {self.certifier.said()} (hidden-states verify "
                              f"{self.prepared.output.path} checks them again)")
             # the rate counts until the last file is whole: vLLM's worker shutdown that follows
             # (seconds, whatever the run's length) is reported on its own

@@ -194,8 +194,7 @@ def serve(settings: ModelSettings, options: ServeSettings, log) -> int:
                 log(f"stopped after {seconds:.0f} s: {server.served} requests served ({gatherer.tokens:,} tokens in "
                     f"{gatherer.batches} batches), {server.refused} refused, {files.swept} uncollected files swept")
                 if model.certifier is not None:
-                    log(f"certificates: {model.certifier.rows} rows certified, the largest disagreement with the engine "
-                        f"{model.certifier.worst:.2f} of what rounding explains")
+                    log(f"certificates: {model.certifier.said()}")
                 if signum is None:
                     failure = engine_failure(children, server.engine_stopped)
                     # what is left of a dead engine (its core, when a worker died) has nothing to finish:

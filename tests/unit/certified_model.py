@@ -76,7 +76,7 @@ class CertifyingBackend:
             layers = states(LAYERS, len(ids), seed=ids[0])
             positions = sorted({*inside, len(ids) - 1})
             top, logprobs = engine_logprobs(self.head, self.engine_states(ids, layers), positions)
-            witness = Witness(positions, top.tolist(), logprobs.tolist())
+            witness = Witness(positions, top.tolist(), logprobs.tolist(), tuple(p for p in inside if p != len(ids) - 1))
             found.append((layers, Future()))
             self._held.append((found[-1][1], witness))
         if not self.hold:

@@ -58,6 +58,11 @@ def test_the_loop_goes_on_submitting_while_a_group_waits_for_its_probes(head):
     assert [index for index, _ in model.writer.rows] == [0, 1, 2, 3]
     assert all("certificate.logprobs" in extra for _, extra in model.writer.rows)
     assert rows.summary.extracted == 4 and model.certifier.rows == 4
+    certifier = model.certifier  # its rows' own positions and its probes, each near its own bound
+    assert 0 < certifier.worst_own < 1 and 0 < certifier.worst_probed < 1 / 8
+    assert certifier.said() == (f"4 rows certified, the largest disagreement with the engine {certifier.worst:.2f} of "
+                                f"what rounding explains ({certifier.worst_own:.2f} at rows' own positions, "
+                                f"{certifier.worst_probed:.2f} at probes)")
 
 
 def test_a_failing_row_stops_the_run_with_the_rows_before_it_written_and_none_after(head):
