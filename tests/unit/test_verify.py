@@ -3,8 +3,6 @@ certifier against an engine stand-in that rounds as vLLM's bfloat16 path does: r
 names exactly the rows that were changed after the fact."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
