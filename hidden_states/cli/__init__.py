@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="certify the rows written without a certificate (--backend speculators or vllm-native, "
                              "--no-certificates) on a vLLM engine started on the checkpoint with the run's settings, "
                              "and write each certificate into its row's file (its states untouched)")
+    log_levels.add_flags(verify, log_file=None)  # what the terminal shows of vLLM's output (--engine)
     status = sub.add_parser("status", help="what an output directory holds, across shards and replicas")
     status.add_argument("output_dir")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
@@ -161,7 +162,7 @@ def _output_captured(args):
                                 log_levels.level_of(args))
     if args.command == "convert":
         return run_log.captured(run_log.log_path(args.dst), log_levels.level_of(args))
-    if args.command == "serve":
+    if args.command == "serve" or getattr(args, "engine", False):  # verify --engine: vLLM's output filtered
         return run_log.captured(None, log_levels.level_of(args))
     return contextlib.nullcontext()
 
