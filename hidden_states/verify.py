@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import fp8_states, layer_conventions
-from .certify.after_the_fact import certify_rows, engine_settings
+from .verify_engine import certify_rows, engine_settings
 from .certify.certificate import Certificate, agreement, roundings, sketch_mismatch
 from .certify.certifier import Certifier
 from .certify.head import FinalHead, Uncertifiable, model_config
@@ -35,7 +35,7 @@ class Findings:
 
 def verify(directory: str | Path, log, model_path: str | None = None, engine=None) -> int:
     """Check every row of the extraction in ``directory``; 0 when every row is certified and holds, else 1.
-    ``engine``: opens a vLLM engine on ``BackendSettings`` (``certify.after_the_fact.open_engine``), which
+    ``engine``: opens a vLLM engine on ``BackendSettings`` (``verify_engine.open_engine``), which
     certifies the rows written without a certificate (None: they are counted, not certified)."""
     directory = Path(directory)
     if not (directory / CONFIG).is_file():

@@ -36,7 +36,7 @@ def _said(log, line: str) -> str:
 
 def uncertified_hint(backend: str, output_dir) -> str:
     """What a run whose backend writes rows without certificates says of them: the command that
-    certifies them after it (``after_the_fact``)."""
+    certifies them after it (``verify_engine``)."""
     return (f"certificates: not during the run with --backend {backend}: hidden-states verify {output_dir or 'OUT'} "
             f"--engine certifies its rows after it (--backend vllm-engine certifies them as it writes them)")
 

@@ -170,7 +170,7 @@ def _output_captured(args):
 def _run(args) -> int:
     try:
         if args.command == "verify":
-            from ..certify.after_the_fact import open_engine
+            from ..verify_engine import open_engine
             from ..progress import log_to_stderr
             from ..verify import verify
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")  # the requests' SamplingParams
 
-from hidden_states.certify import after_the_fact  # noqa: E402
+from hidden_states import verify_engine  # noqa: E402
 from hidden_states.certify.certificate import PROBE_SLACK  # noqa: E402
 from hidden_states.certify.certifier import Certifier  # noqa: E402
 from hidden_states.certify.head import FinalHead  # noqa: E402
@@ -87,17 +87,17 @@ def test_only_uncertified_rows_are_asked_whole_first_then_their_probes(tmp_path)
 def test_every_position_of_a_witness_after_the_fact_is_allowed_a_probes_slack(tmp_path):
     out = write_run(tmp_path, "speculators-0.3", certified=[])
     rows = [row_ids(index) for index in range(ROWS)]
-    for ids, witness in zip(rows, after_the_fact.witness_rows(FakeEngine(head_of(out)), rows), strict=True):
+    for ids, witness in zip(rows, verify_engine.witness_rows(FakeEngine(head_of(out)), rows), strict=True):
         assert witness.positions == [*probe_positions(ids), len(ids) - 1]
         assert witness.tensors()[3].tolist() == [PROBE_SLACK] * len(witness.positions)
 
 
 def test_the_engine_runs_as_the_extraction_did():
-    settings = after_the_fact.engine_settings({"settings": {"max_seq_len": 1024, "tp_size": 2,
+    settings = verify_engine.engine_settings({"settings": {"max_seq_len": 1024, "tp_size": 2,
                                                             "gpu_memory_utilization": 0.5}}, "/models/m")
     assert (settings.model_path, settings.max_seq_len, settings.tp_size, settings.gpu_memory_utilization,
             settings.trust_remote_code) == ("/models/m", 1024, 2, 0.5, False)
-    assert after_the_fact.engine_settings({}, "/m").max_seq_len == 2048  # none recorded: the extractor's default
+    assert verify_engine.engine_settings({}, "/m").max_seq_len == 2048  # none recorded: the extractor's default
 
 
 def test_a_certificate_that_cannot_be_written_leaves_the_row_as_it_was(tmp_path, monkeypatch):

@@ -3,14 +3,14 @@
 
 For each such row the engine is asked what ``extract --backend vllm-engine`` asks it during a run: its
 logprobs (``SamplingParams(max_tokens=1, temperature=0, logprobs=TOP)``) at the row's last position and
-at the positions :func:`.witness.probe_positions` draws from its ids, each a request for the row's first
+at the positions :func:`.certify.witness.probe_positions` draws from its ids, each a request for the row's first
 ``p + 1`` tokens. The rows go whole first, then their probes, so vLLM's prefix cache (on here) serves
-each probe all but its last block. The run's :class:`.certifier.Certifier` then holds the written
+each probe all but its last block. The run's :class:`.certify.certifier.Certifier` then holds the written
 last-layer state (read as the trainer reads it) against them; a row that holds gets its certificate
 written into its file (the file replaced whole, its states untouched), so a plain ``verify`` holds it
 later.
 
-Every position is allowed :data:`.certificate.PROBE_SLACK` bounds: the logprobs come from another
+Every position is allowed :data:`.certify.certificate.PROBE_SLACK` bounds: the logprobs come from another
 forward than the one whose states were written (another engine, batch and order of sums), as a
 probe's do during a run.
 """
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UsageError
-from ..files import atomic_write
-from ..layer_conventions import SPECULATORS_05
-from .certifier import Certifier, CertificateFailed
-from .witness import Witness, first_token_logprobs, probe_positions
+from .errors import UsageError
+from .files import atomic_write
+from .certify.certifier import CertificateFailed, Certifier
+from .certify.witness import Witness, first_token_logprobs, probe_positions
+from .layer_conventions import SPECULATORS_05
 
 ROWS_PER_PASS = 32  # rows read, asked and certified together: their files and witnesses held at once
 
@@ -48,8 +48,8 @@ class EnginePass:
 def engine_settings(config: dict, model: str):
     """The engine the run's ``data_config.json`` describes (its recorded settings; the extractor's
     defaults where it recorded none), on ``model``."""
-    from ..backends import BackendSettings
-    from ..settings import Settings
+    from .backends import BackendSettings
+    from .settings import Settings
 
     recorded = config.get("settings") or {}
 
@@ -68,7 +68,7 @@ def open_engine(settings):
     blocks) and eager (no compile: the pass is a few forwards per row)."""
     import importlib.util
 
-    from ..backends.engine_base import new_llm
+    from .backends.engine_base import new_llm
 
     if importlib.util.find_spec("vllm") is None:
         raise UsageError("--engine: needs vLLM installed here (pip install vllm); verify without it checks the "
@@ -90,7 +90,7 @@ def certify_rows(files: dict[int, Path], name: str, certifier: Certifier, engine
 
 
 def _certify_pass(files: dict[int, Path], name: str, certifier: Certifier, engine, found: EnginePass) -> None:
-    from ..verify import file_tensors, row_of
+    from .verify import file_tensors, row_of
 
     tensors = {index: file_tensors(name, path) for index, path in files.items()}
     ids = {index: row_ids(held) for index, held in tensors.items()}
@@ -117,7 +117,7 @@ def row_ids(tensors: dict) -> list[int]:
 
 def witness_rows(engine, rows: list[list[int]]) -> list[Witness]:
     """Each row's witness from ``engine``: its last position from a request for the whole row, then its
-    probes (:func:`.witness.probe_positions`), whose first blocks the prefix cache holds by then; every
+    probes (:func:`.certify.witness.probe_positions`), whose first blocks the prefix cache holds by then; every
     position counted as probed (its logprobs from another forward than its states')."""
     probes = [(row, position) for row, ids in enumerate(rows) for position in probe_positions(ids)]
     asked = [(row, len(ids) - 1) for row, ids in enumerate(rows)] + probes
@@ -132,7 +132,7 @@ def witness_rows(engine, rows: list[list[int]]) -> list[Witness]:
 
 
 def _generate(engine, prompts: list[list[int]]) -> list:
-    from ..backends.witnessed import params
+    from .backends.witnessed import params
 
     if not prompts:
         return []
@@ -144,7 +144,7 @@ def write_certificate(name: str, path: Path, tensors: dict, certificate) -> None
     written whole under a temporary name and renamed over it: a reader meets the old file or the new."""
     held = {**tensors, **certificate.tensors()}
     if name == SPECULATORS_05:
-        from ..output.formats.safetensors_files import write_safetensors
+        from .output.formats.safetensors_files import write_safetensors
 
         atomic_write(path, lambda handle: write_safetensors({k: v.contiguous() for k, v in held.items()}, handle))
     else:
