@@ -2,6 +2,8 @@
 norm and LM head alone (no vLLM, no model load, the CPU): the written last-layer state against the
 engine's logprobs the certificate keeps, and every written layer against its sketch. Prints a line per
 layer and one per failing row; exits 1 naming exactly the rows that fail (or when no row is certified).
+With ``--engine``, the rows written without a certificate are certified on a vLLM engine first
+(``verify_engine``).
 """
 from __future__ import annotations
 
@@ -9,15 +11,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import fp8_states, layer_conventions
-from .verify_engine import certify_rows, engine_settings
-from .certify.certificate import Certificate, agreement, roundings, sketch_mismatch
+from . import layer_conventions
+from .certify.certificate import agreement, roundings, sketch_mismatch
 from .certify.certifier import Certifier
 from .certify.head import FinalHead, Uncertifiable, model_config
 from .errors import UsageError
 from .files import read_json
 from .output import formats
 from .output.names import CONFIG, format_name
+from .output.sample_rows import read_row
+from .verify_engine import certify_rows, engine_settings
 
 
 @dataclass
@@ -88,36 +91,6 @@ def _certify_on_engine(found: Findings, files: dict[int, Path], name: str, certi
     found.worst = max(found.worst, held.worst)
     found.failing.update({index: [problem] for index, problem in held.failing.items()})
     found.uncertified = []
-
-
-def read_row(name: str, path: Path) -> tuple[list, object, Certificate | None]:
-    """A row's written layers (``[T, H]`` each, as the trainer reads them), their FP8 scales (None: not
-    FP8) and its certificate."""
-    return row_of(name, file_tensors(name, path))
-
-
-def file_tensors(name: str, path: Path) -> dict:
-    """Every tensor one sample file of format ``name`` holds, as stored."""
-    if name == layer_conventions.SPECULATORS_05:
-        from .output.formats.speculators_05 import read_sample
-
-        return read_sample(path)
-    import torch
-
-    return torch.load(path, weights_only=True)
-
-
-def row_of(name: str, tensors: dict, dequantized: bool = True) -> tuple[list, object, Certificate | None]:
-    """:func:`read_row` from a file's ``tensors``; ``dequantized`` False: FP8 layers as stored, an
-    ``fp8_states.Quantized`` holding their scales (what a certifier reads)."""
-    if name != layer_conventions.SPECULATORS_05:
-        return list(tensors["hidden_states"]), None, Certificate.from_tensors(tensors)
-    states, scales = tensors["hidden_states"], tensors.get(fp8_states.SCALES)
-    if scales is None:
-        return list(states.unbind(dim=1)), None, Certificate.from_tensors(tensors)
-    if not dequantized:
-        return fp8_states.Quantized(states.unbind(dim=1), scales), scales, Certificate.from_tensors(tensors)
-    return list(fp8_states.dequantize(states, scales).unbind(dim=1)), scales, Certificate.from_tensors(tensors)
 
 
 def _check_row(index: int, path: Path, name: str, head, written: list[int], last: int, found: Findings) -> None:

@@ -19,11 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
-from .files import atomic_write
 from .certify.certifier import CertificateFailed, Certifier
 from .certify.witness import Witness, first_token_logprobs, probe_positions
-from .layer_conventions import SPECULATORS_05
+from .errors import UsageError
+from .output.sample_rows import file_tensors, row_of, write_certificate
 
 ROWS_PER_PASS = 32  # rows read, asked and certified together: their files and witnesses held at once
 
@@ -90,8 +89,6 @@ def certify_rows(files: dict[int, Path], name: str, certifier: Certifier, engine
 
 
 def _certify_pass(files: dict[int, Path], name: str, certifier: Certifier, engine, found: EnginePass) -> None:
-    from .verify import file_tensors, row_of
-
     tensors = {index: file_tensors(name, path) for index, path in files.items()}
     ids = {index: row_ids(held) for index, held in tensors.items()}
     for index in [i for i, row in ids.items() if not row]:
@@ -137,17 +134,3 @@ def _generate(engine, prompts: list[list[int]]) -> list:
     if not prompts:
         return []
     return list(engine.generate([{"prompt_token_ids": ids} for ids in prompts], params(), use_tqdm=False))
-
-
-def write_certificate(name: str, path: Path, tensors: dict, certificate) -> None:
-    """``path`` again with ``certificate``'s tensors beside what it held (every other tensor as it was),
-    written whole under a temporary name and renamed over it: a reader meets the old file or the new."""
-    held = {**tensors, **certificate.tensors()}
-    if name == SPECULATORS_05:
-        from .output.formats.safetensors_files import write_safetensors
-
-        atomic_write(path, lambda handle: write_safetensors({k: v.contiguous() for k, v in held.items()}, handle))
-    else:
-        import torch
-
-        atomic_write(path, lambda handle: torch.save(held, handle))

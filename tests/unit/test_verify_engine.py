@@ -18,7 +18,8 @@ from hidden_states.certify.head import FinalHead  # noqa: E402
 from hidden_states.certify.witness import probe_positions  # noqa: E402
 from hidden_states.errors import OutputError  # noqa: E402
 from hidden_states.output import formats  # noqa: E402
-from hidden_states.verify import file_tensors, verify  # noqa: E402
+from hidden_states.output.sample_rows import file_tensors  # noqa: E402
+from hidden_states.verify import verify  # noqa: E402
 from tests.unit.certified_model import ROWS, FakeEngine, row_ids, write_run  # noqa: E402
 
 
@@ -119,7 +120,7 @@ def test_the_command_line_certifies_with_its_flag(tmp_path, monkeypatch, capsys)
     from hidden_states.cli import main
 
     out = write_run(tmp_path, "speculators-0.3", certified=[])
-    monkeypatch.setattr(after_the_fact, "open_engine", lambda settings: FakeEngine(head_of(out)))
+    monkeypatch.setattr(verify_engine, "open_engine", lambda settings: FakeEngine(head_of(out)))
     assert main(["verify", str(out)]) == 1
     assert main(["verify", str(out), "--engine"]) == 0
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
