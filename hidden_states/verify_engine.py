@@ -75,7 +75,6 @@ def open_engine(settings):
     return new_llm(settings, enforce_eager=True, prefix_caching=True)[0]
 
 
-
 def certify_rows(files: dict[int, Path], name: str, certifier: Certifier, engine) -> EnginePass:
     """Each of ``files`` (format ``name``) certified against ``engine``'s logprobs (a ``vllm.LLM``, or
     what answers its ``generate`` so), in passes of :data:`ROWS_PER_PASS`; the certificate written into
@@ -91,12 +90,16 @@ def certify_rows(files: dict[int, Path], name: str, certifier: Certifier, engine
 def _certify_pass(files: dict[int, Path], name: str, certifier: Certifier, engine, found: EnginePass) -> None:
     tensors = {index: file_tensors(name, path) for index, path in files.items()}
     ids = {index: row_ids(held) for index, held in tensors.items()}
-    for index in [i for i, row in ids.items() if not row]:
-        found.failing[index] = f"{files[index].name}: no tokens: nothing to certify"
-        del tensors[index]
+    layers = {index: row_of(name, held, dequantized=False)[0] for index, held in tensors.items()}
+    for index in list(tensors):
+        unfit = "no tokens" if not ids[index] else \
+            f"{len(ids[index])} token ids, {len(layers[index][0])} states" if len(layers[index][0]) != len(ids[index]) else ""
+        if unfit:
+            found.failing[index] = f"{files[index].name}: {unfit}: cannot be certified"
+            del tensors[index]
     witnesses = witness_rows(engine, [ids[index] for index in tensors])
-    results = certifier.certify_all([(files[index].name, row_of(name, held, dequantized=False)[0], witness)
-                                     for (index, held), witness in zip(tensors.items(), witnesses, strict=True)])
+    results = certifier.certify_all([(files[index].name, layers[index], witness)
+                                     for index, witness in zip(tensors, witnesses, strict=True)])
     for (index, held), witness, result in zip(tensors.items(), witnesses, results, strict=True):
         found.positions += len(witness.positions)
         if isinstance(result, CertificateFailed):

@@ -133,3 +133,33 @@ def test_a_run_whose_backend_does_not_certify_names_the_command_that_does():
     assert Certifier.for_model(settings, None, SimpleNamespace(certifies=False), [], lines.append) is None
     assert lines == ["certificates: not during the run with --backend speculators: hidden-states verify /data/out "
                      "--engine certifies its rows after it (--backend vllm-engine certifies them as it writes them)"]
+
+
+def test_a_row_whose_states_and_ids_differ_in_length_is_named_not_asked(tmp_path):
+    out = write_run(tmp_path, "speculators-0.3", certified=[])
+    record = torch.load(out / "data_1.pt", weights_only=True)
+    record["hidden_states"] = [layer[:-3] for layer in record["hidden_states"]]
+    torch.save(record, out / "data_1.pt")
+    engine = FakeEngine(head_of(out))
+    code, lines = checked(out, engine)
+    assert code == 1 and lines[-1] == f"verify: 1 of {ROWS} rows fail: 1", lines
+    length = len(row_ids(1))
+    assert f"  row 1: data_1.pt: {length} token ids, {length - 3} states: cannot be certified" in lines
+    assert row_ids(1) not in engine.prompts[0]
+
+
+def test_without_the_last_layer_nothing_can_be_certified_and_the_engine_never_starts(tmp_path):
+    import json
+
+    from hidden_states.errors import UsageError
+
+    out = write_run(tmp_path, "speculators-0.3", certified=[])
+    config = json.loads((out / "data_config.json").read_text())
+    (out / "data_config.json").write_text(json.dumps({**config, "layer_ids": [0, 1, 2]}))
+
+    def never(settings):
+        raise AssertionError("the engine started")
+
+    with pytest.raises(UsageError, match=r"the last decoder layer \(3\) is not among the written layers \[0, 1, 2\]: "
+                                         r"no row of it can be certified"):
+        verify(out, lambda line: None, engine=never)
