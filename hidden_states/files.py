@@ -13,14 +13,22 @@ TEMP_PREFIX = ".tmp-"
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda handle: handle.write(data))
+
+
+def atomic_write(path: Path, write) -> None:
+    """``path`` as ``write(handle)`` writes it, whole or not at all (the file there before kept)."""
     temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
     try:
         with temp.open("wb") as handle:
-            handle.write(data)
+            write(handle)
         os.replace(temp, path)
     except OSError as exc:
         temp.unlink(missing_ok=True)
         raise OutputError(describe_os_error(exc, path)) from None
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_json(path: Path, value) -> None:

@@ -2,19 +2,25 @@
 norm and LM head alone (no vLLM, no model load, the CPU): the written last-layer state against the
 engine's logprobs the certificate keeps, and every written layer against its sketch. Prints a line per
 layer and one per failing row; exits 1 naming exactly the rows that fail (or when no row is certified).
+With ``--engine``, the rows written without a certificate are certified on a vLLM engine first
+(``verify_engine``).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import fp8_states, layer_conventions
-from .certify.certificate import Certificate, agreement, roundings, sketch_mismatch
+from . import layer_conventions
+from .certify.certificate import agreement, roundings, sketch_mismatch
+from .certify.certifier import Certifier
 from .certify.head import FinalHead, Uncertifiable, model_config
 from .errors import UsageError
 from .files import read_json
 from .output import formats
 from .output.names import CONFIG, format_name
+from .output.sample_rows import read_row
+from .verify_engine import certify_rows, engine_settings
 
 
 @dataclass
@@ -30,8 +36,10 @@ class Findings:
     uncertified: list[int] = field(default_factory=list)
 
 
-def verify(directory: str | Path, log, model_path: str | None = None) -> int:
-    """Check every row of the extraction in ``directory``; 0 when every row is certified and holds, else 1."""
+def verify(directory: str | Path, log, model_path: str | None = None, engine=None) -> int:
+    """Check every row of the extraction in ``directory``; 0 when every row is certified and holds, else 1.
+    ``engine``: opens a vLLM engine on ``BackendSettings`` (``verify_engine.open_engine``), which
+    certifies the rows written without a certificate (None: they are counted, not certified)."""
     directory = Path(directory)
     if not (directory / CONFIG).is_file():
         raise UsageError(f"{directory}: no {CONFIG}: not an extraction")
@@ -57,24 +65,32 @@ def verify(directory: str | Path, log, model_path: str | None = None) -> int:
     for index in sorted(files):
         found.rows += 1
         _check_row(index, files[index], name, head, written, last, found)
+    if engine is not None and found.uncertified:
+        _certify_on_engine(found, {i: files[i] for i in found.uncertified}, name, Certifier(head, last),
+                           lambda: engine(engine_settings(config, model)), log)
     return _report(found, written, last, log)
 
 
-def read_row(name: str, path: Path) -> tuple[list, object, Certificate | None]:
-    """A row's written layers (``[T, H]`` each, as the trainer reads them), their FP8 scales (None: not
-    FP8) and its certificate."""
-    import torch
+def _certify_on_engine(found: Findings, files: dict[int, Path], name: str, certifier, open_engine, log) -> None:
+    """The rows of ``files`` (none carries a certificate) certified on the engine ``open_engine`` starts,
+    counted among ``found``'s certified rows."""
+    from .backends.engine_base import shut_down
 
-    if name == layer_conventions.SPECULATORS_05:
-        from .output.formats.speculators_05 import read_sample
-
-        tensors = read_sample(path)
-        states, scales = tensors["hidden_states"], tensors.get(fp8_states.SCALES)
-        if scales is not None:
-            states = fp8_states.dequantize(states, scales)
-        return list(states.unbind(dim=1)), scales, Certificate.from_tensors(tensors)
-    record = torch.load(path, weights_only=True)
-    return list(record["hidden_states"]), None, Certificate.from_tensors(record)
+    started = time.monotonic()
+    log(f"  {len(files)} rows carry no certificate: the engine certifies them (vLLM on the checkpoint, its logprobs "
+        f"at each row's last position and one inside it)")
+    llm = open_engine()
+    try:
+        held = certify_rows(files, name, certifier, llm)
+    finally:
+        shut_down(llm)
+    log(f"  the engine: {len(held.held)} of {len(files)} rows hold, their certificates written into their files "
+        f"({time.monotonic() - started:.0f} s with the engine's start)")
+    found.certified += len(files)
+    found.positions += held.positions
+    found.worst = max(found.worst, held.worst)
+    found.failing.update({index: [problem] for index, problem in held.failing.items()})
+    found.uncertified = []
 
 
 def _check_row(index: int, path: Path, name: str, head, written: list[int], last: int, found: Findings) -> None:

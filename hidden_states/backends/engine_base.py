@@ -63,17 +63,8 @@ class EngineBackend(Backend):
         facts = self.prepare(version)
         report = extractor_api.apply()  # the worker-side adapters the capture relies on
         self._check_required(report)
-        in_process_llm_environment()
-        from vllm import LLM
-
-        settings = self.settings
-        before = set(multiprocessing.active_children())
-        self._llm = LLM(
-            model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=self.enforce_eager,
-            enable_prefix_caching=self.prefix_caching,
-            trust_remote_code=settings.trust_remote_code, **self.llm_keywords())
-        self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]
+        self._llm, self._engine_processes = new_llm(self.settings, enforce_eager=self.enforce_eager,
+                                                    prefix_caching=self.prefix_caching, **self.llm_keywords())
         self.tokens_ahead = steps_of_tokens_ahead(self._llm)
         self.tokens_per_submit = step_tokens(self._llm)
         after = self.started()
@@ -160,6 +151,20 @@ class EngineBackend(Backend):
 
     def release(self) -> None:
         """Last in ``close``, once the engine has stopped: free what the backend made."""
+
+
+def new_llm(settings: BackendSettings, *, enforce_eager: bool, prefix_caching: bool, **keywords) -> tuple:
+    """A ``vllm.LLM`` in this process on ``settings``' model, as every engine backend builds it (room for
+    a row of ``max_seq_len`` tokens and the one it samples), and the processes it started here (its
+    engine core); ``keywords``: what the caller adds."""
+    in_process_llm_environment()
+    from vllm import LLM
+
+    before = set(multiprocessing.active_children())
+    llm = LLM(model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
+              gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=enforce_eager,
+              enable_prefix_caching=prefix_caching, trust_remote_code=settings.trust_remote_code, **keywords)
+    return llm, [p for p in multiprocessing.active_children() if p not in before]
 
 
 def in_process_llm_environment() -> None:

@@ -34,6 +34,13 @@ def _said(log, line: str) -> str:
     return "cpu"
 
 
+def uncertified_hint(backend: str, output_dir) -> str:
+    """What a run whose backend writes rows without certificates says of them: the command that
+    certifies them after it (``verify_engine``)."""
+    return (f"certificates: not during the run with --backend {backend}: hidden-states verify {output_dir or 'OUT'} "
+            f"--engine certifies its rows after it (--backend vllm-engine certifies them as it writes them)")
+
+
 class CertificateFailed(RuntimeError):
     """A row's written last-layer state is not what the engine computed: the row, the positions and
     the numbers."""
@@ -80,8 +87,7 @@ class Certifier:
             log("certificates: off (--no-certificates): rows are written without the proof of their states")
             return None
         if not backend.certifies:
-            log(f"certificates: off: --backend {settings.backend} does not certify its rows (--backend "
-                f"vllm-engine does)")
+            log(uncertified_hint(settings.backend, getattr(settings, "output_dir", None)))
             return None
         certifier = cls.for_run(settings.model_path, list(plan.layers.ids), plan.facts.num_layers,
                                 settings.state_dtype, log)

@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                                            "and LM head alone (no vLLM, no GPU); exit 1 naming the rows that fail")
     verify.add_argument("output_dir", help="an extraction's output directory")
     verify.add_argument("--model-path", metavar="DIR", help="the checkpoint (default: the one data_config.json names)")
+    verify.add_argument("--engine", action="store_true",
+                        help="certify the rows written without a certificate (--backend speculators or vllm-native, "
+                             "--no-certificates) on a vLLM engine started on the checkpoint with the run's settings, "
+                             "and write each certificate into its row's file (its states untouched)")
+    log_levels.add_flags(verify, log_file=None)  # what the terminal shows of vLLM's output (--engine)
     status = sub.add_parser("status", help="what an output directory holds, across shards and replicas")
     status.add_argument("output_dir")
     demo = sub.add_parser("demo", help="extract a few samples with a tiny local model on CPU and compare with HF")
@@ -157,7 +162,7 @@ def _output_captured(args):
                                 log_levels.level_of(args))
     if args.command == "convert":
         return run_log.captured(run_log.log_path(args.dst), log_levels.level_of(args))
-    if args.command == "serve":
+    if args.command == "serve" or getattr(args, "engine", False):  # verify --engine: vLLM's output filtered
         return run_log.captured(None, log_levels.level_of(args))
     return contextlib.nullcontext()
 
@@ -165,10 +170,12 @@ def _output_captured(args):
 def _run(args) -> int:
     try:
         if args.command == "verify":
-            from ..verify import verify
+            from ..verify_engine import open_engine
             from ..progress import log_to_stderr
+            from ..verify import verify
 
-            return verify(args.output_dir, log_to_stderr, model_path=args.model_path)
+            return verify(args.output_dir, log_to_stderr, model_path=args.model_path,
+                          engine=open_engine if args.engine else None)
         if args.command == "status":
             from ..status import status
 

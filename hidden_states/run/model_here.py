@@ -12,7 +12,7 @@ import os
 import time
 
 from ..backends.shared.regions import SHM
-from ..certify.certifier import Certifier
+from ..certify.certifier import Certifier, uncertified_hint
 from ..errors import OutputError
 from ..plan.estimates import duration
 from ..files import atomic_write_json, read_json
@@ -66,6 +66,11 @@ class ModelHere:
         return Certifier.for_model(self.prepared.run_plan.settings, self.prepared.model_plan, self.backend,
                                    self.layer_order, self.log)
 
+    def _uncertified_by_backend(self) -> bool:
+        """The run wrote rows, uncertified because its backend does not certify (not --no-certificates)."""
+        return (self.backend is not None and not self.backend.certifies and self.writer is not None
+                and self.writer.stats.files > 0 and self.prepared.run_plan.settings.certificates)
+
     def _hold(self, backend) -> None:
         self.backend = backend  # closed by finish, whatever fails from here
 
@@ -105,6 +110,8 @@ class ModelHere:
                 if self.certifier is not None and self.certifier.rows:
                     self.log(f"certificates: {self.certifier.said()} (hidden-states verify "
                              f"{self.prepared.output.path} checks them again)")
+                elif self._uncertified_by_backend():
+                    self.log(uncertified_hint(self.prepared.run_plan.settings.backend, self.prepared.output.path))
             # the rate counts until the last file is whole: vLLM's worker shutdown that follows
             # (seconds, whatever the run's length) is reported on its own
             if self.backend is not None:

@@ -126,6 +126,53 @@ def test_verify_names_exactly_the_tampered_rows(certified, tmp_path):
     assert "row 4: data_4.pt: layer 2: not the states its certificate was made with" in checked.stderr
 
 
+@pytest.fixture(scope="module")
+def uncertified(data, tmp_path_factory):
+    """The same rows extracted by ``--backend speculators`` (speculators 0.3.0's generator): written
+    without certificates; the run names the command that certifies them."""
+    out = tmp_path_factory.mktemp("speculators") / "out"
+    command, env = cli(*extract_args(harness.tiny_model("llama"), data, out, "--backend", "speculators"))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"certificates: not during the run with --backend speculators: hidden-states verify {out} --engine "
+            f"certifies its rows after it") in proc.stderr, proc.stderr[-3000:]
+    return out
+
+
+def summary(proc) -> str:
+    """verify's last line of its own (vLLM's engine, stopped, may still print a warning of its own after it)."""
+    return [line for line in proc.stderr.splitlines() if line.startswith("[hidden-states] verify")][-1]
+
+
+def test_verify_engine_certifies_rows_written_without_certificates(uncertified, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(uncertified, out)
+    before = verify(out)
+    assert before.returncode == 1, before.stderr[-3000:]  # nothing proven yet
+    checked = verify(out, "--engine")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    ok = f"[hidden-states] verify: ok: {ROWS} certified rows hold the engine's states"
+    assert summary(checked) == ok, checked.stderr[-3000:]
+    assert f"the engine: {ROWS} of {ROWS} rows hold, their certificates written into their files" in checked.stderr
+    again = verify(out)  # offline, from the certificates written
+    assert again.returncode == 0 and summary(again) == ok, again.stderr[-3000:]
+
+
+def test_verify_engine_names_a_row_shifted_by_one_token(uncertified, tmp_path):
+    import torch
+
+    out = tmp_path / "out"
+    shutil.copytree(uncertified, out)
+    record = torch.load(out / "data_5.pt", weights_only=True)
+    record["hidden_states"] = [torch.roll(layer, 1, dims=0) for layer in record["hidden_states"]]
+    torch.save(record, out / "data_5.pt")
+    checked = verify(out, "--engine")
+    assert checked.returncode == 1, checked.stderr[-3000:]
+    assert summary(checked) == f"[hidden-states] verify: 1 of {ROWS} rows fail: 5", checked.stderr[-3000:]
+    assert "row 5: data_5.pt: its written last-layer state is not the engine's (position " in checked.stderr
+    assert "certificate.positions" not in torch.load(out / "data_5.pt", weights_only=True)
+
+
 # where each plant is caught: a bug in every request's capture already in the sequence certified at load
 # (nothing written), one that needs two requests in a step, a reused region or a prefix served from
 # another request at the row it first touches

@@ -42,7 +42,7 @@ EXTRACTOR_LAYERS = _layers([
     # here or on Ray replicas
     ("the run", {"run", "replicas"}),
     # one wing per command: extract's and generate's runs and loops; the one-module commands
-    ("commands", {"extract", "generate", "convert", "status", "prepare", "verify"}),
+    ("commands", {"extract", "generate", "convert", "status", "prepare", "verify", "verify_engine"}),
     # what a user calls: the command line, and serve's wing (its server, protocol, model, batching, files)
     ("entry points", {"cli", "__main__", "serve"}),
     ("fixtures", {"fixtures"}),

@@ -16,7 +16,7 @@ from hidden_states.extract.rows import ExtractRows  # noqa: E402
 from hidden_states.extract.writes_aside import WritesAside  # noqa: E402
 from hidden_states.inputs.streams import Sample  # noqa: E402
 from hidden_states.run.summary import Summary  # noqa: E402
-from tests.unit.certified_model import LAYERS, CertifyingBackend, head_checkpoint, states  # noqa: E402
+from tests.unit.certified_model import BACKEND_LAYERS as LAYERS, CertifyingBackend, head_checkpoint, states  # noqa: E402
 
 
 class Writer:

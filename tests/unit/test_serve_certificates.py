@@ -15,7 +15,7 @@ from hidden_states.certify.certifier import CertificateFailed, Certifier  # noqa
 from hidden_states.certify.head import FinalHead  # noqa: E402
 from hidden_states.serve.batching import Gatherer  # noqa: E402
 from hidden_states.serve.state_files import StateFiles  # noqa: E402
-from tests.unit.certified_model import LAYERS, CertifyingBackend, head_checkpoint, states  # noqa: E402
+from tests.unit.certified_model import BACKEND_LAYERS as LAYERS, CertifyingBackend, head_checkpoint, states  # noqa: E402
 
 
 def gatherer(tmp_path, backend, head):

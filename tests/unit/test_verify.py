@@ -3,8 +3,6 @@ certifier against an engine stand-in that rounds as vLLM's bfloat16 path does: r
 names exactly the rows that were changed after the fact."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -12,42 +10,9 @@ torch = pytest.importorskip("torch")
 from hidden_states.certify.certifier import CertificateFailed, Certifier  # noqa: E402
 from hidden_states.certify.head import FinalHead  # noqa: E402
 from hidden_states.verify import verify  # noqa: E402
-from hidden_states.certify.witness import Witness  # noqa: E402
 from hidden_states.inputs.streams import Sample  # noqa: E402
 from hidden_states.output import formats  # noqa: E402
-from tests.unit.certified_model import HIDDEN, engine_logprobs, head_checkpoint, states  # noqa: E402
-
-LAYERS = [0, 1, 3]  # the extractor's ids; 3 is the last of 4 decoder layers
-ROWS = 6
-
-
-def witness(head, last, length):
-    positions = sorted({0, length // 2, length - 1})
-    ids, logprobs = engine_logprobs(head, last, torch.tensor(positions))
-    return Witness(positions, ids.tolist(), logprobs.tolist())
-
-
-def write_run(tmp_path, name, state_dtype="model", certified=range(ROWS), layer_ids=LAYERS):
-    model = head_checkpoint(tmp_path / "model", num_hidden_layers=4)
-    head = FinalHead.load(model)
-    out = tmp_path / "out"
-    out.mkdir()
-    layout = formats.create(name, out, formats.Layers(layer_ids, 4, HIDDEN), log=lambda line: None,
-                            state_dtype=state_dtype)
-    certifier = Certifier(head, layer_ids.index(3), fp8=state_dtype == "fp8")
-    for index in range(ROWS):
-        length = 20 + 7 * index
-        layers = states(len(layer_ids), length, seed=100 + index)
-        sample = Sample(index, index + 1, list(range(5, 5 + length)), None)
-        extra = certifier.certify(sample, layers, witness(head, layers[-1], length)).tensors() \
-            if index in certified else None
-        (out / layout.sample_file(index)).parent.mkdir(exist_ok=True)
-        with open(out / layout.sample_file(index), "wb") as handle:
-            layout.save(layout.record(sample, layers, extra), handle)
-    ids = layer_ids if name == "speculators-0.3" else [layer + 1 for layer in layer_ids]
-    (out / "data_config.json").write_text(json.dumps({"format": {"name": name}, "layer_ids": ids,
-                                                      "model": str(model)}))
-    return out
+from tests.unit.certified_model import LAYERS, ROWS, head_checkpoint, states, witness, write_run  # noqa: E402
 
 
 def checked(out):
