@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import fp8_states
-from ..certify.certifier import CertificateFailed
+from ..certify.certifier import write_certified
 from ..certify.witness import probe_positions
 from ..inputs import prefixes
 from ..inputs.streams import Sample
@@ -124,12 +124,7 @@ class ExtractRows:
                 tokens += len(row.input_ids)
         # certified before they are written, all in one pass: the rows before a failing one are
         # written, the failing one and those after it are not, and the run stops there
-        certificates = self.certifier.certify_all(handed) if self.certifier is not None and handed else None
-        for index, (row, row_layers, _) in enumerate(handed):
-            certificate = certificates[index] if certificates is not None else None
-            if isinstance(certificate, CertificateFailed):
-                raise certificate
-            self.writer.write(row, row_layers, certificate.tensors() if certificate is not None else None)
+        write_certified(self.certifier, handed, self.writer.write)
         return tokens
 
 
