@@ -189,21 +189,18 @@ class ContinuousRegeneration:
     def _hand_rows(self, samples: list[Sample], states: list) -> int:
         """The rows' states to the writer, a conversation's rows certified first in one pass (a row that
         fails stops the run there, the rows before it written); returns their tokens."""
-        tokens = 0
-        handed = [(sample, fp8_states.pick(layers, self.layer_order), witness)
-                  for sample, (layers, witness) in zip(samples, states if self.certified else
-                                                        [(layers, None) for layers in states], strict=True)]
+        witnessed = states if self.certified else [(layers, None) for layers in states]  # (layers, witness)
+        write_certified(self.certifier, [(sample, fp8_states.pick(layers, self.layer_order), witness)
+                                         for sample, (layers, witness) in zip(samples, witnessed, strict=True)],
+                        self._write_row)
+        return sum(len(sample.input_ids) for sample in samples)
 
-        def write(sample: Sample, layers: list, extra: dict | None) -> None:
-            nonlocal tokens
-            streamed = self.writer.write(sample, layers, extra)
-            if streamed is not None:
-                self.tally.streamed += 1
-                self.tally.streamed_rows += min(streamed.kept, streamed.rows)
-            self.summary.extracted += 1
-            self.summary.tokens += len(sample.input_ids)
-            self.summary.computed_tokens += len(sample.input_ids)
-            tokens += len(sample.input_ids)
-
-        write_certified(self.certifier, handed, write)
-        return tokens
+    def _write_row(self, sample: Sample, layers: list, extra: dict | None) -> None:
+        """One row to the writer (``extra``: its certificate's tensors), counted."""
+        streamed = self.writer.write(sample, layers, extra)
+        if streamed is not None:
+            self.tally.streamed += 1
+            self.tally.streamed_rows += min(streamed.kept, streamed.rows)
+        self.summary.extracted += 1
+        self.summary.tokens += len(sample.input_ids)
+        self.summary.computed_tokens += len(sample.input_ids)
