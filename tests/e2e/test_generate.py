@@ -171,7 +171,7 @@ def test_every_row_is_certified_and_verify_holds_them(generated):
 SAMPLED = ("--temperature", "0.8", "--top-p", "0.05", "--seed", "7")
 
 
-@pytest.mark.parametrize("plant", ["", "decode_swap"])
+@pytest.mark.parametrize("plant", ["", "decode_swap"], ids=["unplanted", "decode_swap"])
 def test_sampled_replies_rows_are_certified_and_a_decode_bug_stops_the_run(tmp_path, plant):
     """Temperature 0.8: the certificate holds only where vLLM's logprobs are the model's raw ones (not
     divided by the temperature). With decode steps' rows one request off, the run stops at the first
