@@ -112,7 +112,8 @@ class Sampling:
 class Reply:
     """A generated reply and where its rows are: ``prompt`` + ``generated`` ids, the rows of the
     first ``stored`` of them in the region at ``offset`` (laid out for ``capacity`` rows), computed
-    under vLLM cache salt ``salt``."""
+    under vLLM cache salt ``salt``; ``witness``: the engine's logprobs with each generated token
+    (``certify.witness.reply_witness``), where the reply was asked for them."""
 
     prompt: list[int]
     generated: list[int]
@@ -122,6 +123,7 @@ class Reply:
     capacity: int
     stored: int
     salt: str
+    witness: object = None
 
     @property
     def ids(self) -> list[int]:
@@ -135,16 +137,18 @@ class Replying(Protocol):
 
     ``answer`` resolves to a :class:`Reply` whose rows stay held until ``release_replies``;
     ``stream`` (a ``reply_streams.Sink``) takes its rows as they land. ``row_states`` resolves as
-    ``Backend.submit`` does, each row the training row of ``sources[i]``. The two counters grow as
+    ``Backend.submit`` does, each row the training row of ``sources[i]``; ``certified``: as
+    ``submit_certified`` does, ``(layers, Witness)`` per row, the witness its reply's logprobs (the
+    replies asked for them: ``answer``'s ``certified``). The two counters grow as
     rows are prefilled: tokens whose states a reply's region held, rows prefilled in that region.
     """
 
     reply_rows_reused: int
     rows_in_place: int
 
-    def answer(self, prompt: list[int], sampling: Sampling, stream=None) -> Future: ...
+    def answer(self, prompt: list[int], sampling: Sampling, stream=None, certified: bool = False) -> Future: ...
 
-    def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future: ...
+    def row_states(self, rows: list[list[int]], sources: list[Reply], certified: bool = False) -> Future: ...
 
     def release_replies(self, replies: list[Reply]) -> None: ...
 

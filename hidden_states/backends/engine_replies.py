@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import Future
 
+from ..certify.witness import TOP, Witness, reply_witness, row_witness
 from ..inputs.tokenization import common_prefix
 from . import Reply, Sampling
 from .engine_feed import EngineBatch
@@ -41,9 +42,10 @@ class PromptWork(RegionBatch):
     whatever else the engine runs. Its region holds the prompt, up to ``max_new_tokens`` rows more
     (the decode steps') and ``ROW_TAIL`` for its training row's end, under a cache salt of its own."""
 
-    def __init__(self, ids: list[int], offset: int, sampling: Sampling, salt: str):
+    def __init__(self, ids: list[int], offset: int, sampling: Sampling, salt: str, certified: bool = False):
         super().__init__([ids], [offset], salt)
         self.sampling = sampling
+        self.certified = certified  # asks for the engine's logprobs with each token (its rows' witness)
         self.lengths = [len(ids) + sampling.max_new_tokens + ROW_TAIL]
 
 
@@ -53,9 +55,12 @@ class RowWork(RegionBatch):
     (``in_place``: its rows before are there already, its own counters say how far it got); another
     has a region of its own, the rows before copied into it from the reply's."""
 
-    def __init__(self, ids, offsets, sources: list[Reply], in_place: list[bool], streams: list):
+    def __init__(self, ids, offsets, sources: list[Reply], in_place: list[bool], streams: list,
+                 certified: bool = False):
         super().__init__(ids, offsets)
         self.sources = sources
+        self.certified = certified  # resolves to (layers, Witness) per row
+        self.copied = [0] * len(ids)  # each row's first rows that are its reply's (the rest its prefill's)
         self.in_place = in_place
         self.streams = streams  # an in-place row's reply's stream (reply_streams), told which rows it keeps
         self.lengths = [source.capacity if here else len(row) for row, source, here in zip(ids, sources, in_place)]
@@ -78,7 +83,8 @@ class EngineReplies:
         self._adopted: set[int] = set()  # replies' regions their training rows took over (released with the rows)
         self.streams: ReplyStreams | None = None  # replies' rows copied to their files as they land
 
-    def answer(self, prompt: list[int], sampling: Sampling, stream: Sink | None = None) -> Future:
+    def answer(self, prompt: list[int], sampling: Sampling, stream: Sink | None = None,
+               certified: bool = False) -> Future:
         """Answer ``prompt``, a request of its own: the future resolves to its :class:`Reply` once that
         request has finished, while the engine goes on with the others (and with whatever is
         submitted meanwhile: a conversation's next turn). The reply's region holds the rows of its
@@ -86,12 +92,13 @@ class EngineReplies:
         until :meth:`release_replies`. ``stream``: the rows go there too as they land (token-major,
         ``reply_streams``), until the reply's training row is prefilled; it is told which of them
         that row's states keep (``kept``), or discarded (``discard``) when the row takes a region
-        of its own or the reply is given back."""
+        of its own or the reply is given back. ``certified``: the reply carries the engine's logprobs
+        with each of its tokens (``Reply.witness``), which certify its training row."""
         engine = self._engine
         engine.check_feed()
         capacity = len(prompt) + sampling.max_new_tokens + ROW_TAIL
         offset = engine.pool.reserve(engine.region_bytes(capacity), timeout=600.0)
-        work = PromptWork(prompt, offset, sampling, f"hs-gen-{engine.next_salt()}")
+        work = PromptWork(prompt, offset, sampling, f"hs-gen-{engine.next_salt()}", certified)
         if stream is not None:
             self._reply_streams().follow(offset, capacity, stream)
         engine.put(work)
@@ -118,9 +125,10 @@ class EngineReplies:
     def _stop_stream(self, offset: int):
         return self.streams.stop(offset) if self.streams is not None else None
 
-    def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future:
+    def row_states(self, rows: list[list[int]], sources: list[Reply], certified: bool = False) -> Future:
         """The states of ``rows``, each the training row of reply ``sources[i]``'s conversation: as
-        ``submit``'s, every row whole. Each row is prefilled under its reply's cache salt (vLLM
+        ``submit``'s, every row whole (``certified``: with each row's :class:`Witness`, from its
+        reply's logprobs, as ``submit_certified``'s). Each row is prefilled under its reply's cache salt (vLLM
         computes what its prefix cache does not hold, at least the last token); the rows before come
         from the reply's region, which must hold them (the same ids, stored).
 
@@ -147,7 +155,7 @@ class EngineReplies:
                     stream.discard()
                     stream = None
             streams.append(stream)
-        work = RowWork(rows, offsets, sources, in_place, streams)
+        work = RowWork(rows, offsets, sources, in_place, streams, certified)
         self.rows_in_place += sum(in_place)
         engine.put(work)
         return work.future
@@ -171,9 +179,12 @@ class EngineReplies:
         from vllm import SamplingParams
 
         sampling = work.sampling
+        # vLLM's logprobs are its raw ones (before temperature, top-p, penalties: logprobs_mode's
+        # default on every release generate runs, docs/certificates.md): the model's, as a certificate's
         return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                               max_tokens=sampling.max_new_tokens, seed=sampling.seed,
-                              ignore_eos=sampling.ignore_eos, extra_args=region)
+                              ignore_eos=sampling.ignore_eos, logprobs=TOP if work.certified else None,
+                              extra_args=region)
 
     def answered(self, work: PromptWork) -> None:
         """On the feed's thread: the prompt's request has finished; resolve its reply (or its failure)."""
@@ -204,8 +215,10 @@ class EngineReplies:
         if pool.view(offset + HEADER, torch.int32, stored).tolist() != ids[:stored]:
             raise RuntimeError("the states stored for a reply come from other tokens' rows: the worker attributed "
                                "rows to the wrong request")
+        # read now, before a training row's prefill stores into the region again: a preempted request's rows
+        witness = reply_witness(output, len(prompt), pool.rewritten_from(offset)) if work.certified else None
         return Reply(prompt, list(completion.token_ids), completion.text, completion.finish_reason, offset,
-                     work.lengths[0], stored, work.cache_salt)
+                     work.lengths[0], stored, work.cache_salt, witness)
 
     def fill_from_replies(self, work: RowWork) -> None:
         """Copy into each row's region the rows vLLM's prefix cache spared it, from its reply's region
@@ -220,11 +233,19 @@ class EngineReplies:
             if first > min(common_prefix(ids, source.ids), source.stored):
                 raise RuntimeError(f"vLLM's prefix cache gave row {position} its first {first} tokens, and its reply's "
                                    f"region holds {min(common_prefix(ids, source.ids), source.stored)} of them")
+            work.copied[position] = first
             if first and not work.in_place[position]:
                 engine.copy_rows(offset, len(ids), source.offset, source.capacity, first)
             if work.streams[position] is not None:  # its rows from the prefill's first on are the row's own
                 work.streams[position].kept = min(first, pool.rewritten_from(offset))
             self.reply_rows_reused += first
+
+    @staticmethod
+    def witnesses(work: RowWork) -> list[Witness]:
+        """Each certified row's witness: its reply's logprobs at the positions it shares with the reply,
+        those past the rows copied from the reply's region counted as another forward's."""
+        return [row_witness(source.witness, ids, common_prefix(ids, source.ids), copied)
+                for ids, source, copied in zip(work.ids, work.sources, work.copied, strict=True)]
 
     def close(self) -> None:
         if self.streams is not None:

@@ -216,11 +216,11 @@ class VllmEngineBackend(EngineBackend):
                 for layers in self.submit(batch).result()]
 
     # -- hidden-states generate (backends.Replying): the reply side's, on this backend's regions
-    def answer(self, prompt: list[int], sampling: Sampling, stream=None) -> Future:
-        return self.replies.answer(prompt, sampling, stream)
+    def answer(self, prompt: list[int], sampling: Sampling, stream=None, certified: bool = False) -> Future:
+        return self.replies.answer(prompt, sampling, stream, certified)
 
-    def row_states(self, rows: list[list[int]], sources: list[Reply]) -> Future:
-        return self.replies.row_states(rows, sources)
+    def row_states(self, rows: list[list[int]], sources: list[Reply], certified: bool = False) -> Future:
+        return self.replies.row_states(rows, sources, certified)
 
     def release_replies(self, replies: list[Reply]) -> None:
         self.replies.release_replies(replies)
@@ -289,6 +289,8 @@ class VllmEngineBackend(EngineBackend):
                 self._fill_cached_rows(work)
             for position in range(len(work.ids)):
                 states.append(self._states(work, position))
+            # a certified training row's witness: its reply's logprobs (engine_replies)
+            witnesses = self.replies.witnesses(work) if isinstance(work, RowWork) and work.certified else None
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             for position in range(len(states), len(work.ids)):  # regions no tensor will release
                 self.pool.release(work.offsets[position])
@@ -298,6 +300,8 @@ class VllmEngineBackend(EngineBackend):
         else:
             if work.probes is not None:
                 witnessed.resolve(work, states, self._feed.put)
+            elif witnesses is not None:
+                work.future.set_result(list(zip(states, witnesses, strict=True)))
             else:
                 work.future.set_result(states)
 

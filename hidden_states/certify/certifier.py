@@ -46,6 +46,18 @@ class CertificateFailed(RuntimeError):
     the numbers."""
 
 
+def write_certified(certifier: Certifier | None, rows: list, write) -> None:
+    """Hand each of ``rows`` (``(row, layers, witness)``, in order) to ``write(row, layers, extra)``,
+    ``extra`` its certificate's tensors, all of them certified first in one pass (``certifier`` None:
+    none, written as they are). The rows before a failing one are written; the failing one raises its
+    :class:`CertificateFailed`, and neither it nor those after it are written."""
+    certificates = certifier.certify_all(rows) if certifier is not None and rows else [None] * len(rows)
+    for (row, layers, _), certificate in zip(rows, certificates, strict=True):
+        if isinstance(certificate, CertificateFailed):
+            raise certificate
+        write(row, layers, certificate.tensors() if certificate is not None else None)
+
+
 class Certifier:
     """Certifies rows for one run.
 

@@ -9,12 +9,17 @@ one position of the LM head (:func:`probe_positions` says which).
 """
 from __future__ import annotations
 
+import random
 import zlib
 from dataclasses import dataclass
 
 from .certificate import PROBE_SLACK
 
 TOP = 4  # ids per position: the engine's likeliest (a wrong state moves every one; 4 cost nothing more)
+# a generated reply's positions certified in its training row (``generate``): each is a position of the
+# LM head for the whole vocabulary (twice, with the bound's variances), stacked with the batch's others:
+# every position of a thousand-token reply would cost a thousand, and a batch's product gigabytes
+REPLY_POSITIONS = 8
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,14 @@ class Witness:
         return Witness([self.positions[i] for i in keep], [self.token_ids[i] for i in keep],
                        [self.logprobs[i] for i in keep], tuple(p for p in self.probed if p < length))
 
+    def picked(self, keep, probed_from: int) -> Witness:
+        """The positions in ``keep``, those from ``probed_from`` on counted as probed (their states come
+        from another forward than their logprobs)."""
+        at = [i for i, p in enumerate(self.positions) if p in keep]
+        positions = [self.positions[i] for i in at]
+        return Witness(positions, [self.token_ids[i] for i in at], [self.logprobs[i] for i in at],
+                       tuple(p for p in positions if p in self.probed or p >= probed_from))
+
     def tensors(self):
         """``(positions [p], token_ids [p, k], logprobs [p, k], slack [p])``, ids padded with -1; the
         slack :data:`.certificate.PROBE_SLACK` at probed positions, 1 at the row's own."""
@@ -58,8 +71,53 @@ def first_token_logprobs(output, position: int) -> tuple[list[int], list[float]]
     entry = completion.logprobs[0] if completion is not None and completion.logprobs else None
     if not entry:
         raise RuntimeError(f"vLLM returned no logprobs for batch position {position} (asked with logprobs={TOP})")
-    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:TOP + 1]
-    return [int(token) for token, _ in ranked], [float(value.logprob) for _, value in ranked]
+    return ranked(entry)
+
+
+def ranked(entry: dict) -> tuple[list[int], list[float]]:
+    """One position's logprobs as vLLM gives them (id -> ``Logprob``): the ids and their values,
+    likeliest first (the ``TOP``, and the sampled id where it is not among them)."""
+    best = sorted(entry.items(), key=lambda item: -item[1].logprob)[:TOP + 1]
+    return [int(token) for token, _ in best], [float(value.logprob) for _, value in best]
+
+
+def reply_witness(output, prompt_length: int, recomputed_from: int) -> Witness:
+    """The engine's logprobs with each token a reply sampled (vLLM's ``RequestOutput``, asked with
+    ``logprobs=TOP``): at the position before the token (the prompt's last for the first), from the
+    forward whose states the reply's region holds. Positions from ``recomputed_from`` on were stored
+    again (a preempted request's prefix computed again): their states come from another forward,
+    counted as probed."""
+    completion = output.outputs[0]
+    entries = completion.logprobs or []
+    if len(entries) != len(completion.token_ids) or not all(entries):
+        raise RuntimeError(f"vLLM returned logprobs for {len(entries)} of a reply's {len(completion.token_ids)} "
+                           f"tokens (asked with logprobs={TOP})")
+    positions = [prompt_length - 1 + k for k in range(len(entries))]
+    found = [ranked(entry) for entry in entries]
+    return Witness(positions, [ids for ids, _ in found], [values for _, values in found],
+                   tuple(p for p in positions if p >= recomputed_from))
+
+
+def row_witness(reply: Witness, row_ids: list[int], shared: int, copied: int) -> Witness:
+    """A training row's witness from its reply's (:func:`reply_witness`): :data:`REPLY_POSITIONS` of
+    the reply's positions the row shares (before ``shared``: the same ids up to there), chosen by
+    :func:`chosen_positions`. The row's rows before ``copied`` are the reply's own (its region's);
+    those after were computed again by the row's prefill (another forward): counted as probed."""
+    eligible = [p for p in reply.positions if p < shared]
+    return reply.picked(set(chosen_positions(row_ids, eligible, copied)), copied)
+
+
+def chosen_positions(ids: list[int], eligible: list[int], seam: int) -> list[int]:
+    """At most :data:`REPLY_POSITIONS` of ``eligible`` (ascending): the first and the last (the
+    prompt's last position, the reply's last), the two at ``seam`` (the last row copied from the reply,
+    the first computed again: a copy from the wrong place or one row off shows there), and the rest
+    drawn from the row's own ids (the same on every run; over many rows every part of a reply)."""
+    if len(eligible) <= REPLY_POSITIONS:
+        return eligible
+    always = {eligible[0], eligible[-1], *({seam - 1, seam} & set(eligible))}
+    rest = [p for p in eligible if p not in always]
+    drawn = random.Random(zlib.crc32(bytes(memoryview(_int32(ids))))).sample(rest, REPLY_POSITIONS - len(always))
+    return sorted(always | set(drawn))
 
 
 def probe_positions(ids: list[int], served: list[int] = ()) -> list[int]:

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import fp8_states
-from ..certify.certifier import CertificateFailed
+from ..certify.certifier import write_certified
 from ..certify.witness import probe_positions
 from ..inputs import prefixes
 from ..inputs.streams import Sample
@@ -152,19 +152,12 @@ class ExtractRows:
     def certify_and_write(self, handed: list) -> None:
         """Rows from :meth:`take` to the writer, certified first, all in one pass: the rows before a
         failing one are written, the failing one and those after it are not, and the run stops there."""
-        certificates = None
-        if self.certifier is not None and handed:
-            try:
-                witnesses = [witness.result() for _, _, witness in handed]
+        if self.certifier is not None:
+            try:  # each row's witness: its carrier's, once its probes have run, at the row's own positions
+                handed = [(row, layers, witness.result().within(len(row.input_ids))) for row, layers, witness in handed]
             except Exception as exc:
                 raise self._failed([row for row, _, _ in handed], exc) from exc
-            certificates = self.certifier.certify_all([(row, layers, witness.within(len(row.input_ids)))
-                                                       for (row, layers, _), witness in zip(handed, witnesses)])
-        for index, (row, row_layers, _) in enumerate(handed):
-            certificate = certificates[index] if certificates is not None else None
-            if isinstance(certificate, CertificateFailed):
-                raise certificate
-            self.writer.write(row, row_layers, certificate.tensors() if certificate is not None else None)
+        write_certified(self.certifier, handed, self.writer.write)
 
     def _failed(self, batch: list[Sample], exc: Exception) -> ExtractionFailed:
         held = [row for s in batch for row in (s, *self._served.get(s.index, ()))]  # rows served from them too

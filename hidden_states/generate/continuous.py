@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from .. import fp8_states
+from ..certify.certifier import write_certified
 from ..inputs import conversations
 from ..backends import Reply, Sampling
 from ..errors import InputError
@@ -46,6 +47,9 @@ class ContinuousRegeneration:
     def __init__(self, model, chat: ChatTokenizer, sampling: Sampling, settings, summary, *,
                  streams: bool, interrupted: Callable[[], bool] = lambda: False, progress: Progress | None = None):
         self.backend, self.writer, self.layer_order = model.backend, model.writer, model.layer_order
+        # None: rows written uncertified (the load said why); else each reply asks for the engine's
+        # logprobs with its tokens, which certify its training row before it is written
+        self.certifier = getattr(model, "certifier", None)
         self.chat, self.sampling, self.settings, self.summary = chat, sampling, settings, summary
         self.streams, self._interrupted, self.progress = streams, interrupted, progress
         self.tally = Tally()
@@ -121,14 +125,19 @@ class ContinuousRegeneration:
         conversation is over without rows (skipped: a prompt too long)."""
         ids = self._next_prompt_ids(regen)
         if ids is not None:
-            asked[self.backend.answer(ids, self.sampling, stream=self._stream_for(regen, indices))] = (regen, indices)
+            asked[self.backend.answer(ids, self.sampling, stream=self._stream_for(regen, indices),
+                                      certified=self.certified)] = (regen, indices)
             return False
         if regen.kept.skip is not None or not regen.replies:
             self.backend.release_replies(regen.replies)
             return True
         samples, rows, sources = self._rows_of(regen, indices)
-        rowed[self.backend.row_states(rows, sources)] = (regen, indices, samples)
+        rowed[self.backend.row_states(rows, sources, certified=self.certified)] = (regen, indices, samples)
         return False
+
+    @property
+    def certified(self) -> bool:
+        return self.certifier is not None
 
     def _stream_for(self, regen: Regeneration, indices: list[int]):
         """The file of ``regen``'s next reply's row (a row per reply: its sample is the reply's number
@@ -178,16 +187,20 @@ class ContinuousRegeneration:
         return samples, rows, sources
 
     def _hand_rows(self, samples: list[Sample], states: list) -> int:
-        """The rows' states to the writer; returns their tokens."""
-        tokens = 0
-        for sample, layers in zip(samples, states, strict=True):
-            layers = fp8_states.pick(layers, self.layer_order)
-            streamed = self.writer.write(sample, layers)
-            if streamed is not None:
-                self.tally.streamed += 1
-                self.tally.streamed_rows += min(streamed.kept, streamed.rows)
-            self.summary.extracted += 1
-            self.summary.tokens += len(sample.input_ids)
-            self.summary.computed_tokens += len(sample.input_ids)
-            tokens += len(sample.input_ids)
-        return tokens
+        """The rows' states to the writer, a conversation's rows certified first in one pass (a row that
+        fails stops the run there, the rows before it written); returns their tokens."""
+        witnessed = states if self.certified else [(layers, None) for layers in states]  # (layers, witness)
+        write_certified(self.certifier, [(sample, fp8_states.pick(layers, self.layer_order), witness)
+                                         for sample, (layers, witness) in zip(samples, witnessed, strict=True)],
+                        self._write_row)
+        return sum(len(sample.input_ids) for sample in samples)
+
+    def _write_row(self, sample: Sample, layers: list, extra: dict | None) -> None:
+        """One row to the writer (``extra``: its certificate's tensors), counted."""
+        streamed = self.writer.write(sample, layers, extra)
+        if streamed is not None:
+            self.tally.streamed += 1
+            self.tally.streamed_rows += min(streamed.kept, streamed.rows)
+        self.summary.extracted += 1
+        self.summary.tokens += len(sample.input_ids)
+        self.summary.computed_tokens += len(sample.input_ids)

@@ -19,10 +19,14 @@ them (each conversation's next turn enters the engine as soon as its reply is in
   from its whole reply is prefilled in the reply's region, a cached first block included, and its
   states are still HF's;
 * with Qwen3's thinking template on the tiny Qwen3 (``qwen3_model``), every row re-rendered (the
-  reply moved after an empty think block), the rows' states are still HF's.
+  reply moved after an empty think block), the rows' states are still HF's;
+* every row carries its certificate (the engine's logprobs with the reply's tokens) and ``hidden-states
+  verify`` holds them; sampled replies (temperature 0.8, top-p 0.05) are certified too, vLLM's logprobs
+  being its raw ones; a decode step's rows planted one request off (``tests/e2e/plants``) stop the
+  run at a row it does not write, while the same run without the plant passes.
 
-Engine starts: the two runs, the reference's ``LLM``, the marker model's run and the Qwen3 run
-(five). Marked ``extractor`` and ``generate``: the vLLM 0.26.0 release's run only, the lane beside
+Engine starts: the two runs, the reference's ``LLM``, the marker model's run, the Qwen3 run and the
+sampled runs with and without the plant (seven). Marked ``extractor`` and ``generate``: the vLLM 0.26.0 release's run only, the lane beside
 0.32.0's (scripts/test_matrix.py).
 """
 from __future__ import annotations
@@ -129,6 +133,66 @@ def test_replies_are_vllms_own_greedy_generation(generated, tmp_path):
 def test_rows_are_the_regenerated_conversations_with_hfs_states(generated):
     model, out, _, _, second = generated
     judge_rows(model, out, second.stderr, first_index=FIRST_RUN)
+
+
+def verify(out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hidden_states", "verify", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})
+
+
+def certified_rows(out: Path) -> list[int]:
+    """The rows of ``out`` with a certificate at reply positions (those past their prompt)."""
+    import torch
+
+    rows = []
+    for path in sorted(out.glob("data_*.pt")):
+        record = torch.load(path, weights_only=True)
+        if len(record.get("certificate.positions", ())) > 1:
+            rows.append(int(path.stem.split("_")[1]))
+    return rows
+
+
+def test_every_row_is_certified_and_verify_holds_them(generated):
+    _, out, first, _, second = generated
+    assert "certificates: on: every row is checked" in second.stderr, second.stderr[-3000:]
+    assert f"certificates: {len(CONVERSATIONS) - FIRST_RUN} rows certified" in second.stderr, second.stderr[-3000:]
+    assert certified_rows(out) == list(range(len(CONVERSATIONS)))
+    checked = verify(out)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert checked.stderr.strip().splitlines()[-1] == (f"[hidden-states] verify: ok: {len(CONVERSATIONS)} certified "
+                                                       f"rows hold the engine's states")
+
+
+# sampled, and from the few likeliest words only: the random model's distribution is flat, so at a wide
+# top-p its replies sample tokens the template drops, each row is re-rendered before its first whole
+# block and none of its states would be the generation's (nothing for the plant to spoil, no position
+# held to one bound). vLLM's processed logprobs would differ from the raw ones by the temperature and
+# top-p's renormalisation
+SAMPLED = ("--temperature", "0.8", "--top-p", "0.05", "--seed", "7")
+
+
+@pytest.mark.parametrize("plant", ["", "decode_swap"], ids=["unplanted", "decode_swap"])
+def test_sampled_replies_rows_are_certified_and_a_decode_bug_stops_the_run(tmp_path, plant):
+    """Temperature 0.8: the certificate holds only where vLLM's logprobs are the model's raw ones (not
+    divided by the temperature). With decode steps' rows one request off, the run stops at the first
+    row holding them, exit 1, in one line, and writes no file for it; without, every row is certified."""
+    model, data = conversations_in(tmp_path, CONVERSATIONS)
+    out = tmp_path / "out"
+    proc = run_generate(model, data, out, *SAMPLED, env_extra={"HIDDEN_STATES_PLANT": plant},
+                        pythonpath=(Path(ROOT) / "tests" / "e2e" / "plants", ROOT))
+    if not plant:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        reused = re.search(r"([\d,]+) row tokens from the generation's states", proc.stderr)
+        assert reused and int(reused.group(1).replace(",", "")) > 0, proc.stderr[-4000:]  # decode rows among them
+        assert certified_rows(out) == list(range(len(CONVERSATIONS)))
+        assert verify(out).returncode == 0
+        return
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    line = next(line for line in reversed(proc.stderr.splitlines()) if line.startswith("hidden-states: "))
+    assert re.fullmatch(r"hidden-states: failed: CertificateFailed: sample \d+ \(line \d+\): its written last-layer "
+                        r"state is not the engine's \(position .*\); not written", line), proc.stderr[-4000:]
+    sample = int(line.split("sample ", 1)[1].split(" ", 1)[0])
+    assert not (out / f"data_{sample}.pt").exists()
 
 
 def test_rows_going_on_from_their_reply_are_prefilled_in_its_region(tmp_path):

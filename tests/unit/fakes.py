@@ -182,7 +182,7 @@ class FakeGenerating(FakeBackend):
         FakeGenerating.started_count += 1
         return {"backend": self.name}
 
-    def answer(self, ids, sampling, stream=None):
+    def answer(self, ids, sampling, stream=None, certified=False):
         from concurrent.futures import Future
 
         import torch
@@ -200,7 +200,7 @@ class FakeGenerating(FakeBackend):
                                 len(ids) + len(generated) - 1, f"salt-{self.asked}"))
         return future
 
-    def row_states(self, rows, sources):
+    def row_states(self, rows, sources, certified=False):
         from concurrent.futures import Future
 
         import torch

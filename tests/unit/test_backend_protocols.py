@@ -118,10 +118,10 @@ def test_a_generating_backend_missing_a_member_is_named():
     class NoRelease(FakeBackend):  # planted: replies, but generate could not give their regions back
         reply_rows_reused = rows_in_place = 0
 
-        def answer(self, prompt, sampling, stream=None):
+        def answer(self, prompt, sampling, stream=None, certified=False):
             return Future()
 
-        def row_states(self, rows, sources):
+        def row_states(self, rows, sources, certified=False):
             return Future()
 
     backend = NoRelease(SETTINGS)

@@ -562,7 +562,7 @@ class TimedReplies(FakeGenerating):
             self._happened.wait_for(lambda: all(event in self.events for event in self.long_until), WAIT)
         finish()
 
-    def answer(self, ids, sampling, stream=None):
+    def answer(self, ids, sampling, stream=None, certified=False):
         from concurrent.futures import Future
 
         reply = super().answer(ids, sampling).result()
@@ -585,7 +585,7 @@ class TimedReplies(FakeGenerating):
             finish()
         return future
 
-    def row_states(self, rows, sources):
+    def row_states(self, rows, sources, certified=False):
         self._note(("rows", next(word for word in self.TURNS if word in self.tokenizer.decode(rows[0]))))
         return super().row_states(rows, sources)
 
@@ -661,7 +661,7 @@ def test_a_conversation_starts_as_soon_as_another_is_done_and_its_rows_go_out_at
 class InterruptedReplies(TimedReplies):
     """:class:`TimedReplies`, with Ctrl-C pressed as the long reply is asked for."""
 
-    def answer(self, ids, sampling, stream=None):
+    def answer(self, ids, sampling, stream=None, certified=False):
         future = super().answer(ids, sampling)
         if self.events[-1] == ("asked", "long"):
             os.kill(os.getpid(), signal.SIGINT)

@@ -48,13 +48,13 @@ class PromptReplies(FakeGenerating):
     <number>`` (its number from the prompt's ids) then <|eot_id|>; a row's state at layer l and
     position p is ``1000 l + p + (sum of its ids)/1000``."""
 
-    def answer(self, ids, sampling, stream=None):
+    def answer(self, ids, sampling, stream=None, certified=False):
         eot = self.tokenizer.convert_tokens_to_ids("<|eot_id|>")
         text = f"ok {sum(ids) % 89}"
         generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [eot]
         return done(Reply(ids, generated, text, "stop", 0, 0, len(ids) + len(generated) - 1, "salt"))
 
-    def row_states(self, rows, sources):
+    def row_states(self, rows, sources, certified=False):
         for row, source in zip(rows, sources):
             self.reply_rows_reused += row_source(row, [source]).reused
         return done([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
@@ -72,7 +72,7 @@ class SampledReplies(PromptReplies):
         SampledReplies.made += 1
         self.number = SampledReplies.made
 
-    def answer(self, ids, sampling, stream=None):
+    def answer(self, ids, sampling, stream=None, certified=False):
         text = f"{super().answer(ids, sampling).result().text} {self.number}"
         generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] \
             + [self.tokenizer.convert_tokens_to_ids("<|eot_id|>")]

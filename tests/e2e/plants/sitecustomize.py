@@ -8,7 +8,9 @@ capture stores right, so that the parent's own check of them passes and only the
 * ``stale``: every other request's states are not copied: its region keeps what its last owner left;
 * ``prefix_offset``: rows vLLM's prefix cache gave a request are copied from one row too far;
 * ``pre_residual``: the capture point moved before the residual add (the own capture's hooks keep the
-  layer's output without its residual).
+  layer's output without its residual);
+* ``decode_swap``: in a step that only decodes (one token per request: ``generate``'s replies), each
+  request's row holds the next request's state; prefills (and so the sequence certified at load) are right.
 """
 import os
 
@@ -48,6 +50,8 @@ def _store(wrapped, worker, args, kwargs):
             aux = [torch.roll(layer, 1, dims=0) for layer in aux]
         elif PLANT == "swap":
             aux = _swap_two_requests(worker, aux)
+        elif PLANT == "decode_swap" and len(tokens := worker._hidden_states_step[0]) > 1 and set(tokens.values()) == {1}:
+            aux = [torch.roll(layer, 1, dims=0) for layer in aux]
     return wrapped(aux, *args[1:], **kwargs)
 
 
@@ -95,6 +99,7 @@ def _without_residual(wrapped, instance, args, kwargs):
 PLANTS = {
     "shift": ("hidden_states.backends.worker.engine_capture", "StreamingStates._store_captured_states", _store),
     "swap": ("hidden_states.backends.worker.engine_capture", "StreamingStates._store_captured_states", _store),
+    "decode_swap": ("hidden_states.backends.worker.engine_capture", "StreamingStates._store_captured_states", _store),
     "stale": ("hidden_states.backends.worker.engine_capture", "StreamingStates._copy_rows", _copy_rows),
     "prefix_offset": ("hidden_states.backends.vllm_engine", "VllmEngineBackend.copy_rows", _copy_from_one_row_on),
     "pre_residual": ("hidden_states.backends.worker.own_capture", "layer_output", _without_residual),
