@@ -309,8 +309,6 @@ class VllmEngineBackend(EngineBackend):
         """Copy into each region the first rows vLLM's prefix cache spared its request, from the region
         of the request of the batch that computed them (``cached_rows.fill_order``). A region whose rows
         are not all stored is left to ``_states``, which names it."""
-        import torch
-
         lengths = [len(ids) for ids in work.ids]
         stored = [self.pool.rows_stored(offset, length, timeout=self.rows_timeout) == length
                   for offset, length in zip(work.offsets, lengths)]
