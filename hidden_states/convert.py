@@ -28,6 +28,7 @@ from .output.writer import BackgroundWriter
 from .output.lock import DirectoryLock
 from .certify.certificate import Certificate
 from .output.names import CONFIG, format_name
+from .output.sample_rows import file_tensors
 from .files import read_json
 from .progress import log_to_stderr
 
@@ -37,20 +38,14 @@ CONVERTIBLE = (layer_conventions.SPECULATORS_03, layer_conventions.SPECULATORS_0
 def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], list, Certificate | None]:
     """``input_ids``, ``loss_mask``, the per-layer ``[T, hidden]`` states (in the file's layer order)
     and the certificate (None: the row has none) of one sample file of ``format_name``."""
+    tensors = file_tensors(format_name, path)
     if format_name == layer_conventions.SPECULATORS_05:
-        from .output.formats.speculators_05 import read_sample as read_05
-
-        tensors = read_05(path)
         if "loss_mask" not in tensors:
             raise UsageError(f"{path}: no loss_mask (not written by hidden-states): cannot convert it")
-        states = tensors["hidden_states"]
-        return (tensors["token_ids"].tolist(), tensors["loss_mask"].tolist(), list(states.unbind(dim=1)),
-                Certificate.from_tensors(tensors))
-    import torch
-
-    record = torch.load(path, weights_only=True)
-    return (record["input_ids"].tolist(), record["loss_mask"].tolist(), list(record["hidden_states"]),
-            Certificate.from_tensors(record))
+        ids, states = tensors["token_ids"], list(tensors["hidden_states"].unbind(dim=1))
+    else:
+        ids, states = tensors["input_ids"], list(tensors["hidden_states"])
+    return ids.tolist(), tensors["loss_mask"].tolist(), states, Certificate.from_tensors(tensors)
 
 
 def source_format(src: Path) -> tuple[str, dict]:

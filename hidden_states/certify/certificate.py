@@ -205,19 +205,3 @@ def agreement(head, last_rows: torch.Tensor, token_ids: torch.Tensor, logprobs: 
         return Agreement(torch.zeros(len(last_rows)), torch.ones(len(last_rows)))
     at = (off / limit).argmax(dim=-1, keepdim=True)  # each position's id furthest past (or nearest) its bound
     return Agreement(off.gather(1, at).squeeze(1).cpu(), limit.gather(1, at).squeeze(1).cpu())
-
-
-def certify(head, rows: list, last_index: int, positions, token_ids: torch.Tensor, logprobs: torch.Tensor, *,
-            state_unit: float, engine_unit: float, state_floor=0.0, slack=None) -> tuple[Certificate, Agreement]:
-    """A row's certificate from its written layers at ``positions`` (``rows``: ``[p, H]`` each, as the
-    trainer reads them; ``rows[last_index]`` the last decoder layer's) and the engine's ``logprobs``
-    of ``token_ids`` there."""
-    import torch
-
-    found = agreement(head, rows[last_index], token_ids, logprobs, state_unit=state_unit, engine_unit=engine_unit,
-                      state_floor=state_floor, slack=slack)
-    positions = torch.as_tensor(positions, dtype=torch.long).cpu()
-    slack = torch.ones(len(positions)) if slack is None else torch.as_tensor(slack, dtype=torch.float32).cpu()
-    certificate = Certificate(positions, token_ids.long().cpu(), logprobs.float().cpu(), found.error.float(),
-                              sketch(rows), slack)
-    return certificate, found

@@ -273,11 +273,8 @@ class Gatherer:
         try:
             extra = None
             if witness is not None:  # certified before its file is written: a failing row is answered with the error
-                certificate = self.certifier.certify_all([(f"request {request.number} ({len(request.ids)} tokens)",
-                                                           layers, witness.result())])[0]
-                if isinstance(certificate, Exception):
-                    raise certificate
-                extra = certificate.tensors()
+                extra = self.certifier.certify(f"request {request.number} ({len(request.ids)} tokens)", layers,
+                                               witness.result()).tensors()
             path = self.files.write(request.ids, layers, extra)
         except Exception as exc:  # noqa: BLE001 - the request's reply says it
             _settle(request.future, error=exc)

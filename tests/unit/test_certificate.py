@@ -7,7 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hidden_states.certify import certificate as C  # noqa: E402
+from hidden_states.certify.certifier import Certifier  # noqa: E402
 from hidden_states.certify.head import FinalHead, Uncertifiable  # noqa: E402
+from hidden_states.certify.witness import Witness  # noqa: E402
 from tests.unit.certified_model import engine_logprobs, head_checkpoint, states  # noqa: E402
 
 BF16, FP8 = C.HALF_ULP["bfloat16"], C.HALF_ULP["float8_e4m3fn"]
@@ -96,9 +98,8 @@ def test_the_sketch_names_a_layer_taken_from_another_row():
 def test_a_certificate_travels_as_tensors_and_back(head):
     layers = states(2, 32)
     ids, logprobs = engine_logprobs(head, layers[1], POSITIONS)
-    certificate, found = C.certify(head, [layer[POSITIONS] for layer in layers], 1, POSITIONS, ids, logprobs,
-                                   state_unit=BF16, engine_unit=BF16)
-    assert found.failing == []
+    # the run's certifier makes it (it raises CertificateFailed where a position fails)
+    certificate = Certifier(head, 1).certify("a row", layers, Witness(POSITIONS.tolist(), ids.tolist(), logprobs.tolist()))
     tensors = certificate.tensors()
     assert sorted(tensors) == sorted(C.PREFIX + name for name in C.NAMES)
     again = C.Certificate.from_tensors(tensors)
