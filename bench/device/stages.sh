@@ -49,6 +49,8 @@
 #                                           inside vLLM's CUDA graphs), its files against HF fp32
 #   bash bench/device/stages.sh certificates  # certificates' cost: vllm-engine b8 over 128 x 2048, off/on alternating (3 each,
 #                                           bench/certificates.py), then hidden-states verify on the last (certified) run
+#   bash bench/device/stages.sh certificates-steps  # the same workload off/on step by step (bench/steps.py), then the
+#                                           certified run under py-spy (PYSPY=its binary)
 #   bash bench/device/stages.sh certificates-kimi  # the Kimi-K2-shaped INT4 MoE (kimi-int4's checkpoint) through vllm-engine
 #                                           with certificates on: its "certificates:" lines, then hidden-states verify
 # Results: $OUT/results.jsonl (bench/gpu.py), logs in $OUT.
@@ -419,6 +421,19 @@ case "${1:?stage}" in
       --batch 8 --repeats ${CREPEATS:-3} --gpu-memory-utilization 0.85 --out $OUT/results.jsonl 2>&1 | tee $OUT/certificates.txt | cut -c1-900"
     grep -h "certificates:" "$OUT/extract-bench-certificates.log" 2>/dev/null | cut -c1-600 | tee "$OUT/certificates-log.txt"
     step 120 "python3 -m hidden_states verify /tmp/bench-certificates/out 2>&1 | tee $OUT/verify.txt | tail -20 | cut -c1-600"
+    ;;
+  certificates-steps)  # where certificates' cost goes: the certificates stage's workload (vllm-engine b8 over
+                       # ${CSAMPLES:-128} x $LENGTH), off then on, each step timed (bench/steps.py: steps, tokens and
+                       # requests per step, the GPU idle between them), then the certified run once more under py-spy
+                       # (PYSPY: its binary; the parent's and the engine core's Python stacks, raw, for flame graphs)
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    rm -rf /tmp/steps
+    step 100 "timed off 'rm -rf /tmp/c0 && extract --backend vllm-engine --batch 8 --samples ${CSAMPLES:-128} --no-certificates --work /tmp/c0; rm -rf /tmp/c0'"
+    step 100 "timed on 'rm -rf /tmp/c1 && extract --backend vllm-engine --batch 8 --samples ${CSAMPLES:-128} --work /tmp/c1; rm -rf /tmp/c1'"
+    python3 bench/steps.py /tmp/steps/off /tmp/steps/on 2>&1 | tee "$OUT/steps.txt"
+    PYSPY=${PYSPY:-$PWD/.gpu-tools/py-spy}
+    [ -x "$PYSPY" ] && step 150 "rm -rf /tmp/c2 && $PYSPY record --subprocesses --nonblocking -r 50 --format raw -o $OUT/certified.pyspy.txt -- \
+      $B extract --model $M8 --samples ${CSAMPLES:-128} --length $LENGTH --backend vllm-engine --batch 8 --work /tmp/c2 2>&1 | grep -E 'RESULT|Error' | tail -2 | cut -c1-600; rm -rf /tmp/c2"
     ;;
   certificates-kimi)  # the Kimi-K2-shaped INT4 MoE (kimi-int4's checkpoint, built here if absent) through --backend
                       # vllm-engine, certificates on, 32 x $LENGTH batch 16: its "certificates:" lines, then verify
