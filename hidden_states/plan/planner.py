@@ -152,7 +152,8 @@ def check_memory_here(settings: ModelSettings, facts: ModelFacts,
     """The memory the model needs per rank against this host's devices (refuses what cannot fit)
     and, on vLLM's CPU backend, the KV cache it will be given; ``memory``: the plan's estimate (made
     here when None)."""
-    memory = memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
+    memory = memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len,
+                                       settings.pp_size)
     if memory is None:
         return MemoryCheck([f"memory: not estimated ({facts.path} holds no .safetensors files)"])
     budget = device_budget(settings.gpu_memory_utilization)
