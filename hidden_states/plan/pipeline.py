@@ -84,3 +84,35 @@ def pipeline_line(stages: list[tuple[int, int]], layer_ids) -> str:
     spans = [_span(*stage) for stage in stages]
     return (f"pipeline: {len(stages)} stages, layers {', '.join(spans[:-1])} and {spans[-1]}; captured "
             f"{', '.join(held) or 'none'} (stage {last} is the last: LM head, certificates)")
+
+
+def gpus_here(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The GPUs vLLM may use on this host, asked without a CUDA context: ``CUDA_VISIBLE_DEVICES`` when
+    set, else NVML's count; None when neither tells."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([device for device in visible.split(",") if device.strip()])
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - advisory: vLLM says it at the load
+        return None
+
+
+def check_one_host(tp_size: int, pp_size: int, gpus: int | None) -> str | None:
+    """Every stage runs on this host (vLLM's multiprocessing executor): ``tp_size * pp_size`` GPUs
+    here, else refused before the load; stages on other hosts (Ray, several nodes) are not supported
+    yet. Returns the plan's line, or None where the GPUs are not known."""
+    if gpus is None:
+        return None
+    needed = tp_size * pp_size
+    if needed > gpus:
+        raise UsageError(f"--pp-size {pp_size}: --tp-size {tp_size} x --pp-size {pp_size} needs {needed} GPUs on "
+                         f"this host, which has {gpus}; pipeline stages on other hosts (several nodes, Ray) are "
+                         f"not supported yet")
+    return f"GPUs: {needed} of this host's {gpus} (--tp-size {tp_size} x --pp-size {pp_size})"

@@ -27,7 +27,7 @@ from ..forward_check import check_forward
 from ..output import formats
 from ..settings import ModelSettings, Settings
 from ..sizes import human_size
-from .pipeline import check_pipeline_parallel, pipeline_line
+from .pipeline import check_one_host, check_pipeline_parallel, gpus_here, pipeline_line
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, MemoryEstimate, ModelFacts, check_environment, check_layer_ids,
                         check_memory, check_states_in_flight, check_tensor_parallel, check_vllm, cpu_kv_cache_space,
                         device_budget, estimate_memory, model_facts)
@@ -158,7 +158,10 @@ def check_memory_here(settings: ModelSettings, facts: ModelFacts,
         return MemoryCheck([f"memory: not estimated ({facts.path} holds no .safetensors files)"])
     budget = device_budget(settings.gpu_memory_utilization)
     device = device_name_here()
-    lines = [check_memory(settings.model_path, memory, budget)]
+    lines = []
+    if settings.pp_size > 1 and isinstance(budget, DeviceBudget) and not budget.shared:
+        lines += filter(None, [check_one_host(settings.tp_size, settings.pp_size, gpus_here())])
+    lines.append(check_memory(settings.model_path, memory, budget))
     cpu_kv_cache = None
     if isinstance(budget, DeviceBudget) and budget.shared:
         # vLLM's CPU backend sizes its KV cache from CPU_KV_CACHE_ENV or else from a share of the

@@ -135,3 +135,34 @@ def test_vllm_native_with_stages_on_a_gpu_follows_vllms_gate_for_the_family(fake
 def test_one_stage_is_never_refused(fake_model):
     vllm_native.refuse_pipeline(str(fake_model), 1, "0.32.0", "cpu")
     assert ModelSettings("m").pp_size == 1
+
+
+@pytest.mark.parametrize("preset", ["kimi-k2-int4-2x8h100", "deepseek-v3-bf16-2x8h200"])
+def test_the_two_host_presets_are_refused_on_one_eight_gpu_host_saying_why(preset):
+    from hidden_states.plan.pipeline import check_one_host
+    from hidden_states.presets import PRESETS
+
+    chosen = PRESETS[preset]
+    assert (chosen["tp_size"], chosen["pp_size"]) == (8, 2)
+    with pytest.raises(UsageError) as raised:
+        check_one_host(chosen["tp_size"], chosen["pp_size"], 8)
+    assert str(raised.value) == ("--pp-size 2: --tp-size 8 x --pp-size 2 needs 16 GPUs on this host, which has 8; "
+                                 "pipeline stages on other hosts (several nodes, Ray) are not supported yet")
+    assert check_one_host(8, 2, 16) == "GPUs: 16 of this host's 16 (--tp-size 8 x --pp-size 2)"
+    assert check_one_host(8, 2, None) is None
+
+
+def test_the_gpus_here_are_the_visible_ones_when_chosen():
+    from hidden_states.plan.pipeline import gpus_here
+
+    assert gpus_here({"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 3
+    assert gpus_here({"CUDA_VISIBLE_DEVICES": ""}) == 0
+
+
+def test_the_presets_before_pipelines_keep_one_stage():
+    from hidden_states.presets import PRESETS
+
+    assert [name for name, chosen in PRESETS.items() if chosen.get("pp_size", 1) > 1] == [
+        "kimi-k2-int4-2x8h100", "deepseek-v3-bf16-2x8h200"]
+    assert ModelSettings.tuned("vllm-engine", PRESETS["h200"], model_path="m").pp_size == 1
+
