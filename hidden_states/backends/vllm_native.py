@@ -57,6 +57,8 @@ TOUCHPOINTS = BackendTouchpoints("0.17.0", tuple([
     (Exists("vllm.entrypoints.llm:LLM"), frozenset({PRESENT})),
     *present("vllm.engine.arg_utils:EngineArgs", "speculative_config", "kv_transfer_config"),
     *FEED_TOUCHPOINTS,
+    # --pp-size: the model's decoder class, found through vLLM's registry of text models before the load
+    (Exists("vllm.model_executor.models.registry:_TEXT_GENERATION_MODELS"), frozenset({PRESENT})),
     # where each request's file is: the output's kv_transfer_params
     (Param("vllm.outputs:RequestOutput.__init__", "kv_transfer_params"), GIVEN),
 ]))
