@@ -271,15 +271,17 @@ def decoder_supports_aux_over_pp(architecture: str) -> bool | None:
 def refuse_pipeline(model_path: str, pp_size: int, version, device: str | None) -> None:
     """Refuse, before the load, ``--backend vllm-native`` with ``--pp-size > 1`` where vLLM would
     not capture every stage's layers: on its V1 model runner (the CPU backend; every vLLM before the
-    gate), which sets the auxiliary layers up on the last stage only, and on a GPU where vLLM's gate
+    gate; ``VLLM_USE_V2_MODEL_RUNNER=0``), which sets the auxiliary layers up on the last stage only, and on a GPU where vLLM's gate
     refuses the model's family (``decoder_supports_aux_over_pp``)."""
     if pp_size <= 1:
         return
     where = f"--pp-size {pp_size}: --backend vllm-native"
     remedy = "--backend vllm-engine runs it (each stage captures its own layers)"
     gate = extractor_api.package_dir("vllm").joinpath(*AUX_GATE)
-    if device == "cpu" or not (gate.is_file() and AUX_OVER_PP in gate.read_text()):
-        raise UsageError(f"{where}: vLLM {version}'s V1 model runner{' (its CPU backend)' if device == 'cpu' else ''} "
+    v1_chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false")
+    if device == "cpu" or v1_chosen or not (gate.is_file() and AUX_OVER_PP in gate.read_text()):
+        why = " (its CPU backend)" if device == "cpu" else " (VLLM_USE_V2_MODEL_RUNNER=0)" if v1_chosen else ""
+        raise UsageError(f"{where}: vLLM {version}'s V1 model runner{why} "
                            f"sets extract_hidden_states' auxiliary layers up on the last pipeline stage only "
                            f"(gpu_model_runner.py), so the other stages' layers would be missing; {remedy}")
     config = json.loads((Path(model_path) / "config.json").read_text())

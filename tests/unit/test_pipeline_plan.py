@@ -103,8 +103,12 @@ def fake_vllm(tmp_path, gate: bool):
     return root
 
 
-@pytest.mark.parametrize("device, gate", [("cpu", True), ("cuda", False)])
-def test_vllm_native_with_stages_on_the_v1_runner_is_refused(fake_model, tmp_path, monkeypatch, device, gate):
+@pytest.mark.parametrize("device, gate, v1", [("cpu", True, None), ("cuda", False, None), ("cuda", True, "0")])
+def test_vllm_native_with_stages_on_the_v1_runner_is_refused(fake_model, tmp_path, monkeypatch, device, gate, v1):
+    if v1 is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v1)
     monkeypatch.setattr(vllm_native.extractor_api, "package_dir", lambda name: fake_vllm(tmp_path, gate))
     with pytest.raises(UsageError) as raised:
         vllm_native.refuse_pipeline(str(fake_model), 2, "0.32.0", device)
@@ -116,6 +120,7 @@ def test_vllm_native_with_stages_on_the_v1_runner_is_refused(fake_model, tmp_pat
 @pytest.mark.parametrize("declared, refused", [(True, False), (False, True), (None, True)])
 def test_vllm_native_with_stages_on_a_gpu_follows_vllms_gate_for_the_family(fake_model, tmp_path, monkeypatch,
                                                                             declared, refused):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     config = json.loads((fake_model / "config.json").read_text())
     (fake_model / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
     monkeypatch.setattr(vllm_native.extractor_api, "package_dir", lambda name: fake_vllm(tmp_path, True))
