@@ -8,6 +8,13 @@ PRESETS: dict[str, dict] = {
     # and a smaller batch leaves less for the writer to finish after the last one; 4 writer threads
     # keep up with the states there (measured: docs/performance.md, "The extractor's defaults").
     "h200": {"tp_size": 1, "gpu_memory_utilization": 0.80, "batch_size": 8, "max_seq_len": 2048, "writer_threads": 4},
+    # Two 8-GPU hosts, pipeline stages over them: tensor parallel in each host, the layers split in two
+    # (61 layers: 31 and 30). Memory per GPU: as the plan prints it from the checkpoint's headers. Stages
+    # on two hosts need Ray (several nodes), not supported yet: on one 8-GPU host the plan refuses these.
+    "kimi-k2-int4-2x8h100": {"tp_size": 8, "pp_size": 2, "gpu_memory_utilization": 0.90, "batch_size": 4,
+                             "max_seq_len": 2048},
+    "deepseek-v3-bf16-2x8h200": {"tp_size": 8, "pp_size": 2, "gpu_memory_utilization": 0.90, "batch_size": 8,
+                                 "max_seq_len": 2048},
     # The CPU demo and tests: vLLM's CPU backend, a tiny local model.
     "cpu-tiny": {"tp_size": 1, "gpu_memory_utilization": 0.02, "batch_size": 8, "max_seq_len": 1024},
 }

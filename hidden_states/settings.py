@@ -26,6 +26,8 @@ class ModelSettings:
         batch_size: sequences per backend call.
         max_seq_len: longer samples are truncated (or refused with ``Settings.strict``).
         tp_size: tensor parallel size.
+        pp_size: pipeline parallel size: the decoder layers split into this many stages, each on
+            ``tp_size`` devices (``plan/pipeline.py``); a replica needs ``tp_size * pp_size`` devices.
         gpu_memory_utilization: share of device memory vLLM may use.
         layer_ids: layers to capture (speculators 0.3/0.4 convention); None: speculators' default.
         trust_remote_code: allow a model (and its tokenizer) that needs remote code.
@@ -53,6 +55,7 @@ class ModelSettings:
     batch_size: int = 4
     max_seq_len: int = 2048
     tp_size: int = 1
+    pp_size: int = 1
     gpu_memory_utilization: float = 0.80
     layer_ids: list[int] | None = None
     trust_remote_code: bool = False

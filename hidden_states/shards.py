@@ -74,7 +74,8 @@ def from_environment(flag: str | None, environ: Mapping[str, str] = os.environ) 
 
 def leave_torchrun(environ=os.environ, tp_size: int = 1) -> str | None:
     """Under torchrun: drop its variables so vLLM's workers do not read them, and, when nothing chose
-    the devices yet, give this rank its own ``tp_size`` GPUs (``LOCAL_RANK * tp_size`` on). Returns
+    the devices yet, give this rank its own ``tp_size`` GPUs (``LOCAL_RANK * tp_size`` on; the caller
+    passes ``--tp-size x --pp-size``: every pipeline stage's tensor-parallel GPUs). Returns
     the ``CUDA_VISIBLE_DEVICES`` it set, or None."""
     if "LOCAL_RANK" not in environ or "TORCHELASTIC_RUN_ID" not in environ:
         return None

@@ -8,6 +8,19 @@ from . import ONE_BATCH_AHEAD, Backend, BackendSettings, completed
 from .overlap import OverlappedCalls
 
 
+def refuse_pipeline(pp_size: int) -> None:
+    """speculators 0.3/0.4's generator has no pipeline parallelism: ``VllmHiddenStatesGenerator``
+    takes ``tensor_parallel_size`` only (the config it builds, and its KV cache configs, are one per
+    tensor-parallel worker), and its worker extension's capture returns early on every stage but the
+    last (``custom_worker.py``), so the states of the other stages' layers would be lost."""
+    if pp_size > 1:
+        from ..errors import UsageError
+
+        raise UsageError(f"--pp-size {pp_size}: --backend speculators cannot split the model into stages "
+                         f"(speculators 0.3/0.4's VllmHiddenStatesGenerator takes tensor_parallel_size only, and "
+                         f"its capture stores states on the last pipeline stage only); use --backend vllm-engine")
+
+
 class SpeculatorsBackend(Backend):
     name = "speculators"
     tokens_per_submit = None  # a batch is one generator call

@@ -18,6 +18,7 @@ import struct
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 from packaging.version import Version
@@ -26,7 +27,7 @@ from vllm_compat import extractor_api
 from vllm_compat.extractor_api import (PRESENT, BackendTouchpoints, Branch, Dispatched, Exists, LiteralMember, Param,
                                        Registered)
 
-from ..errors import ExtractError
+from ..errors import ExtractError, UsageError
 from . import BackendSettings
 from .engine_base import EngineBackend
 from .engine_feed import FEED_TOUCHPOINTS, GIVEN, EngineBatch, present
@@ -56,6 +57,8 @@ TOUCHPOINTS = BackendTouchpoints("0.17.0", tuple([
     (Exists("vllm.entrypoints.llm:LLM"), frozenset({PRESENT})),
     *present("vllm.engine.arg_utils:EngineArgs", "speculative_config", "kv_transfer_config"),
     *FEED_TOUCHPOINTS,
+    # --pp-size: the model's decoder class, found through vLLM's registry of text models before the load
+    (Exists("vllm.model_executor.models.registry:_TEXT_GENERATION_MODELS"), frozenset({PRESENT})),
     # where each request's file is: the output's kv_transfer_params
     (Param("vllm.outputs:RequestOutput.__init__", "kv_transfer_params"), GIVEN),
 ]))
@@ -232,3 +235,60 @@ def _wait_until_written(path: str, alive: Callable[[], bool], timeout: float = 3
 
 BACKEND = VllmNativeBackend
 NEEDS_SPECULATORS = False  # vLLM's own path
+
+
+# vLLM's gate on extract_hidden_states under pipeline parallelism (Model Runner V2, the only runner
+# that has it: 0.32 on a GPU, every runner from 0.34): verify_supports_aux_hidden_states_over_pp
+# refuses, after the load, a model whose inner decoder does not declare this class attribute.
+AUX_OVER_PP = "supports_aux_hidden_states_over_pp"
+AUX_GATE = ("v1", "worker", "gpu", "spec_decode", "eagle", "eagle3_utils.py")
+
+
+def decoder_supports_aux_over_pp(architecture: str) -> bool | None:
+    """Whether vLLM's decoder stack for ``architecture`` declares ``AUX_OVER_PP`` (vLLM's registry,
+    the model's module imported, nothing built); None: the registry does not list it. The decoder
+    is the ``...Model`` class the causal-LM class (or a base of it) names in its source."""
+    import importlib
+    import inspect
+
+    from vllm.model_executor.models import registry
+
+    listed = registry._TEXT_GENERATION_MODELS.get(architecture)
+    if listed is None:
+        return None
+    module = importlib.import_module(f"vllm.model_executor.models.{listed[0]}")
+    for cls in getattr(module, listed[1]).__mro__:
+        if not cls.__module__.startswith("vllm.model_executor.models."):
+            continue
+        names = vars(importlib.import_module(cls.__module__))
+        for word in set(inspect.getsource(cls).replace("(", " ").replace("=", " ").split()):
+            found = names.get(word)
+            if isinstance(found, type) and word.endswith("Model") and word != cls.__name__:
+                return bool(getattr(found, AUX_OVER_PP, False))
+    return False
+
+
+def refuse_pipeline(model_path: str, pp_size: int, version, device: str | None) -> None:
+    """Refuse, before the load, ``--backend vllm-native`` with ``--pp-size > 1`` where vLLM would
+    not capture every stage's layers: on its V1 model runner (the CPU backend; every vLLM before the
+    gate; ``VLLM_USE_V2_MODEL_RUNNER=0``), which sets the auxiliary layers up on the last stage only, and on a GPU where vLLM's gate
+    refuses the model's family (``decoder_supports_aux_over_pp``)."""
+    if pp_size <= 1:
+        return
+    where = f"--pp-size {pp_size}: --backend vllm-native"
+    remedy = "--backend vllm-engine runs it (each stage captures its own layers)"
+    gate = extractor_api.package_dir("vllm").joinpath(*AUX_GATE)
+    v1_chosen = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false")
+    if device == "cpu" or v1_chosen or not (gate.is_file() and AUX_OVER_PP in gate.read_text()):
+        why = " (its CPU backend)" if device == "cpu" else " (VLLM_USE_V2_MODEL_RUNNER=0)" if v1_chosen else ""
+        raise UsageError(f"{where}: vLLM {version}'s V1 model runner{why} "
+                           f"sets extract_hidden_states' auxiliary layers up on the last pipeline stage only "
+                           f"(gpu_model_runner.py), so the other stages' layers would be missing; {remedy}")
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    for architecture in config.get("architectures") or []:
+        supported = decoder_supports_aux_over_pp(architecture)
+        if not supported:
+            why = (f"{architecture} does not support {_METHOD} with pipeline parallelism" if supported is False
+                   else f"{architecture} is not in its registry of text models")
+            raise UsageError(f"{where}: vLLM {version} refuses it after the load ('{why}': its decoder does "
+                               f"not declare {AUX_OVER_PP}, {'/'.join(AUX_GATE)}); {remedy}")

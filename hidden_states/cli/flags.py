@@ -11,7 +11,7 @@ from ..fp8_states import STATE_DTYPES
 from ..presets import PRESETS
 from ..settings import ENGINE_STEPS_HELD, SERVE_DEFAULTS, WRITER_THREADS_CAP, ServeSettings, default
 
-TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
+TUNABLE = ("tp_size", "pp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
 
 
 def serve_default(name: str):
@@ -160,12 +160,15 @@ def add_state_dtype_flag(group, where: str = "") -> None:
 
 
 def add_speed_flags(group, *, batch_help: str, writer_help: str) -> None:
-    """--preset, --batch-size, --tp-size, --gpu-memory-utilization, --writer-threads. The tunable flags
+    """--preset, --batch-size, --tp-size, --pp-size, --gpu-memory-utilization, --writer-threads. The tunable flags
     default to None here so that a preset's value stands unless a flag is given."""
     group.add_argument("--preset", choices=sorted(PRESETS), help="named settings; explicit flags override them")
     group.add_argument("--batch-size", type=at_least(1), metavar="N", help=batch_help)
     group.add_argument("--tp-size", type=at_least(1), metavar="N",
                        help=f"tensor parallel size (default {default('tp_size')})")
+    group.add_argument("--pp-size", type=at_least(1), metavar="N",
+                       help=f"pipeline parallel size: the decoder layers split into N stages, each on --tp-size "
+                            f"devices of this host (--backend vllm-engine; default {default('pp_size')})")
     group.add_argument("--gpu-memory-utilization", type=share, metavar="SHARE",
                        help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')}; on "
                             f"CPU the KV cache is sized from the plan's estimate unless VLLM_CPU_KVCACHE_SPACE is set)")

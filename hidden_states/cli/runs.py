@@ -60,7 +60,7 @@ def extract_command(args, sampling=None) -> int:
     settings = settings_from(args)
     if settings.shard is not None:
         log(str(settings.shard))
-        devices = shards.leave_torchrun(tp_size=settings.tp_size)
+        devices = shards.leave_torchrun(tp_size=settings.tp_size * settings.pp_size)
         if devices is not None:
             log(f"torchrun rank: devices {devices}")
     summary = extraction_for(settings, sampling, log=log).run()

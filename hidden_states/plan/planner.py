@@ -27,6 +27,7 @@ from ..forward_check import check_forward
 from ..output import formats
 from ..settings import ModelSettings, Settings
 from ..sizes import human_size
+from .pipeline import check_one_host, check_pipeline_parallel, gpus_here, pipeline_line
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, MemoryEstimate, ModelFacts, check_environment, check_layer_ids,
                         check_memory, check_states_in_flight, check_tensor_parallel, check_vllm, cpu_kv_cache_space,
                         device_budget, estimate_memory, model_facts)
@@ -119,13 +120,31 @@ def plan_model(settings: ModelSettings, log) -> tuple[ModelPlan, list[str]]:
     layer_ids = layer_conventions.to_extractor(output_format, format_layer_ids, facts.num_layers)
     check_layer_ids(layer_ids, facts.num_layers, given=given is not None)
     check_tensor_parallel(facts, settings.tp_size)
+    stages = check_pipeline_parallel(facts.num_layers, settings.pp_size)
+    if settings.pp_size > 1:
+        refuse_pipeline_here(settings)
     model = ModelPlan(facts, output_format, tuple(format_layer_ids),
                       formats.Layers(layer_ids, facts.num_layers, facts.hidden_size))
     chosen = "" if given else " (its trainer's default)"
     return model, [settings_line(settings),
                    f"model: {facts.path} ({facts.num_layers} layers, hidden size {facts.hidden_size})",
                    f"layers: {list(model.format_layer_ids)} for --format {output_format}{chosen}: "
-                   f"{layer_conventions.meaning(output_format)}"]
+                   f"{layer_conventions.meaning(output_format)}"] + (
+                       [pipeline_line(stages, layer_ids)] if settings.pp_size > 1 else [])
+
+
+def refuse_pipeline_here(settings: ModelSettings) -> None:
+    """The backends that cannot run ``--pp-size`` > 1, refused before the load, each with its reason."""
+    if settings.backend == "speculators":
+        from ..backends.speculators_generator import refuse_pipeline
+
+        refuse_pipeline(settings.pp_size)
+    elif settings.backend == "vllm-native":
+        from vllm_compat.extractor_api import vllm_device_type, vllm_version
+
+        from ..backends.vllm_native import refuse_pipeline
+
+        refuse_pipeline(settings.model_path, settings.pp_size, vllm_version(), vllm_device_type())
 
 
 def check_memory_here(settings: ModelSettings, facts: ModelFacts,
@@ -133,12 +152,16 @@ def check_memory_here(settings: ModelSettings, facts: ModelFacts,
     """The memory the model needs per rank against this host's devices (refuses what cannot fit)
     and, on vLLM's CPU backend, the KV cache it will be given; ``memory``: the plan's estimate (made
     here when None)."""
-    memory = memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
+    memory = memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len,
+                                       settings.pp_size)
     if memory is None:
         return MemoryCheck([f"memory: not estimated ({facts.path} holds no .safetensors files)"])
     budget = device_budget(settings.gpu_memory_utilization)
     device = device_name_here()
-    lines = [check_memory(settings.model_path, memory, budget)]
+    lines = []
+    if settings.pp_size > 1 and isinstance(budget, DeviceBudget) and not budget.shared:
+        lines += filter(None, [check_one_host(settings.tp_size, settings.pp_size, gpus_here())])
+    lines.append(check_memory(settings.model_path, memory, budget))
     cpu_kv_cache = None
     if isinstance(budget, DeviceBudget) and budget.shared:
         # vLLM's CPU backend sizes its KV cache from CPU_KV_CACHE_ENV or else from a share of the
@@ -180,7 +203,9 @@ def settings_line(settings: ModelSettings) -> str:
     scale-out and its config file, which ``serve``'s model settings have not."""
     run = settings if isinstance(settings, Settings) else None
     return (f"settings: --backend {settings.backend} --batch-size {settings.batch_size} --max-seq-len "
-            f"{settings.max_seq_len} --tp-size {settings.tp_size} --gpu-memory-utilization "
+            f"{settings.max_seq_len} --tp-size {settings.tp_size}"
+            + (f" --pp-size {settings.pp_size}" if settings.pp_size > 1 else "")
+            + f" --gpu-memory-utilization "
             f"{settings.gpu_memory_utilization:g} --writer-threads {settings.writer_threads}"
             + (f" --max-writer-threads {settings.max_writer_threads}"
                if settings.max_writer_threads > settings.writer_threads else "")

@@ -7,12 +7,14 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PreflightError, UsageError
 from ..files import read_json
 from ..sizes import human_size
+from .pipeline import pp_partition
+from .stage_memory import DECODER_LAYER, StageTally, stage_name
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class ModelFacts:
     head_dim: int | None = None
     mla_kv_dim: int | None = None  # MLA's cached latent per token and layer: kv_lora_rank + qk_rope_head_dim
     expert_share: float = 1.0  # of a routed MoE layer's experts, the share one token runs through (top-k / experts)
+    tied_head: bool = False  # tie_word_embeddings: the LM head is the embedding (a copy on a pipeline's last stage)
 
 
 # Bytes per value of the states as written: vLLM's dtype "auto" (which the generator hard-codes)
@@ -61,7 +64,8 @@ def model_facts(model_path: str) -> ModelFacts:
                       "auto_map" in config, int(heads) if heads else None, int(kv_heads) if kv_heads else None,
                       int(head_dim) if head_dim else None,
                       int(latent) + int(text.get("qk_rope_head_dim") or 0) if latent else None,
-                      min(1.0, int(chosen) / int(experts)) if experts and chosen else 1.0)
+                      min(1.0, int(chosen) / int(experts)) if experts and chosen else 1.0,
+                      bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))))
 
 
 def check_tensor_parallel(facts: ModelFacts, tp_size: int) -> None:
@@ -99,15 +103,24 @@ class MemoryEstimate:
     batch_size: int
     max_seq_len: int
     token_parameters: int = 0
+    pp_size: int = 1
+    worst_stage: str = ""  # with pp_size > 1: the stage weights_per_rank and kv_per_rank are of
+    all_ranks: int = 0  # what every rank of every stage holds together
+    tally: StageTally | None = field(default=None, compare=False, repr=False)
 
     @property
     def per_rank(self) -> int:
         return self.weights_per_rank + self.kv_per_rank
 
+    @property
+    def layout(self) -> str:
+        return f"--tp-size {self.tp_size}" + (f" --pp-size {self.pp_size}" if self.pp_size > 1 else "")
+
     def line(self) -> str:
         files = f"{self.files} file{'s' if self.files > 1 else ''}"
+        stage = f" (the most of any stage: {self.worst_stage})" if self.pp_size > 1 else ""
         return (f"weights {human_size(self.weights)} as stored in {files}, about "
-                f"{human_size(self.weights_per_rank)} per rank at --tp-size {self.tp_size}, + "
+                f"{human_size(self.weights_per_rank)} per rank at {self.layout}{stage}, + "
                 f"{human_size(self.kv_per_rank)} KV cache for one batch ({self.batch_size} x {self.max_seq_len} "
                 f"tokens) = {human_size(self.per_rank)} per rank")
 
@@ -133,11 +146,11 @@ class DeviceBudget:
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _MAX_HEADER = 100_000_000  # safetensors' own limit: a larger length is not a safetensors header
-_DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # not shared_experts: every token runs those
 
 
-def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_len: int) -> MemoryEstimate | None:
+def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_len: int,
+                    pp_size: int = 1) -> MemoryEstimate | None:
     """The least one rank holds, read from the safetensors headers alone (8 bytes of length, then JSON;
     no tensor data is read); None for a checkpoint without safetensors files.
 
@@ -152,6 +165,9 @@ def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_le
     about 2 GB of a Kimi-K2-class model, counted here at 1/tp). The KV cache is one batch's: ``2 x KV
     heads (at least one per rank) x head_dim`` per token and layer, or MLA's latent (``kv_lora_rank +
     qk_rope_head_dim``), which every rank caches whole; activations and CUDA graphs are not counted.
+
+    With ``pp_size`` > 1 each stage holds its own layers and their KV cache (``stage_memory.py``):
+    per rank is the stage that needs the most, split as vLLM splits (``pipeline.pp_partition``).
     """
     path = Path(facts.path)
     index = path / _SAFETENSORS_INDEX
@@ -167,11 +183,13 @@ def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_le
         return None
     split = whole = 0
     token_parameters = 0.0
+    tally = StageTally(facts.num_layers, facts.tied_head)
     for file in files:
         for name, shape, size in _tensor_sizes(file):
-            layer = _DECODER_LAYER.match(name)
+            layer = DECODER_LAYER.match(name)
             if layer and int(layer.group(1)) >= facts.num_layers:
                 continue
+            tally.add(name, len(shape), size)
             if len(shape) >= 2:
                 split += size
             else:
@@ -185,9 +203,12 @@ def estimate_memory(facts: ModelFacts, tp_size: int, batch_size: int, max_seq_le
         kv_per_token = 2 * math.ceil(facts.num_kv_heads / tp_size) * facts.head_dim
     else:
         kv_per_token = 0
-    kv = kv_per_token * facts.num_layers * facts.dtype_bytes * batch_size * max_seq_len
-    return MemoryEstimate(len(files), split + whole, math.ceil(split / tp_size) + whole, kv, tp_size, batch_size,
-                          max_seq_len, int(token_parameters))
+    tally.kv_layer = kv_per_token * facts.dtype_bytes * batch_size * max_seq_len
+    stages = pp_partition(facts.num_layers, pp_size)
+    stage, weights_per_rank, kv = tally.worst(stages, tp_size)
+    return MemoryEstimate(len(files), split + whole, weights_per_rank, kv, tp_size, batch_size, max_seq_len,
+                          int(token_parameters), pp_size, stage_name(stage, stages), tally.all_ranks(stages, tp_size),
+                          tally)
 
 
 def _tensor_sizes(file: Path):
@@ -237,8 +258,8 @@ def check_memory(model_path: str, estimate: MemoryEstimate, budget: DeviceBudget
     """Refuse a model that cannot fit: ``estimate`` (a lower bound) over ``budget``. Returns the log line."""
     if isinstance(budget, str):
         return f"memory: {estimate.line()}; not compared with device memory ({budget})"
-    ranks = estimate.tp_size if budget.shared else 1
-    need = estimate.per_rank * ranks
+    ranks = estimate.tp_size * estimate.pp_size if budget.shared else 1
+    need = (estimate.all_ranks or estimate.per_rank * ranks) if budget.shared else estimate.per_rank
     if budget.shared:
         against = (f"{human_size(budget.memory)} of host memory available (vLLM's CPU backend holds every rank "
                    f"there)")
@@ -250,13 +271,15 @@ def check_memory(model_path: str, estimate: MemoryEstimate, budget: DeviceBudget
     if need <= budget.budget:
         return f"memory: {estimate.line()}{needed}, within {against}"
     share = need / budget.memory
+    fits = (estimate.tally.fitting_pp_size(estimate.tp_size, estimate.pp_size, budget.budget)
+            if estimate.tally is not None and not budget.shared else None)
+    more = (f"--tp-size {estimate.tp_size} --pp-size {fits} fits" if fits else "a larger --tp-size or --pp-size")
     if budget.shared:
         remedy = "Free host memory, or run on GPUs"
     elif share <= 1:
-        remedy = (f"Use more GPUs (a larger --tp-size), or --gpu-memory-utilization {math.ceil(share * 100) / 100:.2f} "
-                  f"or more")
+        remedy = f"Use more GPUs ({more}), or --gpu-memory-utilization {math.ceil(share * 100) / 100:.2f} or more"
     else:
-        remedy = f"Even all of each GPU's memory is too little at --tp-size {estimate.tp_size}: use more GPUs"
+        remedy = f"Even all of each GPU's memory is too little at {estimate.layout}: use more GPUs ({more})"
     raise PreflightError(f"--model-path {model_path}: the model does not fit: {estimate.line()}{needed}, more "
                          f"than {against}. {remedy}.")
 

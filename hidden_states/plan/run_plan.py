@@ -143,7 +143,8 @@ def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: 
                     **(identity or {})}
     finished_before = check_output_dir(settings, model, run_identity, source.tag, log)
     remaining = count_remaining(settings, stream, finished_before, source)
-    memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len)
+    memory = estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len,
+                             settings.pp_size)
     memory_check = None
     if loads_model_here:  # asking the device imports vLLM (seconds)
         memory_check = planner.check_memory_here(settings, facts, memory)

@@ -122,13 +122,14 @@ class RayReplicas:
                      log_to_driver=True, runtime_env={"env_vars": env})
         resources = ray.cluster_resources()
         gpus = resources.get("GPU", 0)
-        need = {"num_gpus": settings.tp_size} if gpus else {"num_gpus": 0}
-        wanted = settings.data_parallel_size * (settings.tp_size if gpus else 1)
+        per_replica = settings.tp_size * settings.pp_size  # each pipeline stage on --tp-size GPUs
+        need = {"num_gpus": per_replica} if gpus else {"num_gpus": 0}
+        wanted = settings.data_parallel_size * (per_replica if gpus else 1)
         have = gpus if gpus else resources.get("CPU", 0)
         if have < wanted:
             raise UsageError(f"--data-parallel-size {settings.data_parallel_size}: the Ray cluster has {have:g} "
                              f"{'GPUs' if gpus else 'CPUs'}, {wanted} needed "
-                             f"({'--tp-size ' + str(settings.tp_size) + ' GPUs' if gpus else 'one CPU'} per replica)")
+                             f"({str(per_replica) + ' GPUs (--tp-size x --pp-size)' if gpus else 'one CPU'} per replica)")
         self.log(f"Ray {ray.__version__} ({'cluster ' + settings.ray_address if settings.ray_address else 'local'}, "
                  f"{have:g} {'GPUs' if gpus else 'CPUs'}) in {time.monotonic() - started:.0f} s: starting "
                  f"{settings.data_parallel_size} replicas (each loads the model; tens of seconds)")

@@ -7,6 +7,7 @@ import pytest
 
 from hidden_states.errors import PreflightError
 from hidden_states.plan.preflight import DeviceBudget, MemoryEstimate, check_memory, estimate_memory, model_facts
+from hidden_states.sizes import human_size
 
 torch = pytest.importorskip("torch")
 save_file = pytest.importorskip("safetensors.torch").save_file
@@ -133,11 +134,11 @@ def test_a_model_that_cannot_fit_is_refused_with_the_numbers_and_what_to_change(
     assert str(refused.value) == (
         "--model-path /models/kimi: the model does not fit: weights 594.0 GB as stored in 64 files, about 74.5 GB "
         "per rank at --tp-size 8, + 576.0 MB KV cache for one batch (4 x 2048 tokens) = 75.1 GB per rank, more than "
-        "71.8 GB per GPU (102.6 GB x --gpu-memory-utilization 0.7). Use more GPUs (a larger --tp-size), or "
+        "71.8 GB per GPU (102.6 GB x --gpu-memory-utilization 0.7). Use more GPUs (a larger --tp-size or --pp-size), or "
         "--gpu-memory-utilization 0.74 or more.")
     with pytest.raises(PreflightError, match=r"more than 57.6 GB per GPU \(64.0 GB x --gpu-memory-utilization 0.9\)"
                                              r"\. Even all of each GPU's memory is too little at --tp-size 8: use "
-                                             r"more GPUs\.$"):
+                                             r"more GPUs \(a larger --tp-size or --pp-size\)\.$"):
         check_memory("/models/kimi", KIMI, DeviceBudget(64 * 10**9, 0.90, shared=False))
 
 
@@ -256,3 +257,63 @@ def test_token_parameters_count_routed_experts_at_their_share_and_packed_int4_at
     # (64 x 4 int32 = 2048 INT4 values, 64 scales, a 2-value shape) at a quarter; embeddings and the
     # final norm are no decoder layer's
     assert estimate.token_parameters == int(1024 + 32 + 64 * 32 + (2048 + 64 + 2) / 4)
+
+
+# -- pipeline stages: each holds its own layers, the embedding on the first, the norm and LM head on the last
+
+STAGED = {**CONFIG, "num_hidden_layers": 4}
+
+
+def four_layers(head: bool):
+    tensors = {"model.embed_tokens.weight": torch.zeros(64, 32, dtype=torch.bfloat16),  # 4096 B
+               "model.norm.weight": torch.zeros(32, dtype=torch.bfloat16)}  # 64 B
+    for layer in range(4):
+        tensors[f"model.layers.{layer}.mlp.weight"] = torch.zeros(32, 32 * (layer + 1), dtype=torch.bfloat16)
+    if head:
+        tensors["lm_head.weight"] = torch.zeros(64, 32, dtype=torch.bfloat16)  # 4096 B
+    return tensors
+
+
+def layer_bytes(layer: int) -> int:
+    return 2048 * (layer + 1)
+
+
+@pytest.mark.parametrize("head, tied", [(True, False), (False, True)])
+def test_each_stage_holds_its_layers_the_first_the_embedding_the_last_the_head(tmp_path, head, tied):
+    facts = checkpoint(tmp_path / "m", {"model-1.safetensors": four_layers(head)},
+                       config={**STAGED, "tie_word_embeddings": tied}, index=True)
+    kv_layer = 2 * 2 * 8 * 2 * 3 * 100  # 2 x 2 KV heads x head_dim 8 x 2 bytes, 3 x 100 tokens
+    one = estimate_memory(facts, 1, 3, 100)
+    assert one.weights_per_rank == 4096 + 64 + sum(map(layer_bytes, range(4))) + (4096 if head else 0)
+    assert one.kv_per_rank == 4 * kv_layer
+    two = estimate_memory(facts, 1, 3, 100, pp_size=2)  # layers 0-1 and 2-3: the second needs more
+    assert two.weights == one.weights
+    last = layer_bytes(2) + layer_bytes(3) + 64 + 4096  # its own head, or the tied embedding's copy
+    assert (two.weights_per_rank, two.kv_per_rank) == (last, 2 * kv_layer)
+    assert two.worst_stage == "stage 1 (layers 2-3 + LM head)"
+    assert two.all_ranks == 4096 + layer_bytes(0) + layer_bytes(1) + last + 4 * kv_layer
+    assert f"about {human_size(last)} per rank at --tp-size 1 --pp-size 2 (the most of any stage: stage 1 (layers 2-3 + LM " \
+           "head))" in two.line()
+    halved = estimate_memory(facts, 2, 3, 100, pp_size=2)
+    assert halved.weights_per_rank == (layer_bytes(2) + layer_bytes(3) + 4096) // 2 + 64
+
+
+def test_stages_on_the_cpu_backend_add_up_every_rank_of_every_stage(tmp_path):
+    facts = checkpoint(tmp_path / "m", {"model.safetensors": four_layers(True)}, config=STAGED)
+    two = estimate_memory(facts, 2, 1, 1, pp_size=2)
+    line = check_memory("m", two, DeviceBudget(10**9, None, shared=True))
+    assert f"{human_size(two.all_ranks)} for 4 ranks, within" in line
+    assert two.all_ranks < 4 * two.per_rank  # the stages differ: their sum, not the worst four times
+
+
+def test_a_layout_that_does_not_fit_names_the_pipeline_size_that_does(tmp_path):
+    facts = checkpoint(tmp_path / "m", {"model.safetensors": four_layers(True)}, config=STAGED)
+    whole = estimate_memory(facts, 1, 1, 1)
+    budget = DeviceBudget(whole.per_rank * 6 // 10, 1.0, shared=False)  # a bit over half of the whole model
+    with pytest.raises(PreflightError) as refused:
+        check_memory("m", whole, budget)
+    assert "Even all of each GPU's memory is too little at --tp-size 1: use more GPUs (--tp-size 1 --pp-size " in \
+        str(refused.value)
+    fits = int(str(refused.value).split("--pp-size ")[1].split(" ")[0])
+    assert estimate_memory(facts, 1, 1, 1, pp_size=fits).per_rank <= budget.budget
+    assert estimate_memory(facts, 1, 1, 1, pp_size=fits - 1).per_rank > budget.budget

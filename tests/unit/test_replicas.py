@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 from hidden_states.replicas import driver  # noqa: E402
 from hidden_states.extract.command import Extraction
 from hidden_states.run.summary import ExtractionFailed  # noqa: E402
+from hidden_states.errors import UsageError  # noqa: E402
 from tests.unit.fake_ray import FakeRay  # noqa: E402
 from tests.unit.fakes import quiet  # noqa: E402
 
@@ -82,3 +83,13 @@ def test_a_batch_failing_on_two_replicas_is_given_up_and_the_rest_is_extracted(r
     assert done == [0, 1, 3, 4, 5]
     assert json.loads((Path(settings.output_dir) / "sample_lengths.json").read_text()) == {
         str(i): i + 3 for i in done}
+
+
+def test_a_replica_asks_ray_for_every_pipeline_stages_gpus(ray_job):
+    settings, use = ray_job
+    fake = use({})
+    fake.cluster_resources = lambda: {"CPU": 4.0, "GPU": 6.0}
+    with pytest.raises(UsageError) as refused:
+        Extraction(replace(settings, tp_size=2, pp_size=2), log=quiet).run()
+    assert str(refused.value) == ("--data-parallel-size 2: the Ray cluster has 6 GPUs, 8 needed (4 GPUs (--tp-size x "
+                                  "--pp-size) per replica)")

@@ -20,7 +20,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-MOST_MODULES = 24  # 20, and the four of certify/ (each served row is certified before its file is written)
+MOST_MODULES = 26  # 20, the four of certify/ (each served row is certified before its file is written), and
+# plan/pipeline.py and plan/stage_memory.py (--pp-size: the stages, and the memory each holds)
 NOT_SERVED = ("tokenization", "conversations", "identity", "inputs", "regeneration")
 
 
@@ -51,7 +52,7 @@ def holds_code(module: str) -> bool:
     return not (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant))
 
 
-def test_the_served_wing_imports_at_most_twenty_four_modules_and_nothing_of_the_inputs():
+def test_the_served_wing_imports_at_most_twenty_six_modules_and_nothing_of_the_inputs():
     modules = imported_by("hidden_states.serve")
     assert not_served(modules) == [], modules
     counted = [m for m in modules if holds_code(m)]
