@@ -51,7 +51,7 @@ from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
 
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .shared.graph_store import LAYERS_ENV, report_line
-from .shared.regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
+from .shared.regions import REGION, RegionPool, ids_start, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -161,6 +161,7 @@ class VllmEngineBackend(EngineBackend):
         self.replies = EngineReplies(self)
         self._layout: dict | None = None
         self.scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
+        self.blocks = 1  # capturing pipeline stages: a counter block and a token-id array each in every region
         self.rows_timeout = ROWS_TIMEOUT
         self.capture = SPECULATORS
         self.enforce_eager = not settings.cuda_graphs
@@ -200,7 +201,7 @@ class VllmEngineBackend(EngineBackend):
         return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where}}
 
     def region_bytes(self, length: int) -> int:
-        return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales)
+        return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales, self.blocks)
 
     def new_batch(self, batch: list[list[int]]) -> RegionBatch:
         """Reserve each sequence's region (waits while the writer still holds too many states)."""
@@ -324,15 +325,18 @@ class VllmEngineBackend(EngineBackend):
         (laid out for ``source_length`` rows) into the region at ``into`` (``into_length`` rows)."""
         import torch
 
-        self.pool.view(into + HEADER, torch.int32, rows).copy_(self.pool.view(source + HEADER, torch.int32, rows))
+        blocks = self.blocks
+        for block in range(blocks):  # every capturing stage's token ids
+            self.pool.view(into + ids_start(into_length, block, blocks), torch.int32, rows).copy_(
+                self.pool.view(source + ids_start(source_length, block, blocks), torch.int32, rows))
         if self.scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
-            self.pool.view(into + scales_start(into_length), torch.float32, rows).copy_(
-                self.pool.view(source + scales_start(source_length), torch.float32, rows))
+            self.pool.view(into + scales_start(into_length, blocks), torch.float32, rows).copy_(
+                self.pool.view(source + scales_start(source_length, blocks), torch.float32, rows))
         size = rows * self.row_bytes
         for index in range(len(self.settings.layer_ids)):
-            self.pool.view(into + layer_start(into_length, index, self.row_bytes, self.scales), torch.uint8,
+            self.pool.view(into + layer_start(into_length, index, self.row_bytes, self.scales, blocks), torch.uint8,
                             size).copy_(self.pool.view(source + layer_start(source_length, index, self.row_bytes,
-                                                                             self.scales), torch.uint8, size))
+                                                                             self.scales, blocks), torch.uint8, size))
 
     def _states(self, work: RegionBatch, position: int) -> list:
         """The request's layers as tensors over its region, once its rows are checked; the region is
@@ -346,20 +350,19 @@ class VllmEngineBackend(EngineBackend):
         stored = self.pool.rows_stored(work.counts_at(position), len(ids), timeout=self.rows_timeout)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
-        row_ids = self.pool.view(offset + HEADER, torch.int32, len(ids))
-        if row_ids.tolist() != ids:
-            wrong = next(i for i, (a, b) in enumerate(zip(row_ids.tolist(), ids)) if a != b)
+        wrong = self.pool.ids_disagree(offset, length, ids)
+        if wrong is not None:
             raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
-                               f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
+                               f"({wrong}): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
         count = len(self.settings.layer_ids)
         # released once no tensor over any of its bytes is left: the writer's rows cut from these included
         release = _Countdown(count + (1 if self.scales else 0), self.pool.release, offset)
-        layers = [self.pool.view(offset + layer_start(length, index, self.row_bytes, self.scales), dtype,
+        layers = [self.pool.view(offset + layer_start(length, index, self.row_bytes, self.scales, self.blocks), dtype,
                                   len(ids) * hidden, on_free=release).view(len(ids), hidden)
                   for index in range(count)]
         if self.scales:
-            scales = self.pool.view(offset + scales_start(length), torch.float32, len(ids), on_free=release)
+            scales = self.pool.view(offset + scales_start(length, self.blocks), torch.float32, len(ids), on_free=release)
             layers = fp8_states.Quantized(layers, scales.view(-1, 1, 1))
         return layers
 
