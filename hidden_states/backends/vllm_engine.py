@@ -51,7 +51,8 @@ from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
 
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .shared.graph_store import LAYERS_ENV, report_line
-from .shared.regions import REGION, RegionPool, ids_start, layer_start, region_bytes, scales_start
+from .stage_layers import merge_stage_replies, refuse_pipeline
+from .shared.regions import REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -80,6 +81,7 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
              "num_computed_tokens"),
     *present(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
     (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
+    (Exists("vllm.distributed:get_pp_group"), frozenset({PRESENT})),  # each pipeline stage captures its own layers
     # the own capture (worker/own_capture.py) hooks the decoder layers and wraps the decoder stack's forward,
     # whose input ids and positions both captures' rows are checked with (vLLM's Llama stands for the
     # decoder models: a stack's `layers` and `start_layer`/`end_layer` are set in __init__, which the
@@ -169,13 +171,15 @@ class VllmEngineBackend(EngineBackend):
     def prepare(self, version) -> dict:
         """Choose the capture (before ``apply()``: speculators' needs its adapters armed). With
         ``cuda_graphs`` the own capture, whatever ``CAPTURE_ENV`` says: the run's plan refused the
-        conflict (``refuse_cuda_graphs``, once), and its settings reach every process that runs it."""
+        conflict (``refuse_cuda_graphs``, once), and its settings reach every process that runs it.
+        Pipeline stages: the own capture, what cannot run with them refused (``refuse_pipeline``)."""
+        refuse_pipeline(self.settings, os.environ.get(CAPTURE_ENV, ""), SPECULATORS)
         if self.settings.cuda_graphs:
             self.capture = OWN
             graph_capture_environment(self.settings.layer_ids)
             return {"capture": OWN, "capture_chosen_because": "--cuda-graphs (its copies inside vLLM's compiled "
                                                               "forward and CUDA graphs)"}
-        self.capture, why = chosen_capture()
+        self.capture, why = (OWN, f"--pp-size {self.settings.pp_size}") if self.settings.pp_size > 1 else chosen_capture()
         return {"capture": self.capture, "capture_chosen_because": why}
 
     def llm_keywords(self) -> dict:
@@ -188,13 +192,14 @@ class VllmEngineBackend(EngineBackend):
         settings = self.settings
         replies = self._llm.collective_rpc("_hidden_states_stream_setup",
                                            args=(settings.layer_ids, settings.state_dtype))
-        self._layout = next(reply for reply in replies if reply is not None)
+        self._layout, stages = merge_stage_replies(replies, settings.layer_ids)  # one reply per pipeline stage
+        self.blocks = len(stages)
         self.scales = bool(self._layout.get("scales"))
         self.row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self.pool = RegionPool(settings.sequences_in_flight * self.region_bytes(settings.max_seq_len)
-                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes)
-        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self.pool.path,))
+                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes, stages=tuple(stages))
+        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self.pool.path, stages))
                       if r is not None)
         where = os.path.dirname(self.pool.path)  # /dev/shm, else the temporary directory (regions_root)
         self.pool.unlink()  # the worker and this process hold it mapped: no name left to leak
@@ -321,22 +326,10 @@ class VllmEngineBackend(EngineBackend):
             self.cached_tokens += first[position]
 
     def copy_rows(self, into: int, into_length: int, source: int, source_length: int, rows: int) -> None:
-        """Copy the first ``rows`` rows (token ids, FP8 scales, every layer) of the region at ``source``
-        (laid out for ``source_length`` rows) into the region at ``into`` (``into_length`` rows)."""
-        import torch
-
-        blocks = self.blocks
-        for block in range(blocks):  # every capturing stage's token ids
-            self.pool.view(into + ids_start(into_length, block, blocks), torch.int32, rows).copy_(
-                self.pool.view(source + ids_start(source_length, block, blocks), torch.int32, rows))
-        if self.scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
-            self.pool.view(into + scales_start(into_length, blocks), torch.float32, rows).copy_(
-                self.pool.view(source + scales_start(source_length, blocks), torch.float32, rows))
-        size = rows * self.row_bytes
-        for index in range(len(self.settings.layer_ids)):
-            self.pool.view(into + layer_start(into_length, index, self.row_bytes, self.scales, blocks), torch.uint8,
-                            size).copy_(self.pool.view(source + layer_start(source_length, index, self.row_bytes,
-                                                                             self.scales, blocks), torch.uint8, size))
+        """Copy the first ``rows`` rows (every stage's token ids, FP8 scales, every layer) of the region at
+        ``source`` (laid out for ``source_length`` rows) into the region at ``into`` (``into_length`` rows)."""
+        self.pool.copy_rows(into, into_length, source, source_length, rows, self.row_bytes,
+                            len(self.settings.layer_ids), self.scales)
 
     def _states(self, work: RegionBatch, position: int) -> list:
         """The request's layers as tensors over its region, once its rows are checked; the region is

@@ -184,6 +184,25 @@ class RegionPool:
                 return f"from token {wrong} of {len(ids)} on, stored{where}"
         return None
 
+    def copy_rows(self, into: int, into_length: int, source: int, source_length: int, rows: int, row_bytes: int,
+                  layers: int, scales: bool) -> None:
+        """Copy the first ``rows`` rows (every stage's token ids, FP8 scales, every layer of
+        ``row_bytes`` a row) of the region at ``source`` (laid out for ``source_length`` rows) into the
+        region at ``into`` (``into_length`` rows)."""
+        import torch
+
+        blocks = len(self.stages)
+        for block in range(blocks):
+            self.view(into + ids_start(into_length, block, blocks), torch.int32, rows).copy_(
+                self.view(source + ids_start(source_length, block, blocks), torch.int32, rows))
+        if scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
+            self.view(into + scales_start(into_length, blocks), torch.float32, rows).copy_(
+                self.view(source + scales_start(source_length, blocks), torch.float32, rows))
+        size = rows * row_bytes
+        for index in range(layers):
+            self.view(into + layer_start(into_length, index, row_bytes, scales, blocks), torch.uint8, size).copy_(
+                self.view(source + layer_start(source_length, index, row_bytes, scales, blocks), torch.uint8, size))
+
     def view(self, offset: int, dtype, count: int, on_free=None):
         """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy);
         ``on_free`` is called once no tensor over these bytes is left (this one, and every view made
