@@ -198,8 +198,9 @@ def _signal_name(signum: int) -> str:
 
 
 def stage_title(process) -> str | None:
-    """The process title vLLM gives a worker of one of its pipeline stages (``VLLM::Worker_PP<stage>_TP<rank>``,
-    ``multiproc_executor.py``'s ``WorkerProc``, set in the worker once it runs), found from the arguments
+    """The process title vLLM gives a worker of one of its pipeline stages (``VLLM::Worker_PP<stage>``, with
+    ``_TP<rank>`` after it when the stage has more than one rank: ``multiproc_executor.py``'s ``WorkerProc``
+    on 0.17.0, set in the worker once it runs; its logs' prefix too), found from the arguments
     it was started with (its configuration and global rank = stage * TP size + TP rank); None for any
     other process, and without pipeline stages."""
     kwargs = getattr(process, "_kwargs", None) or {}
@@ -208,7 +209,7 @@ def stage_title(process) -> str | None:
     rank = kwargs.get("rank")
     if not isinstance(stages, int) or stages <= 1 or not isinstance(rank, int) or not isinstance(tp, int):
         return None
-    return f"VLLM::Worker_PP{rank // tp}_TP{rank % tp}"
+    return f"VLLM::Worker_PP{rank // tp}" + (f"_TP{rank % tp}" if tp > 1 else "")
 
 
 class Children:

@@ -241,7 +241,7 @@ def test_a_dead_worker_of_a_pipeline_stage_is_named_with_its_stage():
         return SimpleNamespace(_kwargs={"vllm_config": config, "rank": rank})
 
     assert stage_title(worker(3, 2, 2)) == "VLLM::Worker_PP1_TP1"
-    assert stage_title(worker(1, 2, 1)) == "VLLM::Worker_PP1_TP0"
+    assert stage_title(worker(1, 2, 1)) == "VLLM::Worker_PP1"  # one rank a stage: no TP in the title
     assert stage_title(worker(1, 1, 2)) is None  # no pipeline stages: the name says enough
     assert stage_title(SimpleNamespace(_kwargs={})) is None  # not a worker
     explained = Exit("VllmWorker-3", 4242, -signal.SIGKILL, "VLLM::Worker_PP1_TP1").explain()
