@@ -53,6 +53,7 @@ class ModelSettings:
     batch_size: int = 4
     max_seq_len: int = 2048
     tp_size: int = 1
+    pp_size: int = 1  # pipeline parallel size (vllm-engine: vLLM's stages on one host)
     gpu_memory_utilization: float = 0.80
     layer_ids: list[int] | None = None
     trust_remote_code: bool = False

@@ -11,7 +11,7 @@ from ..fp8_states import STATE_DTYPES
 from ..presets import PRESETS
 from ..settings import ENGINE_STEPS_HELD, SERVE_DEFAULTS, WRITER_THREADS_CAP, ServeSettings, default
 
-TUNABLE = ("tp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
+TUNABLE = ("tp_size", "pp_size", "gpu_memory_utilization", "batch_size", "max_seq_len", "writer_threads", "max_writer_threads")
 
 
 def serve_default(name: str):
@@ -166,6 +166,8 @@ def add_speed_flags(group, *, batch_help: str, writer_help: str) -> None:
     group.add_argument("--batch-size", type=at_least(1), metavar="N", help=batch_help)
     group.add_argument("--tp-size", type=at_least(1), metavar="N",
                        help=f"tensor parallel size (default {default('tp_size')})")
+    group.add_argument("--pp-size", type=at_least(1), metavar="N",
+                       help=f"pipeline parallel size, one host (default {default('pp_size')}; --backend vllm-engine)")
     group.add_argument("--gpu-memory-utilization", type=share, metavar="SHARE",
                        help=f"share of device memory vLLM may use (default {default('gpu_memory_utilization')}; on "
                             f"CPU the KV cache is sized from the plan's estimate unless VLLM_CPU_KVCACHE_SPACE is set)")
