@@ -213,7 +213,7 @@ def test_data_config_records_the_models_settings_and_the_runs(job):
     Extraction(job, log=quiet).run()
     recorded = json.loads((Path(job.output_dir) / "data_config.json").read_text())["settings"]
     assert {field.name for field in dataclasses.fields(ModelSettings)} < set(recorded)
-    assert set(recorded) == {field.name for field in dataclasses.fields(job)} and len(recorded) == 29
+    assert set(recorded) == {field.name for field in dataclasses.fields(job)} and len(recorded) == 30
     assert recorded["prepared_data"] == job.prepared_data and recorded["batch_size"] == 2
 
 
