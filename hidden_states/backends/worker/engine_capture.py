@@ -31,6 +31,10 @@ request's region of a page-locked ``/dev/shm`` segment shared with the parent.
   id) lands at its position: the reply's rows, all but the last sampled token, which no step feeds. A request whose first tokens
   vLLM's prefix cache held starts past them: the header's second int64 says where (the lowest
   position stored at), and the parent fills the rows before it from the request that computed them.
+* Under vLLM's pipeline parallelism each stage's TP rank 0 captures the run's layers its stage runs
+  (``stage_layers``), each at its slot among the run's layers, with a counter block and token ids of
+  its own (``regions.ids_start``: the parent checks each stage's); a stage that runs none installs
+  nothing. Every stage sees the same scheduler output, so each places its rows the same way.
 * On a GPU the states' copies run on a stream of their own, into pinned memory, after the step's
   forward: they overlap the next step's forward instead of adding to its time. A region's row count is written only once its copies are
   done (:class:`CopiesDone`, a thread waiting on each step's event), and the parent waits for the
