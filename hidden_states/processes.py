@@ -146,11 +146,14 @@ class Exit:
         pid: its process id.
         exitcode: multiprocessing's: the exit code, or ``-N`` when signal N killed it; None when
             its status could not be learned.
+        title: a worker of one of vLLM's pipeline stages: its process title, which names its stage
+            (``VLLM::Worker_PP<stage>_TP<rank>``); None otherwise.
     """
 
     name: str
     pid: int
     exitcode: int | None
+    title: str | None = None
 
     def how(self) -> str:
         if self.exitcode is None:
@@ -166,11 +169,13 @@ class Exit:
             oom_kills: processes the kernel's OOM killer killed during the run
                 (:meth:`Children.oom_kills`); None when not known.
         """
-        text = f"vLLM's process {self.name} (pid {self.pid}) {self.how()}"
+        stage = f", pipeline stage {self.title.split('_PP')[1].split('_')[0]}: {self.title}" if self.title else ""
+        text = f"vLLM's process {self.name} (pid {self.pid}{stage}) {self.how()}"
         killed_by = -self.exitcode if self.exitcode is not None and self.exitcode < 0 else None
         if self.exitcode is not None and self.exitcode >= 0:
             text += " (its output above says why" + (
-                "; when one of its own workers died, vLLM's line 'Worker proc ... died unexpectedly' names it)"
+                "; when one of its own workers died, vLLM's line 'Worker proc ... died unexpectedly' names it: "
+                "with pipeline stages, VllmWorker-<rank> runs stage <rank> // --tp-size)"
                 if self.name.startswith(ENGINE_CORE) else ")")
         elif killed_by in SIGNAL_CAUSES:
             text += ": " + SIGNAL_CAUSES[killed_by].format(pid=self.pid)
@@ -190,6 +195,21 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def stage_title(process) -> str | None:
+    """The process title vLLM gives a worker of one of its pipeline stages (``VLLM::Worker_PP<stage>``, with
+    ``_TP<rank>`` after it when the stage has more than one rank: ``multiproc_executor.py``'s ``WorkerProc``
+    on 0.17.0, set in the worker once it runs; its logs' prefix too), found from the arguments
+    it was started with (its configuration and global rank = stage * TP size + TP rank); None for any
+    other process, and without pipeline stages."""
+    kwargs = getattr(process, "_kwargs", None) or {}
+    parallel = getattr(kwargs.get("vllm_config"), "parallel_config", None)
+    stages, tp = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "tensor_parallel_size", 1)
+    rank = kwargs.get("rank")
+    if not isinstance(stages, int) or stages <= 1 or not isinstance(rank, int) or not isinstance(tp, int):
+        return None
+    return f"VLLM::Worker_PP{rank // tp}" + (f"_TP{rank % tp}" if tp > 1 else "")
 
 
 class Children:
@@ -260,7 +280,7 @@ class Children:
                                        timeout=max(0.0, deadline - time.monotonic()))
                 groups, running = self._ended[checked:], bool(self._watched)
             for group in groups:
-                failed = [e for e in (Exit(p.name, self._pids[p], self._exitcode(p)) for p in group)
+                failed = [e for e in (Exit(p.name, self._pids[p], self._exitcode(p), stage_title(p)) for p in group)
                           if e.exitcode != 0]
                 if failed:
                     return failed

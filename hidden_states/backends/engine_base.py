@@ -161,6 +161,8 @@ def new_llm(settings: BackendSettings, *, enforce_eager: bool, prefix_caching: b
     from vllm import LLM
 
     before = set(multiprocessing.active_children())
+    if settings.pp_size > 1:  # vLLM's stages, each a process of its own (one host: its multiprocessing executor)
+        keywords = {"pipeline_parallel_size": settings.pp_size, **keywords}
     llm = LLM(model=settings.model_path, tensor_parallel_size=settings.tp_size, max_model_len=settings.max_seq_len + 1,
               gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=enforce_eager,
               enable_prefix_caching=prefix_caching, trust_remote_code=settings.trust_remote_code, **keywords)

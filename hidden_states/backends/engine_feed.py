@@ -55,8 +55,12 @@ def step_tokens(llm) -> int:
 
 def steps_of_tokens_ahead(llm) -> int:
     """The engine backends' ``tokens_ahead``: ``STEPS_AHEAD`` of the engine's steps (its scheduler's
-    token budget each), whatever the batches' lengths."""
-    return STEPS_AHEAD * step_tokens(llm)
+    token budget each), whatever the batches' lengths. With pipeline stages vLLM keeps one batch in
+    flight per stage (each stage runs another step at once), so the feed keeps one more step ahead
+    for each stage past the first: otherwise the later stages would wait for work to be submitted."""
+    parallel = getattr(llm.llm_engine.vllm_config, "parallel_config", None)
+    stages = getattr(parallel, "pipeline_parallel_size", 1) or 1
+    return (STEPS_AHEAD + stages - 1) * step_tokens(llm)
 
 
 class EngineBatch:

@@ -17,7 +17,7 @@ from ..certify.witness import TOP, Witness, reply_witness, row_witness
 from ..inputs.tokenization import common_prefix
 from . import Reply, Sampling
 from .engine_feed import EngineBatch
-from .shared.regions import HEADER, SECOND, layer_start
+from .shared.regions import SECOND, layer_start
 from .reply_streams import ReplyStreams, Sink
 
 # rows a reply's region holds past its prompt and its most new tokens: room for what the chat template
@@ -72,7 +72,7 @@ class RowWork(RegionBatch):
 
 class EngineReplies:
     """Replies and their training rows on the regions of ``engine`` (a ``VllmEngineBackend``: its
-    ``pool``, ``region_bytes``, ``row_bytes``, ``scales``, ``layer_count``, ``rows_timeout``,
+    ``pool``, ``region_bytes``, ``row_bytes``, ``scales``, ``blocks``, ``layer_count``, ``rows_timeout``,
     ``check_feed``, ``put``, ``copy_rows`` and ``next_salt``), read when used: its regions are
     mapped once its engine has started."""
 
@@ -108,7 +108,8 @@ class EngineReplies:
         if self.streams is None:
             engine = self._engine
             self.streams = ReplyStreams(lambda offset: (engine.pool.rows_stored(offset, 0, timeout=0),
-                                                        engine.pool.first_row(offset)), self._rows_token_major)
+                                                        engine.pool.first_row(offset, settled=False)),
+                                        self._rows_token_major)
         return self.streams
 
     def _rows_token_major(self, offset: int, capacity: int, start: int, stop: int):
@@ -118,7 +119,8 @@ class EngineReplies:
 
         engine = self._engine
         row_bytes, size = engine.row_bytes, (stop - start) * engine.row_bytes
-        return torch.stack([engine.pool.view(offset + layer_start(capacity, index, row_bytes, engine.scales)
+        return torch.stack([engine.pool.view(offset + layer_start(capacity, index, row_bytes, engine.scales,
+                                                                  engine.blocks)
                                              + start * row_bytes, torch.uint8, size).view(-1, row_bytes)
                             for index in range(engine.layer_count)], dim=1)
 
@@ -199,8 +201,6 @@ class EngineReplies:
     def _reply(self, work: PromptWork) -> Reply:
         """The request's reply, once its region holds every row a step fed (checked: the prompt is the
         one submitted, every stored row's token id is the reply's)."""
-        import torch
-
         pool = self._engine.pool
         prompt, offset, output = work.ids[0], work.offsets[0], work.finished[0]
         if list(output.prompt_token_ids) != prompt:
@@ -212,9 +212,10 @@ class EngineReplies:
         if stored < fed:
             raise RuntimeError(f"the worker stored {stored} of the {fed} rows generation fed for a reply")
         stored = min(stored, len(ids))  # a step async scheduling ran for the last token too
-        if pool.view(offset + HEADER, torch.int32, stored).tolist() != ids[:stored]:
-            raise RuntimeError("the states stored for a reply come from other tokens' rows: the worker attributed "
-                               "rows to the wrong request")
+        wrong = pool.ids_disagree(offset, work.lengths[0], ids[:stored])
+        if wrong is not None:
+            raise RuntimeError(f"the states stored for a reply come from other tokens' rows ({wrong}): the worker "
+                               f"attributed rows to the wrong request")
         # read now, before a training row's prefill stores into the region again: a preempted request's rows
         witness = reply_witness(output, len(prompt), pool.rewritten_from(offset)) if work.certified else None
         return Reply(prompt, list(completion.token_ids), completion.text, completion.finish_reason, offset,

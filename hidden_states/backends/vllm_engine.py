@@ -51,7 +51,8 @@ from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
 
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .shared.graph_store import LAYERS_ENV, report_line
-from .shared.regions import HEADER, REGION, RegionPool, layer_start, region_bytes, scales_start
+from .stage_layers import merge_stage_replies, refuse_pipeline
+from .shared.regions import REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -80,6 +81,7 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
              "num_computed_tokens"),
     *present(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
     (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
+    (Exists("vllm.distributed:get_pp_group"), frozenset({PRESENT})),  # each pipeline stage captures its own layers
     # the own capture (worker/own_capture.py) hooks the decoder layers and wraps the decoder stack's forward,
     # whose input ids and positions both captures' rows are checked with (vLLM's Llama stands for the
     # decoder models: a stack's `layers` and `start_layer`/`end_layer` are set in __init__, which the
@@ -161,6 +163,7 @@ class VllmEngineBackend(EngineBackend):
         self.replies = EngineReplies(self)
         self._layout: dict | None = None
         self.scales = False  # FP8 states: quantized in the worker, a scale per row after the token ids
+        self.blocks = 1  # capturing pipeline stages: a counter block and a token-id array each in every region
         self.rows_timeout = ROWS_TIMEOUT
         self.capture = SPECULATORS
         self.enforce_eager = not settings.cuda_graphs
@@ -168,13 +171,15 @@ class VllmEngineBackend(EngineBackend):
     def prepare(self, version) -> dict:
         """Choose the capture (before ``apply()``: speculators' needs its adapters armed). With
         ``cuda_graphs`` the own capture, whatever ``CAPTURE_ENV`` says: the run's plan refused the
-        conflict (``refuse_cuda_graphs``, once), and its settings reach every process that runs it."""
+        conflict (``refuse_cuda_graphs``, once), and its settings reach every process that runs it.
+        Pipeline stages: the own capture, what cannot run with them refused (``refuse_pipeline``)."""
+        refuse_pipeline(self.settings, os.environ.get(CAPTURE_ENV, ""), SPECULATORS)
         if self.settings.cuda_graphs:
             self.capture = OWN
             graph_capture_environment(self.settings.layer_ids)
             return {"capture": OWN, "capture_chosen_because": "--cuda-graphs (its copies inside vLLM's compiled "
                                                               "forward and CUDA graphs)"}
-        self.capture, why = chosen_capture()
+        self.capture, why = (OWN, f"--pp-size {self.settings.pp_size}") if self.settings.pp_size > 1 else chosen_capture()
         return {"capture": self.capture, "capture_chosen_because": why}
 
     def llm_keywords(self) -> dict:
@@ -187,20 +192,21 @@ class VllmEngineBackend(EngineBackend):
         settings = self.settings
         replies = self._llm.collective_rpc("_hidden_states_stream_setup",
                                            args=(settings.layer_ids, settings.state_dtype))
-        self._layout = next(reply for reply in replies if reply is not None)
+        self._layout, stages = merge_stage_replies(replies, settings.layer_ids)  # one reply per pipeline stage
+        self.blocks = len(stages)
         self.scales = bool(self._layout.get("scales"))
         self.row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self.pool = RegionPool(settings.sequences_in_flight * self.region_bytes(settings.max_seq_len)
-                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes)
-        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self.pool.path,))
+                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes, stages=tuple(stages))
+        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self.pool.path, stages))
                       if r is not None)
         where = os.path.dirname(self.pool.path)  # /dev/shm, else the temporary directory (regions_root)
         self.pool.unlink()  # the worker and this process hold it mapped: no name left to leak
         return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where}}
 
     def region_bytes(self, length: int) -> int:
-        return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales)
+        return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales, self.blocks)
 
     def new_batch(self, batch: list[list[int]]) -> RegionBatch:
         """Reserve each sequence's region (waits while the writer still holds too many states)."""
@@ -320,19 +326,10 @@ class VllmEngineBackend(EngineBackend):
             self.cached_tokens += first[position]
 
     def copy_rows(self, into: int, into_length: int, source: int, source_length: int, rows: int) -> None:
-        """Copy the first ``rows`` rows (token ids, FP8 scales, every layer) of the region at ``source``
-        (laid out for ``source_length`` rows) into the region at ``into`` (``into_length`` rows)."""
-        import torch
-
-        self.pool.view(into + HEADER, torch.int32, rows).copy_(self.pool.view(source + HEADER, torch.int32, rows))
-        if self.scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
-            self.pool.view(into + scales_start(into_length), torch.float32, rows).copy_(
-                self.pool.view(source + scales_start(source_length), torch.float32, rows))
-        size = rows * self.row_bytes
-        for index in range(len(self.settings.layer_ids)):
-            self.pool.view(into + layer_start(into_length, index, self.row_bytes, self.scales), torch.uint8,
-                            size).copy_(self.pool.view(source + layer_start(source_length, index, self.row_bytes,
-                                                                             self.scales), torch.uint8, size))
+        """Copy the first ``rows`` rows (every stage's token ids, FP8 scales, every layer) of the region at
+        ``source`` (laid out for ``source_length`` rows) into the region at ``into`` (``into_length`` rows)."""
+        self.pool.copy_rows(into, into_length, source, source_length, rows, self.row_bytes,
+                            len(self.settings.layer_ids), self.scales)
 
     def _states(self, work: RegionBatch, position: int) -> list:
         """The request's layers as tensors over its region, once its rows are checked; the region is
@@ -346,20 +343,19 @@ class VllmEngineBackend(EngineBackend):
         stored = self.pool.rows_stored(work.counts_at(position), len(ids), timeout=self.rows_timeout)
         if stored != len(ids):
             raise RuntimeError(f"the worker stored {stored} of {len(ids)} rows for batch position {position}")
-        row_ids = self.pool.view(offset + HEADER, torch.int32, len(ids))
-        if row_ids.tolist() != ids:
-            wrong = next(i for i, (a, b) in enumerate(zip(row_ids.tolist(), ids)) if a != b)
+        wrong = self.pool.ids_disagree(offset, length, ids)
+        if wrong is not None:
             raise RuntimeError(f"the states stored for batch position {position} come from other tokens' rows "
-                               f"(from token {wrong} of {len(ids)} on): the worker attributed rows to the wrong request")
+                               f"({wrong}): the worker attributed rows to the wrong request")
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
         count = len(self.settings.layer_ids)
         # released once no tensor over any of its bytes is left: the writer's rows cut from these included
         release = _Countdown(count + (1 if self.scales else 0), self.pool.release, offset)
-        layers = [self.pool.view(offset + layer_start(length, index, self.row_bytes, self.scales), dtype,
+        layers = [self.pool.view(offset + layer_start(length, index, self.row_bytes, self.scales, self.blocks), dtype,
                                   len(ids) * hidden, on_free=release).view(len(ids), hidden)
                   for index in range(count)]
         if self.scales:
-            scales = self.pool.view(offset + scales_start(length), torch.float32, len(ids), on_free=release)
+            scales = self.pool.view(offset + scales_start(length, self.blocks), torch.float32, len(ids), on_free=release)
             layers = fp8_states.Quantized(layers, scales.view(-1, 1, 1))
         return layers
 

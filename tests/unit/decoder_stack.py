@@ -91,3 +91,51 @@ def extract_through_the_worker(monkeypatch, rows, claimed, prompts, make_worker=
         return results
     finally:
         backend.pool.close()
+
+
+def extract_through_stages(monkeypatch, prompts, layer_ids, splits, after_step=None):
+    """One step of ``prompts`` through one ``Worker`` per pipeline stage (``splits``: each stage's
+    (start_layer, end_layer) of a 6-layer ``Stack``), each capturing the layers its stage runs into
+    the same regions, as vLLM's stages would; the parent's tensors (or its error) per request.
+    ``after_step(pool, offsets, lengths)``: called once the stages stored the step's rows."""
+    from hidden_states.backends.stage_layers import merge_stage_replies
+
+    monkeypatch.setattr(engine_capture, "tp_rank", lambda: 0)
+    backend = VllmEngineBackend(BackendSettings("m", sorted(layer_ids), 16, 1, 0.1))
+    workers, replies = [], []
+    for stage, (start, end) in enumerate(splits):
+        monkeypatch.setattr(engine_capture, "pp_rank", lambda stage=stage: stage)
+        worker = Worker(list(prompts), list(prompts))
+        stack = worker.model_runner.model.model = Stack(6)
+        stack.start_layer, stack.end_layer = start, end
+        worker.model_config = SimpleNamespace(dtype=torch.float32, get_hidden_size=lambda: HIDDEN)
+        replies.append(worker._hidden_states_stream_setup(layer_ids))
+        workers.append(worker)
+    backend._layout, stages = merge_stage_replies(replies, sorted(layer_ids))
+    backend.blocks, backend.row_bytes, backend.rows_timeout = len(stages), HIDDEN * 4, 0.1
+    backend.pool = RegionPool(4 * backend.region_bytes(16), stages=tuple(stages))
+    try:
+        work = RegionBatch(list(prompts.values()),
+                           [backend.pool.reserve(backend.region_bytes(len(p)), timeout=1) for p in prompts.values()])
+        requests = [SimpleNamespace(req_id=r, prompt_token_ids=p, num_computed_tokens=0,
+                                    sampling_params=SimpleNamespace(extra_args={REGION: (work.offsets[i], len(p))}))
+                    for i, (r, p) in enumerate(prompts.items())]
+        step = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=requests,
+                               num_scheduled_tokens={r: len(p) for r, p in prompts.items()},
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+        for stage, worker in enumerate(workers):
+            monkeypatch.setattr(engine_capture, "pp_rank", lambda stage=stage: stage)
+            if worker._hidden_states_stream_to(backend.pool.path, stages) is not None:
+                worker.execute_model(step)
+        if after_step is not None:
+            after_step(backend.pool, work.offsets, work.lengths)
+        results = []
+        for position, ids in enumerate(work.ids):
+            work.finished[position] = SimpleNamespace(prompt_token_ids=ids)
+            try:
+                results.append([layer.clone() for layer in backend._states(work, position)])
+            except RuntimeError as exc:
+                results.append(exc)
+        return results, backend, stages
+    finally:
+        backend.pool.close()

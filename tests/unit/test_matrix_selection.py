@@ -51,7 +51,7 @@ def selects(expression: str, carried: set[str]) -> bool:
 @pytest.mark.parametrize("version", list(matrix.MATRIX))
 def test_a_releases_end_to_end_parts_run_each_test_exactly_once(version, monkeypatch):
     """Split or not, a release's end-to-end suite selects the same tests, each in one part."""
-    markers = ["extractor", "backends", "faults", "formats", "data_parallel", "tp8", "generate"]
+    markers = ["extractor", "backends", "faults", "formats", "data_parallel", "tp8", "generate", "pipeline"]
     parts = matrix.e2e_selections(version)
     monkeypatch.setitem(matrix.MATRIX, version, {**matrix.plan_of(version), "e2e_parts": {}})
     (_, unsplit, _), = matrix.e2e_selections(version)
@@ -59,3 +59,10 @@ def test_a_releases_end_to_end_parts_run_each_test_exactly_once(version, monkeyp
         carried = {marker for i, marker in enumerate(markers) if bits >> i & 1}
         chosen = [label for label, expression, _ in parts if selects(expression, carried)]
         assert len(chosen) == (1 if selects(unsplit, carried) else 0), (sorted(carried), chosen)
+
+
+def test_the_pipeline_tests_run_on_0_17_0_alone():
+    """vllm-engine --pp-size 2 runs where vLLM's own CPU pipeline parallelism does: one release."""
+    chosen = [version for version in matrix.MATRIX
+              if any(selects(expression, {"extractor", "pipeline"}) for _, expression, _ in matrix.e2e_selections(version))]
+    assert chosen == ["0.17.0"]

@@ -169,7 +169,7 @@ def test_the_kernels_oom_kills_during_the_run_are_said():
     engine = Exit("EngineCore_DP0", 8, 1)
     assert engine.explain(0) == ("vLLM's process EngineCore_DP0 (pid 8) exited with code 1 (its output above says "
                                  "why; when one of its own workers died, vLLM's line 'Worker proc ... died "
-                                 "unexpectedly' names it)")
+                                 "unexpectedly' names it: with pipeline stages, VllmWorker-<rank> runs stage <rank> // --tp-size)")
     assert engine.explain(1).endswith(". The kernel's OOM killer killed 1 process(es) on this host during the run "
                                       "(`dmesg` names them; if one was vLLM's: lower --batch-size or "
                                       "--gpu-memory-utilization, or spread the model over more ranks with a larger "
@@ -229,3 +229,21 @@ def test_how_a_child_ended_is_known_though_its_owner_closed_it():
         time.sleep(0.5)  # the watch has seen it end
         core.close()  # what vLLM's shutdown does
         assert [(e.name, e.exitcode) for e in children.first_exits(wait=5)] == [("EngineCore", -signal.SIGKILL)]
+
+
+def test_a_dead_worker_of_a_pipeline_stage_is_named_with_its_stage():
+    from types import SimpleNamespace
+
+    from hidden_states.processes import Exit, stage_title
+
+    def worker(rank, stages, tp):
+        config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=stages, tensor_parallel_size=tp))
+        return SimpleNamespace(_kwargs={"vllm_config": config, "rank": rank})
+
+    assert stage_title(worker(3, 2, 2)) == "VLLM::Worker_PP1_TP1"
+    assert stage_title(worker(1, 2, 1)) == "VLLM::Worker_PP1"  # one rank a stage: no TP in the title
+    assert stage_title(worker(1, 1, 2)) is None  # no pipeline stages: the name says enough
+    assert stage_title(SimpleNamespace(_kwargs={})) is None  # not a worker
+    explained = Exit("VllmWorker-3", 4242, -signal.SIGKILL, "VLLM::Worker_PP1_TP1").explain()
+    assert explained.startswith("vLLM's process VllmWorker-3 (pid 4242, pipeline stage 1: VLLM::Worker_PP1_TP1) "
+                                "was killed by SIGKILL"), explained

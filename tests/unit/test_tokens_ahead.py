@@ -22,3 +22,11 @@ def test_the_engine_backends_keep_steps_ahead_of_the_engines_step(monkeypatch):
     assert engine_feed.steps_of_tokens_ahead(llm) == engine_feed.STEPS_AHEAD * 512
     monkeypatch.setattr(engine_feed, "STEPS_AHEAD", 2)  # the one name decides it
     assert engine_feed.steps_of_tokens_ahead(llm) == 1024
+
+
+def test_pipeline_stages_each_keep_one_more_step_ahead():
+    """vLLM runs a batch per pipeline stage at once: each stage past the first adds one step ahead."""
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=512),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2))))
+    assert engine_feed.steps_of_tokens_ahead(llm) == (engine_feed.STEPS_AHEAD + 1) * 512

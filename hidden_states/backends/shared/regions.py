@@ -13,6 +13,14 @@ scale (float32), padded to 64 bytes; all that padded to a whole number of rows; 
 after the other, each ``[prompt_len, hidden]`` contiguous. Regions start at a multiple of a row's
 bytes too, so every stored row of every region is one row of the file seen as ``[rows, row_bytes]``:
 the worker moves a step's scattered rows (one per decoding request) with one indexed copy.
+
+Under vLLM's pipeline parallelism each stage's worker stores the layers it runs (at their slots of
+the run's layers) into the same region, and keeps counters and token ids of its own: a region then
+starts with one 64-byte header per capturing stage (``stages`` of them, in stage order: block ``k``
+at ``k * HEADER``), then one token-id array per capturing stage, then the scales and the layers as
+above. A request's rows are stored once every stage counted them (the least count), the stages must
+agree on the first row they stored, and each stage's ids are checked. With one stage the layout is
+the one described above, byte for byte.
 """
 from __future__ import annotations
 
@@ -44,20 +52,25 @@ def _per_row(length: int) -> int:
     return (4 * length + 63) // 64 * 64
 
 
-def scales_start(length: int) -> int:
+def ids_start(length: int, stage: int = 0, stages: int = 1) -> int:
+    """Where capturing stage ``stage``'s token ids of a ``length``-token region start (of ``stages``)."""
+    return HEADER * stages + _per_row(length) * stage
+
+
+def scales_start(length: int, stages: int = 1) -> int:
     """Where a ``length``-token region's row scales start (FP8 states), after the token ids."""
-    return HEADER + _per_row(length)
+    return ids_start(length, stages, stages)
 
 
-def layer_start(length: int, index: int, row_bytes: int, scales: bool = False) -> int:
+def layer_start(length: int, index: int, row_bytes: int, scales: bool = False, stages: int = 1) -> int:
     """Where layer ``index`` of a ``length``-token region starts, from the region's start (after the
-    header, the token ids and, with ``scales``, the row scales, padded to a whole row)."""
-    before = HEADER + _per_row(length) * (2 if scales else 1)
+    headers, the token ids and, with ``scales``, the row scales, padded to a whole row)."""
+    before = HEADER * stages + _per_row(length) * (stages + (1 if scales else 0))
     return -(-before // row_bytes) * row_bytes + index * length * row_bytes
 
 
-def region_bytes(length: int, layers: int, row_bytes: int, scales: bool = False) -> int:
-    return layer_start(length, layers, row_bytes, scales)
+def region_bytes(length: int, layers: int, row_bytes: int, scales: bool = False, stages: int = 1) -> int:
+    return layer_start(length, layers, row_bytes, scales, stages)
 
 
 def regions_root(needed_bytes: int) -> str | None:
@@ -75,10 +88,12 @@ def regions_root(needed_bytes: int) -> str | None:
 class RegionPool:
     """A shared-memory file cut into regions: first fit, freed regions merged, ``reserve`` waits for
     room (the writer frees regions as it writes). Every region starts at a multiple of ``align``
-    bytes (and of 64)."""
+    bytes (and of 64). ``stages``: the pipeline stage of each counter block (one per capturing
+    stage, in order; ``(0,)`` without pipeline parallelism)."""
 
-    def __init__(self, capacity: int, align: int = ALIGN):
+    def __init__(self, capacity: int, align: int = ALIGN, stages: tuple[int, ...] = (0,)):
         self.capacity, self.align = capacity, math.lcm(ALIGN, align)
+        self.stages = tuple(stages)
         fd, self.path = tempfile.mkstemp(prefix="hidden-states-regions-", dir=regions_root(capacity))
         try:
             os.ftruncate(fd, capacity)
@@ -104,8 +119,9 @@ class RegionPool:
             else:
                 self._free[index] = (offset + nbytes, size - nbytes)
             self._reserved[offset] = nbytes
-            # no rows stored yet, none taken from a cache, none stored again
-            struct.pack_into("<qqqqq", self.mapping, offset, 0, 0, 0, 0, UNREWRITTEN)
+            # no rows stored yet, none taken from a cache, none stored again: in every stage's block
+            for block in range(len(self.stages)):
+                struct.pack_into("<qqqqq", self.mapping, offset + block * HEADER, 0, 0, 0, 0, UNREWRITTEN)
             return offset
 
     def release(self, offset: int) -> None:
@@ -125,24 +141,67 @@ class RegionPool:
     def _fit(self, nbytes: int) -> int | None:
         return next((i for i, (_, size) in enumerate(self._free) if size >= nbytes), None)
 
+    def _counts(self, at: int) -> list[int]:
+        """The int64 at ``at`` (a place in a counter block) in every stage's block."""
+        return [struct.unpack_from("<q", self.mapping, at + block * HEADER)[0] for block in range(len(self.stages))]
+
     def rows_stored(self, offset: int, expected: int, timeout: float) -> int:
-        """The row count a worker wrote into the region at ``offset``, once it is at least ``expected``
+        """The row count the workers wrote into the region at ``offset`` (the least over the capturing
+        stages: a row is stored once every stage stored its layers), once it is at least ``expected``
         or ``timeout`` seconds have passed (a GPU worker writes it when the copies have landed, which
         may be a moment after the engine reports the request finished)."""
         deadline = time.monotonic() + timeout
-        while (stored := struct.unpack_from("<q", self.mapping, offset)[0]) < expected and time.monotonic() < deadline:
+        while (stored := min(self._counts(offset))) < expected and time.monotonic() < deadline:
             time.sleep(0.0005)
         return stored
 
-    def first_row(self, offset: int) -> int:
-        """The first prompt position the worker stored a row at in the region at ``offset`` (read once
-        its rows are all stored)."""
-        return struct.unpack_from("<q", self.mapping, offset + FIRST_ROW)[0]
+    def first_row(self, offset: int, settled: bool = True) -> int:
+        """The first prompt position the workers stored a row at in the region at ``offset`` (read once
+        its rows are all stored: every stage must have stored from the same one). ``settled`` False:
+        while rows are still being stored, the highest any stage stored from so far (a stage that has
+        not stored yet reads 0)."""
+        firsts = self._counts(offset + FIRST_ROW)
+        if not settled or len(set(firsts)) == 1:
+            return max(firsts)
+        said = ", ".join(f"stage {stage}: {first}" for stage, first in zip(self.stages, firsts))
+        raise RuntimeError(f"the pipeline stages disagree on the first stored row of a region ({said})")
 
     def rewritten_from(self, offset: int) -> int:
-        """The lowest position of the region at ``offset`` stored at again after it was counted
-        (``UNREWRITTEN``: none)."""
-        return struct.unpack_from("<q", self.mapping, offset + REWRITTEN)[0]
+        """The lowest position of the region at ``offset`` stored at again after it was counted, by any
+        stage (``UNREWRITTEN``: none)."""
+        return min(self._counts(offset + REWRITTEN))
+
+    def ids_disagree(self, offset: int, length: int, ids: list[int]) -> str | None:
+        """None if every stage's stored token ids of the ``length``-token region at ``offset`` are
+        ``ids`` (its first ``len(ids)`` rows), else what disagrees: the stage, from which token on."""
+        import torch
+
+        for block, stage in enumerate(self.stages):
+            stored = self.view(offset + ids_start(length, block, len(self.stages)), torch.int32, len(ids)).tolist()
+            if stored != ids:
+                wrong = next(i for i, (a, b) in enumerate(zip(stored, ids)) if a != b)
+                where = f" by pipeline stage {stage}" if len(self.stages) > 1 else ""
+                return f"from token {wrong} of {len(ids)} on, stored{where}"
+        return None
+
+    def copy_rows(self, into: int, into_length: int, source: int, source_length: int, rows: int, row_bytes: int,
+                  layers: int, scales: bool) -> None:
+        """Copy the first ``rows`` rows (every stage's token ids, FP8 scales, every layer of
+        ``row_bytes`` a row) of the region at ``source`` (laid out for ``source_length`` rows) into the
+        region at ``into`` (``into_length`` rows)."""
+        import torch
+
+        blocks = len(self.stages)
+        for block in range(blocks):
+            self.view(into + ids_start(into_length, block, blocks), torch.int32, rows).copy_(
+                self.view(source + ids_start(source_length, block, blocks), torch.int32, rows))
+        if scales:  # a token's FP8 scale is its own rows' (over its layers): the source's is its
+            self.view(into + scales_start(into_length, blocks), torch.float32, rows).copy_(
+                self.view(source + scales_start(source_length, blocks), torch.float32, rows))
+        size = rows * row_bytes
+        for index in range(layers):
+            self.view(into + layer_start(into_length, index, row_bytes, scales, blocks), torch.uint8, size).copy_(
+                self.view(source + layer_start(source_length, index, row_bytes, scales, blocks), torch.uint8, size))
 
     def view(self, offset: int, dtype, count: int, on_free=None):
         """``count`` items of ``dtype`` at ``offset``, as a tensor over the mapping (no copy);

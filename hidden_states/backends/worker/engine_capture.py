@@ -31,6 +31,10 @@ request's region of a page-locked ``/dev/shm`` segment shared with the parent.
   id) lands at its position: the reply's rows, all but the last sampled token, which no step feeds. A request whose first tokens
   vLLM's prefix cache held starts past them: the header's second int64 says where (the lowest
   position stored at), and the parent fills the rows before it from the request that computed them.
+* Under vLLM's pipeline parallelism each stage's TP rank 0 captures the run's layers its stage runs
+  (``stage_layers``), each at its slot among the run's layers, with a counter block and token ids of
+  its own (``regions.ids_start``: the parent checks each stage's); a stage that runs none installs
+  nothing. Every stage sees the same scheduler output, so each places its rows the same way.
 * On a GPU the states' copies run on a stream of their own, into pinned memory, after the step's
   forward: they overlap the next step's forward instead of adding to its time. A region's row count is written only once its copies are
   done (:class:`CopiesDone`, a thread waiting on each step's event), and the parent waits for the
@@ -50,7 +54,7 @@ import threading
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
 from ... import fp8_states
-from ..shared.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, layer_start, scales_start
+from ..shared.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, ids_start, layer_start, scales_start
 from .row_scatter import GATHER_ROWS, GatheredRows
 
 logger = logging.getLogger(__name__)
@@ -165,6 +169,20 @@ def tp_rank() -> int:
     return get_tp_group().rank_in_group
 
 
+def pp_rank() -> int:
+    """This worker's pipeline stage (each stage's TP rank 0 captures the run's layers that stage runs)."""
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group().rank_in_group
+
+
+def stage_layers(stack, layer_ids: list[int]) -> list[int]:
+    """The run's layers (sorted) that ``stack`` runs: under vLLM's pipeline parallelism a stage's
+    decoder stack holds ``start_layer <= L < end_layer``, every other layer a placeholder."""
+    first, end = getattr(stack, "start_layer", 0), getattr(stack, "end_layer", len(stack.layers))
+    return [layer for layer in sorted(set(layer_ids)) if first <= layer < end]
+
+
 def base_model(model):
     """The decoder stack of a model vLLM loaded (the module holding ``layers``), where both captures
     act: a vision-language model's language model, else ``model.model``."""
@@ -185,26 +203,42 @@ class StreamingStates:
     # the forward's token ids and positions read off the decoder stack's forward as it runs (the eager
     # captures); False: the capture keeps them itself (graph_capture: no Python runs in a CUDA graph)
     _hidden_states_ids_from_forward = True
+    # where this stage's rows go: the run's slot of each layer it captures (None: all of them, in
+    # order), its counter block and token-id array among the region's ``blocks`` (regions.py)
+    _hidden_states_slots: list[int] | None = None
+    _hidden_states_block, _hidden_states_blocks = 0, 1
 
     def _hidden_states_stream_setup(self, layer_ids: list[int], state_dtype: str = "model") -> dict | None:
-        """Install the capture; the capturing rank says how its rows look (``state_dtype`` ``fp8``:
+        """Install the capture of the run's layers this stage runs (none: nothing installed); the
+        capturing rank says its stage, those layers and how its rows look (``state_dtype`` ``fp8``:
         quantized, with a scale per row)."""
-        self._setup_hidden_states_capture(layer_ids)
+        wanted = sorted(set(layer_ids))
+        local = stage_layers(base_model(self.model_runner.model), wanted)
+        self._hidden_states_slots = [wanted.index(layer) for layer in local]
+        if local:
+            self._setup_hidden_states_capture(local)
         self._hidden_states_fp8 = state_dtype == "fp8"
         if tp_rank() != 0:  # both captures capture on TP rank 0 alone
             return None
         config = self.model_config
         dtype = fp8_states.fp8_dtype() if self._hidden_states_fp8 else config.dtype
         return {"dtype": str(dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size(),
-                "scales": self._hidden_states_fp8}
+                "scales": self._hidden_states_fp8, "stage": pp_rank(), "layers": local}
 
-    def _hidden_states_stream_to(self, path: str) -> bool | None:
+    def _hidden_states_stream_to(self, path: str, stages: list[int] | None = None) -> bool | None:
         """Map the parent's region file (page-locked where the model runs on a GPU) and start noting
-        each step's requests. Returns whether the file is page-locked (None: not the capturing rank)."""
+        each step's requests. ``stages``: the capturing pipeline stages, in the order of their blocks
+        in a region (None: this one alone). Returns whether the file is page-locked (None: not a
+        capturing rank)."""
         import torch
 
         if tp_rank() != 0:
             return None
+        if stages is not None:
+            stage = pp_rank()
+            if stage not in stages:  # a stage that runs none of the run's layers
+                return None
+            self._hidden_states_block, self._hidden_states_blocks = stages.index(stage), len(stages)
         fd = os.open(path, os.O_RDWR)
         try:
             self._hidden_states_mapping = mmap.mmap(fd, 0)
@@ -266,14 +300,17 @@ class StreamingStates:
         hidden = aux_hidden_states[0].shape[1]
         row_bytes = hidden * aux_hidden_states[0].element_size()
         # requests with a few rows this step (decoding): moved together, in one copy per kind
-        gathered = GatheredRows(len(aux_hidden_states), row_bytes, scales is not None)
+        slots = self._hidden_states_slots or list(range(len(aux_hidden_states)))
+        block, blocks = self._hidden_states_block, self._hidden_states_blocks
+        gathered = GatheredRows(len(aux_hidden_states), row_bytes, scales is not None, slots, block, blocks)
         regions, first_stored = self._hidden_states_regions, self._hidden_states_first
-        ends = self._hidden_states_ends
+        ends, mine = self._hidden_states_ends, block * HEADER  # this stage's counter block
         for request_id in order:  # hundreds of decoding requests a step: the least work each
             count = tokens[request_id]
             region, start = regions.get(request_id), starts.get(request_id)
             if region is not None and start is not None:
                 offset, length, counters = region
+                counters += mine
                 take = min(count, length - start)
                 if take > 0:
                     stored = first_stored.get(request_id)
@@ -283,7 +320,7 @@ class StreamingStates:
                         host[at:at + 8].view(torch.int64)[0] = start
                     end = ends.get(request_id, 0)
                     if start < end:  # rows counted before, stored again (a preempted request recomputed)
-                        again = host[offset + REWRITTEN:offset + REWRITTEN + 8].view(torch.int64)
+                        again = host[offset + mine + REWRITTEN:offset + mine + REWRITTEN + 8].view(torch.int64)
                         again[0] = min(int(again[0]), start)
                     ends[request_id] = max(end, start + take)
                     if take <= GATHER_ROWS:
@@ -311,14 +348,16 @@ class StreamingStates:
         import torch
 
         host, stream, hidden = self._hidden_states_host, self._hidden_states_copies, aux_hidden_states[0].shape[1]
-        first = offset + HEADER + 4 * start
+        slots, block, blocks = self._hidden_states_slots, self._hidden_states_block, self._hidden_states_blocks
+        first = offset + ids_start(length, block, blocks) + 4 * start
         host[first:first + 4 * take].view(torch.int32).copy_(self._hidden_states_input_ids[row:row + take],
                                                              non_blocking=True)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if scales is not None:
-                first = offset + scales_start(length) + 4 * start
+                first = offset + scales_start(length, blocks) + 4 * start
                 host[first:first + 4 * take].view(torch.float32).copy_(scales[row:row + take], non_blocking=True)
             for index, layer in enumerate(aux_hidden_states):
-                first = offset + layer_start(length, index, row_bytes, scales is not None) + start * row_bytes
+                slot = index if slots is None else slots[index]
+                first = offset + layer_start(length, slot, row_bytes, scales is not None, blocks) + start * row_bytes
                 target = host[first:first + take * row_bytes].view(layer.dtype).view(take, hidden)
                 target.copy_(layer[row:row + take], non_blocking=True)

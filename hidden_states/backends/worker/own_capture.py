@@ -14,7 +14,8 @@ vLLM's on every release. It adds
 * a wrapper around the decoder stack's ``forward`` that hands the kept outputs, in layer order, to
   ``_store_captured_states`` once the forward has run: one call per forward, as speculators' does.
 
-Only tensor-parallel rank 0 captures (every rank computes the same states). The worker-side
+Only tensor-parallel rank 0 captures (every rank computes the same states); under vLLM's pipeline
+parallelism, that of each stage, the layers its stage runs. The worker-side
 adapters that concern the model's kernels (``cpu_rotary_head_layout``, ...) act on vLLM's modules,
 so on this capture as on speculators'; ``v2_batch_order`` gives ``StreamingStates`` the batch
 order under Model Runner V2. Only vLLM's workers import this module (``worker_extension_cls``).

@@ -12,7 +12,7 @@ step's copies, they are placed with one indexed copy per kind into the region fi
 """
 from __future__ import annotations
 
-from ..shared.regions import HEADER, layer_start, scales_start
+from ..shared.regions import ids_start, layer_start, scales_start
 
 GATHER_ROWS = 32  # rows of one request in one step at most, for the gathered path
 
@@ -27,10 +27,15 @@ class GatheredRows:
         layers: layers captured.
         row_bytes: bytes of one stored row of one layer.
         scales: FP8 states, with one scale per row.
+        slots: each captured layer's slot among the run's layers (None: its index).
+        block, blocks: this pipeline stage's token-id array, of the regions' ``blocks``.
     """
 
-    def __init__(self, layers: int, row_bytes: int, scales: bool):
+    def __init__(self, layers: int, row_bytes: int, scales: bool, slots: list[int] | None = None, block: int = 0,
+                 blocks: int = 1):
         self.layers, self.row_bytes, self.scales = layers, row_bytes, scales
+        self.slots = list(range(layers)) if slots is None else slots
+        self.block, self.blocks = block, blocks
         # per request: its first row in the forward, its rows, its region (offset, length), its first position
         self.first_rows: list[int] = []
         self.takes: list[int] = []
@@ -81,15 +86,13 @@ class GatheredRows:
     def _destinations(self):
         """(each row's token id as an int32 index of the file, its scale as a float32 index, per layer
         its rows as rows of the file's ``[rows, row_bytes]`` view)."""
-        import torch
-
         offsets, lengths = self._for_each_row(self.offsets), self._for_each_row(self.lengths)
         positions = self._for_each_row(self.starts) + self._into_request()
-        ids_at = (offsets + HEADER) // 4 + positions
-        scales_at = (offsets + scales_start(lengths)) // 4 + positions if self.scales else None
+        ids_at = (offsets + ids_start(lengths, self.block, self.blocks)) // 4 + positions
+        scales_at = (offsets + scales_start(lengths, self.blocks)) // 4 + positions if self.scales else None
         layers_at = []
         for index in range(self.layers):
-            first = offsets + layer_start(lengths, index, self.row_bytes, self.scales)
+            first = offsets + layer_start(lengths, self.slots[index], self.row_bytes, self.scales, self.blocks)
             misaligned = first % self.row_bytes
             if bool(misaligned.any()):
                 offset = int(offsets[misaligned.nonzero()[0, 0]])

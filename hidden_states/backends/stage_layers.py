@@ -1,0 +1,52 @@
+"""``--backend vllm-engine`` under vLLM's pipeline parallelism (one host): what is refused before the
+load, and the stages' setup replies merged into one layout.
+
+Each stage's tensor-parallel rank 0 captures the run's layers its stage runs (vLLM's split:
+``start_layer <= L < end_layer`` of its decoder stack, ``VLLM_PP_LAYER_PARTITION`` where set) and
+stores them at their slots of the run's layers, with a counter block and a token-id array of its own
+in every region (``shared/regions.py``). A stage that runs none of them captures nothing.
+"""
+from __future__ import annotations
+
+from ..errors import UsageError
+
+
+def refuse_pipeline(settings, capture_asked: str, speculators: str) -> None:
+    """With ``pp_size`` > 1, what cannot run, refused before the load, one line each: speculators'
+    capture (its patched forward stores nothing on a stage before the last), ``--cuda-graphs`` (its
+    capture reads the token ids at the embedding, which only the first stage has), ``--state-dtype
+    fp8`` (a row's scale is the largest value over all its layers, which no one stage holds)."""
+    if settings.pp_size <= 1:
+        return
+    if capture_asked == speculators:
+        raise UsageError(f"--pp-size {settings.pp_size}: speculators' capture stores nothing on a pipeline stage "
+                         f"before the last; unset VLLM_COMPAT_ENGINE_CAPTURE or set it to own")
+    if settings.cuda_graphs:
+        raise UsageError(f"--cuda-graphs: not with --pp-size {settings.pp_size} (its capture reads the token ids at "
+                         f"the embedding, which only the first pipeline stage runs)")
+    if settings.state_dtype == "fp8":
+        raise UsageError(f"--state-dtype fp8: not with --pp-size {settings.pp_size} (a row's scale is the largest "
+                         f"value over all its layers, which no one pipeline stage holds)")
+
+
+def merge_stage_replies(replies: list, layer_ids: list[int]) -> tuple[dict, list[int]]:
+    """The capturing ranks' setup replies (one per pipeline stage; None from the other ranks) as one
+    layout, and the stages that capture, in order (a region's counter blocks). Raises unless every
+    layer of the run is captured by exactly one stage."""
+    replies = sorted((reply for reply in replies if reply is not None), key=lambda reply: reply.get("stage", 0))
+    if not replies:
+        raise RuntimeError("hidden-states vllm-engine capture: no worker answered the capture's setup")
+    by_layer: dict[int, list[int]] = {}
+    for reply in replies:
+        for layer in reply.get("layers", layer_ids):
+            by_layer.setdefault(layer, []).append(reply.get("stage", 0))
+    twice = {layer: stages for layer, stages in by_layer.items() if len(stages) > 1}
+    if twice:
+        raise RuntimeError("hidden-states vllm-engine capture: layers captured by more than one pipeline stage: "
+                           + ", ".join(f"layer {layer} by stages {stages}" for layer, stages in sorted(twice.items())))
+    missing = sorted(set(layer_ids) - set(by_layer))
+    if missing:
+        raise RuntimeError(f"hidden-states vllm-engine capture: no pipeline stage runs layers {missing} "
+                           f"(the stages run {sorted(by_layer)})")
+    capturing = [reply for reply in replies if reply.get("layers", layer_ids)]
+    return capturing[0], [reply.get("stage", 0) for reply in capturing]

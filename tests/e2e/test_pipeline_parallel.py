@@ -1,0 +1,112 @@
+"""``--backend vllm-engine --pp-size 2`` on vLLM's CPU backend (its multiprocessing executor, one host):
+each stage's worker captures the layers its stage runs into the same regions, and the rows written are
+HF's, token by token, layer by layer, as at one stage. The stages' layers are vLLM's split (6 layers:
+[3, 3]) or ``VLLM_PP_LAYER_PARTITION``'s; the layers asked for straddle the stages (a stage's last and
+the next one's first), include the last layer (the certificates read it), and in one run leave the
+first stage with none to capture. One core per stage (``VLLM_CPU_OMP_THREADS_BIND``)."""
+import json
+import random
+import re
+
+import pytest
+
+from tests.e2e import harness
+from tests.e2e.extract_runs import cli, data_files, extract_args, run_cli
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.pipeline]
+
+ROWS = 12
+STAGES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def write_rows(path) -> list[list[int]]:
+    """Uneven rows, four of them (one batch) sharing a 300-token prefix: vLLM's prefix cache gives
+    three of them their first blocks, whose rows are copied from the first one's region."""
+    rng = random.Random(31)
+    shared = [rng.randrange(4, 512) for _ in range(300)]
+    rows = [[rng.randrange(4, 512) for _ in range(rng.randrange(20, 400))] for _ in range(4)]
+    rows += [shared + [rng.randrange(4, 512) for _ in range(rng.randrange(20, 80))] for _ in range(4)]
+    rows += [[rng.randrange(4, 512) for _ in range(rng.randrange(20, 400))] for _ in range(ROWS - len(rows))]
+    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in rows))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def model():
+    return harness.tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipeline") / "data.jsonl"
+    return path, write_rows(path)
+
+
+@pytest.fixture(scope="module")
+def hf(model):
+    from hidden_states.fixtures.reference import load_model
+
+    return load_model(model)
+
+
+def pipeline_run(model, data, out, layers: list[int], partition: str | None = None):
+    args = extract_args(model, data, out, "--backend", "vllm-engine", "--pp-size", "2")
+    at = args.index("--layer-ids")
+    args[at + 1:at + 5] = [str(layer) for layer in layers]
+    env = {**STAGES, **({"VLLM_PP_LAYER_PARTITION": partition} if partition else {})}
+    proc = run_cli(*args, env_extra=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def assert_rows_are_hfs(hf, rows, out, layers: list[int]) -> None:
+    """Every row's every token at every layer within harness.TOLERANCE of HF's, and each layer's mean
+    error within harness.MEAN_TOLERANCE."""
+    import torch
+
+    from hidden_states.fixtures.reference import decoder_layer_outputs, relative_errors
+
+    assert sorted(data_files(out)) == list(range(len(rows)))
+    reference = decoder_layer_outputs(hf, rows, layers)
+    for i, ids in enumerate(rows):
+        saved = torch.load(out / f"data_{i}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == ids
+        for layer, got, want in zip(layers, saved["hidden_states"], reference[i], strict=True):
+            errors = relative_errors(got, want)
+            assert float(errors.max()) < harness.TOLERANCE, (i, layer, float(errors.max()))
+            assert float(errors.mean()) < harness.MEAN_TOLERANCE, (i, layer, float(errors.mean()))
+
+
+def test_two_stages_write_hfs_rows_across_the_stage_boundary_certified(model, data, hf, tmp_path):
+    """[3, 3]: layers 0 and 2 from stage 0 (2 its last), 3 and 5 from stage 1 (3 its first, 5 the
+    model's last, which the certificates check against the engine's logprobs)."""
+    path, rows = data
+    proc = pipeline_run(model, path, tmp_path / "out", [0, 2, 3, 5])
+    assert "certificates: on: every row is checked against the engine's logprobs" in proc.stderr
+    assert json.loads((tmp_path / "out" / "data_config.json").read_text())["capture"] == "own"
+    cached = re.search(r"; ([\d,]+) from vLLM's prefix cache\)", proc.stderr)
+    assert cached and int(cached.group(1).replace(",", "")) > 0, proc.stderr[-2000:]
+    assert_rows_are_hfs(hf, rows, tmp_path / "out", [0, 2, 3, 5])
+    command, env = cli()
+    checked = __import__("subprocess").run([*command[:-1], "verify", str(tmp_path / "out")], env=env,
+                                           capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert checked.stderr.strip().splitlines()[-1] == (f"[hidden-states] verify: ok: {len(rows)} certified rows hold "
+                                                      f"the engine's states")
+
+
+@pytest.mark.parametrize("partition, layers", [("4,2", [3, 4, 5]), ("1,5", [2, 3, 5])],
+                         ids=["uneven-4-2", "first-stage-captures-nothing"])
+def test_uneven_stages_write_hfs_rows(model, data, hf, tmp_path, partition, layers):
+    """VLLM_PP_LAYER_PARTITION=4,2: stage 0 captures layer 3 alone; 1,5: stage 0 none of them."""
+    path, rows = data
+    pipeline_run(model, path, tmp_path / "out", layers, partition)
+    assert_rows_are_hfs(hf, rows, tmp_path / "out", layers)
+
+
+def test_what_cannot_run_with_stages_is_refused_before_the_load(model, data, tmp_path):
+    path, _ = data
+    proc = run_cli(*extract_args(model, path, tmp_path / "out", "--backend", "vllm-engine", "--pp-size", "2",
+                                 "--cuda-graphs"), env_extra=STAGES)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--cuda-graphs: not with --pp-size 2" in proc.stderr
