@@ -1,5 +1,4 @@
-"""vLLM's CPU worker no longer warms up in eager mode (0.27.0), so a later pipeline stage has no
-receive buffer: allocate it before the stage's first gather, as the warm-up did.
+"""No warm-up on vLLM's CPU worker in eager mode (0.27.0): allocate a later pipeline stage's buffer.
 
 Drift: a pipeline stage after the first copies the hidden states it receives into the runner's
 persistent ``intermediate_tensors`` (``GPUModelRunner.sync_and_gather_intermediate_tensors``,
@@ -15,9 +14,10 @@ compilation mode is ``NONE`` (cpu_model_runner.py:148-149 in 0.27.0, :84-86 in 0
 first step with a bare ``AssertionError`` from stage 1's worker. The GPU worker's memory profiling
 always runs ``_dummy_run``: CPU only.
 
-What it does: on the CPU runner (``CPUModelRunner``, which inherits the method), when a non-first stage gathers and its buffer is still None, it
-allocates the buffer with the very call and arguments ``_dummy_run`` uses, then calls through; the
-copy and gather then run as vLLM wrote them. First stages never gather; a compiled (not eager) run
+What it does: on the CPU runner (``CPUModelRunner``, which inherits the method), when a stage
+after the first gathers and its buffer is still None, it allocates the buffer with the very call
+and arguments ``_dummy_run`` uses, then calls through; the copy and gather then run as vLLM wrote
+them. First stages never gather; a compiled (not eager) run
 has warmed up and finds the buffer there: both pass through untouched.
 
 Scope: worker (the runner lives there), on vLLM's CPU backend. The probe reads the fact itself:
