@@ -111,6 +111,19 @@ FILES = {
         "            self.drafter = NgramConfig()\n"
         "        elif method == 'dangling':\n"
         "            self.drafter = NotImportedAnywhere()\n"
+        "    def warm_up(self):\n"
+        "        if self.config.mode == Mode.NONE:\n"
+        "            return\n"
+        "        if self.config.debug:\n"
+        "            print('debug')\n"
+        "        self.run()\n"
+        "    def profile(self):\n"
+        "        if self.config.mode == Mode.NONE:\n"
+        "            self.run()\n"
+        "        for step in range(2):\n"
+        "            if step == Mode.SKIP:\n"
+        "                return\n"
+        "        return 1\n"
     ),
     "fakevllm/request.py": (
         "class Request:\n"
@@ -169,6 +182,11 @@ CHECKS = [
     (shapes.Branch("fakevllm.runner:Runner.__init__", "medusa"), shapes.ABSENT),
     (shapes.Branch("fakevllm.runner:Runner.__init__", "dangling"), shapes.UNRESOLVED),
     (shapes.Branch("fakevllm.runner:Gone.__init__", "ngram"), shapes.MISSING),
+    (shapes.ReturnsEarly("fakevllm.runner:Runner.warm_up", "NONE"), shapes.PRESENT),
+    (shapes.ReturnsEarly("fakevllm.runner:Runner.warm_up", "debug"), shapes.ABSENT),  # its body does more
+    (shapes.ReturnsEarly("fakevllm.runner:Runner.profile", "NONE"), shapes.ABSENT),  # runs, does not return
+    (shapes.ReturnsEarly("fakevllm.runner:Runner.profile", "SKIP"), shapes.ABSENT),  # nested in a loop
+    (shapes.ReturnsEarly("fakevllm.runner:Gone.warm_up", "NONE"), shapes.MISSING),
     # a site this release lacks is skipped; every site it has must resolve the string
     (shapes.Dispatched("fakevllm.spec:Config.method", "extract_hidden_states", sites=(
         shapes.Registered("fakevllm.spec:NOTHING", "extract_hidden_states"),

@@ -44,5 +44,8 @@ class AliasedSource:
     def named(self, target: str) -> Observation:
         return self.inner.named(self.redirect(target))
 
+    def early_return(self, target: str, name: str) -> Observation:
+        return self.inner.early_return(self.redirect(target), name)
+
     def branch(self, target: str, value: str) -> Observation:
         return self.inner.branch(self.redirect(target), value)

@@ -45,3 +45,20 @@ def taken(function: ast.AST, value: str) -> Taken | None:
                     return Taken(name, module, branch.lineno)
         return Taken("", "", branch.lineno)
     return None
+
+
+def returns_at_once(function: ast.AST, name: str) -> int | None:
+    """The line of the first ``if`` among ``function``'s own statements whose test names ``name``
+    (``x.mode == CompilationMode.NONE`` names ``NONE``, ``CompilationMode`` and ``mode``) and whose
+    whole body is a bare ``return`` (or ``return None``); None when there is no such early return."""
+    for stmt in getattr(function, "body", ()):
+        if not isinstance(stmt, ast.If) or len(stmt.body) != 1 or not isinstance(stmt.body[0], ast.Return):
+            continue
+        value = stmt.body[0].value
+        if value is not None and not (isinstance(value, ast.Constant) and value.value is None):
+            continue
+        named = {node.attr for node in ast.walk(stmt.test) if isinstance(node, ast.Attribute)}
+        named |= {node.id for node in ast.walk(stmt.test) if isinstance(node, ast.Name)}
+        if name in named:
+            return stmt.lineno
+    return None

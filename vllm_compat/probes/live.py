@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .branches import taken
+from .branches import returns_at_once, taken
 from .shapes import (ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, UNRESOLVED, Observation, address_of,
                      split_target)
 
@@ -172,6 +172,18 @@ class LiveSource:
             return Observation(MISSING)
         value = found[1]
         return Observation(address_of(value)) if isinstance(value, str) and value else Observation(ABSENT)
+
+    def early_return(self, target: str, name: str) -> Observation:
+        found = self._resolve(target)
+        if found is None:
+            return Observation(MISSING)
+        func = inspect.unwrap(found[1])
+        try:
+            text = textwrap.dedent(inspect.getsource(func))
+        except (OSError, TypeError):
+            return Observation(MISSING, _where(func))
+        function = ast.parse(text).body[0]
+        return Observation(PRESENT if returns_at_once(function, name) else ABSENT, _where(func))
 
     def branch(self, target: str, value: str) -> Observation:
         found = self._resolve(target)

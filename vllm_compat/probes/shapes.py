@@ -47,6 +47,8 @@ class Source(Protocol):
     def registered(self, target: str, key: str, via: str) -> Observation: ...
     def named(self, target: str) -> Observation: ...
     def branch(self, target: str, value: str) -> Observation: ...
+    # does the function return at once in an ``if`` whose test names ``name``: PRESENT / ABSENT / MISSING
+    def early_return(self, target: str, name: str) -> Observation: ...
 
 
 def is_address(value: str) -> bool:
@@ -157,6 +159,22 @@ class Exists(Check):
 
     def observe(self, source: Source) -> Observation:
         return source.exists(self.target)
+
+
+@dataclass(frozen=True)
+class ReturnsEarly(Check):
+    """Does the function ``target`` return at once in an ``if`` among its own statements (not a
+    nested one) whose test names ``name`` (``if self.mode == CompilationMode.NONE: return``)?
+    ``present``, ``absent`` or ``<missing>``: a behaviour a function gained without changing its
+    signature."""
+
+    name: str = ""
+
+    def describe(self) -> str:
+        return f"an early return on {self.name!r} in {self.target}"
+
+    def observe(self, source: Source) -> Observation:
+        return source.early_return(self.target, self.name)
 
 
 @dataclass(frozen=True)

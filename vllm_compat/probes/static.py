@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .branches import taken
+from .branches import returns_at_once, taken
 from .shapes import (ABSENT, MISSING, OPTIONAL, PRESENT, REQUIRED, UNRESOLVED, Observation, address_of,
                      split_target)
 
@@ -278,6 +278,13 @@ class StaticSource:
         assigned = isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
         qualname = self._string(node.value, found.module) if assigned else None
         return Observation(address_of(qualname), found.where) if qualname else Observation(ABSENT, found.where)
+
+    def early_return(self, target: str, name: str) -> Observation:
+        found = self._resolve(target)
+        if found is None or not isinstance(found.node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return Observation(MISSING)
+        line = returns_at_once(found.node, name)
+        return Observation(PRESENT, f"{found.file}:{line}") if line else Observation(ABSENT, found.where)
 
     def branch(self, target: str, value: str) -> Observation:
         found = self._resolve(target)
