@@ -61,6 +61,19 @@ class Worker(own_capture.OwnStreamingCapture):
         self.model_runner.model.model(input_ids=torch.tensor(ids), positions=torch.tensor(positions))
 
 
+def states_taken(backend, work) -> list:
+    """Each request of ``work`` finished as vLLM would hand it back: the parent's tensors for it (cloned
+    out of the pool), or the error the parent raises."""
+    results = []
+    for position, ids in enumerate(work.ids):
+        work.finished[position] = SimpleNamespace(prompt_token_ids=ids)
+        try:
+            results.append([layer.clone() for layer in backend._states(work, position)])
+        except RuntimeError as exc:
+            results.append(exc)
+    return results
+
+
 def extract_through_the_worker(monkeypatch, rows, claimed, prompts, make_worker=None):
     """One step of the two requests through ``Worker`` (or the worker ``make_worker()`` makes); the
     parent's tensors (or its error) per request."""
@@ -81,14 +94,7 @@ def extract_through_the_worker(monkeypatch, rows, claimed, prompts, make_worker=
         worker.execute_model(SimpleNamespace(
             finished_req_ids=set(), scheduled_new_reqs=requests, num_scheduled_tokens={r: len(p) for r, p in prompts.items()},
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
-        results = []
-        for position, ids in enumerate(work.ids):
-            work.finished[position] = SimpleNamespace(prompt_token_ids=ids)
-            try:
-                results.append([layer.clone() for layer in backend._states(work, position)])
-            except RuntimeError as exc:
-                results.append(exc)
-        return results
+        return states_taken(backend, work)
     finally:
         backend.pool.close()
 
@@ -129,13 +135,6 @@ def extract_through_stages(monkeypatch, prompts, layer_ids, splits, after_step=N
                 worker.execute_model(step)
         if after_step is not None:
             after_step(backend.pool, work.offsets, work.lengths)
-        results = []
-        for position, ids in enumerate(work.ids):
-            work.finished[position] = SimpleNamespace(prompt_token_ids=ids)
-            try:
-                results.append([layer.clone() for layer in backend._states(work, position)])
-            except RuntimeError as exc:
-                results.append(exc)
-        return results, backend, stages
+        return states_taken(backend, work), backend, stages
     finally:
         backend.pool.close()

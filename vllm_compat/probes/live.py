@@ -173,28 +173,31 @@ class LiveSource:
         value = found[1]
         return Observation(address_of(value)) if isinstance(value, str) and value else Observation(ABSENT)
 
-    def early_return(self, target: str, name: str) -> Observation:
+    def _source(self, target: str) -> tuple[Any, ast.Module | None] | Observation:
+        """``target``'s function (unwrapped) and its parsed source, or the observation that ends the
+        probe: MISSING where it or its source cannot be found."""
         found = self._resolve(target)
         if found is None:
             return Observation(MISSING)
         func = inspect.unwrap(found[1])
         try:
-            text = textwrap.dedent(inspect.getsource(func))
+            return func, ast.parse(textwrap.dedent(inspect.getsource(func)))
         except (OSError, TypeError):
             return Observation(MISSING, _where(func))
-        function = ast.parse(text).body[0]
-        return Observation(PRESENT if returns_at_once(function, name) else ABSENT, _where(func))
+
+    def early_return(self, target: str, name: str) -> Observation:
+        source = self._source(target)
+        if isinstance(source, Observation):
+            return source
+        func, tree = source
+        return Observation(PRESENT if returns_at_once(tree.body[0], name) else ABSENT, _where(func))
 
     def branch(self, target: str, value: str) -> Observation:
-        found = self._resolve(target)
-        if found is None:
-            return Observation(MISSING)
-        func = inspect.unwrap(found[1])
-        try:
-            text = textwrap.dedent(inspect.getsource(func))
-        except (OSError, TypeError):
-            return Observation(MISSING, _where(func))
-        hit = taken(ast.parse(text), value)
+        source = self._source(target)
+        if isinstance(source, Observation):
+            return source
+        func, tree = source
+        hit = taken(tree, value)
         if hit is None or not hit.name:
             return Observation(ABSENT, _where(func))
         if hit.module:
