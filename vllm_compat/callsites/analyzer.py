@@ -52,6 +52,7 @@ class ModuleAnalysis:
     def __init__(self, index: VllmIndex, tree: ast.Module, label: str, package: str = "",
                  seeds: dict[str, dict[str, Value]] | None = None, name: str = ""):
         self.index, self.label, self.package, self.name = index, label, package, name
+        self.tree = tree
         self.seeds = seeds or {}
         self.references: list[Reference] = []
         self._seen: set[tuple[int, int, str]] = set()
@@ -59,6 +60,8 @@ class ModuleAnalysis:
         self.module_scope = _Scope(self, None, tree.body, {})
         self._typing: set[int] = set()
         self._call_funcs = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        # each module-level class's bases, as values (None: not a vLLM class); see callsites.contracts
+        self.class_bases: dict[str, tuple[Value | None, ...]] = {}
         for node in tree.body:
             self._visit_top(node)
 
@@ -67,6 +70,8 @@ class ModuleAnalysis:
         if isinstance(node, FUNCTIONS):
             self._visit_function(node, None)
         elif isinstance(node, ast.ClassDef):
+            self.class_bases[node.name] = tuple(
+                self.module_scope.value(b.value if isinstance(b, ast.Subscript) else b) for b in node.bases)
             for item in node.body:
                 if isinstance(item, FUNCTIONS):
                     self._visit_function(item, node)
