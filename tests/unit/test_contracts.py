@@ -111,6 +111,9 @@ def test_base_method_gaining_a_required_parameter_is_a_problem_at_the_override(t
     assert not_ok(build(tmp_path, base=base)) == [
         (PROBLEM, f"pkg/conn.py:{lines(CONSUMER, 'def load')}", "vllm.connector.base:Base.load",
          "base requires 'blocks' (argument 3), the override does not accept it")]
+    # a renamed parameter (same arity): whether vLLM passes it by keyword is not read, so not reported
+    assert not_ok(build(tmp_path, base=BASE.replace("request, n: int):\n            ...\n\n        def save",
+                                                    "request, count: int):\n            ...\n\n        def save"))) == []
     # a new required keyword-only parameter: the override's **kwargs takes it, so nothing is wrong
     base = BASE.replace("*, force=False", "*, force=False, layer_id")
     assert not_ok(build(tmp_path, base=base)) == []

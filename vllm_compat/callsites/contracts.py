@@ -7,9 +7,10 @@ order read from source (:meth:`VllmIndex.mro`):
 * **abstract methods** (``@abstractmethod`` on an ``ABC``) left unimplemented by the consumer class
   and its bases: a PROBLEM at the ``class`` line (instantiating it raises ``TypeError``);
 * **override signatures**: a consumer method overriding a vLLM method must still accept what vLLM
-  passes to it: every required positional parameter of the base (by position, or ``*args``), every
-  required keyword-only one (by name, or ``**kwargs``), and no parameter required by the override
-  that the base does not have: a PROBLEM at the ``def`` line, naming the base's file:line;
+  passes to it: the base's required parameters (a required one the override has neither room for
+  by position nor a name for, nor ``*args``/``**kwargs``; a required keyword-only one it has no name
+  for), and no parameter required by the override that the base does not have: a PROBLEM at the
+  ``def`` line, naming the base's file:line;
 * **overrides of nothing**: a method vLLM's classes do not define that the consumer's module never
   calls itself (so it was written for the base to call): a warning, since it may equally be a helper
   for other code. Where any base is unreadable (outside vLLM) nothing is said about it.
@@ -110,10 +111,12 @@ def signature_problems(base: Signature, override: Signature) -> list[str]:
     problems = []
     override_names = {name for name, _ in override.positional if name not in override.positional_only}
     override_names |= {name for name, _ in override.keyword_only}
+    required_positional = [name for name, required in base.positional if required]
+    too_many = len(required_positional) > len(override.positional) and not override.var_positional
     for position, (name, required) in enumerate(base.positional):
-        if required and position >= len(override.positional) and not override.var_positional:
-            if name in override_names or override.var_keyword:
-                continue  # accepted by keyword; vLLM passing it positionally is not certain
+        # passed positionally the override has no room for it, by keyword no parameter of that name:
+        # certain either way (a name alone missing may be a rename vLLM never passes by keyword)
+        if required and too_many and name not in override_names and not override.var_keyword:
             problems.append(f"base requires {name!r} (argument {position + 1}), the override does not accept it")
     for name, required in base.keyword_only:
         if required and name not in override_names and not override.var_keyword:
