@@ -10,7 +10,6 @@ from vllm_compat.callsites.contracts import PROBLEM, WARNING, subclass_contracts
 from vllm_compat.callsites.signatures import VllmIndex
 from vllm_compat.probes.static import DirTree, StaticSource
 
-CACHE = Path(__file__).resolve().parents[2] / ".cache"
 SITE = Path("/work/main/.cache/venvs/vllm-0.34.0-cuda/lib/python3.11/site-packages")
 HS = Path("/work/main/.cache/speculators/0.9.0/hs_connectors")
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"

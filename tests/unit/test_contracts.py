@@ -157,3 +157,38 @@ def test_analyzer_records_class_bases_and_check_reports_contracts(tmp_path):
         (CLASS, "vllm.connector.base:Example")]
     assert analysis.class_bases["Fp8"] == (None,)
     assert callsites.CallSite  # contracts use the call-site audit's finding type
+
+
+def test_self_in_a_subclass_of_a_vllm_class_reaches_the_bases_members(tmp_path):
+    build(tmp_path)
+    consumer = textwrap.dedent("""
+        from vllm.connector.base import Base
+
+
+        class Own:
+            extra = 1
+
+
+        class Mine(Base):
+            def load(self, request, n):
+                self.helper(1)
+                self.gone()
+                self.stamp(2)
+                meta = self.made()
+                if isinstance(meta, Own):
+                    meta.extra
+
+            def stamp(self, x):
+                ...
+
+            def made(self) -> Base:
+                ...
+    """)
+    index = VllmIndex(StaticSource(DirTree(tmp_path)))
+    analysis = ModuleAnalysis(index, ast.parse(consumer), "pkg/conn.py", "pkg")
+    problems = sorted((r.site, r.target, r.problem) for r in analysis.references if r.problem)
+    at = lines(consumer, "self.helper(1)")
+    assert problems == [
+        (f"pkg/conn.py:{at}", "vllm.connector.base:Base.helper", "1 positional arguments, at most 0 accepted"),
+        (f"pkg/conn.py:{at + 1}", "vllm.connector.base:Base.gone", "no attribute 'gone' on vllm.connector.base:Base"),
+    ]  # the class's own stamp() is its own; meta narrowed to the consumer's class is not judged

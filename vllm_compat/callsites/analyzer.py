@@ -266,7 +266,7 @@ class _Scope:
 
     def __init__(self, analysis: ModuleAnalysis, parent: _Scope | None, body: list[ast.stmt],
                  seeds: dict[str, Value], function=None, klass: ast.ClassDef | None = None):
-        self.analysis, self.parent, self.klass = analysis, parent, klass
+        self.analysis, self.parent, self.klass, self.body = analysis, parent, klass, body
         self.seeds = seeds
         self.bindings: dict[str, list[ast.AST | None]] = {}
         self._cache: dict[str, Value | None] = {}
@@ -278,6 +278,19 @@ class _Scope:
                     self.bindings.setdefault(arg.arg, []).append(None)
         for node in ast.walk(function) if function is not None else _module_level(body):
             self._bind(node, function)
+
+    def narrowed(self) -> set[str]:
+        """Names this scope tests with ``isinstance(name, C)`` where ``C`` is not a vLLM class."""
+        if not hasattr(self, "_narrowed"):
+            self._narrowed: set[str] = set()
+            for node in (n for stmt in self.body for n in ast.walk(stmt)):
+                if (isinstance(node, ast.Call) and _call_name(node) == "isinstance" and len(node.args) == 2
+                        and isinstance(node.args[0], ast.Name)):
+                    classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                    values = [self.value(c) for c in classes]
+                    if any(v is None or v.kind != CLASS for v in values):
+                        self._narrowed.add(node.args[0].id)
+        return self._narrowed
 
     def _bind(self, node: ast.AST, function) -> None:
         if isinstance(node, ast.Assign):
@@ -322,6 +335,8 @@ class _Scope:
             return self.parent.name(name) if self.parent else None
         if name in self._busy:
             return None
+        if name not in self._cache and name in self.narrowed():
+            self._cache[name] = None  # `isinstance(x, OwnClass)`: x may be the consumer's subclass
         if name not in self._cache:
             self._busy.add(name)
             try:
@@ -373,7 +388,8 @@ class _Scope:
                 return self.name(expr.id)
             if isinstance(expr, ast.Attribute):
                 if isinstance(expr.value, ast.Name) and expr.value.id == "self" and self.klass is not None:
-                    return self.self_attribute(expr.attr)
+                    own = self.self_attribute(expr.attr)
+                    return own if own is not None else self.inherited_attribute(expr.attr, expr)
                 holder = self.value(expr.value)
                 if holder is None or holder.kind == METHOD:
                     return None
@@ -413,12 +429,43 @@ class _Scope:
         first = values[0] if values else None
         return first if first is not None and all(v is not None and v[:3] == first[:3] for v in values) else None
 
+    def inherited_attribute(self, name: str, expr: ast.Attribute) -> Value | None:
+        """``self.name`` that the analysed class leaves to its vLLM bases: when every base is a vLLM
+        class and the class neither defines nor sets ``name`` itself, vLLM's member (a missing one is
+        recorded as such); None otherwise."""
+        bases = self.analysis.class_bases.get(self.klass.name, ())
+        if not bases or any(b is None or b.kind != CLASS or b.found is None for b in bases) or _defines(self.klass, name):
+            return None
+        holder = None
+        for base in bases:
+            found = self.analysis.index.member(base.found, name)
+            if found is True:
+                return None
+            if holder is None and isinstance(found, Found):
+                holder = base
+        holder = holder or bases[0]
+        return self.analysis._member(Value(INSTANCE, holder.target, holder.found, holder.via), name, expr, "attribute")
+
     def own_method_result(self, name: str) -> Value | None:
         method = next((m for m in self.klass.body if isinstance(m, FUNCTIONS) and m.name == name), None)
         if method is None or method.returns is None:
             return None
         klass = self.analysis.module_scope.annotated_class(method.returns)
         return Value(INSTANCE, self.analysis.class_target(klass), klass) if klass else None
+
+
+def _defines(klass: ast.ClassDef, name: str) -> bool:
+    """Whether a class body defines ``name``, sets ``self.name``, or may set any attribute."""
+    for node in ast.walk(klass):
+        if isinstance(node, (*FUNCTIONS, ast.ClassDef)) and node.name in (name, "__getattr__", "__getattribute__"):
+            return True
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        if (isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.ctx, (ast.Store, ast.Del))):
+            return True
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+            return True
+    return False
 
 
 def _is_none(binding) -> bool:
