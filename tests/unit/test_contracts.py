@@ -179,7 +179,8 @@ def test_self_in_a_subclass_of_a_vllm_class_reaches_the_bases_members(tmp_path):
                     meta.extra
 
             def stamp(self, x):
-                ...
+                super().__init__(1)
+                super().save(1, force=True, hard=True)
 
             def made(self) -> Base:
                 ...
@@ -191,4 +192,6 @@ def test_self_in_a_subclass_of_a_vllm_class_reaches_the_bases_members(tmp_path):
     assert problems == [
         (f"pkg/conn.py:{at}", "vllm.connector.base:Base.helper", "1 positional arguments, at most 0 accepted"),
         (f"pkg/conn.py:{at + 1}", "vllm.connector.base:Base.gone", "no attribute 'gone' on vllm.connector.base:Base"),
+        (f"pkg/conn.py:{at + 8}", "vllm.connector.base:Base.__init__", "1 positional arguments, at most 0 accepted"),
+        (f"pkg/conn.py:{at + 9}", "vllm.connector.base:Base.save", "no parameter 'hard'"),
     ]  # the class's own stamp() is its own; meta narrowed to the consumer's class is not judged

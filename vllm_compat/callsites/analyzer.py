@@ -390,6 +390,9 @@ class _Scope:
                 if isinstance(expr.value, ast.Name) and expr.value.id == "self" and self.klass is not None:
                     own = self.self_attribute(expr.attr)
                     return own if own is not None else self.inherited_attribute(expr.attr, expr)
+                if (isinstance(expr.value, ast.Call) and _call_name(expr.value) == "super" and not expr.value.args
+                        and self.klass is not None):
+                    return self.inherited_attribute(expr.attr, expr, own=False)
                 holder = self.value(expr.value)
                 if holder is None or holder.kind == METHOD:
                     return None
@@ -429,12 +432,17 @@ class _Scope:
         first = values[0] if values else None
         return first if first is not None and all(v is not None and v[:3] == first[:3] for v in values) else None
 
-    def inherited_attribute(self, name: str, expr: ast.Attribute) -> Value | None:
-        """``self.name`` that the analysed class leaves to its vLLM bases: when every base is a vLLM
-        class and the class neither defines nor sets ``name`` itself, vLLM's member (a missing one is
-        recorded as such); None otherwise."""
+    def inherited_attribute(self, name: str, expr: ast.Attribute, own: bool = True) -> Value | None:
+        """``self.name`` that the analysed class leaves to its vLLM bases (``super().name`` with
+        ``own=False``): when every base is a vLLM class and the class neither defines nor sets
+        ``name`` itself, vLLM's member (a missing one is recorded as such); ``super().__init__`` is
+        the first base's constructor; None otherwise."""
         bases = self.analysis.class_bases.get(self.klass.name, ())
-        if not bases or any(b is None or b.kind != CLASS or b.found is None for b in bases) or _defines(self.klass, name):
+        if not bases or any(b is None or b.kind != CLASS or b.found is None for b in bases):
+            return None
+        if not own and name == "__init__":
+            return bases[0] if id(expr) in self.analysis._call_funcs else None
+        if own and _defines(self.klass, name):
             return None
         holder = None
         for base in bases:
