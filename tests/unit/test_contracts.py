@@ -156,7 +156,10 @@ def test_analyzer_records_class_bases_and_check_reports_contracts(tmp_path):
     assert [(v.kind, v.target) if v else None for v in analysis.class_bases["Middle"]] == [
         (CLASS, "vllm.connector.base:Example")]
     assert analysis.class_bases["Fp8"] == (None,)
-    assert callsites.CallSite  # contracts use the call-site audit's finding type
+    # check() reports them as the call-site audit's own findings
+    tree = ast.parse(textwrap.dedent(CONSUMER))
+    found = subclass_contracts(index, tree, "pkg/conn.py", "pkg", finding=callsites.CallSite)
+    assert found and all(type(f) is callsites.CallSite and f.kind == "contract" for f in found)
 
 
 def test_self_in_a_subclass_of_a_vllm_class_reaches_the_bases_members(tmp_path):

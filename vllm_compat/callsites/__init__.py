@@ -236,7 +236,7 @@ def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -
             by = bridging(ref, adapted, index) if ref.problem else ""
             status = OK if not ref.problem else BRIDGED if by else PROBLEM
             results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by))
-        results += subclass_contracts(index, analysis.tree, analysis.label, analysis.package, analysis)
+        results += subclass_contracts(index, analysis.tree, analysis.label, analysis.package, analysis, CallSite)
     for ref in adapter_references(index, adapted, generator):
         results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, PROBLEM if ref.problem else OK,
                                 ref.problem))

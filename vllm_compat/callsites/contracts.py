@@ -21,6 +21,7 @@ passes it by keyword is not read), nor a base's optional parameter the override 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 
 from ..probes.static import Found, defining_nodes
 from .analyzer import CLASS, ModuleAnalysis
@@ -132,12 +133,26 @@ def signature_problems(base: Signature, override: Signature) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class ContractSite:
+    """A contract finding, field for field the call-site audit's ``CallSite`` (which the audit passes
+    as ``finding``; this module cannot import it: the package imports this module)."""
+
+    site: str
+    kind: str
+    target: str
+    where: str
+    status: str
+    problem: str = ""
+    by: str = ""
+
+
 def subclass_contracts(index: VllmIndex, tree: ast.Module, label: str, package: str = "",
-                       analysis: ModuleAnalysis | None = None):
-    """The contract findings (``CallSite`` with kind ``contract``) of one consumer module: ``label``
-    names it in file:line, ``package`` resolves its relative imports; ``analysis`` (the module's
-    :class:`ModuleAnalysis`, if already made) is reused to resolve base expressions."""
-    from . import CallSite  # the call-site audit's finding type
+                       analysis: ModuleAnalysis | None = None, finding: type = ContractSite) -> list:
+    """The contract findings (kind ``contract``, of type ``finding``: the call-site audit passes its
+    ``CallSite``) of one consumer module: ``label`` names it in file:line, ``package`` resolves its
+    relative imports; ``analysis`` (the module's :class:`ModuleAnalysis`, if already made) is reused
+    to resolve base expressions."""
 
     analysis = analysis or ModuleAnalysis(index, tree, label, package)
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -152,7 +167,7 @@ def subclass_contracts(index: VllmIndex, tree: ast.Module, label: str, package: 
         site = f"{label}:{klass.lineno}"
 
         def add(line_node, target, where, status, problem=""):
-            findings.append(CallSite(f"{label}:{line_node.lineno}", KIND, target, where, status, problem))
+            findings.append(finding(f"{label}:{line_node.lineno}", KIND, target, where, status, problem))
 
         # (a) abstract methods nobody implements
         own = [_definitions(c) for c in chain]
@@ -169,7 +184,7 @@ def subclass_contracts(index: VllmIndex, tree: ast.Module, label: str, package: 
                     holder = nearest[0]
                     where = Found(nearest[1], holder.module, holder.file).where
                     target = f"{holder.module}:{holder.node.name}.{name}"  # type: ignore[attr-defined]
-                    findings.append(CallSite(site, KIND, target, where, PROBLEM,
+                    findings.append(finding(site, KIND, target, where, PROBLEM,
                                              f"abstract method {holder.node.name}.{name} not implemented by "  # type: ignore[attr-defined]
                                              f"{klass.name}"))
 
@@ -207,4 +222,4 @@ def subclass_contracts(index: VllmIndex, tree: ast.Module, label: str, package: 
     return findings
 
 
-__all__ = ["KIND", "OK", "PROBLEM", "WARNING", "signature_problems", "subclass_contracts"]
+__all__ = ["KIND", "ContractSite", "OK", "PROBLEM", "WARNING", "signature_problems", "subclass_contracts"]
