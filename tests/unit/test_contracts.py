@@ -198,3 +198,18 @@ def test_self_in_a_subclass_of_a_vllm_class_reaches_the_bases_members(tmp_path):
         (f"pkg/conn.py:{at + 8}", "vllm.connector.base:Base.__init__", "1 positional arguments, at most 0 accepted"),
         (f"pkg/conn.py:{at + 9}", "vllm.connector.base:Base.save", "no parameter 'hard'"),
     ]  # the class's own stamp() is its own; meta narrowed to the consumer's class is not judged
+
+
+def test_imports_under_type_checking_are_marked(tmp_path):
+    build(tmp_path)
+    consumer = textwrap.dedent("""
+        from typing import TYPE_CHECKING
+        from vllm.connector.base import Base
+
+        if TYPE_CHECKING:
+            from vllm.connector.base import Gone
+    """)
+    index = VllmIndex(StaticSource(DirTree(tmp_path)))
+    refs = ModuleAnalysis(index, ast.parse(consumer), "pkg/conn.py", "pkg").references
+    assert sorted((r.target, r.problem, r.typing_only) for r in refs) == [
+        ("vllm.connector.base:Base", "", False), ("vllm.connector.base:Gone", "name not found", True)]

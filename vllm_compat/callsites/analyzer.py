@@ -39,6 +39,7 @@ class Reference:
     param: str = ""  # the parameter a call's problem is about ('' for a missing name)
     via: str = ""
     missing: bool = False  # the name itself is gone (as opposed to a call that no longer fits)
+    typing_only: bool = False  # an import under `if TYPE_CHECKING:`: never runs, a break is a warning
 
 
 def _join(target: str, name: str) -> str:
@@ -60,6 +61,8 @@ class ModuleAnalysis:
         self.module_scope = _Scope(self, None, tree.body, {})
         self._typing: set[int] = set()
         self._call_funcs = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        self._typing_only = {id(inner) for n in ast.walk(tree) if isinstance(n, ast.If) and _is_type_checking(n.test)
+                             for stmt in n.body for inner in ast.walk(stmt)}
         # each module-level class's bases, as values (None: not a vLLM class); see callsites.contracts
         self.class_bases: dict[str, tuple[Value | None, ...]] = {}
         for node in tree.body:
@@ -162,7 +165,8 @@ class ModuleAnalysis:
                 if alias.name.split(".")[0] == "vllm":
                     found = self.index.module(alias.name)
                     self._add(node, Reference(self._site(node), "import", alias.name, found.where if found else "",
-                                              "" if found else "module not found", missing=found is None))
+                                              "" if found else "module not found", missing=found is None,
+                                              typing_only=id(node) in self._typing_only))
             return
         module = self.absolute(node)
         if module.split(".")[0] != "vllm":
@@ -175,7 +179,7 @@ class ModuleAnalysis:
             where = found.where if isinstance(found, Found) else ""
             problem = "" if found else ("module not found" if self.index.module(module) is None else "name not found")
             self._add(node, Reference(self._site(node), "import", target, where, problem, via=alias.asname or alias.name,
-                                      missing=not found))
+                                      missing=not found, typing_only=id(node) in self._typing_only))
 
     def absolute(self, node: ast.ImportFrom) -> str:
         return absolute_module(self.package, node)
@@ -460,6 +464,11 @@ class _Scope:
             return None
         klass = self.analysis.module_scope.annotated_class(method.returns)
         return Value(INSTANCE, self.analysis.class_target(klass), klass) if klass else None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    return getattr(test, "id", getattr(test, "attr", "")) == "TYPE_CHECKING"
 
 
 def _defines(klass: ast.ClassDef, name: str) -> bool:
