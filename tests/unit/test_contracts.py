@@ -147,7 +147,7 @@ def test_unknown_base_outside_vllm_silences_abstract_and_nothing_checks(tmp_path
     assert not_ok(build(tmp_path, base=base, consumer=consumer)) == []
 
 
-def test_analyzer_records_class_bases_and_check_reports_contracts(tmp_path):
+def test_analyzer_records_class_bases_and_contracts_are_call_sites(tmp_path):
     build(tmp_path)
     index = VllmIndex(StaticSource(DirTree(tmp_path)))
     analysis = ModuleAnalysis(index, ast.parse(textwrap.dedent(CONSUMER)), "pkg/conn.py", "pkg")
@@ -156,9 +156,8 @@ def test_analyzer_records_class_bases_and_check_reports_contracts(tmp_path):
     assert [(v.kind, v.target) if v else None for v in analysis.class_bases["Middle"]] == [
         (CLASS, "vllm.connector.base:Example")]
     assert analysis.class_bases["Fp8"] == (None,)
-    # check() reports them as the call-site audit's own findings
-    tree = ast.parse(textwrap.dedent(CONSUMER))
-    found = subclass_contracts(index, tree, "pkg/conn.py", "pkg", finding=callsites.CallSite)
+    # they are the call-site audit's own findings
+    found = subclass_contracts(index, ast.parse(textwrap.dedent(CONSUMER)), "pkg/conn.py", "pkg")
     assert found and all(type(f) is callsites.CallSite and f.kind == "contract" for f in found)
 
 

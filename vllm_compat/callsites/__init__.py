@@ -25,7 +25,6 @@ from ..consumer import GENERATOR
 from ..probes.shapes import Attr, Exists, FieldDefault, Param, WhichAttr
 from ..probes.static import Found, StaticSource
 from .analyzer import CLASS, INSTANCE, METHOD, ModuleAnalysis, Reference, Value, _join
-from .contracts import subclass_contracts
 from .signatures import FUNCTIONS, VllmIndex
 
 OK, BRIDGED, PROBLEM = "ok", "bridged", "PROBLEM"
@@ -236,7 +235,6 @@ def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -
             by = bridging(ref, adapted, index) if ref.problem else ""
             status = OK if not ref.problem else BRIDGED if by else PROBLEM
             results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by))
-        results += subclass_contracts(index, analysis.tree, analysis.label, analysis.package, analysis, CallSite)
     for ref in adapter_references(index, adapted, generator):
         results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, PROBLEM if ref.problem else OK,
                                 ref.problem))

@@ -21,7 +21,7 @@ passes it by keyword is not read), nor a base's optional parameter the override 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+import sys
 
 from ..probes.static import Found, defining_nodes
 from .analyzer import CLASS, ModuleAnalysis
@@ -133,26 +133,15 @@ def signature_problems(base: Signature, override: Signature) -> list[str]:
     return problems
 
 
-@dataclass(frozen=True)
-class ContractSite:
-    """A contract finding, field for field the call-site audit's ``CallSite`` (which the audit passes
-    as ``finding``; this module cannot import it: the package imports this module)."""
-
-    site: str
-    kind: str
-    target: str
-    where: str
-    status: str
-    problem: str = ""
-    by: str = ""
-
-
 def subclass_contracts(index: VllmIndex, tree: ast.Module, label: str, package: str = "",
-                       analysis: ModuleAnalysis | None = None, finding: type = ContractSite) -> list:
-    """The contract findings (kind ``contract``, of type ``finding``: the call-site audit passes its
-    ``CallSite``) of one consumer module: ``label`` names it in file:line, ``package`` resolves its
-    relative imports; ``analysis`` (the module's :class:`ModuleAnalysis`, if already made) is reused
-    to resolve base expressions."""
+                       analysis: ModuleAnalysis | None = None, finding: type | None = None) -> list:
+    """The contract findings (the call-site audit's ``CallSite``, kind ``contract``; ``finding``: another
+    type with its fields) of one consumer module: ``label`` names it in file:line, ``package`` resolves
+    its relative imports; ``analysis`` (the module's :class:`ModuleAnalysis`, if already made) is
+    reused to resolve base expressions."""
+    # the package's own finding type, read from the loaded package: importing it would make an
+    # import circle (the package imports this module); a submodule is only loaded after its package
+    finding = finding or sys.modules[__package__].CallSite
 
     analysis = analysis or ModuleAnalysis(index, tree, label, package)
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -222,4 +211,4 @@ def subclass_contracts(index: VllmIndex, tree: ast.Module, label: str, package: 
     return findings
 
 
-__all__ = ["KIND", "ContractSite", "OK", "PROBLEM", "WARNING", "signature_problems", "subclass_contracts"]
+__all__ = ["KIND", "OK", "PROBLEM", "WARNING", "signature_problems", "subclass_contracts"]
