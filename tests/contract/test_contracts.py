@@ -64,3 +64,15 @@ def test_a_base_method_gaining_a_required_parameter_is_one_problem_at_the_overri
     assert problems == [(f"hs_connectors/{MOONCAKE}:{line}",
                          "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_num_new_matched_tokens",
                          "base requires 'planted_blocks' (argument 1), the override does not accept it")]
+
+
+SITE_0170 = Path("/work/main/.cache/venvs/vllm-0.17.0/lib/python3.11/site-packages")
+
+
+@pytest.mark.skipif(not SITE_0170.is_dir(), reason="vLLM 0.17.0's venv not in the cache")
+def test_fp8_write_tensors_overrides_nothing_on_0170():
+    """0.17.0's example connector writes inline: the FP8 connector's _write_tensors is never called
+    there (it would write unquantized states), the one finding on that release."""
+    found = [(f.status, f.site) for f in contracts(DirTree(SITE_0170)) if f.status != "ok"]
+    fp8 = "fp8_hidden_states_connector.py"
+    assert found == [(WARNING, f"hs_connectors/{fp8}:{line_of((HS / fp8).read_text(), 'def _write_tensors')}")]
