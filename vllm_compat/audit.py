@@ -267,20 +267,22 @@ class AuditResult:
     def _render_call_sites(self, sites: list[callsites.CallSite], whose: str = "",
                            read: str = "") -> list[str]:
         counts = {status: sum(c.status == status for c in sites)
-                  for status in (callsites.OK, callsites.BRIDGED, callsites.PROBLEM)}
+                  for status in (callsites.OK, callsites.BRIDGED, callsites.PROBLEM, callsites.WARNING)}
         if not read:
             read = f"consumer read from {self.consumer_source}" if self.consumer_source else (
                 "consumer code not found (adapters only; pass --consumer-source)")
         head = f"call sites of {whose}" if whose else "call sites"
         lines = [f"{head}: {len(sites)} checked, {counts[callsites.OK]} ok, "
                  f"{counts[callsites.BRIDGED]} bridged, {counts[callsites.PROBLEM]} problems"
+                 + (f", {counts[callsites.WARNING]} warning{'s' if counts[callsites.WARNING] > 1 else ''}"
+                    if counts[callsites.WARNING] else "")
                  + ("" if whose else f" ({read})")]
         for c in sites:
             if c.status == callsites.BRIDGED:
                 lines.append(f"  bridged by {c.by}: {c.site} -> {c.target} ({c.where}): {c.problem}")
-        for c in sites:
-            if c.status == callsites.PROBLEM:
-                lines.append(f"  PROBLEM: {c.site} -> {c.target} ({c.where or 'not in this vLLM'}): {c.problem}")
+        for status in (callsites.PROBLEM, callsites.WARNING):
+            lines += [f"  {status}: {c.site} -> {c.target} ({c.where or 'not in this vLLM'}): {c.problem}"
+                      for c in sites if c.status == status]
         return lines
 
 

@@ -105,6 +105,24 @@ def test_call_sites_of_a_consumer_name_its_file_line(tmp_path, vllm_tree):
     assert any(c.target == "vllm.v1.core:Engine" and c.status == callsites.OK for c in sites)
 
 
+def test_a_break_under_type_checking_is_a_warning_not_a_problem(tmp_path, vllm_tree, capsys):
+    """An import only type checkers run (``if TYPE_CHECKING:``) cannot fail the consumer: said as a
+    warning, and the audit passes; the same import outside it is a problem."""
+    typed = dict(CONSUMER, **{"acme/sub/hooks.py": ("from typing import TYPE_CHECKING\n"
+                                                     "from vllm.v1.core import Engine\n"
+                                                     "if TYPE_CHECKING:\n"
+                                                     "    from vllm.v1.request import Gone\n")})
+    acme = str(_write(tmp_path / "src", typed) / "acme")
+    sites = callsites.check_consumer(StaticSource(DirTree(vllm_tree)), [], resolve(acme))
+    assert [(c.site, c.status) for c in sites if c.status != callsites.OK] == [
+        ("acme/sub/hooks.py:4", callsites.WARNING)]
+    main(["audit", "--vllm", str(vllm_tree), "--consumer", acme])  # exit 1 here: the small vLLM lacks adapters' targets
+    text = capsys.readouterr().out
+    assert "0 problems, 1 warning (read from" in text
+    assert "warning: acme/sub/hooks.py:4 -> vllm.v1.request:Gone" in text
+    assert "in acme (it would break)" not in text
+
+
 def test_cli_groups_a_consumer_and_its_json(tmp_path, vllm_tree, capsys):
     acme = str(_write(tmp_path / "src", CONSUMER) / "acme")
     assert main(["audit", "--vllm", str(vllm_tree), "--consumer", acme]) == 1

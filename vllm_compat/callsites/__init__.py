@@ -27,7 +27,7 @@ from ..probes.static import Found, StaticSource
 from .analyzer import CLASS, INSTANCE, METHOD, ModuleAnalysis, Reference, Value, _join
 from .signatures import FUNCTIONS, VllmIndex
 
-OK, BRIDGED, PROBLEM = "ok", "bridged", "PROBLEM"
+from .status import BRIDGED, OK, PROBLEM, WARNING  # noqa: F401  (the audit reads them here)
 CONSUMER_PACKAGE = "speculators.data_generation"
 HERE = Path(__file__).resolve().parent.parent  # vllm_compat/
 
@@ -101,11 +101,9 @@ def package_analyses(index: VllmIndex, consumer) -> list[tuple[ModuleAnalysis, a
 
 
 def _contracts(index: VllmIndex, analysis: ModuleAnalysis, tree: ast.Module) -> list[CallSite]:
-    """Subclass contracts of one consumer module (:mod:`.contracts`, where that module exists)."""
-    try:
-        from .contracts import subclass_contracts
-    except ImportError:
-        return []
+    """Subclass contracts of one consumer module (:mod:`.contracts`)."""
+    from .contracts import subclass_contracts
+
     return list(subclass_contracts(index, tree, analysis.label, analysis.package))
 
 
@@ -118,7 +116,7 @@ def check_consumer(source: StaticSource, adapted: list[Adapter], consumer) -> li
     for analysis, tree in package_analyses(index, consumer):
         for ref in analysis.references:
             by = bridging(ref, bridges, index, analysis.name) if ref.problem else ""
-            status = OK if not ref.problem else BRIDGED if by else PROBLEM
+            status = OK if not ref.problem else BRIDGED if by else WARNING if ref.typing_only else PROBLEM
             results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by,
                                     consumer.label))
         results += [replace(c, consumer=consumer.label) for c in _contracts(index, analysis, tree)]

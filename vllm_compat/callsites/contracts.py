@@ -26,8 +26,8 @@ import sys
 from ..probes.static import Found, defining_nodes
 from .analyzer import CLASS, ModuleAnalysis
 from .signatures import FUNCTIONS, Signature, VllmIndex, _decorator_names, function_signature
+from .status import OK, PROBLEM, WARNING
 
-OK, PROBLEM, WARNING = "ok", "PROBLEM", "warning"
 KIND = "contract"
 
 
