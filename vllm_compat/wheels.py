@@ -97,6 +97,36 @@ def fetch(text: str, dest: Path | None = None) -> Path:
     return dest / Path(names[-1]).name
 
 
+def fetch_consumer(req: Requirement, dest: Path | None = None) -> Path:
+    """A consumer's release ``req`` (any distribution, an exact pin): from the cache when there,
+    else ``pip download --no-deps`` (a wheel preferred, else the sdist; never built, never installed).
+    The :data:`DISTRIBUTIONS` allow-list is :func:`fetch`'s (``--vllm``), not this one's.
+
+    Raises:
+        WheelError: one line: no such release, the index unreachable, or pip missing.
+    """
+    pinned = _pinned(req)
+    if pinned is None or req.url:
+        raise WheelError(f"expected an exact release {req.name}==VERSION to download")
+    dest = dest or cache_dir()
+    stem = canonicalize_name(req.name).replace("-", "_")
+    for pattern in (f"{stem}-{pinned}-*.whl", f"{stem}-{pinned}.tar.gz", f"{req.name}-{pinned}.tar.gz"):
+        cached = sorted(dest.glob(pattern))
+        if cached:
+            return cached[-1]
+    dest.mkdir(parents=True, exist_ok=True)
+    output = ""
+    for binary in (["--only-binary=:all:"], ["--no-binary=:all:"]):
+        proc = _run_pip(["download", "--no-deps", *binary, "-d", str(dest), str(req)])
+        output = proc.stdout + proc.stderr
+        names = re.findall(r"(?:Saved|File was already downloaded)\s+(\S+\.(?:whl|tar\.gz))", output)
+        if proc.returncode == 0 and names:
+            return dest / Path(names[-1]).name
+        if "No matching distribution found" not in output:
+            break
+    raise WheelError(_why(str(req), output))
+
+
 def _last_error(output: str) -> str:
     errors = [line.strip() for line in output.splitlines() if line.startswith("ERROR:")]
     return errors[-1] if errors else ""

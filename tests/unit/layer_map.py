@@ -15,7 +15,7 @@ LAYERS = _layers([
     ("foundation", {"errors", "report", "versions", "wheels", "environment"}),
     ("wrapping", {"wrapping"}),
     ("probes", {"probes"}),
-    ("declarations", {"consumer", "adapter", "factories"}),
+    ("declarations", {"consumer", "consumer_tree", "adapter", "factories"}),
     ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source"}),
     ("adapters", {"adapters"}),
     ("registry and audit", {"registry", "callsites", "behaviour", "audit"}),

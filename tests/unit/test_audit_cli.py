@@ -60,7 +60,7 @@ def test_json_of_a_partial_tree_reports_missing_symbols(capsys, tmp_path):
     code = main(["audit", "--vllm", str(make_wheel(tmp_path / "v.whl", VLLM_FILES)), "--json",
                  "--consumer", "speculators==0.3.0"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 1 and out["schema"] == 5 and out["ok"] is False
+    assert code == 1 and out["schema"] == 6 and out["ok"] is False
     assert out["vllm_version"] == "0.17.0" and out["mode"] == "static"
     eos = next(f for f in out["findings"] if f["id"] == "request_eos_token_id")
     assert (eos["verdict"], eos["found"], eos["where"]) == ("adapted", "absent", "vllm/v1/request.py:2")

@@ -108,7 +108,7 @@ def test_cli_names_both_plants_in_text_and_json(planted, capsys):
     assert f"vllm.config:CacheConfig.planted_flag = True ({CACHE_CONFIG}:{field_line})" in text
     assert main([*args, "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["schema"] == 5 and out["ok"] is False
+    assert out["schema"] == 6 and out["ok"] is False
     assert {"step": "executor.planted_step", "phase": "start", "where": f"{CORE}:{step_line}",
             "after": "executor.initialize_from_config", "guard": "", "status": "PROBLEM", "by": ""} in out["engine_steps"]
     assert {"config": "vllm.config:CacheConfig", "field": "planted_flag", "default": "True",

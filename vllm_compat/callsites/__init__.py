@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..adapter import Adapter
@@ -27,7 +27,7 @@ from ..probes.static import Found, StaticSource
 from .analyzer import CLASS, INSTANCE, METHOD, ModuleAnalysis, Reference, Value, _join
 from .signatures import FUNCTIONS, VllmIndex
 
-OK, BRIDGED, PROBLEM = "ok", "bridged", "PROBLEM"
+from .status import BRIDGED, OK, PROBLEM, WARNING  # noqa: F401  (the audit reads them here)
 CONSUMER_PACKAGE = "speculators.data_generation"
 HERE = Path(__file__).resolve().parent.parent  # vllm_compat/
 
@@ -43,6 +43,7 @@ class CallSite:
     status: str
     problem: str = ""
     by: str = ""
+    consumer: str = ""  # whose code: "speculators==X", "PKG==X"; '' for vllm-compat's own adapters
 
 
 def consumer_root() -> Path | None:
@@ -83,6 +84,43 @@ def consumer_analyses(index: VllmIndex, root: Path) -> list[ModuleAnalysis]:
             module = f"{CONSUMER_PACKAGE}.{name.removesuffix('.py')}"
             found.append(ModuleAnalysis(index, tree, label, CONSUMER_PACKAGE, name=module))
     return found
+
+
+def package_analyses(index: VllmIndex, consumer) -> list[tuple[ModuleAnalysis, ast.Module]]:
+    """Every module of a generic consumer (:class:`vllm_compat.consumer_tree.Consumer`) that mentions
+    vLLM, at any depth of its top-level packages, each with its own package for relative imports."""
+    from ..consumer_tree import module_of
+
+    found = []
+    for rel, text in consumer.files().items():
+        tree = _parse(Path(rel), text)
+        if tree is not None:
+            module, package = module_of(rel)
+            found.append((ModuleAnalysis(index, tree, rel, package, name=module), tree))
+    return found
+
+
+def _contracts(index: VllmIndex, analysis: ModuleAnalysis, tree: ast.Module) -> list[CallSite]:
+    """Subclass contracts of one consumer module (:mod:`.contracts`)."""
+    from .contracts import subclass_contracts
+
+    return list(subclass_contracts(index, tree, analysis.label, analysis.package))
+
+
+def check_consumer(source: StaticSource, adapted: list[Adapter], consumer) -> list[CallSite]:
+    """Every call site of a generic consumer, checked against ``source``. Only a consumer that runs
+    ``vllm_compat.apply()`` is bridged by the ``adapted`` adapters; any other's breaks are problems."""
+    bridges = adapted if consumer.applies_shim else []
+    index = adapted_index(source, bridges)
+    results = []
+    for analysis, tree in package_analyses(index, consumer):
+        for ref in analysis.references:
+            by = bridging(ref, bridges, index, analysis.name) if ref.problem else ""
+            status = OK if not ref.problem else BRIDGED if by else WARNING if ref.typing_only else PROBLEM
+            results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by,
+                                    consumer.label))
+        results += [replace(c, consumer=consumer.label) for c in _contracts(index, analysis, tree)]
+    return results
 
 
 def _patch_calls(tree: ast.Module) -> list[ast.Call]:
@@ -199,14 +237,14 @@ def _names(check) -> set[str]:
     return set()
 
 
-def bridging(ref: Reference, adapted: list[Adapter], index: VllmIndex) -> str:
+def bridging(ref: Reference, adapted: list[Adapter], index: VllmIndex, module: str = GENERATOR) -> str:
     """The id of the adapted adapter that bridges a consumer's break, or ''."""
     for adapter in adapted:
         check = adapter.expect.check if adapter.expect else None
         if ref.missing:
             if check is not None and ref.target in _names(check):
                 return adapter.id
-            consumer_name = f"{GENERATOR}:{ref.via}" if ref.via else None
+            consumer_name = f"{module}:{ref.via}" if ref.via else None
             if any(p.create and p.target in (ref.target, consumer_name) for p in adapter.patches):
                 return adapter.id
         elif ref.param and isinstance(check, (Param, FieldDefault)) and check.name == ref.param:
@@ -223,7 +261,7 @@ def adapted_index(source: StaticSource, adapted: list[Adapter]) -> VllmIndex:
     return VllmIndex(source, {p.target: p.alias_of for a in adapted for p in a.patches if p.alias_of})
 
 
-def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -> list[CallSite]:
+def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None, label: str = "") -> list[CallSite]:
     """Every call site of the consumer under ``consumer`` (None: skip it) and of the ``adapted``
     adapters, checked against ``source``."""
     index = adapted_index(source, adapted)
@@ -234,11 +272,11 @@ def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None) -
         for ref in analysis.references:
             by = bridging(ref, adapted, index) if ref.problem else ""
             status = OK if not ref.problem else BRIDGED if by else PROBLEM
-            results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by))
+            results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by, label))
     for ref in adapter_references(index, adapted, generator):
         results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, PROBLEM if ref.problem else OK,
                                 ref.problem))
     return results
 
 
-__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "adapted_index", "check", "consumer_root"]
+__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "adapted_index", "check", "check_consumer", "consumer_root"]

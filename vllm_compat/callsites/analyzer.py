@@ -39,6 +39,7 @@ class Reference:
     param: str = ""  # the parameter a call's problem is about ('' for a missing name)
     via: str = ""
     missing: bool = False  # the name itself is gone (as opposed to a call that no longer fits)
+    typing_only: bool = False  # an import under `if TYPE_CHECKING:`: never runs, a break is a warning
 
 
 def _join(target: str, name: str) -> str:
@@ -52,6 +53,7 @@ class ModuleAnalysis:
     def __init__(self, index: VllmIndex, tree: ast.Module, label: str, package: str = "",
                  seeds: dict[str, dict[str, Value]] | None = None, name: str = ""):
         self.index, self.label, self.package, self.name = index, label, package, name
+        self.tree = tree
         self.seeds = seeds or {}
         self.references: list[Reference] = []
         self._seen: set[tuple[int, int, str]] = set()
@@ -59,6 +61,10 @@ class ModuleAnalysis:
         self.module_scope = _Scope(self, None, tree.body, {})
         self._typing: set[int] = set()
         self._call_funcs = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        self._typing_only = {id(inner) for n in ast.walk(tree) if isinstance(n, ast.If) and _is_type_checking(n.test)
+                             for stmt in n.body for inner in ast.walk(stmt)}
+        # each module-level class's bases, as values (None: not a vLLM class); see callsites.contracts
+        self.class_bases: dict[str, tuple[Value | None, ...]] = {}
         for node in tree.body:
             self._visit_top(node)
 
@@ -67,6 +73,8 @@ class ModuleAnalysis:
         if isinstance(node, FUNCTIONS):
             self._visit_function(node, None)
         elif isinstance(node, ast.ClassDef):
+            self.class_bases[node.name] = tuple(
+                self.module_scope.value(b.value if isinstance(b, ast.Subscript) else b) for b in node.bases)
             for item in node.body:
                 if isinstance(item, FUNCTIONS):
                     self._visit_function(item, node)
@@ -157,7 +165,8 @@ class ModuleAnalysis:
                 if alias.name.split(".")[0] == "vllm":
                     found = self.index.module(alias.name)
                     self._add(node, Reference(self._site(node), "import", alias.name, found.where if found else "",
-                                              "" if found else "module not found", missing=found is None))
+                                              "" if found else "module not found", missing=found is None,
+                                              typing_only=id(node) in self._typing_only))
             return
         module = self.absolute(node)
         if module.split(".")[0] != "vllm":
@@ -170,7 +179,7 @@ class ModuleAnalysis:
             where = found.where if isinstance(found, Found) else ""
             problem = "" if found else ("module not found" if self.index.module(module) is None else "name not found")
             self._add(node, Reference(self._site(node), "import", target, where, problem, via=alias.asname or alias.name,
-                                      missing=not found))
+                                      missing=not found, typing_only=id(node) in self._typing_only))
 
     def absolute(self, node: ast.ImportFrom) -> str:
         return absolute_module(self.package, node)
@@ -261,7 +270,7 @@ class _Scope:
 
     def __init__(self, analysis: ModuleAnalysis, parent: _Scope | None, body: list[ast.stmt],
                  seeds: dict[str, Value], function=None, klass: ast.ClassDef | None = None):
-        self.analysis, self.parent, self.klass = analysis, parent, klass
+        self.analysis, self.parent, self.klass, self.body = analysis, parent, klass, body
         self.seeds = seeds
         self.bindings: dict[str, list[ast.AST | None]] = {}
         self._cache: dict[str, Value | None] = {}
@@ -273,6 +282,19 @@ class _Scope:
                     self.bindings.setdefault(arg.arg, []).append(None)
         for node in ast.walk(function) if function is not None else _module_level(body):
             self._bind(node, function)
+
+    def narrowed(self) -> set[str]:
+        """Names this scope tests with ``isinstance(name, C)`` where ``C`` is not a vLLM class."""
+        if not hasattr(self, "_narrowed"):
+            self._narrowed: set[str] = set()
+            for node in (n for stmt in self.body for n in ast.walk(stmt)):
+                if (isinstance(node, ast.Call) and _call_name(node) == "isinstance" and len(node.args) == 2
+                        and isinstance(node.args[0], ast.Name)):
+                    classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                    values = [self.value(c) for c in classes]
+                    if any(v is None or v.kind != CLASS for v in values):
+                        self._narrowed.add(node.args[0].id)
+        return self._narrowed
 
     def _bind(self, node: ast.AST, function) -> None:
         if isinstance(node, ast.Assign):
@@ -317,6 +339,8 @@ class _Scope:
             return self.parent.name(name) if self.parent else None
         if name in self._busy:
             return None
+        if name not in self._cache and name in self.narrowed():
+            self._cache[name] = None  # `isinstance(x, OwnClass)`: x may be the consumer's subclass
         if name not in self._cache:
             self._busy.add(name)
             try:
@@ -368,7 +392,11 @@ class _Scope:
                 return self.name(expr.id)
             if isinstance(expr, ast.Attribute):
                 if isinstance(expr.value, ast.Name) and expr.value.id == "self" and self.klass is not None:
-                    return self.self_attribute(expr.attr)
+                    own = self.self_attribute(expr.attr)
+                    return own if own is not None else self.inherited_attribute(expr.attr, expr)
+                if (isinstance(expr.value, ast.Call) and _call_name(expr.value) == "super" and not expr.value.args
+                        and self.klass is not None):
+                    return self.inherited_attribute(expr.attr, expr, own=False)
                 holder = self.value(expr.value)
                 if holder is None or holder.kind == METHOD:
                     return None
@@ -408,12 +436,53 @@ class _Scope:
         first = values[0] if values else None
         return first if first is not None and all(v is not None and v[:3] == first[:3] for v in values) else None
 
+    def inherited_attribute(self, name: str, expr: ast.Attribute, own: bool = True) -> Value | None:
+        """``self.name`` that the analysed class leaves to its vLLM bases (``super().name`` with
+        ``own=False``): when every base is a vLLM class and the class neither defines nor sets
+        ``name`` itself, vLLM's member (a missing one is recorded as such); ``super().__init__`` is
+        the first base's constructor; None otherwise."""
+        bases = self.analysis.class_bases.get(self.klass.name, ())
+        if not bases or any(b is None or b.kind != CLASS or b.found is None for b in bases):
+            return None
+        if not own and name == "__init__":
+            return bases[0] if id(expr) in self.analysis._call_funcs else None
+        if own and _defines(self.klass, name):
+            return None
+        holder = None
+        for base in bases:
+            found = self.analysis.index.member(base.found, name)
+            if found is True:
+                return None
+            if holder is None and isinstance(found, Found):
+                holder = base
+        holder = holder or bases[0]
+        return self.analysis._member(Value(INSTANCE, holder.target, holder.found, holder.via), name, expr, "attribute")
+
     def own_method_result(self, name: str) -> Value | None:
         method = next((m for m in self.klass.body if isinstance(m, FUNCTIONS) and m.name == name), None)
         if method is None or method.returns is None:
             return None
         klass = self.analysis.module_scope.annotated_class(method.returns)
         return Value(INSTANCE, self.analysis.class_target(klass), klass) if klass else None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    return getattr(test, "id", getattr(test, "attr", "")) == "TYPE_CHECKING"
+
+
+def _defines(klass: ast.ClassDef, name: str) -> bool:
+    """Whether a class body defines ``name``, sets ``self.name``, or may set any attribute."""
+    for node in ast.walk(klass):
+        if isinstance(node, (*FUNCTIONS, ast.ClassDef)) and node.name in (name, "__getattr__", "__getattribute__"):
+            return True
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        if (isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.ctx, (ast.Store, ast.Del))):
+            return True
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+            return True
+    return False
 
 
 def _is_none(binding) -> bool:

