@@ -11,6 +11,25 @@ from __future__ import annotations
 from ..errors import UsageError
 
 
+def ray_stages(settings) -> bool:
+    """Whether vLLM's Ray executor places the stages (``--pp-size`` with ``--ray-address``): a stage
+    may then run on another host, and reaches the regions through the sink (``region_transport``)."""
+    return settings.pp_size > 1 and bool(getattr(settings, "ray_address", None))
+
+
+def executor_keywords(settings, ray=None) -> dict:
+    """The ``LLM`` keywords of the stages' executor: with ``ray_stages``, Ray's, on the run's cluster
+    (joined here first: vLLM's Ray executor uses the Ray this process initialized); else none
+    (vLLM's multiprocessing executor, one host)."""
+    if not ray_stages(settings):
+        return {}
+    if ray is None:
+        import ray
+    if not ray.is_initialized():
+        ray.init(address=settings.ray_address, log_to_driver=True)
+    return {"distributed_executor_backend": "ray"}
+
+
 def refuse_pipeline(settings, capture_asked: str, speculators: str) -> None:
     """With ``pp_size`` > 1, what cannot run, refused before the load, one line each: speculators'
     capture (its patched forward stores nothing on a stage before the last), ``--cuda-graphs`` (its
