@@ -42,3 +42,8 @@ def open_transport(pool, slots: dict[int, list[int]], row_bytes: int, scales: bo
     nonce = bytes(pool.mapping[:pool.base][:NONCE])
     return sink, {"nonce": nonce, "node": ray_node_id(), "size": pool.base + pool.capacity,
                   "sink": sink.address if sink else None, "secret": sink.secret if sink else b""}
+
+
+def sink_info(sink: RegionSink | None) -> dict:
+    """What the run's config records of the sink: where it listened, the stages that connected."""
+    return {"region_sink": {"address": "%s:%d" % sink.address, "stages": sink.connected}} if sink else {}

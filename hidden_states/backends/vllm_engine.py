@@ -51,7 +51,7 @@ from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
 
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .shared.graph_store import LAYERS_ENV, report_line
-from .region_transport import new_nonce, open_transport, stage_slots
+from .region_transport import new_nonce, open_transport, sink_info, stage_slots
 from .stage_layers import executor_keywords, merge_stage_replies, ray_stages, refuse_pipeline
 from .shared.regions import REGION, RegionPool, layer_start, region_bytes, scales_start
 
@@ -208,7 +208,7 @@ class VllmEngineBackend(EngineBackend):
         where = os.path.dirname(self.pool.path)  # /dev/shm, else the temporary directory (regions_root)
         self.pool.unlink()  # the worker and this process hold it mapped: no name left to leak
         return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where},
-                **({"region_sink": "%s:%d" % self.sink.address} if self.sink else {})}
+                **sink_info(self.sink)}
 
     def region_bytes(self, length: int) -> int:
         return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales, self.blocks)

@@ -73,13 +73,13 @@ def test_a_wrong_secret_is_refused_and_the_run_goes_on():
     pool, offset, sink = _sink()
     host = _host(pool)
     host[offset + HEADER:offset + HEADER + 8].view(torch.int64)[0] = 8
-    stranger = RegionSender(sink.address, b"x" * 32, 1, host)
-    with pytest.raises(OSError):
-        for _ in range(50):  # the sink closed the connection: a send fails once the peer's reset is seen
-            stranger.send([], [(offset, 8, offset + HEADER, 8)])
-            time.sleep(0.01)
-    assert pool.rows_stored(offset + HEADER, 8, timeout=0) == 0 and pool.failure is None
-    stage = RegionSender(sink.address, SECRET, 1, host)  # the stage itself still gets in
+    with pytest.raises(RuntimeError, match=r"refused pipeline stage block 1 \(not this run's secret"):
+        RegionSender(sink.address, b"x" * 32, 1, host)
+    assert pool.rows_stored(offset + HEADER, 8, timeout=0) == 0 and pool.failure is None and sink.connected == []
+    stage = RegionSender(sink.address, SECRET, 1, host)  # the stage itself still gets in, once
+    assert sink.connected == [1]
+    with pytest.raises(RuntimeError, match=r"or the block connected already"):
+        RegionSender(sink.address, SECRET, 1, host)
     stage.send([], [(offset, 8, offset + HEADER, 8)])
     deadline = time.monotonic() + 5
     while struct.unpack_from("<q", pool.mapping, offset + HEADER)[0] != 8 and time.monotonic() < deadline:

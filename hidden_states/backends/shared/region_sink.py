@@ -42,6 +42,7 @@ SINK_ENV = "VLLM_COMPAT_REGION_SINK"  # "always": every capturing stage sends th
 FRAME = struct.Struct("<QQQI")  # region, rows it is laid out for, offset in the pool, bytes that follow
 CHALLENGE = 32
 HELLO = struct.Struct("<I")  # the stage's counter block, then the HMAC of challenge + these bytes
+ACCEPTED = b"\x01"  # the sink's answer to a proven stage (a refused one reads the connection's end)
 NONCE = 16  # the pool file's first bytes: how a worker knows the file it opened is this run's pool
 
 
@@ -101,6 +102,12 @@ class RegionSink:
         self.address = (host, self._listener.getsockname()[1])
         threading.Thread(target=self._accept, name="hidden-states-region-sink", daemon=True).start()
 
+    @property
+    def connected(self) -> list[int]:
+        """The pipeline stages connected (proven), in order."""
+        with self._lock:
+            return sorted(self.pool.stages[block] for block in self._connected)
+
     def _stage(self, block: int) -> str:
         return f"pipeline stage {self.pool.stages[block]}"
 
@@ -130,6 +137,7 @@ class RegionSink:
                 logger.warning("region sink: refused a second or unknown stage (block %d)", block)
                 return None
             self._connected.add(block)
+        sock.sendall(ACCEPTED)
         sock.settimeout(None)
         return block
 
@@ -209,6 +217,9 @@ class RegionSender:
         if not _recv_exactly(self._sock, memoryview(challenge)):
             raise RuntimeError(f"the region sink at {address[0]}:{address[1]} closed the connection")
         self._sock.sendall(HELLO.pack(block) + proof(secret, bytes(challenge), block))
+        if not _recv_exactly(self._sock, memoryview(bytearray(len(ACCEPTED)))):
+            raise RuntimeError(f"the region sink at {address[0]}:{address[1]} refused pipeline stage block {block} "
+                               f"(not this run's secret, or the block connected already)")
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
