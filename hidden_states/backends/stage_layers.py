@@ -8,7 +8,18 @@ in every region (``shared/regions.py``). A stage that runs none of them captures
 """
 from __future__ import annotations
 
+from vllm_compat.extractor_api import PRESENT, Exists
+
 from ..errors import UsageError
+from .engine_feed import present
+
+# What the stages touch in vLLM (among vllm_engine's touch points): each stage's rank learns its stage;
+# LLM(pipeline_parallel_size=..., distributed_executor_backend="ray") reaches EngineArgs (new_llm,
+# executor_keywords)
+STAGE_TOUCHPOINTS = [
+    (Exists("vllm.distributed:get_pp_group"), frozenset({PRESENT})),
+    *present("vllm.engine.arg_utils:EngineArgs", "pipeline_parallel_size", "distributed_executor_backend"),
+]
 
 
 def ray_stages(settings) -> bool:

@@ -52,7 +52,7 @@ from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .shared.graph_store import LAYERS_ENV, report_line
 from .region_transport import new_nonce, open_transport, sink_info, stage_slots
-from .stage_layers import executor_keywords, merge_stage_replies, ray_stages, refuse_pipeline
+from .stage_layers import STAGE_TOUCHPOINTS, executor_keywords, merge_stage_replies, ray_stages, refuse_pipeline
 from .shared.regions import REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
@@ -82,7 +82,7 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
              "num_computed_tokens"),
     *present(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
     (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
-    (Exists("vllm.distributed:get_pp_group"), frozenset({PRESENT})),  # each pipeline stage captures its own layers
+    *STAGE_TOUCHPOINTS,  # each pipeline stage captures its own layers; their executor (stage_layers)
     # the own capture (worker/own_capture.py) hooks the decoder layers and wraps the decoder stack's forward,
     # whose input ids and positions both captures' rows are checked with (vLLM's Llama stands for the
     # decoder models: a stack's `layers` and `start_layer`/`end_layer` are set in __init__, which the
