@@ -8,6 +8,8 @@ in every region (``shared/regions.py``). A stage that runs none of them captures
 """
 from __future__ import annotations
 
+import os
+
 from vllm_compat.extractor_api import PRESENT, Exists
 
 from ..errors import UsageError
@@ -34,11 +36,22 @@ def executor_keywords(settings, ray=None) -> dict:
     (vLLM's multiprocessing executor, one host)."""
     if not ray_stages(settings):
         return {}
+    join_ray(settings.ray_address, ray)
+    return {"distributed_executor_backend": "ray"}
+
+
+# what the stages' workers get of this process's environment (a remote node has its own otherwise)
+FORWARDED_ENV = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS")
+
+
+def join_ray(address: str, ray=None, environ=os.environ) -> None:
+    """This process joins the Ray cluster at ``address`` (once), its ``FORWARDED_ENV`` variables
+    handed to the processes Ray starts for it."""
     if ray is None:
         import ray
     if not ray.is_initialized():
-        ray.init(address=settings.ray_address, log_to_driver=True)
-    return {"distributed_executor_backend": "ray"}
+        env = {name: value for name, value in environ.items() if name.startswith(FORWARDED_ENV)}
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env})
 
 
 def refuse_pipeline(settings, capture_asked: str, speculators: str) -> None:

@@ -28,7 +28,6 @@ from ..output import formats
 from ..settings import ModelSettings, Settings
 from ..sizes import human_size
 from .pipeline import check_one_host, check_pipeline_parallel, gpus_here, pipeline_line
-from .ray_stages import check_ray_gpus, ray_cluster_gpus, refuse_ray_stages
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, MemoryEstimate, ModelFacts, check_environment, check_layer_ids,
                         check_memory, check_states_in_flight, check_tensor_parallel, check_vllm, cpu_kv_cache_space,
                         device_budget, estimate_memory, model_facts)
@@ -149,6 +148,8 @@ def refuse_pipeline_here(settings: ModelSettings) -> None:
     if getattr(settings, "ray_address", None):
         from vllm_compat.extractor_api import vllm_device_type
 
+        from .ray_stages import refuse_ray_stages
+
         refuse_ray_stages(settings.pp_size, getattr(settings, "data_parallel_size", 1), vllm_device_type())
 
 
@@ -165,6 +166,8 @@ def check_memory_here(settings: ModelSettings, facts: ModelFacts,
     device = device_name_here()
     lines = []
     if settings.pp_size > 1 and getattr(settings, "ray_address", None):  # stages over the Ray cluster's GPUs
+        from .ray_stages import check_ray_gpus, ray_cluster_gpus
+
         lines.append(check_ray_gpus(settings.tp_size, settings.pp_size, ray_cluster_gpus(settings.ray_address)))
     elif settings.pp_size > 1 and isinstance(budget, DeviceBudget) and not budget.shared:
         lines += filter(None, [check_one_host(settings.tp_size, settings.pp_size, gpus_here())])

@@ -9,6 +9,7 @@ the load, in vLLM's words.
 """
 from __future__ import annotations
 
+from ..backends.stage_layers import join_ray
 from ..errors import UsageError
 
 RAY_ON_CPU = "current platform cpu does not support ray."  # vLLM's ValueError, v1/executor/ray_utils.py
@@ -33,8 +34,7 @@ def ray_cluster_gpus(address: str) -> float | None:
     try:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=address, log_to_driver=True)
+        join_ray(address, ray)
         return float(ray.cluster_resources().get("GPU", 0))
     except Exception:  # noqa: BLE001 - advisory: vLLM's executor says it at the load
         return None

@@ -19,8 +19,9 @@ class FakeRay:
     def is_initialized(self):
         return self.initialized
 
-    def init(self, address, **_):
+    def init(self, address, runtime_env=None, **_):
         self.joined.append(address)
+        self.env = runtime_env["env_vars"]
         self.initialized = True
 
 
@@ -30,6 +31,7 @@ def test_stages_on_ray_are_one_engine_on_vllms_ray_executor_not_replicas():
     assert ray_stages(settings)
     assert executor_keywords(settings, ray) == {"distributed_executor_backend": "ray"}
     assert ray.joined == ["head:6379"]  # joined before vLLM's executor looks for an initialized Ray
+    assert all(name.startswith(("VLLM_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS")) for name in ray.env)
     joined = FakeRay(initialized=True)
     assert executor_keywords(settings, joined) == {"distributed_executor_backend": "ray"} and joined.joined == []
     run = SimpleNamespace(data_parallel_size=1, ray_address="head:6379", pp_size=2)

@@ -228,6 +228,7 @@ class StreamingStates:
     # order), its counter block and token-id array among the region's ``blocks`` (regions.py)
     _hidden_states_slots: list[int] | None = None
     _hidden_states_block, _hidden_states_blocks = 0, 1
+    _hidden_states_sender = None  # a stage on another host: its stored bytes go to the parent's region sink
 
     def _hidden_states_stream_setup(self, layer_ids: list[int], state_dtype: str = "model") -> dict | None:
         """Install the capture of the run's layers this stage runs (none: nothing installed); the
