@@ -36,6 +36,7 @@ class BackendSettings:
     num_layers: int | None = None  # the model's decoder layers, as the plan read its config (vllm-native needs it)
     cuda_graphs: bool = False  # vllm-engine: vLLM compiled, with CUDA graphs, the capture inside them (graph_capture)
     pp_size: int = 1  # vllm-engine: vLLM's pipeline stages (one host); each stage's TP rank 0 captures its own layers
+    ray_address: str | None = None  # vllm-engine with pp_size > 1: the stages on vLLM's Ray executor, on this cluster
 
 
 # tokens_ahead of a backend that runs one batch while the one before it is copied out: any token

@@ -8,7 +8,50 @@ in every region (``shared/regions.py``). A stage that runs none of them captures
 """
 from __future__ import annotations
 
+import os
+
+from vllm_compat.extractor_api import PRESENT, Exists
+
 from ..errors import UsageError
+from .engine_feed import present
+
+# What the stages touch in vLLM (among vllm_engine's touch points): each stage's rank learns its stage;
+# LLM(pipeline_parallel_size=..., distributed_executor_backend="ray") reaches EngineArgs (new_llm,
+# executor_keywords)
+STAGE_TOUCHPOINTS = [
+    (Exists("vllm.distributed:get_pp_group"), frozenset({PRESENT})),
+    *present("vllm.engine.arg_utils:EngineArgs", "pipeline_parallel_size", "distributed_executor_backend"),
+]
+
+
+def ray_stages(settings) -> bool:
+    """Whether vLLM's Ray executor places the stages (``--pp-size`` with ``--ray-address``): a stage
+    may then run on another host, and reaches the regions through the sink (``region_transport``)."""
+    return settings.pp_size > 1 and bool(getattr(settings, "ray_address", None))
+
+
+def executor_keywords(settings, ray=None) -> dict:
+    """The ``LLM`` keywords of the stages' executor: with ``ray_stages``, Ray's, on the run's cluster
+    (joined here first: vLLM's Ray executor uses the Ray this process initialized); else none
+    (vLLM's multiprocessing executor, one host)."""
+    if not ray_stages(settings):
+        return {}
+    join_ray(settings.ray_address, ray)
+    return {"distributed_executor_backend": "ray"}
+
+
+# what the stages' workers get of this process's environment (a remote node has its own otherwise)
+FORWARDED_ENV = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS")
+
+
+def join_ray(address: str, ray=None, environ=os.environ) -> None:
+    """This process joins the Ray cluster at ``address`` (once), its ``FORWARDED_ENV`` variables
+    handed to the processes Ray starts for it."""
+    if ray is None:
+        import ray
+    if not ray.is_initialized():
+        env = {name: value for name, value in environ.items() if name.startswith(FORWARDED_ENV)}
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env})
 
 
 def refuse_pipeline(settings, capture_asked: str, speculators: str) -> None:

@@ -51,7 +51,8 @@ from .engine_feed import FEED_TOUCHPOINTS, GIVEN, present
 
 from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, discard_rows_streams
 from .shared.graph_store import LAYERS_ENV, report_line
-from .stage_layers import merge_stage_replies, refuse_pipeline
+from .region_transport import new_nonce, open_transport, sink_info, stage_slots
+from .stage_layers import STAGE_TOUCHPOINTS, executor_keywords, merge_stage_replies, ray_stages, refuse_pipeline
 from .shared.regions import REGION, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
@@ -81,7 +82,7 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
              "num_computed_tokens"),
     *present(f"{_OUTPUT}:CachedRequestData", "req_ids", "num_computed_tokens"),
     (Exists("vllm.distributed:get_tp_group"), frozenset({PRESENT})),
-    (Exists("vllm.distributed:get_pp_group"), frozenset({PRESENT})),  # each pipeline stage captures its own layers
+    *STAGE_TOUCHPOINTS,  # each pipeline stage captures its own layers; their executor (stage_layers)
     # the own capture (worker/own_capture.py) hooks the decoder layers and wraps the decoder stack's forward,
     # whose input ids and positions both captures' rows are checked with (vLLM's Llama stands for the
     # decoder models: a stack's `layers` and `start_layer`/`end_layer` are set in __init__, which the
@@ -132,8 +133,7 @@ def refuse_cuda_graphs(backend: str, environ=os.environ) -> None:
                          f"({CAPTURE_ENV}={SPECULATORS}): unset {CAPTURE_ENV} or set it to {OWN}")
 
 
-def needs_speculators() -> bool:
-    """Whether this backend runs speculators' capture here (the preflight audits its generator then)."""
+def needs_speculators() -> bool:  # this backend runs speculators' capture here: the preflight audits its generator
     return chosen_capture()[0] == SPECULATORS
 
 
@@ -159,6 +159,7 @@ class VllmEngineBackend(EngineBackend):
         self._salts = itertools.count()
         self.cached_tokens = 0  # prompt tokens vLLM's prefix cache held, their rows copied from another request
         self.pool: RegionPool | None = None
+        self.sink = None  # the region sink of stages on other hosts (region_transport)
         # hidden-states generate's side (backends.Replying): replies, then their training rows, on these regions
         self.replies = EngineReplies(self)
         self._layout: dict | None = None
@@ -183,7 +184,8 @@ class VllmEngineBackend(EngineBackend):
         return {"capture": self.capture, "capture_chosen_because": why}
 
     def llm_keywords(self) -> dict:
-        return {"worker_extension_cls": GRAPH_EXTENSION if self.settings.cuda_graphs else EXTENSIONS[self.capture]}
+        return {"worker_extension_cls": GRAPH_EXTENSION if self.settings.cuda_graphs else EXTENSIONS[self.capture],
+                **executor_keywords(self.settings)}
 
     def started(self) -> dict:
         """Install the capture in the workers and map them the region pool."""
@@ -193,17 +195,20 @@ class VllmEngineBackend(EngineBackend):
         replies = self._llm.collective_rpc("_hidden_states_stream_setup",
                                            args=(settings.layer_ids, settings.state_dtype))
         self._layout, stages = merge_stage_replies(replies, settings.layer_ids)  # one reply per pipeline stage
-        self.blocks = len(stages)
-        self.scales = bool(self._layout.get("scales"))
+        self.blocks, self.scales = len(stages), bool(self._layout.get("scales"))
         self.row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self.pool = RegionPool(settings.sequences_in_flight * self.region_bytes(settings.max_seq_len)
-                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes, stages=tuple(stages))
-        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to", args=(self.pool.path, stages))
-                      if r is not None)
+                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes, stages=tuple(stages),
+                               nonce=new_nonce())
+        self.sink, transport = open_transport(self.pool, stage_slots(replies, settings.layer_ids, stages),
+                                              self.row_bytes, self.scales, on_ray=ray_stages(settings))
+        pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to",
+                                                          args=(self.pool.path, stages, transport)) if r is not None)
         where = os.path.dirname(self.pool.path)  # /dev/shm, else the temporary directory (regions_root)
         self.pool.unlink()  # the worker and this process hold it mapped: no name left to leak
-        return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where}}
+        return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where},
+                **sink_info(self.sink)}
 
     def region_bytes(self, length: int) -> int:
         return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales, self.blocks)
@@ -215,8 +220,7 @@ class VllmEngineBackend(EngineBackend):
         return RegionBatch(batch, offsets, f"hs-{next(self._salts)}" if self.prefix_caching else None)
 
     def extract(self, batch: list[list[int]]) -> list[list]:
-        """``submit`` for callers that keep what they get: copies (FP8 ones dequantized), and the
-        regions back at once."""
+        """``submit`` for callers that keep what they get: copies (FP8 dequantized), regions back at once."""
         return [[fp8_states.dequantize(layer.unsqueeze(1), layers.scales)[:, 0] for layer in layers]
                 if isinstance(layers, fp8_states.Quantized) else [layer.clone() for layer in layers]
                 for layers in self.submit(batch).result()]
@@ -362,6 +366,8 @@ class VllmEngineBackend(EngineBackend):
     def close(self) -> None:
         """``--cuda-graphs``: first ask the capturing worker whether its copies ran inside vLLM's
         compiled forward (``closing_line``), while the engine still runs."""
+        if self.sink is not None:  # the stages' connections end with the engine: not a failure now
+            self.sink.close()
         if self.settings.cuda_graphs and self._llm is not None and self.engine_alive():
             try:
                 replies = self._llm.collective_rpc("_hidden_states_graph_report")

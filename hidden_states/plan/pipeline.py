@@ -105,14 +105,13 @@ def gpus_here(environ: Mapping[str, str] = os.environ) -> int | None:
 
 
 def check_one_host(tp_size: int, pp_size: int, gpus: int | None) -> str | None:
-    """Every stage runs on this host (vLLM's multiprocessing executor): ``tp_size * pp_size`` GPUs
-    here, else refused before the load; stages on other hosts (Ray, several nodes) are not supported
-    yet. Returns the plan's line, or None where the GPUs are not known."""
+    """Every stage runs on this host (vLLM's multiprocessing executor, no ``--ray-address``):
+    ``tp_size * pp_size`` GPUs here, else refused before the load (stages over a Ray cluster:
+    ``ray_stages``). Returns the plan's line, or None where the GPUs are not known."""
     if gpus is None:
         return None
     needed = tp_size * pp_size
     if needed > gpus:
         raise UsageError(f"--pp-size {pp_size}: --tp-size {tp_size} x --pp-size {pp_size} needs {needed} GPUs on "
-                         f"this host, which has {gpus}; pipeline stages on other hosts (several nodes, Ray) are "
-                         f"not supported yet")
+                         f"this host, which has {gpus}; stages on other hosts: --ray-address (vLLM's Ray executor)")
     return f"GPUs: {needed} of this host's {gpus} (--tp-size {tp_size} x --pp-size {pp_size})"

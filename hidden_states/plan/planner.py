@@ -145,6 +145,12 @@ def refuse_pipeline_here(settings: ModelSettings) -> None:
         from ..backends.vllm_native import refuse_pipeline
 
         refuse_pipeline(settings.model_path, settings.pp_size, vllm_version(), vllm_device_type())
+    if getattr(settings, "ray_address", None):
+        from vllm_compat.extractor_api import vllm_device_type
+
+        from .ray_stages import refuse_ray_stages
+
+        refuse_ray_stages(settings.pp_size, getattr(settings, "data_parallel_size", 1), vllm_device_type())
 
 
 def check_memory_here(settings: ModelSettings, facts: ModelFacts,
@@ -159,7 +165,11 @@ def check_memory_here(settings: ModelSettings, facts: ModelFacts,
     budget = device_budget(settings.gpu_memory_utilization)
     device = device_name_here()
     lines = []
-    if settings.pp_size > 1 and isinstance(budget, DeviceBudget) and not budget.shared:
+    if settings.pp_size > 1 and getattr(settings, "ray_address", None):  # stages over the Ray cluster's GPUs
+        from .ray_stages import check_ray_gpus, ray_cluster_gpus
+
+        lines.append(check_ray_gpus(settings.tp_size, settings.pp_size, ray_cluster_gpus(settings.ray_address)))
+    elif settings.pp_size > 1 and isinstance(budget, DeviceBudget) and not budget.shared:
         lines += filter(None, [check_one_host(settings.tp_size, settings.pp_size, gpus_here())])
     lines.append(check_memory(settings.model_path, memory, budget))
     cpu_kv_cache = None

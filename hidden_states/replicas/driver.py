@@ -42,8 +42,9 @@ FORWARDED_ENV = ("VLLM_", "HF_", "TRANSFORMERS_", "VLLM_COMPAT_", "OMP_NUM_THREA
 
 
 def on_ray(settings) -> bool:
-    """Whether a run's batches go to Ray replicas (``--data-parallel-size`` over 1, ``--ray-address``)."""
-    return settings.data_parallel_size > 1 or bool(settings.ray_address)
+    """Whether a run's batches go to Ray replicas (``--data-parallel-size`` over 1, ``--ray-address``
+    without ``--pp-size``: with it, one engine in this process whose stages vLLM's Ray executor places)."""
+    return settings.data_parallel_size > 1 or (bool(settings.ray_address) and getattr(settings, "pp_size", 1) <= 1)
 
 
 class SampleBatches:

@@ -3,7 +3,9 @@ each stage's worker captures the layers its stage runs into the same regions, an
 HF's, token by token, layer by layer, as at one stage. The stages' layers are vLLM's split (6 layers:
 [3, 3]) or ``VLLM_PP_LAYER_PARTITION``'s; the layers asked for straddle the stages (a stage's last and
 the next one's first), include the last layer (the certificates read it), and in one run leave the
-first stage with none to capture. One core per stage (``VLLM_CPU_OMP_THREADS_BIND``).
+first stage with none to capture; in one run both stages send their rows through the parent's region
+sink (``VLLM_COMPAT_REGION_SINK=always``), as stages on other hosts do. One core per stage
+(``VLLM_CPU_OMP_THREADS_BIND``).
 
 Where: the dense Llama on vllm-cpu 0.17.0 (marker ``pipeline``), whose CPU backend runs vLLM's stages as
 they are; the DeepSeek family (MLA, routed experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu
@@ -55,11 +57,11 @@ def hf(model):
     return load_model(model)
 
 
-def pipeline_run(model, data, out, layers: list[int], partition: str | None = None):
+def pipeline_run(model, data, out, layers: list[int], partition: str | None = None, env_extra=None):
     args = extract_args(model, data, out, "--backend", "vllm-engine", "--pp-size", "2")
     at = args.index("--layer-ids")
     args[at + 1:at + 5] = [str(layer) for layer in layers]
-    env = {**STAGES, **({"VLLM_PP_LAYER_PARTITION": partition} if partition else {})}
+    env = {**STAGES, **({"VLLM_PP_LAYER_PARTITION": partition} if partition else {}), **(env_extra or {})}
     proc = run_cli(*args, env_extra=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -113,6 +115,21 @@ def test_two_stages_write_hfs_rows_across_the_stage_boundary_certified(model, da
     assert json.loads((tmp_path / "out" / "data_config.json").read_text())["capture"] == "own"
     cached = re.search(r"; ([\d,]+) from vLLM's prefix cache\)", proc.stderr)
     assert cached and int(cached.group(1).replace(",", "")) > 0, proc.stderr[-2000:]
+    assert_rows_are_hfs(hf, rows, tmp_path / "out", [0, 2, 3, 5])
+    verified(tmp_path / "out", rows)
+
+
+@pytest.mark.pipeline
+def test_two_stages_through_the_region_sink_write_hfs_rows_certified(model, data, hf, tmp_path):
+    """``VLLM_COMPAT_REGION_SINK=always``: both stages send their rows over TCP to the parent's region
+    sink, as stages on other hosts do (vLLM's Ray executor, which vllm-cpu refuses: GPUs), instead of
+    mapping the pool; the rows are HF's and certified all the same, prefix-cached rows included."""
+    path, rows = data
+    proc = pipeline_run(model, path, tmp_path / "out", [0, 2, 3, 5], env_extra={"VLLM_COMPAT_REGION_SINK": "always"})
+    config = json.loads((tmp_path / "out" / "data_config.json").read_text())
+    sink = config.get("region_sink") or {}
+    assert sink.get("address", "").startswith("127.0.0.1:") and sink["stages"] == [0, 1], proc.stderr[-2000:]
+    assert "certificates: on: every row is checked against the engine's logprobs" in proc.stderr
     assert_rows_are_hfs(hf, rows, tmp_path / "out", [0, 2, 3, 5])
     verified(tmp_path / "out", rows)
 

@@ -99,11 +99,15 @@ def extract_through_the_worker(monkeypatch, rows, claimed, prompts, make_worker=
         backend.pool.close()
 
 
-def extract_through_stages(monkeypatch, prompts, layer_ids, splits, after_step=None):
+def extract_through_stages(monkeypatch, prompts, layer_ids, splits, after_step=None, through_sink=()):
     """One step of ``prompts`` through one ``Worker`` per pipeline stage (``splits``: each stage's
     (start_layer, end_layer) of a 6-layer ``Stack``), each capturing the layers its stage runs into
     the same regions, as vLLM's stages would; the parent's tensors (or its error) per request.
-    ``after_step(pool, offsets, lengths)``: called once the stages stored the step's rows."""
+    ``after_step(pool, offsets, lengths)``: called once the stages stored the step's rows.
+    ``through_sink``: the stages that send their rows to a loopback region sink (as a stage on
+    another host would) instead of mapping the pool."""
+    from hidden_states.backends.region_transport import new_nonce, open_transport, stage_slots
+    from hidden_states.backends.shared.region_sink import SINK_ENV
     from hidden_states.backends.stage_layers import merge_stage_replies
 
     monkeypatch.setattr(engine_capture, "tp_rank", lambda: 0)
@@ -118,8 +122,11 @@ def extract_through_stages(monkeypatch, prompts, layer_ids, splits, after_step=N
         replies.append(worker._hidden_states_stream_setup(layer_ids))
         workers.append(worker)
     backend._layout, stages = merge_stage_replies(replies, sorted(layer_ids))
-    backend.blocks, backend.row_bytes, backend.rows_timeout = len(stages), HIDDEN * 4, 0.1
-    backend.pool = RegionPool(4 * backend.region_bytes(16), stages=tuple(stages))
+    backend.blocks, backend.row_bytes, backend.rows_timeout = len(stages), HIDDEN * 4, 5.0 if through_sink else 0.1
+    backend.pool = RegionPool(4 * backend.region_bytes(16), stages=tuple(stages), nonce=new_nonce())
+    monkeypatch.delenv(SINK_ENV, raising=False)
+    backend.sink, transport = open_transport(backend.pool, stage_slots(replies, layer_ids, stages), backend.row_bytes,
+                                             False, on_ray=bool(through_sink))
     try:
         work = RegionBatch(list(prompts.values()),
                            [backend.pool.reserve(backend.region_bytes(len(p)), timeout=1) for p in prompts.values()])
@@ -131,10 +138,16 @@ def extract_through_stages(monkeypatch, prompts, layer_ids, splits, after_step=N
                                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
         for stage, worker in enumerate(workers):
             monkeypatch.setattr(engine_capture, "pp_rank", lambda stage=stage: stage)
-            if worker._hidden_states_stream_to(backend.pool.path, stages) is not None:
+            if stage in through_sink:
+                monkeypatch.setenv(SINK_ENV, "always")
+            else:
+                monkeypatch.delenv(SINK_ENV, raising=False)
+            if worker._hidden_states_stream_to(backend.pool.path, stages, transport) is not None:
                 worker.execute_model(step)
         if after_step is not None:
             after_step(backend.pool, work.offsets, work.lengths)
         return states_taken(backend, work), backend, stages
     finally:
+        if backend.sink is not None:
+            backend.sink.close()
         backend.pool.close()

@@ -21,7 +21,7 @@ BACKEND_TOUCHPOINTS = touchpoints()  # each backend's own declaration (hidden_st
 
 MODULES = {"vllm-engine": ["vllm_engine.py", "worker/engine_capture.py", "worker/speculators_capture.py",
                            "worker/own_capture.py", "worker/graph_capture.py", "shared/graph_store.py", "engine_feed.py",
-                           "engine_base.py", "engine_replies.py"],
+                           "engine_base.py", "engine_replies.py", "stage_layers.py"],
            "vllm-native": ["vllm_native.py", "engine_feed.py", "engine_base.py"]}
 
 

@@ -152,7 +152,7 @@ def test_the_two_host_presets_are_refused_on_one_eight_gpu_host_saying_why(prese
     with pytest.raises(UsageError) as raised:
         check_one_host(chosen["tp_size"], chosen["pp_size"], 8)
     assert str(raised.value) == ("--pp-size 2: --tp-size 8 x --pp-size 2 needs 16 GPUs on this host, which has 8; "
-                                 "pipeline stages on other hosts (several nodes, Ray) are not supported yet")
+                                 "stages on other hosts: --ray-address (vLLM's Ray executor)")
     assert check_one_host(8, 2, 16) == "GPUs: 16 of this host's 16 (--tp-size 8 x --pp-size 2)"
     assert check_one_host(8, 2, None) is None
 

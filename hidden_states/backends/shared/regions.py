@@ -89,18 +89,23 @@ class RegionPool:
     """A shared-memory file cut into regions: first fit, freed regions merged, ``reserve`` waits for
     room (the writer frees regions as it writes). Every region starts at a multiple of ``align``
     bytes (and of 64). ``stages``: the pipeline stage of each counter block (one per capturing
-    stage, in order; ``(0,)`` without pipeline parallelism)."""
+    stage, in order; ``(0,)`` without pipeline parallelism). ``nonce``: written in the file's first
+    bytes (the regions start after them, at ``base``), which a worker that opens the file checks: it
+    maps this run's pool, not another file of that name (another host's ``/dev/shm``)."""
 
-    def __init__(self, capacity: int, align: int = ALIGN, stages: tuple[int, ...] = (0,)):
+    def __init__(self, capacity: int, align: int = ALIGN, stages: tuple[int, ...] = (0,), nonce: bytes = b""):
         self.capacity, self.align = capacity, math.lcm(ALIGN, align)
         self.stages = tuple(stages)
-        fd, self.path = tempfile.mkstemp(prefix="hidden-states-regions-", dir=regions_root(capacity))
+        self.base = -(-len(nonce) // self.align) * self.align
+        self.failure: str | None = None  # set by ``fail``: every wait for rows raises it
+        fd, self.path = tempfile.mkstemp(prefix="hidden-states-regions-", dir=regions_root(capacity + self.base))
         try:
-            os.ftruncate(fd, capacity)
-            self.mapping = mmap.mmap(fd, capacity)
+            os.ftruncate(fd, capacity + self.base)
+            self.mapping = mmap.mmap(fd, capacity + self.base)
         finally:
             os.close(fd)
-        self._free = [(0, capacity)]  # (offset, size), sorted by offset
+        self.mapping[:len(nonce)] = nonce
+        self._free = [(self.base, capacity)]  # (offset, size), sorted by offset
         self._reserved: dict[int, int] = {}  # offset -> size of each region handed out
         self._room = threading.Condition()
 
@@ -138,6 +143,16 @@ class RegionPool:
             self._free = merged
             self._room.notify_all()
 
+    def reserved_size(self, offset: int) -> int | None:
+        """The size of the region reserved at ``offset`` (None: none is)."""
+        with self._room:
+            return self._reserved.get(offset)
+
+    def fail(self, why: str) -> None:
+        """A stage can no longer store rows (``region_sink``): every wait for rows, now or later, raises ``why``."""
+        if self.failure is None:
+            self.failure = why
+
     def _fit(self, nbytes: int) -> int | None:
         return next((i for i, (_, size) in enumerate(self._free) if size >= nbytes), None)
 
@@ -152,6 +167,8 @@ class RegionPool:
         may be a moment after the engine reports the request finished)."""
         deadline = time.monotonic() + timeout
         while (stored := min(self._counts(offset))) < expected and time.monotonic() < deadline:
+            if self.failure is not None:
+                raise RuntimeError(self.failure)
             time.sleep(0.0005)
         return stored
 

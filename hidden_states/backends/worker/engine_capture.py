@@ -46,15 +46,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
-import os
 import queue
 import threading
 
 from vllm_compat.extractor_api import pin_host_memory, scheduled_in_row_order, wrap_method
 
 from ... import fp8_states
-from ..shared.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, ids_start, layer_start, scales_start
+from ..shared.region_sink import stored_ranges
+from ..shared.regions import FIRST_ROW, HEADER, REGION, REWRITTEN, UNREWRITTEN, ids_start, layer_start, scales_start
+from .pool_access import connect, open_pool
 from .row_scatter import GATHER_ROWS, GatheredRows
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,8 @@ def step_starts(scheduler_output) -> dict[str, int]:
 
 def note_step(wrapped, worker, args, kwargs):
     """Around ``execute_model``: learn the new requests' regions and where this step's rows go."""
+    import torch
+
     scheduler_output = kwargs["scheduler_output"] if "scheduler_output" in kwargs else args[0]
     for request_id in scheduler_output.finished_req_ids:
         worker._hidden_states_regions.pop(request_id, None)
@@ -128,6 +130,11 @@ def note_step(wrapped, worker, args, kwargs):
         if REGION in extra:
             offset, length, *counters = extra[REGION]
             worker._hidden_states_regions[new.req_id] = (offset, length, counters[0] if counters else 0)
+            if worker._hidden_states_sender is not None and not (counters and counters[0]):
+                # a private copy of the pool (another host): no parent zeroed this stage's block in it
+                block = offset + worker._hidden_states_block * HEADER
+                worker._hidden_states_host[block:block + 40].view(torch.int64).copy_(
+                    torch.tensor([0, 0, 0, 0, UNREWRITTEN]))
             worker._hidden_states_prompts[new.req_id] = list(new.prompt_token_ids)
     worker._hidden_states_step = (dict(scheduler_output.num_scheduled_tokens), step_starts(scheduler_output))
     try:
@@ -139,27 +146,41 @@ def note_step(wrapped, worker, args, kwargs):
 
 
 class CopiesDone:
-    """Writes regions' row counts once the copies of their rows have finished on the copy stream."""
+    """Writes regions' row counts once the copies of their rows have finished on the copy stream.
+    With a ``sender`` (a stage on another host, ``shared/region_sink``): sends the step's stored bytes,
+    then its counters, to the parent instead, from this thread (the forward never waits on the
+    network; it waits only while ``SEND_QUEUE`` steps are queued, the sender's back-pressure)."""
 
-    def __init__(self, host):
-        self._host = host
-        self._queue: queue.Queue = queue.Queue()
+    SEND_QUEUE = 64
+
+    def __init__(self, host, sender=None):
+        self._host, self._sender = host, sender
+        self._queue: queue.Queue = queue.Queue(self.SEND_QUEUE if sender is not None else 0)
         threading.Thread(target=self._run, name="hidden-states-copies-done", daemon=True).start()
 
-    def after(self, event, counts: list[tuple[int, int]], gathered: GatheredRows | None = None, staged=None) -> None:
-        """Once ``event`` has passed: place the ``gathered`` rows (``staged`` on the host), then write the counts."""
-        self._queue.put((event, counts, gathered, staged))
+    def after(self, event, counts: list[tuple[int, int]], gathered: GatheredRows | None = None, staged=None,
+              sent=None) -> None:
+        """Once ``event`` has passed (None: done): place the ``gathered`` rows (``staged`` on the host),
+        then write the counts (with a sender: send ``sent``, the (ranges, counters) the step stored)."""
+        self._queue.put((event, counts, gathered, staged, sent))
 
     def _run(self) -> None:
         import torch
 
         while True:
-            event, counts, gathered, staged = self._queue.get()
-            event.synchronize()
+            event, counts, gathered, staged, sent = self._queue.get()
+            if event is not None:
+                event.synchronize()
             if gathered:
                 gathered.place(self._host, staged)
             for offset, count in counts:
                 self._host[offset:offset + 8].view(torch.int64)[0] = count
+            if self._sender is not None:
+                try:
+                    self._sender.send(*sent)
+                except OSError as exc:  # the parent sees the connection end and names this stage
+                    logger.error("hidden-states vllm-engine capture: sending rows to the region sink failed: %s", exc)
+                    self._sender = None
 
 
 def tp_rank() -> int:
@@ -207,6 +228,7 @@ class StreamingStates:
     # order), its counter block and token-id array among the region's ``blocks`` (regions.py)
     _hidden_states_slots: list[int] | None = None
     _hidden_states_block, _hidden_states_blocks = 0, 1
+    _hidden_states_sender = None  # a stage on another host: its stored bytes go to the parent's region sink
 
     def _hidden_states_stream_setup(self, layer_ids: list[int], state_dtype: str = "model") -> dict | None:
         """Install the capture of the run's layers this stage runs (none: nothing installed); the
@@ -225,11 +247,13 @@ class StreamingStates:
         return {"dtype": str(dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size(),
                 "scales": self._hidden_states_fp8, "stage": pp_rank(), "layers": local}
 
-    def _hidden_states_stream_to(self, path: str, stages: list[int] | None = None) -> bool | None:
+    def _hidden_states_stream_to(self, path: str, stages: list[int] | None = None,
+                                 transport: dict | None = None) -> bool | None:
         """Map the parent's region file (page-locked where the model runs on a GPU) and start noting
         each step's requests. ``stages``: the capturing pipeline stages, in the order of their blocks
-        in a region (None: this one alone). Returns whether the file is page-locked (None: not a
-        capturing rank)."""
+        in a region (None: this one alone). ``transport``: how to tell the file is this run's pool
+        here, and the region sink to send to where it is not (``pool_access``). Returns whether the
+        file is page-locked (None: not a capturing rank)."""
         import torch
 
         if tp_rank() != 0:
@@ -239,12 +263,10 @@ class StreamingStates:
             if stage not in stages:  # a stage that runs none of the run's layers
                 return None
             self._hidden_states_block, self._hidden_states_blocks = stages.index(stage), len(stages)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._hidden_states_mapping = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
+        self._hidden_states_mapping, remote = open_pool(path, transport, pp_rank() if stages is not None else 0)
         self._hidden_states_host = torch.frombuffer(self._hidden_states_mapping, dtype=torch.uint8)
+        self._hidden_states_sender = (connect(transport, self._hidden_states_block, self._hidden_states_host)
+                                      if remote else None)
         self._hidden_states_regions: dict[str, tuple[int, int, int]] = {}  # offset, rows, which counters
         self._hidden_states_step = None
         self._hidden_states_prompts: dict[str, list[int]] = {}
@@ -258,7 +280,8 @@ class StreamingStates:
             wrap_method(stack, "forward", note_input_ids)
         on_gpu = getattr(self.model_runner, "device", torch.device("cpu")).type == "cuda"
         self._hidden_states_copies = torch.cuda.Stream() if on_gpu else None
-        self._hidden_states_done = CopiesDone(self._hidden_states_host) if on_gpu else None
+        self._hidden_states_done = (CopiesDone(self._hidden_states_host, self._hidden_states_sender)
+                                    if on_gpu or remote else None)
         return pin_host_memory(self._hidden_states_host) if on_gpu else False
 
     def _hidden_states_step_ran(self) -> None:
@@ -305,6 +328,8 @@ class StreamingStates:
         gathered = GatheredRows(len(aux_hidden_states), row_bytes, scales is not None, slots, block, blocks)
         regions, first_stored = self._hidden_states_regions, self._hidden_states_first
         ends, mine = self._hidden_states_ends, block * HEADER  # this stage's counter block
+        # another host: what this step stores, sent to the parent's sink (bytes first, counters last)
+        sent = ([], []) if self._hidden_states_sender is not None else None
         for request_id in order:  # hundreds of decoding requests a step: the least work each
             count = tokens[request_id]
             region, start = regions.get(request_id), starts.get(request_id)
@@ -328,9 +353,19 @@ class StreamingStates:
                     else:
                         self._copy_rows(aux_hidden_states, scales, row, take, offset, length, start, row_bytes)
                     counts.append((offset + counters, start + take))
+                    if sent is not None:
+                        sent[0].extend((offset, length, at, size) for at, size in stored_ranges(
+                            offset, length, start, take, slots, block, blocks, row_bytes, scales is not None))
+                        sent[1].extend((offset, length, at, 8) for at in (
+                            offset + mine + REWRITTEN, offset + counters + FIRST_ROW, offset + counters))
             row += count
         staged = gathered.stage(aux_hidden_states, input_ids, scales, stream) if gathered else None
-        if stream is None:
+        if sent is not None and stream is None:  # another host, on a CPU: the copies are done, the sending is not
+            if gathered:
+                gathered.place(host, staged)
+            if counts:
+                self._hidden_states_done.after(None, counts, None, None, sent)
+        elif stream is None:
             if gathered:
                 gathered.place(host, staged)
             for offset, count in counts:
@@ -338,7 +373,7 @@ class StreamingStates:
         elif counts:
             done = torch.cuda.Event()
             done.record(stream)
-            self._hidden_states_done.after(done, counts, gathered, staged)
+            self._hidden_states_done.after(done, counts, gathered, staged, sent)
 
     def _copy_rows(self, aux_hidden_states, scales, row: int, take: int, offset: int, length: int, start: int,
                    row_bytes: int) -> None:
