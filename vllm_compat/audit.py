@@ -20,8 +20,7 @@ from packaging.version import Version
 
 from . import behaviour, callsites, environment, versions, wheels
 from .consumer_tree import is_speculators, resolve
-from .consumer import (IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints,
-                       backend_touchpoints)
+from .consumer import IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints, declared
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
@@ -421,7 +420,7 @@ def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = 
             continue
         findings.append(replace(_touchpoint_finding(check, expected, bridged_source, "touchpoint"),
                                 consumer=spec_label or ""))
-    for backend, touched in backend_touchpoints().items():
+    for backend, touched in declared().items():
         findings += _backend_findings(backend, touched, bridged_source, version)
     adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
     adapted = [a for a in adapters() if a.id in adapted_ids]

@@ -17,8 +17,14 @@ Two kinds of speculators release meet vLLM differently:
 """
 from __future__ import annotations
 
+import importlib.metadata
+import re
+from pathlib import Path
 from typing import NamedTuple
 
+from packaging.utils import canonicalize_name
+
+from .errors import VllmCompatError
 from .probes.shapes import PRESENT, Attr, Check
 
 # -- the generator releases ---------------------------------------------------------------------
@@ -73,24 +79,25 @@ TOUCHPOINTS: tuple[tuple[Check, frozenset[str], str], ...] = tuple(
 )
 
 
-# -- the bundled extractor's own backends ---------------------------------------------------------
-# `hidden_states --backend vllm-engine` and `--backend vllm-native` drive vLLM without speculators'
-# generator: what they touch is theirs, not the generator's, and the call-site audit does not read
-# their source (they reach vLLM's objects through the engine, the scheduler output handed to a
-# wrapped method and dicts of configuration, none of which a static reader can type). Each backend
-# declares its own, beside its code (``TOUCHPOINTS`` in its module, ``hidden_states/backends/``);
-# the audit finds them there (:func:`backend_touchpoints`) and checks them with the same rule as
-# TOUCHPOINTS. Instance attributes set in __init__ (Worker.model_runner, LLM.llm_engine) are in no
-# class body: the end-to-end runs prove those.
+# -- touch points a consumer declares ---------------------------------------------------------------
+# A consumer that reaches vLLM in ways the call-site audit cannot type (through an engine, a wrapped
+# method, strings vLLM resolves, dicts of configuration) declares what it touches, as OpenTelemetry
+# instrumentors declare theirs: an entry point in the group below whose value is a Touchpoints (or a
+# zero-argument callable returning one). The entry point's name is its scope as the audit prints it;
+# the bundled extractor declares its two backends there (pyproject.toml). The audit finds every
+# declarer through importlib.metadata (:func:`declared`), never by a module name, and checks their
+# touch points with the same rule as TOUCHPOINTS. Instance attributes set in __init__
+# (Worker.model_runner, LLM.llm_engine) are in no class body: the end-to-end runs prove those.
+TOUCHPOINTS_GROUP = "vllm_compat.touchpoints"
 
 
-class BackendTouchpoints(NamedTuple):
-    """What one of the extractor's backends relies on in vLLM and in the shim.
+class Touchpoints(NamedTuple):
+    """What one declared component (an extractor backend, a plugin) relies on in vLLM and in the shim.
 
     Attributes:
-        first: the first vLLM release the backend runs on (the audit checks it from there).
+        first: the first vLLM release the component runs on (the audit checks it from there).
         checks: (check, expected observations) for each touch point.
-        requires: adapters the backend cannot run without (its start refuses when one is disabled),
+        requires: adapters the component cannot run without (its start refuses when one is disabled),
             as an adapter's own ``requires``.
     """
 
@@ -99,25 +106,145 @@ class BackendTouchpoints(NamedTuple):
     requires: tuple[str, ...] = ()
 
 
-# Where the bundled extractor's backends are: a package whose ``touchpoints()`` returns
-# {backend name: BackendTouchpoints}, each read from the backend's own module.
-EXTRACTOR_BACKENDS = "hidden_states.backends"
+BackendTouchpoints = Touchpoints  # the name the extractor's backends declare theirs with
 
 
-def backend_touchpoints() -> dict[str, BackendTouchpoints]:
-    """The extractor backends' declared touch points, by backend name ({} where the extractor is not
-    installed). Importing them imports neither vLLM nor torch."""
-    import importlib
+class DeclarationError(VllmCompatError):
+    """An installed declarer whose entry point does not load to a Touchpoints: a broken install,
+    which the audit names (exit 2) rather than checking nothing."""
 
-    try:
-        package = importlib.import_module(EXTRACTOR_BACKENDS)
-    except ModuleNotFoundError as missing:
-        # only the extractor itself being absent means "no backends": a module it imports that is
-        # missing (or any other ImportError) is a broken install, which the audit must not hide
-        if missing.name is None or not f"{EXTRACTOR_BACKENDS}.".startswith(f"{missing.name}."):
-            raise
+
+def declared(distribution: str | None = None) -> dict[str, Touchpoints]:
+    """Every installed declarer's touch points, by entry-point name ({} where none is installed);
+    only ``distribution``'s with a name. Loading them imports the declaring modules, which import
+    neither vLLM nor torch.
+
+    Raises:
+        DeclarationError: an entry point that does not load, or loads to something else; the
+            message names it.
+    """
+    found: dict[str, Touchpoints] = {}
+    for dist, point in _declarations():
+        if distribution is not None and canonicalize_name(dist) != canonicalize_name(distribution):
+            continue
+        where = f"entry point {point.name!r} ({TOUCHPOINTS_GROUP} = {point.value}, from {dist or 'unknown'})"
+        if point.name in found:
+            raise DeclarationError(f"{where}: declared twice")
+        try:
+            value = point.load()
+            if callable(value) and not isinstance(value, Touchpoints):
+                value = value()
+        except Exception as exc:  # noqa: BLE001 - any failure is a broken declarer, named below
+            raise DeclarationError(f"{where} does not load: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(value, Touchpoints):
+            raise DeclarationError(f"{where} is a {type(value).__name__}, not vllm_compat Touchpoints")
+        found[point.name] = value
+    return found
+
+
+def _declarations() -> list[tuple[str, importlib.metadata.EntryPoint]]:
+    """(distribution name, entry point) of the group. Where this shim runs from a source checkout
+    (editable, or on PYTHONPATH), its pyproject.toml's entries stand for its own: an installed
+    dist-info keeps the entry points of the install, however the checkout changed since."""
+    checkout = checkout_entry_points().get(TOUCHPOINTS_GROUP)
+    points = []
+    for point in importlib.metadata.entry_points(group=TOUCHPOINTS_GROUP):
+        dist = point.dist.name if point.dist is not None else ""
+        if checkout is not None and canonicalize_name(dist) == SELF:
+            continue
+        points.append((dist, point))
+    for name, value in (checkout or {}).items():
+        points.append((SELF, importlib.metadata.EntryPoint(name, value, TOUCHPOINTS_GROUP)))
+    return points
+
+
+SELF = "vllm-compat"
+
+
+def checkout_entry_points(pyproject: Path | None = None) -> dict[str, dict[str, str]]:
+    """{group: {name: value}} of a checkout's ``[project.entry-points]`` and ``[project.scripts]``
+    (as ``console_scripts``), by default the checkout this package runs from; {} when it runs from an
+    installed wheel."""
+    path = pyproject or Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if not path.is_file():
         return {}
-    return package.touchpoints()
+    project = _toml(path.read_text()).get("project", {})
+    if canonicalize_name(project.get("name", "")) != SELF and pyproject is None:
+        return {}
+    groups = {group: dict(points) for group, points in project.get("entry-points", {}).items()}
+    if project.get("scripts"):
+        groups["console_scripts"] = dict(project["scripts"])
+    return groups
+
+
+def installed_entry_points(text: str) -> dict[str, dict[str, str]]:
+    """{group: {name: value}} of a dist-info's ``entry_points.txt``."""
+    groups: dict[str, dict[str, str]] = {}
+    current = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = groups.setdefault(line[1:-1].strip(), {})
+        elif current is not None and "=" in line:
+            name, value = line.split("=", 1)
+            current[name.strip()] = value.strip()
+    return groups
+
+
+def _toml(text: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the two tables of ``key = "value"`` lines read here
+        return _small_toml(text)
+    return tomllib.loads(text)
+
+
+def _small_toml(text: str) -> dict:
+    project: dict = {}
+    table = None
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        header = re.fullmatch(r"\[(.+)\]", line)
+        if header:
+            parts = re.findall(r'"([^"]+)"|([^."]+)', header.group(1))
+            path = [quoted or bare.strip() for quoted, bare in parts]
+            table = None
+            if path[:1] == ["project"]:
+                table = project
+                for key in path[1:]:
+                    table = table.setdefault(key, {})
+            continue
+        pair = re.fullmatch(r'"?([^"=]+?)"?\s*=\s*"([^"]*)"', line)
+        if table is not None and pair:
+            table[pair.group(1).strip()] = pair.group(2)
+    return {"project": project}
+
+
+def source_declarations(tree, names) -> dict[str, str]:
+    """A consumer read from source (a wheel, a directory), not installed: the entry points of its
+    ``*.dist-info/entry_points.txt`` in this group, {name: value}. They are known, not loaded (its
+    modules are never imported): the audit says "declared, read from source only"."""
+    found: dict[str, str] = {}
+    candidates = [n for n in names if n.endswith(".dist-info/entry_points.txt") and n.count("/") == 1]
+    root = getattr(tree, "root", None)
+    if root is not None and not candidates:
+        candidates = [p.relative_to(root).as_posix() for p in sorted(Path(root).glob("*.dist-info/entry_points.txt"))]
+    for name in sorted(candidates):
+        text = tree.read(name)
+        if text is not None:
+            found.update(installed_entry_points(text).get(TOUCHPOINTS_GROUP, {}))
+    return found
+
+
+def declaration_note(label: str, tree, names) -> str | None:
+    """One line for a consumer read from source that declares touch points, else None."""
+    points = source_declarations(tree, names)
+    if not points:
+        return None
+    return (f"{label}: touch points declared ({TOUCHPOINTS_GROUP}: {', '.join(sorted(points))}), "
+            f"read from source only (not installed: its declaration is not loaded or checked)")
 
 
 # -- the engine the generator builds by hand ------------------------------------------------------

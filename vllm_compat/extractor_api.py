@@ -7,7 +7,8 @@ fails on any other import). Each name here is one of the shim's own, re-exported
 * starting vLLM: :func:`apply` (the adapters, before speculators or vLLM is loaded) and the
   :class:`~vllm_compat.report.Report` it returns;
 * checking vLLM: :func:`audit`, :func:`audit_backend`, :class:`AuditError`, ``BAD`` (the verdicts
-  that are problems), and what a backend declares for the audit: :class:`BackendTouchpoints` with the
+  that are problems), and what a backend declares for the audit (entry points of the group
+  ``vllm_compat.touchpoints``, pyproject.toml): ``BackendTouchpoints`` (the shim's ``Touchpoints``) with the
   checks of ``probes.shapes`` it is written in (``Attr``, ``Param``, ``Exists``, ``FieldDefault``, ``LiteralMember``,
   ``Dispatched``, ``Registered``, ``Branch``; ``PRESENT``, ``REQUIRED``, ``OPTIONAL``);
 * the installed packages: :func:`environment_conflicts` (a transformers or torch the installed vLLM

@@ -5,7 +5,8 @@ speculators 0.3/0.4's code (``NEEDS_SPECULATORS``, or ``needs_speculators()`` wh
 what is installed) and, when it
 touches vLLM beyond speculators' generator, its touch points (``TOUCHPOINTS``, a
 ``BackendTouchpoints``: the first vLLM release, the checks, the adapters it requires), which the
-shim's audit and the extractor's preflight read through :func:`touchpoints`.
+extractor's preflight reads through :func:`touchpoints` and the shim's audit finds as the entry points
+pyproject.toml declares in the group ``vllm_compat.touchpoints`` (one per backend, named as the backend).
 
 The modules here are the parent side, in the run's process; ``worker/`` holds the code that runs
 inside vLLM's processes (named to vLLM by dotted path), ``shared/`` what both sides read.

@@ -172,28 +172,33 @@ def test_a_backend_refuses_to_start_without_an_adapter_it_requires():
         backend._check_required(Report("0.32.0", "0.3.0", (AdapterResult("v2_batch_order", status, ""),)))
 
 
+def test_the_audit_finds_the_backends_through_the_entry_point_group():
+    """The audit's backends are the group's entry points (pyproject.toml), each the backend's own declaration."""
+    from vllm_compat import consumer
+
+    assert consumer.declared("vllm-compat") == BACKEND_TOUCHPOINTS
+
+
 def test_no_extractor_installed_means_no_backends(monkeypatch):
-    import importlib
-
     from vllm_compat import consumer
 
-    def absent(name):
-        raise ModuleNotFoundError(f"No module named '{name.split('.')[0]}'", name=name.split(".")[0])
-
-    monkeypatch.setattr(importlib, "import_module", absent)
-    assert consumer.backend_touchpoints() == {}
+    monkeypatch.setattr(consumer, "checkout_entry_points", lambda: {})
+    monkeypatch.setattr(consumer.importlib.metadata, "entry_points", lambda group: [])
+    assert consumer.declared() == {}
 
 
-def test_a_broken_extractor_install_is_not_hidden_as_no_backends(monkeypatch):
-    """A module the extractor imports that is missing is a broken install: the audit says so rather
-    than checking no backend."""
-    import importlib
+def test_a_broken_extractor_install_is_not_hidden_as_no_backends(monkeypatch, capsys, tmp_path):
+    """A module the extractor imports that is missing is a broken install: the audit says so (exit 2,
+    naming the entry point) rather than checking no backend."""
+    from vllm_compat import cli, consumer
 
-    from vllm_compat import consumer
-
-    def broken(name):
+    def broken(self):
         raise ModuleNotFoundError("No module named 'wrapt'", name="wrapt")
 
-    monkeypatch.setattr(importlib, "import_module", broken)
-    with pytest.raises(ModuleNotFoundError, match="wrapt"):
-        consumer.backend_touchpoints()
+    monkeypatch.setattr(consumer.importlib.metadata.EntryPoint, "load", broken)
+    with pytest.raises(consumer.DeclarationError, match="entry point 'vllm-engine' .*does not load: "
+                                                         "ModuleNotFoundError: No module named 'wrapt'"):
+        consumer.declared()
+    capsys.readouterr()
+    assert cli.main(["audit", "--vllm", str(tree(tmp_path, "0.32.0", {})), "--consumer", "speculators==0.3.0"]) == 2
+    assert "entry point 'vllm-engine'" in capsys.readouterr().err
