@@ -33,6 +33,11 @@ in one line per pin, and records the line in the stamp.
 A venv is reused only when the first line of its ``.complete`` stamp names the same recipe; a
 half-built one is rebuilt. The recipe is the wheel's own requirements: a relaxed pin is decided
 when the venv is built, so reusing one asks the index nothing.
+
+This project's entry points (pyproject.toml's ``[project.entry-points]`` and ``[project.scripts]``,
+e.g. the extractor's ``vllm_compat.touchpoints``) live in the venv's dist-info, written when it was
+installed: a reused venv whose ``entry_points.txt`` differs from pyproject gets the editable install
+again (``--no-deps``, seconds; ``stale_entry_points``), so a new group is visible without a rebuild.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ sys.path.insert(0, str(ROOT))  # vllm_compat.consumer: imports neither vLLM nor 
 sys.path.insert(0, str(ROOT / "scripts"))
 import pins  # noqa: E402
 from vllm_compat import environment  # noqa: E402
-from vllm_compat.consumer import GENERATOR_RELEASES  # noqa: E402
+from vllm_compat.consumer import GENERATOR_RELEASES, checkout_entry_points, installed_entry_points  # noqa: E402
 
 CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
 PYTHON = "3.11"
@@ -200,6 +205,11 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     ceilings = transformers_ceiling(version)
     key = recipe(version, torch_req, others + ceilings)
     if not rebuild and stamp.exists() and stamp.read_text().split("\n", 1)[0].strip() == key:
+        stale = stale_entry_points(venv)
+        if stale:
+            print(f"vllm_venv: {venv.name}: entry points differ from pyproject.toml ({stale}): "
+                  f"installing this project again (editable, --no-deps)", flush=True)
+            run(uv(), "pip", "install", "-q", "--python", str(venv / "bin" / "python"), "--no-deps", "-e", str(ROOT))
         compile_bytecode(venv / "bin" / "python")  # a venv built before this step gets it once
         return venv / "bin" / "python"
     shutil.rmtree(venv, ignore_errors=True)
@@ -224,6 +234,17 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     compile_bytecode(py)
     stamp.write_text("".join(f"{line}\n" for line in [key, *(pin.line() for pin in relaxed)]))
     return Path(py)
+
+
+def stale_entry_points(venv: Path, pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """'' when the venv's installed vllm-compat dist-info holds exactly pyproject's entry points (and
+    scripts); else which groups differ (or that no dist-info is there). Reads files only."""
+    infos = sorted(venv.glob("lib/python*/site-packages/vllm_compat-*.dist-info"))
+    if not infos:
+        return "no vllm_compat dist-info"
+    text = (infos[-1] / "entry_points.txt").read_text() if (infos[-1] / "entry_points.txt").is_file() else ""
+    installed, wanted = installed_entry_points(text), checkout_entry_points(pyproject)
+    return ", ".join(sorted(g for g in set(installed) | set(wanted) if installed.get(g) != wanted.get(g)))
 
 
 def add_vllm_distribution(python: str, version: str) -> None:
