@@ -185,9 +185,12 @@ def run_hs_connectors(results: dict) -> None:
         rows[f"{release} {flavor}"] = {
             "release": release, "flavor": flavor, "source": str(source.relative_to(vllm_venv.CACHE)),
             "seconds": round(time.monotonic() - started, 2), "exit": result.exit_code, "checked": len(sites),
-            "problems": [f"{c.site} -> {c.target}: {c.problem}" for c in sites if c.status == "PROBLEM"],
-            "warnings": [f"{c.site} -> {c.target}: {c.problem}" for c in sites if c.status == "warning"],
+            "problems": [{"site": c.site, "target": c.target, "problem": c.problem}
+                         for c in sites if c.status == "PROBLEM"],
+            "warnings": [{"site": c.site, "target": c.target, "problem": c.problem}
+                         for c in sites if c.status == "warning"],
             "adapter_problems": [f"{f.id}: {f.verdict}" for f in result.problems],
+            "unchanged": result.unchanged,
         }
         print(release, flavor, rows[f"{release} {flavor}"]["exit"], len(rows[f"{release} {flavor}"]["problems"]),
               flush=True)
@@ -205,13 +208,22 @@ def render_hs_connectors(results: dict) -> list[str]:
                   f"code (1 also when one of vllm-compat's own adapters is broken: its column); problems and "
                   f"warnings are hs-connectors' call sites and subclass contracts, at its file:line. The newest "
                   f"pre-release, {HS_NIGHTLY}, is not audited: it is not on disk and cannot be fetched offline.", "",
-                  "| vLLM | flavor | source | verdict | hs-connectors problems | warnings | adapter problems |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| vLLM | flavor | source | verdict | hs-connectors problems | warnings | adapter problems "
+                  "| files byte-identical to a verified release |",
+                  "|---|---|---|---|---|---|---|---|"]
+        def short(sites):  # file:line `Name`: why (the module and the base named once, in the JSON)
+            return "<br>".join(f"{c['site']} `{c['target'].rsplit(':', 1)[-1]}`: "
+                               f"{c['problem'].split(' in this vLLM')[0]}" for c in sites) or "-"
+
+        def unchanged(row):
+            u = row.get("unchanged")
+            return (f"{u['identical']} of {u['read']} vs {u['baseline']}" if u else "-")
+
         for row in rows.values():
             verdict = f"exit {row['exit']}" + (" (OK)" if not row["exit"] else "")
             lines.append(f"| {row['release']} | {row['flavor']} | `{row['source']}` | {verdict} | "
-                         f"{'<br>'.join(row['problems']) or '-'} | {'<br>'.join(row['warnings']) or '-'} | "
-                         f"{'<br>'.join(row['adapter_problems']) or '-'} |")
+                         f"{short(row['problems'])} | {short(row['warnings'])} | "
+                         f"{'<br>'.join(row['adapter_problems']) or '-'} | {unchanged(row)} |")
         missing = sorted((v for v in results.get("audit", {}) if v not in audited), key=Version)
         if missing:
             lines += ["", f"Not audited (no source here): {', '.join(missing)}."]
