@@ -73,6 +73,17 @@ def test_a_renamed_function_it_imports_is_a_problem_at_its_import_line(monkeypat
     assert result.unchanged["changed"] == [EXAMPLE]
 
 
+def test_a_required_parameter_added_to_an_overridden_method_fails_the_audit_at_the_override(monkeypatch):
+    base = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+    anchor = "    def get_num_new_matched_tokens(\n        self,\n"
+    result = audited(monkeypatch, plant(SITE_0340, base, anchor, anchor + "        planted_blocks: int,\n"))
+    line = line_of(MOONCAKE.read_text(), "def get_num_new_matched_tokens")
+    assert result.exit_code == 1
+    assert problems(result) == [(f"hs_connectors/{MOONCAKE.name}:{line}",
+                                 "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_num_new_matched_tokens")]
+    assert result.unchanged["changed"] == [base]
+
+
 def test_command_line_on_a_planted_folder_exits_1_naming_the_file_and_line(tmp_path):
     root = symlinked(SITE_0340, tmp_path, renamed_spec())
     assert (root / "vllm" / "v1" / "attention").is_symlink() and not (root / SPEC).is_symlink()
