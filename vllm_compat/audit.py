@@ -18,7 +18,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import behaviour, callsites, environment, versions, wheels
+from . import behaviour, callsites, environment, hashes, versions, wheels
 from .consumer_tree import is_speculators, resolve
 from .consumer import IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints, declared
 from .errors import VllmCompatError
@@ -34,7 +34,7 @@ NOT_APPLICABLE = "n/a"
 BAD = (UNKNOWN_DRIFT_VERDICT, MISSING_SYMBOL)
 JSON_SCHEMA_VERSION = 6  # 2: call_sites, consumer_source; 3: findings of kind "backend"; 4: engine_steps,
 #                          config_fields, config_baseline, behaviour_notes; 5: environment; 6: consumers,
-#                          a consumer field on call sites and findings
+#                          a consumer field on call sites and findings, unchanged
 
 
 class AuditError(VllmCompatError):
@@ -93,6 +93,8 @@ class AuditResult:
     environment: tuple[environment.Conflict, ...] | None = None
     # every consumer audited: name, version, source, packages, applies_shim, engine (speculators' generator)
     consumers: tuple[dict, ...] = field(default=())
+    # the files read vs the newest verified release's (vllm_compat.hashes.compare; a note, never a verdict)
+    unchanged: dict | None = None
 
     @property
     def unverified(self) -> list[Finding]:
@@ -217,7 +219,7 @@ class AuditResult:
                         f"(newest verified: {self.newest_verified})")
         if self.config_fields:
             verdict += f"; {len(self.config_fields)} config field(s) to review"
-        lines += ["", verdict]
+        lines += ["", verdict] + ([hashes.render(self.unchanged)] if self.unchanged else [])
         return "\n".join(lines)
 
     def _render_behaviour(self) -> list[str]:
@@ -411,6 +413,7 @@ def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = 
         source, label = StaticSource(tree), str(vllm)
         static = source
 
+    static.tree = recording = hashes.RecordingTree(static.tree)
     findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version,
                                  installed=vllm is None) for a in adapters()]
     bridged_source = bridged(source, version)
@@ -441,7 +444,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = 
                        engine_steps=drift.steps, config_fields=drift.fields, config_baseline=drift.baseline,
                        behaviour_notes=drift.notes,
                        environment=tuple(environment.installed_conflicts()) if vllm is None else None,
-                       consumers=tuple(described))
+                       consumers=tuple(described),
+                       unchanged=hashes.compare(recording, str(version) if version else None))
 
 
 def _speculators_entry(spec_version: Version | None, root: Path | None) -> dict:

@@ -10,8 +10,8 @@ from vllm_compat.callsites.contracts import PROBLEM, WARNING, subclass_contracts
 from vllm_compat.callsites.signatures import VllmIndex
 from vllm_compat.probes.static import DirTree, StaticSource
 
-SITE = Path("/work/main/.cache/venvs/vllm-0.34.0-cuda/lib/python3.11/site-packages")
-HS = Path("/work/main/.cache/speculators/0.9.0/hs_connectors")
+from .planted import HS, SITE_0340 as SITE, OverlayTree, line_of
+
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 MOONCAKE = "mooncake_hidden_states_connector.py"
 
@@ -20,26 +20,12 @@ pytestmark = [pytest.mark.released_wheels,
                                  reason="vLLM 0.34.0's venv or hs_connectors 0.9.0 not in the cache")]
 
 
-class OverlayTree:
-    """``tree``'s files, with some replaced."""
-
-    def __init__(self, tree, replaced: dict[str, str]):
-        self.tree, self.replaced, self.label = tree, replaced, tree.label
-
-    def read(self, relpath):
-        return self.replaced.get(relpath, self.tree.read(relpath))
-
-
 def contracts(tree):
     index = VllmIndex(StaticSource(tree))
     found = []
     for path in sorted(HS.glob("*.py")):
         found += subclass_contracts(index, ast.parse(path.read_text()), f"hs_connectors/{path.name}", "hs_connectors")
     return found
-
-
-def line_of(text: str, needle: str) -> int:
-    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
 
 
 def test_hs_connectors_keep_their_contracts_on_0340():
