@@ -3,7 +3,8 @@ each stage's worker captures the layers its stage runs into the same regions, an
 HF's, token by token, layer by layer, as at one stage. The stages' layers are vLLM's split (6 layers:
 [3, 3]) or ``VLLM_PP_LAYER_PARTITION``'s; the layers asked for straddle the stages (a stage's last and
 the next one's first), include the last layer (the certificates read it), and in one run leave the
-first stage with none to capture. One core per stage (``VLLM_CPU_OMP_THREADS_BIND``).
+first stage with none to capture. One core per stage (``VLLM_CPU_OMP_THREADS_BIND``). A stage's
+worker killed mid-run is named with its stage, and the rerun resumes.
 
 Where: the dense Llama on vllm-cpu 0.17.0 (marker ``pipeline``), whose CPU backend runs vLLM's stages as
 they are; ``hidden-states generate`` over two stages on vllm-cpu 0.26.0 (marker ``generate``: that
@@ -12,14 +13,18 @@ vllm-cpu 0.32.0 (no marker but ``extractor``: that release's suite); the DeepSee
 experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu 0.32.0 with the certificates (marker
 ``certificates``). On 0.32.0 vLLM's stages need the shim's ``cpu_pp_intermediate_buffers``."""
 import json
+import os
 import random
 import re
+import signal
 import subprocess
+import time
 
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.extract_runs import cli, data_files, extract_args, run_cli
+from tests.e2e.extract_runs import cli, data_files, extract_args, run_cli, write_jsonl
+from tests.e2e.process_tree import cmdline, descendants
 from tests.e2e.generate_runs import CONVERSATIONS, conversations_file, judge_rows, marker_model, regenerated, run_generate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
@@ -254,3 +259,49 @@ def test_serve_over_two_stages_answers_with_hfs_states_certified(model, tmp_path
             server.send_signal(signal.SIGTERM)
         returned = server.wait(timeout=120)
     assert returned == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.pipeline
+def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(model, hf, tmp_path):
+    """SIGKILL to stage 1's worker (``VLLM::Worker_PP1``) once a few files are written: the run stops,
+    exit 1, in one line naming the stage and its process, and the samples left unwritten; every file
+    it kept is whole, and the same command resumes and writes the rest, HF's rows."""
+    import torch
+
+    rows = [row["input_ids"] for row in write_jsonl(tmp_path / "data.jsonl", 300, seed=6)]
+    out = tmp_path / "out"
+    args = extract_args(model, tmp_path / "data.jsonl", out, "--backend", "vllm-engine", "--pp-size", "2",
+                        "--batch-size", "4")
+    command, env = cli(*args, env_extra=STAGES)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while len(data_files(out)) < 4 if out.exists() else True:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+    # vLLM titles each stage's worker process (setproctitle) once it runs
+    stage = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::Worker_PP1")]
+    assert len(stage) == 1, {pid: cmdline(pid)[:80] for pid in descendants(proc.pid)}
+    os.kill(stage[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]
+    assert len(failed) == 1, err[-3000:]
+    assert re.search(r"vLLM's process EngineCore_DP0 \(pid \d+\) exited with code 1", failed[0]), failed[0]
+    assert (f"the first of its workers to end was pipeline stage 1's (VLLM::Worker_PP1, pid {stage[0]}): that stage "
+            f"died first") in failed[0], failed[0]
+    assert "rerun the same command to resume" in failed[0], failed[0]
+    survived = data_files(out)
+    assert 4 <= len(survived) < len(rows)
+    for index in survived:  # every file the run kept is whole and holds its sample
+        saved = torch.load(out / f"data_{index}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == rows[index]
+        assert [tuple(layer.shape) for layer in saved["hidden_states"]] == [(len(rows[index]), 128)] * 4
+    assert not list(out.glob(".tmp-*"))
+    resumed = run_cli(*args, env_extra=STAGES)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{len(rows) - len(survived)} samples extracted, {len(survived)} already finished" in resumed.stderr
+    after = data_files(out)
+    assert all(after[i].st_mtime_ns == survived[i].st_mtime_ns for i in survived), "a finished sample was redone"
+    assert_rows_are_hfs(hf, rows, out, harness.LAYER_IDS)
