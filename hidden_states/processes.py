@@ -35,8 +35,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .stage_exits import StageExits, said
-
 SPAWNED_CHILD = "--multiprocessing-fork"  # the last argument of every spawn-started child
 PR_SET_PDEATHSIG = 1
 
@@ -236,7 +234,7 @@ class Children:
         self._wake_read, self._wake_write = os.pipe()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.stages: StageExits | None = None  # the pipeline stages' workers below vLLM's engine core
+        self.stages = None  # stage_exits.StageExits: the pipeline stages' workers below vLLM's engine core
 
     def watch(self, process, kwargs: dict | None = None) -> None:
         """Record ``process`` (started) and watch for its end (an engine core running pipeline stages: its
@@ -247,6 +245,8 @@ class Children:
             parallel = getattr((kwargs if isinstance(kwargs, dict) else {}).get("vllm_config"), "parallel_config", None)
             stages, tp = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "tensor_parallel_size", 1)
             if process.name.startswith(ENGINE_CORE) and isinstance(stages, int) and stages > 1 and isinstance(tp, int):
+                from .stage_exits import StageExits  # only with stages: serve's wing imports it not otherwise
+
                 self.stages = StageExits(process.pid, stages * tp)
             self._watched[os.dup(process.sentinel)] = process
             self._pids[process] = process.pid
@@ -351,7 +351,11 @@ def death(children: Children, then: str, wait: float = EXIT_WAIT) -> ProcessDied
     exits = children.first_exits(wait=wait)
     if not exits:
         return None
-    stage = said(children.stages) if any(e.name.startswith(ENGINE_CORE) for e in exits) else ""
+    stage = ""
+    if getattr(children, "stages", None) is not None and any(e.name.startswith(ENGINE_CORE) for e in exits):
+        from .stage_exits import said
+
+        stage = said(children.stages)
     return ProcessDied("; ".join(e.explain(children.oom_kills()) for e in exits) + stage + then, exits)
 
 
