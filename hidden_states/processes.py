@@ -90,8 +90,9 @@ def contained():
 
 def _recorded(start, children: Children):
     def recorded_start(process):
+        kwargs = getattr(process, "_kwargs", None)  # start() deletes it
         start(process)
-        children.watch(process)
+        children.watch(process, kwargs)
 
     recorded_start.__wrapped__ = start
     return recorded_start
@@ -233,12 +234,20 @@ class Children:
         self._wake_read, self._wake_write = os.pipe()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.stages = None  # stage_exits.StageExits: the pipeline stages' workers below vLLM's engine core
 
-    def watch(self, process) -> None:
-        """Record ``process`` (started) and watch for its end."""
+    def watch(self, process, kwargs: dict | None = None) -> None:
+        """Record ``process`` (started) and watch for its end (an engine core running pipeline stages: its
+        stages' workers too, :mod:`stage_exits`; ``kwargs``: its target's, which ``start`` drops)."""
         with self._changed:
             if self._closed:
                 return
+            parallel = getattr((kwargs if isinstance(kwargs, dict) else {}).get("vllm_config"), "parallel_config", None)
+            stages, tp = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "tensor_parallel_size", 1)
+            if process.name.startswith(ENGINE_CORE) and isinstance(stages, int) and stages > 1 and isinstance(tp, int):
+                from .stage_exits import StageExits  # only with stages: serve's wing imports it not otherwise
+
+                self.stages = StageExits(process.pid, stages * tp)
             self._watched[os.dup(process.sentinel)] = process
             self._pids[process] = process.pid
             self._popens[process] = getattr(process, "_popen", None)
@@ -342,7 +351,12 @@ def death(children: Children, then: str, wait: float = EXIT_WAIT) -> ProcessDied
     exits = children.first_exits(wait=wait)
     if not exits:
         return None
-    return ProcessDied("; ".join(e.explain(children.oom_kills()) for e in exits) + then, exits)
+    stage = ""
+    if getattr(children, "stages", None) is not None and any(e.name.startswith(ENGINE_CORE) for e in exits):
+        from .stage_exits import said
+
+        stage = said(children.stages)
+    return ProcessDied("; ".join(e.explain(children.oom_kills()) for e in exits) + stage + then, exits)
 
 
 def running(pid: int) -> bool:

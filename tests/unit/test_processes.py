@@ -247,3 +247,31 @@ def test_a_dead_worker_of_a_pipeline_stage_is_named_with_its_stage():
     explained = Exit("VllmWorker-3", 4242, -signal.SIGKILL, "VLLM::Worker_PP1_TP1").explain()
     assert explained.startswith("vLLM's process VllmWorker-3 (pid 4242, pipeline stage 1: VLLM::Worker_PP1_TP1) "
                                 "was killed by SIGKILL"), explained
+
+
+def test_the_stage_whose_worker_ended_first_is_found_below_a_process_not_ours():
+    """Stage workers titled as vLLM titles them, children of another process (as under an engine core):
+    the first to end is named with its stage, though the other ends after it."""
+    from hidden_states.stage_exits import StageExits, said
+
+    root = subprocess.Popen(["bash", "-c", "(exec -a VLLM::Worker_PP0 sleep 30) & (exec -a VLLM::Worker_PP1 sleep 30) "
+                                           "& wait"])
+    try:
+        watch = StageExits(root.pid, 2)
+        deadline = time.monotonic() + 20
+        while not watch._fds_ready.is_set():
+            assert time.monotonic() < deadline, "the workers were not found"
+            time.sleep(0.05)
+        workers = {title: pid for pid, title in watch.found.items()}
+        assert sorted(workers) == ["VLLM::Worker_PP0", "VLLM::Worker_PP1"]
+        assert said(watch) == ""
+        os.kill(workers["VLLM::Worker_PP1"], signal.SIGKILL)
+        while watch.first() is None:
+            assert time.monotonic() < deadline, "no end seen"
+            time.sleep(0.05)
+        os.kill(workers["VLLM::Worker_PP0"], signal.SIGKILL)
+        assert said(watch) == (f"; the first of its workers to end was pipeline stage 1's (VLLM::Worker_PP1, pid "
+                               f"{workers['VLLM::Worker_PP1']}): that stage died first, the engine core stopped on it")
+    finally:
+        root.kill()
+        root.wait()
