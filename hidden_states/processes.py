@@ -198,17 +198,23 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def stage_title(process) -> str | None:
+def pipeline_of(kwargs: dict | None) -> tuple[int, int]:
+    """(pipeline stages, ranks per stage) of the vLLM configuration among a process's start arguments
+    (``kwargs``: its target's; an engine core's or a worker's); (1, 1) where they hold none."""
+    parallel = getattr((kwargs if isinstance(kwargs, dict) else {}).get("vllm_config"), "parallel_config", None)
+    stages, tp = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "tensor_parallel_size", 1)
+    return (stages, tp) if isinstance(stages, int) and isinstance(tp, int) else (1, 1)
+
+
+def stage_title(kwargs: dict | None) -> str | None:
     """The process title vLLM gives a worker of one of its pipeline stages (``VLLM::Worker_PP<stage>``, with
     ``_TP<rank>`` after it when the stage has more than one rank: ``multiproc_executor.py``'s ``WorkerProc``
-    on 0.17.0, set in the worker once it runs; its logs' prefix too), found from the arguments
-    it was started with (its configuration and global rank = stage * TP size + TP rank); None for any
-    other process, and without pipeline stages."""
-    kwargs = getattr(process, "_kwargs", None) or {}
-    parallel = getattr(kwargs.get("vllm_config"), "parallel_config", None)
-    stages, tp = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "tensor_parallel_size", 1)
-    rank = kwargs.get("rank")
-    if not isinstance(stages, int) or stages <= 1 or not isinstance(rank, int) or not isinstance(tp, int):
+    on 0.17.0, set in the worker once it runs; its logs' prefix too), found from the arguments it was
+    started with (``kwargs``, read before ``start`` drops them: its configuration and global rank =
+    stage * TP size + TP rank); None for any other process, and without pipeline stages."""
+    stages, tp = pipeline_of(kwargs)
+    rank = (kwargs or {}).get("rank")
+    if stages <= 1 or not isinstance(rank, int):
         return None
     return f"VLLM::Worker_PP{rank // tp}" + (f"_TP{rank % tp}" if tp > 1 else "")
 
@@ -230,6 +236,7 @@ class Children:
         # each process's pid and multiprocessing's handle on it: its owner may close the Process
         # (vLLM's client does, as it shuts down on its engine core's death), which then says nothing
         self._pids: dict[multiprocessing.process.BaseProcess, int] = {}
+        self._titles: dict[multiprocessing.process.BaseProcess, str | None] = {}  # a stage worker's process title
         self._popens: dict[multiprocessing.process.BaseProcess, object] = {}
         self._wake_read, self._wake_write = os.pipe()
         self._thread: threading.Thread | None = None
@@ -242,14 +249,14 @@ class Children:
         with self._changed:
             if self._closed:
                 return
-            parallel = getattr((kwargs if isinstance(kwargs, dict) else {}).get("vllm_config"), "parallel_config", None)
-            stages, tp = getattr(parallel, "pipeline_parallel_size", 1), getattr(parallel, "tensor_parallel_size", 1)
-            if process.name.startswith(ENGINE_CORE) and isinstance(stages, int) and stages > 1 and isinstance(tp, int):
+            stages, tp = pipeline_of(kwargs)
+            if process.name.startswith(ENGINE_CORE) and stages > 1:
                 from .stage_exits import StageExits  # only with stages: serve's wing imports it not otherwise
 
                 self.stages = StageExits(process.pid, stages * tp)
             self._watched[os.dup(process.sentinel)] = process
             self._pids[process] = process.pid
+            self._titles[process] = stage_title(kwargs)
             self._popens[process] = getattr(process, "_popen", None)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="hidden-states-children", daemon=True)
@@ -289,7 +296,7 @@ class Children:
                                        timeout=max(0.0, deadline - time.monotonic()))
                 groups, running = self._ended[checked:], bool(self._watched)
             for group in groups:
-                failed = [e for e in (Exit(p.name, self._pids[p], self._exitcode(p), stage_title(p)) for p in group)
+                failed = [e for e in (Exit(p.name, self._pids[p], self._exitcode(p), self._titles.get(p)) for p in group)
                           if e.exitcode != 0]
                 if failed:
                     return failed

@@ -1,5 +1,6 @@
 """hidden_states.processes: a spawned child (as vLLM starts its workers) is out of the reach of a
 signal to the extractor's process group, and dies within moments when the extractor is killed."""
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -236,17 +237,40 @@ def test_a_dead_worker_of_a_pipeline_stage_is_named_with_its_stage():
 
     from hidden_states.processes import Exit, stage_title
 
-    def worker(rank, stages, tp):
+    def worker(rank, stages, tp):  # a worker's start arguments, as vLLM's executor passes them
         config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=stages, tensor_parallel_size=tp))
-        return SimpleNamespace(_kwargs={"vllm_config": config, "rank": rank})
+        return {"vllm_config": config, "rank": rank}
 
     assert stage_title(worker(3, 2, 2)) == "VLLM::Worker_PP1_TP1"
     assert stage_title(worker(1, 2, 1)) == "VLLM::Worker_PP1"  # one rank a stage: no TP in the title
     assert stage_title(worker(1, 1, 2)) is None  # no pipeline stages: the name says enough
-    assert stage_title(SimpleNamespace(_kwargs={})) is None  # not a worker
+    assert stage_title({}) is None and stage_title(None) is None  # not a worker
     explained = Exit("VllmWorker-3", 4242, -signal.SIGKILL, "VLLM::Worker_PP1_TP1").explain()
     assert explained.startswith("vLLM's process VllmWorker-3 (pid 4242, pipeline stage 1: VLLM::Worker_PP1_TP1) "
                                 "was killed by SIGKILL"), explained
+
+
+def _stage_worker(vllm_config=None, rank=0):
+    os._exit(3)
+
+
+def test_a_started_stage_worker_keeps_its_title_though_start_drops_its_arguments():
+    """multiprocessing's start() deletes a process's kwargs: the title is read from them before."""
+    from types import SimpleNamespace
+
+    from hidden_states.processes import Children, _recorded
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1))
+    children = Children()
+    start = _recorded(multiprocessing.process.BaseProcess.start, children)
+    process = multiprocessing.get_context("fork").Process(target=_stage_worker, name="VllmWorker-1",
+                                                          kwargs={"vllm_config": config, "rank": 1})
+    try:
+        start(process)
+        process.join()
+        assert [e.title for e in children.first_exits(wait=5)] == ["VLLM::Worker_PP1"]
+    finally:
+        children.close()
 
 
 def test_the_stage_whose_worker_ended_first_is_found_below_a_process_not_ours():
