@@ -219,7 +219,7 @@ class AuditResult:
                         f"(newest verified: {self.newest_verified})")
         if self.config_fields:
             verdict += f"; {len(self.config_fields)} config field(s) to review"
-        lines += ["", verdict] + ([hashes.render(self.unchanged)] if self.unchanged else [])
+        lines += ["", *([hashes.render(self.unchanged)] if self.unchanged else []), verdict]  # the verdict stays last
         return "\n".join(lines)
 
     def _render_behaviour(self) -> list[str]:

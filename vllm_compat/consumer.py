@@ -22,10 +22,17 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from packaging.utils import canonicalize_name
-
 from .errors import VllmCompatError
 from .probes.shapes import PRESENT, Attr, Check
+
+
+def canonicalize_name(name: str) -> str:
+    """A distribution's name as pip compares them (packaging's rule, imported when first needed: importing
+    the shim imports no packaging)."""
+    from packaging.utils import canonicalize_name as canonical
+
+    return canonical(name)
+
 
 # -- the generator releases ---------------------------------------------------------------------
 # The releases the contract and end-to-end suites run (one speculators install each, see

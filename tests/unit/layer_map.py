@@ -18,7 +18,7 @@ LAYERS = _layers([
     ("declarations", {"consumer", "consumer_tree", "adapter", "factories"}),
     ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source"}),
     ("adapters", {"adapters"}),
-    ("registry and audit", {"registry", "callsites", "behaviour", "audit"}),
+    ("registry and audit", {"registry", "callsites", "behaviour", "hashes", "audit"}),
     ("public API", {"__init__", "__main__", "cli", "plugin", "extractor_api"}),
 ])
 

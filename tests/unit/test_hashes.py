@@ -1,4 +1,5 @@
 """The audit's "unchanged since verified" line: files read recorded, compared with a stored release."""
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -100,8 +101,13 @@ def test_the_baseline_is_the_newest_recorded_release_not_after_the_audited_one()
 
 def test_the_shipped_store_holds_only_releases_verified_here():
     """Each recorded release is one the test matrix runs and no newer than the adapters were verified on."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from test_matrix import MATRIX
+    sys.path.insert(0, str(ROOT / "scripts"))  # the matrix script imports its neighbour vllm_venv
+    script = sys.modules.get("matrix_script")  # loaded once, as test_matrix_selection loads it
+    if script is None:
+        spec = importlib.util.spec_from_file_location("matrix_script", ROOT / "scripts" / "test_matrix.py")
+        script = sys.modules["matrix_script"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+    MATRIX = script.MATRIX
 
     store = json.loads(hashes.STORE.read_text())
     newest = max(Version(str(a.verified_through)) for a in adapters())
