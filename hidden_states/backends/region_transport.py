@@ -40,7 +40,10 @@ def open_transport(pool, slots: dict[int, list[int]], row_bytes: int, scales: bo
     sink = RegionSink(pool, secrets.token_bytes(32), slots, row_bytes, scales, sink_host()) \
         if on_ray or forced(environ) else None
     nonce = bytes(pool.mapping[:pool.base][:NONCE])
-    return sink, {"nonce": nonce, "node": ray_node_id(), "size": pool.base + pool.capacity,
+    # the node tells hosts apart only where vLLM's Ray executor places the stages: a process that Ray
+    # runs (a data-parallel replica) starts its stages itself under the multiprocessing executor, on
+    # its own host, and they are not Ray's
+    return sink, {"nonce": nonce, "node": ray_node_id() if on_ray else None, "size": pool.base + pool.capacity,
                   "sink": sink.address if sink else None, "secret": sink.secret if sink else b""}
 
 

@@ -10,9 +10,11 @@ import time
 import pytest
 import torch
 
+from hidden_states.backends import region_transport
 from hidden_states.backends.shared import region_sink
 from hidden_states.backends.shared.region_sink import SINK_ENV, RegionSender, RegionSink
 from hidden_states.backends.shared.regions import HEADER, RegionPool, ids_start, layer_start, region_bytes
+from hidden_states.backends.worker import pool_access
 from hidden_states.backends.worker.pool_access import mapped_pool
 from tests.unit.decoder_stack import extract_through_stages
 
@@ -119,6 +121,17 @@ def test_a_stage_that_goes_away_fails_the_waiting_batches_at_once_naming_it():
     sink.close()
 
 
+def test_a_ray_replica_under_the_multiprocessing_executor_names_no_node(monkeypatch):
+    """A data-parallel replica runs in a Ray worker and starts its engine's stages itself, on its own
+    host: the workers are told no node (they map the file), which only vLLM's Ray executor sets."""
+    pool = RegionPool(1 << 12, nonce=b"n" * 16)
+    monkeypatch.delenv(SINK_ENV, raising=False)
+    monkeypatch.setattr(region_transport, "ray_node_id", lambda: "the-replicas-node")
+    sink, told = region_transport.open_transport(pool, {0: [0]}, 64, False, on_ray=False)
+    assert sink is None and told["node"] is None
+    pool.close()
+
+
 def test_a_worker_maps_the_pool_only_where_it_finds_this_runs_nonce(monkeypatch):
     pool = RegionPool(1 << 12, nonce=b"n" * 16)
     monkeypatch.delenv(SINK_ENV, raising=False)
@@ -127,6 +140,9 @@ def test_a_worker_maps_the_pool_only_where_it_finds_this_runs_nonce(monkeypatch)
     assert mapped_pool(pool.path, {**here, "nonce": b"m" * 16}) is None  # another run's file of that name
     assert mapped_pool(pool.path, {**here, "node": "another-ray-node"}) is None  # same IP, same /dev/shm maybe
     assert mapped_pool(pool.path + "-gone", here) is None
+    # a worker Ray runs, told of no node (its parent's stages are not Ray's): the file tells
+    monkeypatch.setattr(pool_access, "ray_node_id", lambda: "a-ray-node")
+    assert mapped_pool(pool.path, here) is not None
     monkeypatch.setenv(SINK_ENV, "always")
     assert region_sink.forced() and mapped_pool(pool.path, here) is None
     pool.close()

@@ -18,7 +18,7 @@ from ..shared.region_sink import RegionSender, forced, ray_node_id
 def mapped_pool(path: str, transport: dict | None) -> mmap.mmap | None:
     """The parent's region file mapped, if this worker may use it (``transport`` None: the parent asks
     for no check, the file is mapped); else None."""
-    if transport is not None and (forced() or transport["node"] != ray_node_id()):
+    if transport is not None and (forced() or transport["node"] is not None and transport["node"] != ray_node_id()):
         return None
     try:
         fd = os.open(path, os.O_RDWR)
