@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.contract.base import AdapterContract
 from tests.e2e import harness
 from vllm_compat.adapters.cpu_pp_intermediate_buffers import ADAPTER
@@ -23,7 +24,11 @@ ASSERTED = "assert self.intermediate_tensors is not None"
 
 
 def greedy_tokens(pp_size: int, disable: str = "") -> tuple[list[list[int]] | None, str]:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", HF_HUB_OFFLINE="1", VLLM_COMPAT_DISABLE=disable)
+    # this checkout first: the script's own folder heads its path, and a venv may hold another
+    # checkout's editable install of the shim
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", HF_HUB_OFFLINE="1", VLLM_COMPAT_DISABLE=disable,
+               PYTHONPATH=path)
     done = subprocess.run([sys.executable, str(ENGINE), str(harness.tiny_model("llama")), str(pp_size)],
                           env=env, capture_output=True, text=True, timeout=400)
     log = done.stdout + done.stderr
