@@ -92,8 +92,7 @@ def _certify_pass(files: dict[int, Path], name: str, certifier: Certifier, engin
     ids = {index: row_ids(held) for index, held in tensors.items()}
     layers = {index: row_of(name, held, dequantized=False)[0] for index, held in tensors.items()}
     for index in list(tensors):
-        unfit = "no tokens" if not ids[index] else \
-            f"{len(ids[index])} token ids, {len(layers[index][0])} states" if len(layers[index][0]) != len(ids[index]) else ""
+        unfit = _unfit(ids[index], layers[index])
         if unfit:
             found.failing[index] = f"{files[index].name}: {unfit}: cannot be certified"
             del tensors[index]
@@ -107,6 +106,15 @@ def _certify_pass(files: dict[int, Path], name: str, certifier: Certifier, engin
         else:
             write_certificate(name, files[index], held, result)
             found.held.append(index)
+
+
+def _unfit(ids: list[int], layers) -> str:
+    """Why a row's ids and states cannot be certified together ("": they can)."""
+    if not ids:
+        return "no tokens"
+    if len(layers[0]) != len(ids):
+        return f"{len(ids)} token ids, {len(layers[0])} states"
+    return ""
 
 
 def row_ids(tensors: dict) -> list[int]:

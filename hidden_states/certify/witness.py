@@ -39,9 +39,7 @@ class Witness:
 
     def within(self, length: int) -> Witness:
         """The positions inside a row's first ``length`` tokens: what certifies a row served from them."""
-        keep = [i for i, p in enumerate(self.positions) if p < length]
-        return Witness([self.positions[i] for i in keep], [self.token_ids[i] for i in keep],
-                       [self.logprobs[i] for i in keep], tuple(p for p in self.probed if p < length))
+        return self.picked({p for p in self.positions if p < length}, probed_from=length)
 
     def picked(self, keep, probed_from: int) -> Witness:
         """The positions in ``keep``, those from ``probed_from`` on counted as probed (their states come
@@ -116,7 +114,7 @@ def chosen_positions(ids: list[int], eligible: list[int], seam: int) -> list[int
         return eligible
     always = {eligible[0], eligible[-1], *({seam - 1, seam} & set(eligible))}
     rest = [p for p in eligible if p not in always]
-    drawn = random.Random(zlib.crc32(bytes(memoryview(_int32(ids))))).sample(rest, REPLY_POSITIONS - len(always))
+    drawn = random.Random(_seed(ids)).sample(rest, REPLY_POSITIONS - len(always))
     return sorted(always | set(drawn))
 
 
@@ -128,11 +126,12 @@ def probe_positions(ids: list[int], served: list[int] = ()) -> list[int]:
     inside = len(ids) - 1
     if inside < 1:
         return []
-    drawn = zlib.crc32(bytes(memoryview(_int32(ids)))) % inside
+    drawn = _seed(ids) % inside
     return sorted({drawn, *(length - 1 for length in served if 0 < length <= inside)})
 
 
-def _int32(ids: list[int]):
+def _seed(ids: list[int]) -> int:
+    """A number drawn from a row's ids: the same on every run and host (its positions chosen alike)."""
     import array
 
-    return array.array("i", ids)
+    return zlib.crc32(bytes(memoryview(array.array("i", ids))))
