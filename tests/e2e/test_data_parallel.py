@@ -135,12 +135,9 @@ def freeze_a_replica_mid_batch(proc: subprocess.Popen, deadline: float) -> int:
     raise AssertionError(f"no replica was caught running a batch (run ended: {proc.poll() is not None})")
 
 
-def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data, reference, shard_zero, tmp_path):
-    """A replica is frozen (SIGSTOP) in the middle of a batch, so it holds batches in flight, then
-    killed (SIGKILL): its batches go to the other replica, its vLLM worker dies with it. The directory
-    starts with static shard 0's files: the run extracts the rest, whatever wrote the first half."""
-    pytest.importorskip("ray")
-    out = tmp_path / "mixed"
+def kill_a_replica_mid_batch(model, data, shard_zero, out: Path) -> tuple[int, list[int], str, int]:
+    """One run over a copy of static shard 0's files with one replica frozen mid-batch and then
+    killed: the frozen pid, its workers as they were, the run's stderr, its exit status."""
     shutil.copytree(shard_zero, out)
     command, env = cli(*extract_args(model, data, out, *BATCH, "--data-parallel-size", "2"))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -164,12 +161,36 @@ def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data,
     os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=600)
     reader.join(timeout=10)
-    log = "".join(lines)
-    assert proc.returncode == 0, log[-6000:]
-    replica = re.search(rf"replica (\d) loaded in \d+ s \(pid {pid} ", log)
-    assert replica, log[-4000:]
-    assert re.search(rf"replica {replica.group(1)} died on samples .*; its unfinished batches go to the 1 other replicas",
-                     log), log[-4000:]
+    return pid, workers, "".join(lines), proc.returncode
+
+
+# A replica titled mid-call can still have handed its last result over (CI, 2026-12-05: the run
+# then finished on the other replica and never met the dead one): such an attempt tests nothing,
+# so the scenario is run again on a fresh directory, and must happen in one of these attempts.
+ATTEMPTS = 3
+
+
+def test_a_killed_replica_loses_nothing_and_the_run_resumes_a_shard(model, data, reference, shard_zero, tmp_path):
+    """A replica is frozen (SIGSTOP) in the middle of a batch, so it holds batches in flight, then
+    killed (SIGKILL): its batches go to the other replica, its vLLM worker dies with it. The directory
+    starts with static shard 0's files: the run extracts the rest, whatever wrote the first half."""
+    pytest.importorskip("ray")
+    missed: list[str] = []
+    for attempt in range(ATTEMPTS):
+        out = tmp_path / f"mixed-{attempt}"
+        pid, workers, log, returncode = kill_a_replica_mid_batch(model, data, shard_zero, out)
+        assert returncode == 0, log[-6000:]
+        replica = re.search(rf"replica (\d) loaded in \d+ s \(pid {pid} ", log)
+        assert replica, log[-4000:]
+        if re.search(rf"replica {replica.group(1)} died on samples .*; its unfinished batches go to the 1 other "
+                     rf"replicas", log):
+            break
+        # the dead replica held nothing: the run must still be whole, and is then tried again
+        assert_identical(out, reference)
+        assert_written_once(out)
+        missed.append(log[-2000:])
+    else:
+        raise AssertionError(f"in {ATTEMPTS} attempts the killed replica never held a batch:\n" + "\n".join(missed))
     assert workers and not any(alive(p) for p in workers), "the killed replica's vLLM workers outlived it"
     assert f"{ROWS // 2} already finished" in log
     assert_identical(out, reference)
