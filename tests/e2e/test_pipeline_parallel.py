@@ -305,8 +305,14 @@ def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(mod
     assert (f"the first of its workers to end was pipeline stage 1's (VLLM::Worker_PP1, pid {stage[0]}): that stage "
             f"died first") in failed[0], failed[0]
     assert "rerun the same command to resume" in failed[0], failed[0]
+    # the samples the run was waiting for when the stage died are named in the same line, the rest counted
+    stopped_on = re.search(r"extracting samples (.+?) failed: ", failed[0])
+    assert stopped_on, failed[0]
+    named = {int(index) for index in re.findall(r"(\d+) \(line \d+\)", stopped_on.group(1))}
+    assert re.search(r"\[hidden-states\] stopped: .* samples not extracted", err), err[-3000:]
     survived = data_files(out)
     assert 4 <= len(survived) < len(rows)
+    assert named and not named & set(survived), (named, sorted(survived))
     for index in survived:  # every file the run kept is whole and holds its sample
         saved = torch.load(out / f"data_{index}.pt", weights_only=True)
         assert saved["input_ids"].tolist() == rows[index]

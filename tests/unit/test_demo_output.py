@@ -44,3 +44,30 @@ def test_our_lines_once_and_errors_in_full(capsys):
 
 def test_verbose_shows_everything(capsys):
     assert shown(capsys, verbose=True) == [line.rstrip("\n") for line in LINES]
+
+
+def run_demo_script(tmp_path, *args):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_COMPAT_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, f"{ROOT}/scripts/demo.py", *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_help_and_a_wrong_flag_are_answered_before_anything_is_built(tmp_path):
+    helped = run_demo_script(tmp_path, "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: python3 scripts/demo.py") and "--samples" in helped.stdout
+    assert "[demo] preparing" not in helped.stdout
+    wrong = run_demo_script(tmp_path, "--sample-count", "3")
+    assert wrong.returncode == 2 and "unrecognized arguments: --sample-count 3" in wrong.stderr, wrong.stderr
+    assert not (tmp_path / "cache").exists()  # no venv, no speculators, no download
+
+
+def test_next_steps_name_each_speculators_lines_trainer(tmp_path):
+    said = demo.next_steps("/venv/bin/python", "/spec", tmp_path / "demo-output")
+    assert "plan --model-path MODEL_DIR" in said and "extract --model-path MODEL_DIR" in said
+    assert f"{tmp_path / 'demo-output' / 'hidden_states'} are what speculators 0.3/0.4's trainer reads" in said
+    assert "--format speculators-0.5" in said and "docs/serve.md" in said

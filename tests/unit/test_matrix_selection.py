@@ -66,3 +66,13 @@ def test_the_pipeline_tests_run_on_0_17_0_alone():
     chosen = [version for version in matrix.MATRIX
               if any(selects(expression, {"extractor", "pipeline"}) for _, expression, _ in matrix.e2e_selections(version))]
     assert chosen == ["0.17.0"]
+
+
+def test_unit_alone_runs_the_unit_suite_in_the_demos_venv(capsys):
+    assert matrix.main(["--unit", "--list"]) == 0
+    lanes = capsys.readouterr().out.split("lanes (minutes estimated):")[1].split()
+    assert lanes == [str(round(matrix.UNIT_MINUTES)) + ":", "unit"]
+    demo = importlib.util.spec_from_file_location("demo_for_matrix", SCRIPTS / "demo.py")
+    assert f'"DEMO_VLLM", "{matrix.UNIT_RELEASE}"' in Path(demo.origin).read_text()  # the venv the demo built
+    assert matrix.main(["--list"]) == 0
+    assert "e2e vllm 0.32.0" in capsys.readouterr().out  # the whole matrix without --unit
