@@ -89,9 +89,9 @@ def own_data_commands(python, speculators) -> str:
 def next_steps(python, speculators, out: Path) -> str:
     """What to run after a demo that passed: one's own data, then the trainer of each speculators line."""
     return (own_data_commands(python, speculators)
-            + f"\n\nThe files in {out / 'hidden_states'} are what speculators 0.3/0.4's trainer reads (docs/extractor.md, "
-              "'--format speculators-0.3'); for speculators >= 0.5 (0.9 included) add --format speculators-0.5 "
-              "to the run above (docs/extractor.md, '--format speculators-0.5'), or serve the states to its "
+            + f"\n\nThe files in {out / 'hidden_states'} are what speculators 0.3/0.4's trainer reads "
+              "(docs/extractor.md, section --format speculators-0.3); for speculators >= 0.5 (0.9 included) add "
+              "--format speculators-0.5 to the run above (the section of that name), or serve the states to its "
               "online trainer (docs/serve.md).")
 
 
