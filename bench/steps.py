@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a run's wall time goes, step by step on the GPU (issue 13): vLLM's prefill alone against the
+"""Where a run's wall time goes, step by step on the GPU: vLLM's prefill alone against the
 extractor, measured the same way.
 
     BENCH_STEPS_DIR=D1 PYTHONPATH=bench/timeline_hook:$PYTHONPATH python bench/gpu.py prefill ...

@@ -1,4 +1,4 @@
-"""Per-step GPU timeline of vLLM's engine for bench/steps.py (issue 13): when and for how long the GPU
+"""Per-step GPU timeline of vLLM's engine for bench/steps.py: when and for how long the GPU
 runs each step, with no synchronisation inside the timed steps.
 
 Loaded by ``sitecustomize.py`` beside this file when ``BENCH_STEPS_DIR`` is set, in every Python
@@ -98,6 +98,11 @@ class StepEvents:
             sink.write(json.dumps({**step, "gpu": gpu}) + "\n")
 
 
+# what the hooks wrap in the extractor (tests/unit/test_bench_hooks.py checks each still exists)
+ENGINE_BACKEND_FINISHED = "VllmEngineBackend.finished"
+LIFECYCLE_FINISH = "Lifecycle.finish"
+
+
 def install(directory: str) -> None:
     import wrapt
 
@@ -122,17 +127,21 @@ def install(directory: str) -> None:
                     note({"span": [instance.started, instance.started + instance.summary.seconds],
                           "tokens": instance.summary.tokens})
 
-        wrapt.wrap_function_wrapper(module, "Lifecycle.finish", finish)
+        wrapt.wrap_function_wrapper(module, LIFECYCLE_FINISH, finish)
 
     def on_engine_backend(module):
-        def resolve(wrapped, instance, args, kwargs):
+        from hidden_states.backends.witnessed import ProbeBatch
+
+        def finished(wrapped, instance, args, kwargs):
+            # the engine is done with a batch: its states resolved ("resolve"), or its probes' witnesses ("probes")
             started = time.monotonic()
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                note({"resolve": [started, time.monotonic()], "requests": len(args[0].ids)})
+                kind = "probes" if isinstance(args[0], ProbeBatch) else "resolve"
+                note({kind: [started, time.monotonic()], "requests": len(args[0].ids)})
 
-        wrapt.wrap_function_wrapper(module, "VllmEngineBackend._resolve", resolve)
+        wrapt.wrap_function_wrapper(module, ENGINE_BACKEND_FINISHED, finished)
 
     for name, hook in (("vllm.v1.worker.gpu_worker", on_gpu_worker),  # vLLM's CPUWorker inherits both
                        ("hidden_states.run.lifecycle", on_extraction),
