@@ -91,7 +91,8 @@ class AuditResult:
     behaviour_notes: tuple[str, ...] = field(default=())  # what the behaviour readings could not read
     # the installed transformers/torch this vLLM cannot run with (None: not this environment's vLLM)
     environment: tuple[environment.Conflict, ...] | None = None
-    # every consumer audited: name, version, source, packages, applies_shim, engine (speculators' generator)
+    # every consumer audited: name, version, source, packages, applies_shim, engine (speculators' generator),
+    # declaration (read from source: the touch points it declares, not loaded; else None)
     consumers: tuple[dict, ...] = field(default=())
     # the files read vs the newest verified release's (vllm_compat.hashes.compare; a note, never a verdict)
     unchanged: dict | None = None
@@ -262,6 +263,8 @@ class AuditResult:
             "does not run vllm_compat.apply(): no adapter bridges it, every break is a problem")
         return [f"consumer {label} ({', '.join(consumer['packages'])}; {shim})",
                 *self._render_call_sites(self._sites_of(label), read=f"read from {consumer['source']}"),
+                # touch points it declares for the extractor's entry-point group, known but not loaded
+                *([f"  note: {consumer['declaration']}"] if consumer.get("declaration") else []),
                 f"  note: engine steps and config fields are read from speculators' generator only: "
                 f"skipped for {label}"]
 
@@ -452,7 +455,7 @@ def _speculators_entry(spec_version: Version | None, root: Path | None) -> dict:
     """speculators as one of ``AuditResult.consumers`` (its generator's engine facts are read)."""
     return {"name": "speculators", "version": str(spec_version) if spec_version else "",
             "source": str(root) if root else "", "packages": ["speculators"], "applies_shim": True,
-            "engine": True}
+            "engine": True, "declaration": None}
 
 
 def audit_backend(backend: str, touched: BackendTouchpoints) -> list[Finding]:

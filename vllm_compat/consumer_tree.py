@@ -99,8 +99,11 @@ class Consumer:
         return any(pattern.search(text) for text in self.files().values())
 
     def describe(self) -> dict:
+        from .consumer import declaration_note  # the same layer; consumer imports nothing of this module
+
         return {"name": self.name, "version": self.version, "source": self.source,
-                "packages": list(self.packages), "applies_shim": self.applies_shim, "engine": False}
+                "packages": list(self.packages), "applies_shim": self.applies_shim, "engine": False,
+                "declaration": declaration_note(self.label, self.tree, self.names)}
 
 
 def module_of(relpath: str) -> tuple[str, str]:

@@ -178,3 +178,30 @@ def test_a_release_is_downloaded_with_pip_no_deps(tmp_path, monkeypatch):
 def test_vllm_is_not_a_consumer(tmp_path):
     with pytest.raises(ConsumerError, match="--consumer 'vllm==1'"):
         resolve("vllm==1")
+
+
+def test_a_consumer_declaring_touch_points_from_source_says_so_under_its_name(tmp_path, vllm_tree, capsys):
+    """A wheel whose dist-info declares entry points of the touch-point group: the audit reads them
+    (never loads them) and says so under the consumer, in text and in --json; a consumer that
+    declares nothing gets no such line."""
+    import zipfile
+
+    from vllm_compat.consumer import TOUCHPOINTS_GROUP
+
+    wheel = tmp_path / "declaring-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("declaring/__init__.py", "from vllm.v1.core import Engine\n")
+        archive.writestr("declaring-1.0.dist-info/METADATA", "Name: declaring\nVersion: 1.0\n")
+        archive.writestr("declaring-1.0.dist-info/entry_points.txt",
+                         f"[{TOUCHPOINTS_GROUP}]\ndeclaring:x = declaring_never_imported:TOUCHPOINTS\n")
+    main(["audit", "--vllm", str(vllm_tree), "--consumer", str(wheel)])
+    text = capsys.readouterr().out
+    note = (f"  note: declaring==1.0: touch points declared ({TOUCHPOINTS_GROUP}: declaring:x), read from source "
+            "only (not installed: its declaration is not loaded or checked)")
+    assert note in text.splitlines(), text
+    assert text.index("consumer declaring==1.0") < text.index(note)
+    main(["audit", "--vllm", str(vllm_tree), "--consumer", str(wheel), "--json"])
+    (described,) = json.loads(capsys.readouterr().out)["consumers"]
+    assert described["declaration"] == note.removeprefix("  note: ")
+    main(["audit", "--vllm", str(vllm_tree), "--consumer", str(_write(tmp_path / "src", CONSUMER) / "acme")])
+    assert "touch points declared" not in capsys.readouterr().out
