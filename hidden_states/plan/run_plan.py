@@ -163,7 +163,9 @@ def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: 
     device = memory_check.device if memory_check is not None else None
     if device is None and memory is not None and settings.backend in backends.BACKENDS:
         device = planner.device_name_here()  # a Ray driver's plan: the replicas check the memory
-    work_lines, time_estimate = work_and_time(settings, remaining, finished_before, memory, device, source.tag)
+    release = installed_release() if settings.backend in backends.BACKENDS else None
+    work_lines, time_estimate = work_and_time(settings, remaining, finished_before, memory, device, source.tag,
+                                              release)
     return Planned(model, lines + work_lines, stream, run_identity, remaining, memory_check, time_estimate)
 
 
@@ -204,17 +206,27 @@ def count_remaining(settings: Settings, stream: InputStream, finished: set[int],
     return Remaining(todo, exact, tokens, tokens_exact, source.expected(todo), len(finished))
 
 
+def installed_release() -> str | None:
+    """The installed vLLM's release (``0.17.0`` for ``0.17.0+cpu``), read without importing it."""
+    from vllm_compat.extractor_api import base, vllm_version
+
+    version = vllm_version()
+    return str(base(version)) if version is not None else None
+
+
 def work_and_time(settings: Settings, remaining: Remaining, finished: set[int], memory: MemoryEstimate | None,
-                  device: str | None, tag: str | None) -> tuple[list[str], TimeEstimate | None]:
+                  device: str | None, tag: str | None, release: str | None = None
+                  ) -> tuple[list[str], TimeEstimate | None]:
     """The samples in range and still to do (the output directory read, not changed), their tokens
-    and the run's time on ``device``: the lines, the estimate."""
+    and the run's time on ``device`` with vLLM ``release`` (None: any measured release): the lines,
+    the estimate."""
     todo, exact = remaining.share, remaining.exact and remaining.share == remaining.samples
     tokens = remaining.tokens if todo == remaining.samples else round(remaining.tokens * todo
                                                                        / max(remaining.samples, 1))
     about = "" if exact else "about "
     lines = [f"samples: {about}{todo:,} to extract{' by this shard' if tag else ''}"
              + (f", {len(finished)} already finished in {settings.output_dir}" if finished else "")]
-    rate, basis = rate_for(device, settings.backend)
+    rate, basis = rate_for(device, settings.backend, release)
     if rate is None:
         return lines + [f"time: not estimated ({basis})"], None
     if memory is None:

