@@ -39,6 +39,12 @@ def audited(monkeypatch, replaced: dict[str, str]):
     return audit_module.audit(SITE_0340, consumer=[str(HS)])
 
 
+def unchanged_line(text: str) -> str:
+    """The audit's line comparing the files read with the verified release's (just above its verdict)."""
+    (line,) = [line for line in text.splitlines() if line.startswith("unchanged since verified vllm ")]
+    return line
+
+
 def problems(result):
     return [(c.site, c.target) for c in result.call_sites if c.status == PROBLEM]
 
@@ -50,7 +56,7 @@ def test_unplanted_source_passes_and_is_unchanged_since_verified():
     unchanged = result.unchanged
     assert unchanged["baseline"] == "0.34.0" and unchanged["identical"] == unchanged["read"] > 0
     assert (unchanged["changed"], unchanged["new"], unchanged["gone"]) == ([], [], [])
-    assert result.render().splitlines()[-1].endswith("are byte-identical; nothing to review")
+    assert unchanged_line(result.render()).endswith("are byte-identical; nothing to review")
     assert result.to_dict()["unchanged"] == unchanged
 
 
@@ -93,7 +99,8 @@ def test_command_line_on_a_planted_folder_exits_1_naming_the_file_and_line(tmp_p
     line = line_of(MOONCAKE.read_text(), "from vllm.v1.kv_cache_interface import HiddenStateCacheSpec")
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"hs_connectors/{MOONCAKE.name}:{line}" in run.stdout
-    assert f"review: {SPEC}" in run.stdout.splitlines()[-1]
+    assert f"review: {SPEC}" in unchanged_line(run.stdout)
+    assert run.stdout.splitlines()[-1].startswith("PROBLEMS: 1 in hs-connectors==0.9.0")  # the verdict comes last
     # the same folder unplanted: exit 0
     clean = symlinked(SITE_0340, tmp_path / "clean", {})
     run = subprocess.run([sys.executable, "-m", "vllm_compat", "audit", "--consumer", str(HS), "--vllm", str(clean)],
