@@ -47,7 +47,11 @@ class ExtractRows:
         queued, whatever the batches' lengths)."""
         ahead = self.backend.tokens_ahead
         for group in submit_groups(self.carriers(batch), self.backend.tokens_per_submit):
-            self._in_flight.append((group, self.submit(group), sum(len(s.input_ids) for s in group)))
+            try:
+                submitted = self.submit(group)
+            except Exception as exc:  # the engine is gone (a dead process): name what it held, and this group
+                raise self._failed([s for held, *_ in self._in_flight for s in held] + group, exc) from exc
+            self._in_flight.append((group, submitted, sum(len(s.input_ids) for s in group)))
             while len(self._in_flight) > 1 and sum(tokens for *_, tokens in itertools.islice(self._in_flight, 1, None)) >= ahead:
                 self._write(*self._in_flight.popleft()[:2])
 
