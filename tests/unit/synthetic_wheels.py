@@ -13,3 +13,15 @@ def make_wheel(path, files):
         for name, text in files.items():
             zf.writestr(name, text)
     return path
+
+
+def declaring_wheel(directory, package: str = "declaring", package_source: str = "import vllm\n"):
+    """``<package>-1.0`` as a wheel whose dist-info declares one touch point in the audit's entry-point
+    group (``<package>:x``, pointing at a module that does not exist: it must be read, never loaded)."""
+    from vllm_compat.consumer import TOUCHPOINTS_GROUP
+
+    return make_wheel(directory / f"{package}-1.0-py3-none-any.whl", {
+        f"{package}/__init__.py": package_source,
+        f"{package}-1.0.dist-info/METADATA": f"Name: {package}\nVersion: 1.0\n",
+        f"{package}-1.0.dist-info/entry_points.txt":
+            f"[{TOUCHPOINTS_GROUP}]\n{package}:x = {package}_never_imported:TOUCHPOINTS\n"})

@@ -8,7 +8,7 @@ import tarfile
 import pytest
 from packaging.requirements import Requirement
 
-from tests.unit.synthetic_wheels import VLLM_FILES, make_wheel
+from tests.unit.synthetic_wheels import VLLM_FILES, declaring_wheel, make_wheel
 from vllm_compat import callsites, wheels
 from vllm_compat.cli import main
 from vllm_compat.consumer_tree import ConsumerError, module_of, resolve
@@ -184,16 +184,9 @@ def test_a_consumer_declaring_touch_points_from_source_says_so_under_its_name(tm
     """A wheel whose dist-info declares entry points of the touch-point group: the audit reads them
     (never loads them) and says so under the consumer, in text and in --json; a consumer that
     declares nothing gets no such line."""
-    import zipfile
-
     from vllm_compat.consumer import TOUCHPOINTS_GROUP
 
-    wheel = tmp_path / "declaring-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("declaring/__init__.py", "from vllm.v1.core import Engine\n")
-        archive.writestr("declaring-1.0.dist-info/METADATA", "Name: declaring\nVersion: 1.0\n")
-        archive.writestr("declaring-1.0.dist-info/entry_points.txt",
-                         f"[{TOUCHPOINTS_GROUP}]\ndeclaring:x = declaring_never_imported:TOUCHPOINTS\n")
+    wheel = declaring_wheel(tmp_path, package_source="from vllm.v1.core import Engine\n")
     main(["audit", "--vllm", str(vllm_tree), "--consumer", str(wheel)])
     text = capsys.readouterr().out
     note = (f"  note: declaring==1.0: touch points declared ({TOUCHPOINTS_GROUP}: declaring:x), read from source "

@@ -9,12 +9,12 @@ import ast
 import importlib.metadata
 import re
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.unit.synthetic_wheels import declaring_wheel
 from vllm_compat import consumer
 from vllm_compat.audit import audit
 from vllm_compat.consumer import TOUCHPOINTS_GROUP, DeclarationError, Touchpoints
@@ -123,12 +123,7 @@ def test_pyproject_and_dist_info_entry_points_read_alike(tmp_path):
 
 
 def test_a_consumer_read_from_source_has_its_declaration_read_not_loaded(tmp_path):
-    wheel = tmp_path / "declaring-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("declaring/__init__.py", "import vllm\n")
-        archive.writestr("declaring-1.0.dist-info/METADATA", "Name: declaring\nVersion: 1.0\n")
-        archive.writestr("declaring-1.0.dist-info/entry_points.txt",
-                         f"[{TOUCHPOINTS_GROUP}]\ndeclaring:x = declaring_never_imported:TOUCHPOINTS\n")
+    wheel = declaring_wheel(tmp_path)
     read = from_path(wheel, str(wheel))
     assert consumer.source_declarations(read.tree, read.names) == {"declaring:x": "declaring_never_imported:TOUCHPOINTS"}
     assert consumer.declaration_note(read.label, read.tree, read.names) == (
