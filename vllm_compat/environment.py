@@ -168,10 +168,23 @@ def install_command(*requirements: str, installed: Mapping[str, str | None] | No
     return f"{installer()} " + " ".join(f'"{r}"' for r in (*requirements, *held))
 
 
+def has_pip() -> bool:
+    """Whether this interpreter's environment has pip, from its installed distributions. Not
+    ``importlib.util.find_spec("pip")``: setuptools' distutils shim (``_distutils_hack``, on
+    ``sys.meta_path``) takes a lookup of ``pip`` for pip running, and turns itself off for the rest of
+    the process, so the next ``import setuptools`` (vLLM 0.17's imports reach it through
+    ``torch.utils.cpp_extension``) fails its assertion that distutils is its own."""
+    try:
+        importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def installer() -> str:
     """How to install into this interpreter's environment: ``pip install`` where it has pip; else
     uv aimed at it (the venvs ``uv venv`` makes, the demo's among them, have no pip)."""
-    if importlib.util.find_spec("pip") is not None:
+    if has_pip():
         return "pip install"
     return f"uv pip install --python {sys.executable}"
 

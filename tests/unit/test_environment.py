@@ -162,10 +162,18 @@ def test_the_install_line_keeps_transformers_4_and_its_huggingface_hub(tmp_path)
 
 def test_the_install_line_names_an_installer_this_environment_has(monkeypatch):
     """The demo's venv (made by uv) has no pip: its line aims uv at its own interpreter."""
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else find_spec(name, *a))
+    monkeypatch.setattr(environment, "has_pip", lambda: False)
     assert environment.installer() == f"uv pip install --python {sys.executable}"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "pip" else find_spec(name, *a))
+    monkeypatch.setattr(environment, "has_pip", lambda: True)
     assert environment.installer() == "pip install"
+
+
+def test_asking_whether_pip_is_here_leaves_setuptools_importable():
+    """A lookup of pip through the import system turns setuptools' distutils shim off for the process
+    (``_distutils_hack``), and the next ``import setuptools`` then fails its assertion: vLLM 0.17
+    imports setuptools through torch.utils.cpp_extension, after the plan asked. Asked from installed
+    distributions instead, in a fresh interpreter (the shim is set up at its start)."""
+    code = ("import sys; from vllm_compat import environment, wheels; environment.has_pip(); "
+            "environment.installer(); import setuptools; print('setuptools', setuptools.__version__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.startswith("setuptools "), done.stderr[-2000:]
