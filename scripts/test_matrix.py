@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         pythons = build_venvs(args.vllm, results)
     if args.unit:
-        suites = [Suite("unit", pythons[args.vllm[0]], ["-q", "tests/unit", *args.pytest_args], base_env, UNIT_MINUTES)]
+        suites = [unit_suite(pythons[args.vllm[0]], base_env, args.pytest_args)]
     else:
         suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args, args.list)
     plan = lanes(suites, args.lanes)
@@ -362,12 +362,17 @@ def build_venvs(versions: list[str], results: list) -> dict[str, Path]:
     return pythons
 
 
+def unit_suite(python: Path, base_env: dict[str, str], extra: list[str]) -> Suite:
+    """The unit suite in ``python``'s venv (the matrix's, and ``--unit``'s alone)."""
+    return Suite("unit", python, ["-q", "tests/unit", *extra], base_env, UNIT_MINUTES)
+
+
 def matrix_suites(versions: list[str], pythons: dict[str, Path], base_env: dict[str, str], extra: list[str],
                   listing: bool = False) -> list[Suite]:
     """The unit suites, then every release's."""
     suites: list[Suite] = []
     if versions:
-        suites.append(Suite("unit", pythons[versions[0]], ["-q", "tests/unit", *extra], base_env, UNIT_MINUTES))
+        suites.append(unit_suite(pythons[versions[0]], base_env, extra))
         # the unit tests that read datasets / pyarrow files, in the venv speculators 0.9.0's folder completes
         # (as the formats suite's trainers): there they must run, never skip
         formats = next((v for v in versions if plan_of(v)["formats"]), None)

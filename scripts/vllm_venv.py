@@ -114,15 +114,9 @@ def uv() -> str:
 def pip_python() -> str:
     """An interpreter that has pip: this one, or (inside the matrix venvs, which have none) the
     interpreter the venv was made from."""
-    import importlib.metadata
-
-    # asked of the installed distributions: a lookup of "pip" through the import system turns
-    # setuptools' distutils shim off for the process (vllm_compat.environment.has_pip says why)
-    try:
-        importlib.metadata.distribution("pip")
-    except importlib.metadata.PackageNotFoundError:
-        return getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
-    return sys.executable
+    if environment.has_pip():
+        return sys.executable
+    return getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
 
 
 def find_links() -> list[str]:
