@@ -68,5 +68,12 @@ def extract_args(model, data, out, *extra):
             *extra]
 
 
+def failure_line(err: str) -> str:
+    """The run's one ``hidden-states: failed:`` line in its stderr ``err`` (asserted to be one)."""
+    failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]
+    assert len(failed) == 1, err[-3000:]
+    return failed[0]
+
+
 def data_files(out: Path) -> dict[int, os.stat_result]:
     return {int(p.stem.split("_")[1]): p.stat() for p in out.glob("data_*.pt")}

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e import harness
-from tests.e2e.extract_runs import LAYERS, SPECULATORS, cli, data_files, extract_args, run_cli, write_jsonl
+from tests.e2e.extract_runs import LAYERS, SPECULATORS, cli, data_files, extract_args, failure_line, run_cli, write_jsonl
 from tests.e2e.process_tree import alive, cmdline, descendants, stop
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor]
@@ -301,11 +301,10 @@ def test_a_killed_vllm_worker_is_named_and_the_rerun_resumes(model, tmp_path):
     os.kill(workers[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
-    failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]
-    assert len(failed) == 1, err[-3000:]
-    assert re.search(rf"vLLM's process VllmWorker-\d+ \(pid {workers[0]}\) was killed by SIGKILL", failed[0]), failed[0]
-    assert "the kernel's OOM killer" in failed[0] and "dmesg" in failed[0] and "--batch-size" in failed[0], failed[0]
-    assert "rerun the same command to resume" in failed[0], failed[0]
+    failed = failure_line(err)
+    assert re.search(rf"vLLM's process VllmWorker-\d+ \(pid {workers[0]}\) was killed by SIGKILL", failed), failed
+    assert "the kernel's OOM killer" in failed and "dmesg" in failed and "--batch-size" in failed, failed
+    assert "rerun the same command to resume" in failed, failed
 
     import torch
 

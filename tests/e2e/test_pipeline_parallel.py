@@ -25,7 +25,7 @@ import time
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.extract_runs import cli, data_files, extract_args, run_cli, write_jsonl
+from tests.e2e.extract_runs import cli, data_files, extract_args, failure_line, run_cli, write_jsonl
 from tests.e2e.process_tree import cmdline, descendants
 from tests.e2e.generate_runs import CONVERSATIONS, conversations_file, judge_rows, marker_model, regenerated, run_generate
 
@@ -299,15 +299,14 @@ def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(mod
     os.kill(stage[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
-    failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]
-    assert len(failed) == 1, err[-3000:]
-    assert re.search(r"vLLM's process EngineCore_DP0 \(pid \d+\) exited with code 1", failed[0]), failed[0]
+    failed = failure_line(err)
+    assert re.search(r"vLLM's process EngineCore_DP0 \(pid \d+\) exited with code 1", failed), failed
     assert (f"the first of its workers to end was pipeline stage 1's (VLLM::Worker_PP1, pid {stage[0]}): that stage "
-            f"died first") in failed[0], failed[0]
-    assert "rerun the same command to resume" in failed[0], failed[0]
+            f"died first") in failed, failed
+    assert "rerun the same command to resume" in failed, failed
     # the samples the run was waiting for when the stage died are named in the same line, the rest counted
-    stopped_on = re.search(r"extracting samples (.+?) failed: ", failed[0])
-    assert stopped_on, failed[0]
+    stopped_on = re.search(r"extracting samples (.+?) failed: ", failed)
+    assert stopped_on, failed
     named = {int(index) for index in re.findall(r"(\d+) \(line \d+\)", stopped_on.group(1))}
     assert re.search(r"\[hidden-states\] stopped: .* samples not extracted", err), err[-3000:]
     survived = data_files(out)
