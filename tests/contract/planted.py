@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SITE_0340 = Path("/work/main/.cache/venvs/vllm-0.34.0-cuda/lib/python3.11/site-packages")
-HS = Path("/work/main/.cache/speculators/0.9.0/hs_connectors")
+from tests.conftest import CACHE
+
+# the matrix's cache (VLLM_COMPAT_CACHE, else the checkout's .cache/): its venvs and speculators folders
+VENVS = Path(CACHE) / "venvs"
+SITE_0340 = VENVS / "vllm-0.34.0-cuda" / "lib" / "python3.11" / "site-packages"
+HS = Path(CACHE) / "speculators" / "0.9.0" / "hs_connectors"
 
 
 class OverlayTree:

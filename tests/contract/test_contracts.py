@@ -2,7 +2,6 @@
 derive from vLLM's ``KVConnectorBase_V1`` and ``ExampleHiddenStatesConnector``) against vLLM 0.34.0's
 source, as released and with one planted drift served by an overlay of that source."""
 import ast
-from pathlib import Path
 
 import pytest
 
@@ -10,7 +9,7 @@ from vllm_compat.callsites.contracts import PROBLEM, WARNING, subclass_contracts
 from vllm_compat.callsites.signatures import VllmIndex
 from vllm_compat.probes.static import DirTree, StaticSource
 
-from .planted import HS, SITE_0340 as SITE, OverlayTree, line_of
+from .planted import HS, SITE_0340 as SITE, VENVS, OverlayTree, line_of
 
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 MOONCAKE = "mooncake_hidden_states_connector.py"
@@ -52,7 +51,7 @@ def test_a_base_method_gaining_a_required_parameter_is_one_problem_at_the_overri
                          "base requires 'planted_blocks' (argument 1), the override does not accept it")]
 
 
-SITE_0170 = Path("/work/main/.cache/venvs/vllm-0.17.0/lib/python3.11/site-packages")
+SITE_0170 = VENVS / "vllm-0.17.0" / "lib" / "python3.11" / "site-packages"
 
 
 @pytest.mark.skipif(not SITE_0170.is_dir(), reason="vLLM 0.17.0's venv not in the cache")

@@ -12,7 +12,7 @@ from vllm_compat import audit as audit_module, hashes, versions
 from vllm_compat.callsites import PROBLEM
 from vllm_compat.probes.static import DirTree
 
-from .planted import HS, SITE_0340, OverlayTree, line_of, plant, symlinked
+from .planted import HS, SITE_0340, VENVS, OverlayTree, line_of, plant, symlinked
 
 SPEC = "vllm/v1/kv_cache_interface.py"
 EXAMPLE = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
@@ -111,7 +111,7 @@ def test_command_line_on_a_planted_folder_exits_1_naming_the_file_and_line(tmp_p
 @pytest.mark.parametrize("release", sorted(hashes.load()))
 def test_each_recorded_release_is_unchanged_against_its_own_source(release):
     flavor_dir = "vllm-0.34.0-cuda" if release == "0.34.0" else f"vllm-{release}"
-    site = SITE_0340.parents[3] / flavor_dir / "lib" / "python3.11" / "site-packages"
+    site = VENVS / flavor_dir / "lib" / "python3.11" / "site-packages"
     if not site.is_dir():
         pytest.skip(f"vLLM {release}'s venv not in the cache")
     result = audit_module.audit(site, consumer=[str(HS)])
