@@ -72,6 +72,9 @@ class Backend(Protocol):
     closing_line: str | None = None
     # Whether it hands each row's witness with its states (``submit_certified``; certify.witness).
     certifies: bool = False
+    # The granularity of its engine's prefix-cache hits, in tokens (1: none known), once started: where
+    # a certificate's probe positions fall so that a probe computes one token (witness.probe_positions).
+    prefix_hit_tokens: int = 1
 
     @abstractmethod
     def start(self) -> dict: ...  # loads the model; returns facts for data_config.json

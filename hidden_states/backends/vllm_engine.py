@@ -40,7 +40,7 @@ from concurrent.futures import Future
 
 from packaging.specifiers import SpecifierSet
 
-from vllm_compat.extractor_api import PRESENT, REQUIRED, BackendTouchpoints, Exists, FieldDefault, Param
+from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 
 from .. import fp8_states
 from ..errors import UsageError
@@ -65,9 +65,7 @@ TOUCHPOINTS = BackendTouchpoints("0.11.0", tuple([
     # compares each finished request's prompt with the one it submitted
     *present("vllm.sampling_params:SamplingParams", "extra_args"),
     (Param("vllm.outputs:RequestOutput.__init__", "prompt_token_ids"), GIVEN),
-    # a certified row's witness (backends/witnessed.py): the engine's logprobs with its one token
-    *present("vllm.sampling_params:SamplingParams", "logprobs"),
-    (FieldDefault("vllm.outputs:CompletionOutput", "logprobs"), frozenset({REQUIRED})),
+    *witnessed.WITNESS_TOUCHPOINTS,  # a certified row's witness
     # LLM(worker_extension_cls=...) reaches EngineArgs; collective_rpc(method, args=...) the workers
     *present("vllm.engine.arg_utils:EngineArgs", "worker_extension_cls"),
     (Param("vllm.entrypoints.llm:LLM.collective_rpc", "args"), GIVEN),
@@ -196,6 +194,7 @@ class VllmEngineBackend(EngineBackend):
                                            args=(settings.layer_ids, settings.state_dtype))
         self._layout, stages = merge_stage_replies(replies, settings.layer_ids)  # one reply per pipeline stage
         self.blocks, self.scales = len(stages), bool(self._layout.get("scales"))
+        self.prefix_hit_tokens = (self._layout.get("prefix_hit_tokens") or 1) if self.prefix_caching else 1
         self.row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
         # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
         self.pool = RegionPool(settings.sequences_in_flight * self.region_bytes(settings.max_seq_len)
@@ -208,7 +207,7 @@ class VllmEngineBackend(EngineBackend):
         where = os.path.dirname(self.pool.path)  # /dev/shm, else the temporary directory (regions_root)
         self.pool.unlink()  # the worker and this process hold it mapped: no name left to leak
         return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where},
-                **sink_info(self.sink)}
+                "prefix_hit_tokens": self.prefix_hit_tokens, **sink_info(self.sink)}
 
     def region_bytes(self, length: int) -> int:
         return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales, self.blocks)

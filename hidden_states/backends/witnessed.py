@@ -8,8 +8,19 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from vllm_compat.extractor_api import REQUIRED, FieldDefault
+
 from ..certify.witness import TOP, Witness, first_token_logprobs
-from .engine_feed import EngineBatch
+from .engine_feed import EngineBatch, present
+
+# What a certified row touches in vLLM: the engine's logprobs with its one token, and the granularity of
+# the prefix cache's hits, which the workers read for where probes fall (engine_capture; gone, a probe
+# computes part of a block again, never a wrong row)
+WITNESS_TOUCHPOINTS = [
+    *present("vllm.sampling_params:SamplingParams", "logprobs"),
+    (FieldDefault("vllm.outputs:CompletionOutput", "logprobs"), frozenset({REQUIRED})),
+    *present("vllm.config:CacheConfig", "block_size"),
+]
 
 
 def params(region: dict | None = None):

@@ -118,15 +118,22 @@ def chosen_positions(ids: list[int], eligible: list[int], seam: int) -> list[int
     return sorted(always | set(drawn))
 
 
-def probe_positions(ids: list[int], served: list[int] = ()) -> list[int]:
+def probe_positions(ids: list[int], served: list[int] = (), hit_tokens: int = 1) -> list[int]:
     """The positions of a row of ``ids`` to probe, ascending, all before its last: one drawn from the
     row's own ids (the same on every run; over many rows every part of a row, the rows its prefix cache
     gave it among them, is looked at), and the last position of each row ``served`` from its first
-    tokens (``served``: their lengths), which certifies them."""
+    tokens (``served``: their lengths), which certifies them.
+
+    ``hit_tokens``: the granularity of vLLM's prefix-cache hits (its block size; 1: unknown). The drawn
+    position is then the start of one of the row's blocks: the probe of the first ``p + 1`` tokens finds
+    the ``p`` before it cached and computes one token, where a position inside a block would compute
+    the block's tokens up to it again (half a block on average: 32 tokens with vLLM 0.34's blocks of
+    64). A row too short to hold such a start draws from all its positions, as without a block size."""
     inside = len(ids) - 1
     if inside < 1:
         return []
-    drawn = _seed(ids) % inside
+    starts = (inside - 1) // hit_tokens if hit_tokens > 1 else 0  # block starts k * hit_tokens, 0 < k * hit_tokens < inside
+    drawn = hit_tokens * (_seed(ids) % starts + 1) if starts else _seed(ids) % inside
     return sorted({drawn, *(length - 1 for length in served if 0 < length <= inside)})
 
 

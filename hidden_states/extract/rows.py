@@ -115,7 +115,8 @@ class ExtractRows:
             return self.backend.submit([s.input_ids for s in batch])
         # the engine's witness for each row: its last position, and probes inside it that certify the
         # rows served from its first tokens too (certify.witness)
-        probes = [probe_positions(s.input_ids, [len(r.input_ids) for r in self._served.get(s.index, ())])
+        probes = [probe_positions(s.input_ids, [len(r.input_ids) for r in self._served.get(s.index, ())],
+                                  self.backend.prefix_hit_tokens)
                   for s in batch]
         return self.backend.submit_certified([s.input_ids for s in batch], probes)
 

@@ -228,7 +228,8 @@ class Gatherer:
         try:
             rows = [request.ids for request in batch]
             submitted = self.backend.submit(rows) if self.certifier is None else \
-                self.backend.submit_certified(rows, [probe_positions(ids) for ids in rows])
+                self.backend.submit_certified(rows, [probe_positions(ids, hit_tokens=self.backend.prefix_hit_tokens)
+                                                     for ids in rows])
         except Exception as exc:  # noqa: BLE001 - each request of the batch answers with it, and the server stops
             self._left_engine(tokens)
             self.failure = self.failure or exc

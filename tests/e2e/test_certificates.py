@@ -85,6 +85,25 @@ def test_every_row_carries_its_certificate_and_verify_holds_them(certified):
     assert checked.stderr.strip().splitlines()[-1] == f"[hidden-states] verify: ok: {ROWS} certified rows hold the engine's states"
 
 
+def test_each_rows_drawn_probe_starts_a_block_of_the_engines_prefix_cache(certified):
+    """The workers tell the granularity of vLLM's prefix-cache hits; a row long enough to hold a block
+    start is probed at one (its probe computes one token), and its certificate holds there."""
+    import torch
+
+    config = (certified / "data_config.json").read_text()
+    hit = json.loads(config.split('"prefix_hit_tokens": ', 1)[1].split(",", 1)[0].split("}", 1)[0])
+    assert isinstance(hit, int) and hit > 1, hit
+    long_enough = 0
+    for index in range(ROWS):
+        record = torch.load(certified / f"data_{index}.pt", weights_only=True)
+        length = len(record["input_ids"])
+        probed = record["certificate.positions"].tolist()[:-1]
+        if length - 2 >= hit:
+            long_enough += 1
+            assert any(p % hit == 0 and 0 < p < length - 1 for p in probed), (index, length, hit, probed)
+    assert long_enough >= 4, (hit, long_enough)
+
+
 def _tamper(out: Path) -> list[int]:
     """Five ways a row goes wrong after the fact; the rows they touch."""
     import torch

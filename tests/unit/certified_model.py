@@ -58,6 +58,7 @@ class CertifyingBackend:
     tokens_per_submit = None
     tokens_ahead = 0
     cached_tokens = 0
+    prefix_hit_tokens = 1
 
     def __init__(self, head, engine_states=None, hold: bool = False):
         self.head, self.engine_states, self.hold = head, engine_states or (lambda ids, layers: layers[-1]), hold

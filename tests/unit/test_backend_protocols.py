@@ -111,7 +111,7 @@ def test_a_backend_without_the_base_gets_no_defaults():
 
     assert not isinstance(Undeclared(), backends.Backend)
     assert unmet(Undeclared(), backends.Backend) == ["cached_tokens", "certifies", "closing_line", "engine_alive",
-                                                     "submit_certified"]
+                                                     "prefix_hit_tokens", "submit_certified"]
 
 
 def test_a_generating_backend_missing_a_member_is_named():
@@ -144,7 +144,7 @@ def test_no_caller_probes_a_backend_member():
 def test_the_protocols_name_their_members():
     assert {"name", "settings", "tokens_ahead", "tokens_per_submit", "cached_tokens", "closing_line", "start",
             "extract", "submit", "check_forward", "close", "engine_alive", "certifies",
-            "submit_certified"} == declared_members(backends.Backend)
+            "prefix_hit_tokens", "submit_certified"} == declared_members(backends.Backend)
     assert {"reply_rows_reused", "rows_in_place", "answer", "row_states", "release_replies"} == \
         declared_members(backends.Replying)
     assert inspect.isabstract(backends.OneBatchAtATime) and not inspect.isabstract(EngineBackend)

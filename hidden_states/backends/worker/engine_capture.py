@@ -244,8 +244,10 @@ class StreamingStates:
             return None
         config = self.model_config
         dtype = fp8_states.fp8_dtype() if self._hidden_states_fp8 else config.dtype
+        cache = getattr(self, "cache_config", None)  # where prefix-cache hits land: vLLM 0.34's alignment, else blocks
         return {"dtype": str(dtype).removeprefix("torch."), "hidden_size": config.get_hidden_size(),
-                "scales": self._hidden_states_fp8, "stage": pp_rank(), "layers": local}
+                "scales": self._hidden_states_fp8, "stage": pp_rank(), "layers": local, "prefix_hit_tokens":
+                getattr(cache, "cache_hit_alignment_tokens", None) or getattr(cache, "block_size", None)}
 
     def _hidden_states_stream_to(self, path: str, stages: list[int] | None = None,
                                  transport: dict | None = None) -> bool | None:
