@@ -216,8 +216,10 @@ HS_RUNS = [
     "write. The FP8 module imports and vLLM loads the class, then the engine's profile run fails, "
     "`ValueError: too many values to unpack (expected 2)`: this release's CPU model runner loads the model "
     "without setting up the auxiliary layers `extract_hidden_states` reads (the extractor's `vllm-native` "
-    "backend refuses it for that reason). So no file was written and the warning could not be seen on this "
-    "host. From the source alone it stands: this release's `ExampleHiddenStatesConnector` writes "
+    "backend refuses it for that reason). With those layers set up by hand in the worker (an experiment, not "
+    "kept: the GPU runner's `set_aux_hidden_state_layers` after the CPU runner's load) it fails next in the "
+    "CPU rejection sampler, `TypeError: _rejection_greedy_sample_kernel_impl() got an unexpected keyword "
+    "argument 'SYNTHETIC_MODE'`. So no file was written and the warning could not be seen on this host. From the source alone it stands: this release's `ExampleHiddenStatesConnector` writes "
     "`hidden_states` itself in `save_kv_layer` (`safetensors.torch.save_file`) and has no `_write_tensors`, "
     "so where the engine runs (a GPU) the states would be written unquantized, without scales. A GPU run "
     "of 0.17-0.20 would prove it; none was made.",
