@@ -27,7 +27,6 @@ from ..forward_check import check_forward
 from ..output import formats
 from ..settings import ModelSettings, Settings
 from ..sizes import human_size
-from .cpu_threads import check_thread_binding_here
 from .pipeline import check_one_host, check_pipeline_parallel, gpus_here, pipeline_line
 from .preflight import (CPU_KV_CACHE_ENV, DeviceBudget, MemoryEstimate, ModelFacts, check_environment, check_layer_ids,
                         check_memory, check_states_in_flight, check_tensor_parallel, check_vllm, cpu_kv_cache_space,
@@ -159,6 +158,8 @@ def check_memory_here(settings: ModelSettings, facts: ModelFacts,
     """The memory the model needs per rank against this host's devices (refuses what cannot fit)
     and, on vLLM's CPU backend, the KV cache it will be given; ``memory``: the plan's estimate (made
     here when None)."""
+    from .cpu_threads import check_thread_binding_here  # here: the served wing's import closure stays as small
+
     check_thread_binding_here(settings.tp_size, settings.pp_size)
     memory = memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len,
                                        settings.pp_size)
