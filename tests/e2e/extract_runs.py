@@ -68,6 +68,18 @@ def extract_args(model, data, out, *extra):
             *extra]
 
 
+def shared_core_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers on this host's cores, shared round-robin.
+
+    vLLM's CPU worker binds each rank's OpenMP threads to a core list, the list's entry at its rank
+    (``--tp-size`` x ``--pp-size`` ranks, tensor-parallel ranks fastest: ``v1/worker/cpu_worker.py``);
+    its ``auto`` binding wants one NUMA node per rank and refuses more ranks than nodes. Rank r gets
+    core r mod cores ("0|1|0|1|...").
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
+
+
 def failure_line(err: str) -> str:
     """The run's one ``hidden-states: failed:`` line in its stderr ``err`` (asserted to be one)."""
     failed = [line for line in err.splitlines() if line.startswith("hidden-states: failed:")]

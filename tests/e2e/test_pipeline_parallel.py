@@ -6,7 +6,8 @@ the next one's first), include the last layer (the certificates read it), and in
 first stage with none to capture; in one run (uneven) both stages send their rows through the parent's region
 sink (``VLLM_COMPAT_REGION_SINK=always``), as stages on other hosts do. One core per stage
 (``VLLM_CPU_OMP_THREADS_BIND``). A stage's worker killed mid-run is named with its stage, and
-the rerun resumes.
+the rerun resumes. The even split runs at ``--tp-size 2`` too (four ranks: two per stage, each
+stage's first tensor-parallel rank capturing, one core list per rank: "0|1|0|1").
 
 Where: the dense Llama on vllm-cpu 0.17.0 (marker ``pipeline``), whose CPU backend runs vLLM's stages as
 they are; ``hidden-states generate`` over two stages on vllm-cpu 0.26.0 (marker ``generate``: that
@@ -25,7 +26,8 @@ import time
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.extract_runs import cli, data_files, extract_args, failure_line, run_cli, write_jsonl
+from tests.e2e.extract_runs import (cli, data_files, extract_args, failure_line, run_cli, shared_core_binding,
+                                    write_jsonl)
 from tests.e2e.process_tree import cmdline, descendants
 from tests.e2e.generate_runs import CONVERSATIONS, conversations_file, judge_rows, marker_model, regenerated, run_generate
 
@@ -65,14 +67,23 @@ def hf(model):
     return load_model(model)
 
 
-def pipeline_run(model, data, out, layers: list[int], partition: str | None = None, env_extra=None):
-    args = extract_args(model, data, out, "--backend", "vllm-engine", "--pp-size", "2")
+def pipeline_run(model, data, out, layers: list[int], partition: str | None = None, env_extra=None, tp: int = 1):
+    """Two stages of ``tp`` ranks each, one core list per rank (vLLM's CPU worker takes the list's entry
+    at its rank)."""
+    args = extract_args(model, data, out, "--backend", "vllm-engine", "--pp-size", "2", "--tp-size", str(tp))
     at = args.index("--layer-ids")
     args[at + 1:at + 5] = [str(layer) for layer in layers]
-    env = {**STAGES, **({"VLLM_PP_LAYER_PARTITION": partition} if partition else {}), **(env_extra or {})}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": shared_core_binding(2 * tp),
+           **({"VLLM_PP_LAYER_PARTITION": partition} if partition else {}), **(env_extra or {})}
     proc = run_cli(*args, env_extra=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def assert_prefix_cache_served_rows(stderr: str) -> None:
+    """vLLM's prefix cache gave some rows their first blocks (the summary line counts them)."""
+    cached = re.search(r"; ([\d,]+) from vLLM's prefix cache\)", stderr)
+    assert cached and int(cached.group(1).replace(",", "")) > 0, stderr[-2000:]
 
 
 def assert_rows_are_hfs(hf, rows, out, layers: list[int], routed=frozenset()) -> None:
@@ -114,15 +125,18 @@ def verified(out, rows) -> None:
 
 
 @pytest.mark.pipeline
-def test_two_stages_write_hfs_rows_across_the_stage_boundary_certified(model, data, hf, tmp_path):
-    """[3, 3]: layers 0 and 2 from stage 0 (2 its last), 3 and 5 from stage 1 (3 its first, 5 the
-    model's last, which the certificates check against the engine's logprobs)."""
+def test_two_stages_of_two_tensor_parallel_ranks_write_hfs_rows_across_the_stage_boundary_certified(
+        model, data, hf, tmp_path):
+    """--tp-size 2 --pp-size 2 (four ranks), [3, 3]: layers 0 and 2 from stage 0 (2 its last), 3 and 5
+    from stage 1 (3 its first, 5 the model's last, which the certificates check against the engine's
+    logprobs), each stage's rows from its first tensor-parallel rank (its hidden states are whole on
+    every rank). Two stages of one rank each, the same split and layers: the killed-stage test below."""
     path, rows = data
-    proc = pipeline_run(model, path, tmp_path / "out", [0, 2, 3, 5])
+    proc = pipeline_run(model, path, tmp_path / "out", [0, 2, 3, 5], tp=2)
+    assert "4 ranks" in proc.stderr and "--tp-size 2 --pp-size 2" in proc.stderr, proc.stderr[-3000:]
     assert "certificates: on: every row is checked against the engine's logprobs" in proc.stderr
     assert json.loads((tmp_path / "out" / "data_config.json").read_text())["capture"] == "own"
-    cached = re.search(r"; ([\d,]+) from vLLM's prefix cache\)", proc.stderr)
-    assert cached and int(cached.group(1).replace(",", "")) > 0, proc.stderr[-2000:]
+    assert_prefix_cache_served_rows(proc.stderr)
     assert_rows_are_hfs(hf, rows, tmp_path / "out", [0, 2, 3, 5])
     verified(tmp_path / "out", rows)
 
@@ -138,6 +152,7 @@ def test_uneven_stages_write_hfs_rows(model, data, hf, tmp_path, partition, laye
     path, rows = data
     proc = pipeline_run(model, path, tmp_path / "out", layers, partition,
                         env_extra={"VLLM_COMPAT_REGION_SINK": "always"} if sink else None)
+    assert_prefix_cache_served_rows(proc.stderr)
     if sink:
         config = json.loads((tmp_path / "out" / "data_config.json").read_text())
         address = (config.get("region_sink") or {}).get("address", "")
@@ -155,6 +170,13 @@ def test_what_cannot_run_with_stages_is_refused_before_the_load(model, data, tmp
                                  "--cuda-graphs"), env_extra=STAGES)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--cuda-graphs: not with --pp-size 2" in proc.stderr
+    # four ranks, two core lists: vLLM 0.17's worker would index past them at its start
+    proc = run_cli(*extract_args(model, path, tmp_path / "out", "--backend", "vllm-engine", "--pp-size", "2",
+                                 "--tp-size", "2"), env_extra=STAGES)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("VLLM_CPU_OMP_THREADS_BIND='0|1': 2 core lists for 4 ranks (--tp-size 2 x --pp-size 2)"
+            in proc.stderr.strip().splitlines()[-1]), proc.stderr[-3000:]
+    assert "starting the vllm-engine backend" not in proc.stderr and not data_files(tmp_path / "out")
 
 
 @pytest.mark.certificates

@@ -5,28 +5,17 @@ unmodified generator (or vLLM's native path) and the same shim, with eight tenso
 processes exchanging states over gloo instead of NCCL, on a host of two cores. Models whose head
 counts divide by 8, dense and routed; every layer and token is judged against HF like every e2e test.
 """
-import os
 
 import pytest
 import torch
 
 from tests.e2e import harness
-from tests.e2e.extract_runs import data_files, run_cli, write_jsonl
+from tests.e2e.extract_runs import data_files, run_cli, shared_core_binding, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.tp8]
 
 RANKS = 8
 SAMPLES = 6
-
-
-def shared_core_binding(ranks: int = RANKS) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers on this host's cores, shared round-robin.
-
-    vLLM's CPU worker binds each rank's OpenMP threads to a core list; its ``auto`` binding wants one
-    NUMA node per rank and refuses eight on one node. Rank r gets core r mod cores ("0|1|0|1|...").
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +65,7 @@ def test_blackwell_tp8_preset_at_eight_ranks_matches_hf(family, backend, data, t
     proc = run_cli("--model-path", str(model), "--prepared-data", str(path), "--output-dir", str(tmp_path / "out"),
                    "--preset", "blackwell-tp8", "--gpu-memory-utilization", "0.02", "--backend", backend,
                    "--format", "speculators-0.3", "--layer-ids", *map(str, harness.LAYER_IDS),
-                   env_extra={"VLLM_CPU_OMP_THREADS_BIND": shared_core_binding()})
+                   env_extra={"VLLM_CPU_OMP_THREADS_BIND": shared_core_binding(RANKS)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     # vLLM's INFO log (in the run's log file): eight workers ran
     assert f"world_size={RANKS} rank={RANKS - 1}" in (tmp_path / "out" / "hidden-states.log").read_text()
