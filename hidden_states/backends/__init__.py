@@ -240,7 +240,8 @@ def choose(speculators: object | None, device: str | None, audits: Mapping[str, 
         if not generator_here:  # its own capture; the generator cannot run here
             measured = "" if device == "cpu" else f"; {MEASURED_OWN_CAPTURE}"
             return "vllm-engine", (f"default here: {installed}, {where}: its own capture, the one exact path here "
-                                   f"(the generator needs speculators 0.3/0.4){measured}")
+                                   f"(the generator needs speculators 0.3/0.4){measured}; the unmodified "
+                                   f"generator: --backend speculators, with speculators 0.3/0.4 installed")
         measured = MEASURED_CPU if device == "cpu" else MEASURED_GPU
         return "vllm-engine", (f"default here: {installed}, {where}: {measured}; it certifies rows as it writes them; "
                                f"the unmodified generator: --backend speculators")
