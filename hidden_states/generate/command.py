@@ -84,6 +84,9 @@ class Generation:
     # -- plan: extract's, with the sampling checked and in the identity
     def plan(self) -> None:
         settings, sampling = self.settings, self.sampling
+        given = "--backend"
+        if settings.backend is None:  # generate's one backend: nothing to choose
+            settings.backend, given = BACKEND, "the one generate runs on"
         if settings.backend != BACKEND:
             why = NATIVE_REPLIES if settings.backend == "vllm-native" else "the replies' rows are kept in its regions"
             raise UsageError(f"--backend {settings.backend}: generate runs on --backend {BACKEND} ({why})")
@@ -99,7 +102,8 @@ class Generation:
         # regenerated replies'. The sampling joins the run's identity: a rerun with other sampling is
         # another extraction. The stream the plan opens is the one the conversations are read from
         prepared = self.prepared
-        prepared.plan(identity={"generation": dataclasses.asdict(sampling)}, samples_optional=True, keep_records=True)
+        prepared.plan(identity={"generation": dataclasses.asdict(sampling)}, samples_optional=True, keep_records=True,
+                      backend_given=given)
         first = prepared.input.first_record()
         if first is None:
             raise PreflightError(f"{settings.prepared_data}: no conversations")

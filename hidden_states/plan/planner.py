@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import backends, layer_conventions
-from ..errors import UsageError
+from ..errors import PreflightError, UsageError
 from ..forward_check import check_forward
 from ..output import formats
 from ..settings import ModelSettings, Settings
@@ -209,6 +209,33 @@ def audit_line(backend: str) -> str:
     """The plan's audit line: the vllm-compat audit of the installed vLLM for ``backend`` (problems
     stop the run, ``preflight.check_vllm``)."""
     return "audit: " + check_vllm(backend, backends.touchpoints_of(backend), backends.needs_speculators(backend))
+
+
+def choose_backend(settings: ModelSettings, given: str = "--backend") -> str:
+    """The plan's first line: the backend and why. ``settings.backend`` None (the default): chosen
+    here (``backends.choose``: what speculators is installed, the device, the audits) and written
+    into ``settings``, which the run follows from there; else as ``given`` said it."""
+    if settings.backend is not None:
+        return f"backend: {settings.backend} ({given})"
+    from vllm_compat.extractor_api import speculators_version
+
+    name, reason = backends.choose(speculators_version(), device_name_here(), AuditsHere())
+    settings.backend = name
+    return f"backend: {name} ({reason})"
+
+
+class AuditsHere(dict):
+    """Backend name -> None where the vllm-compat audit of the installed vLLM passes for it, else what
+    it found (:func:`audit_line`'s refusal); each audited when first asked."""
+
+    def __missing__(self, name: str) -> str | None:
+        try:
+            audit_line(name)
+            problem = None
+        except PreflightError as exc:
+            problem = str(exc)
+        self[name] = problem
+        return problem
 
 
 def settings_line(settings: ModelSettings) -> str:

@@ -113,7 +113,7 @@ class Planned:
 
 def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: bool = True,
              batches_held: int = BATCHES_HELD, identity: dict | None = None,
-             samples_optional: bool = False, keep_records: bool = False) -> Planned:
+             samples_optional: bool = False, keep_records: bool = False, backend_given: str = "--backend") -> Planned:
     """Everything that can be checked and foreseen of a run before anything is written or loaded
     (the module's docstring); the memory on this host's devices only if it ``loads_model_here`` (else
     each replica checks its own as it loads). Reads the output directory, never writes it.
@@ -126,8 +126,12 @@ def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: 
             with no reply yet make none; their rows are the regenerated replies').
         keep_records: the input stream keeps its rows for ``InputStream.records`` (``generate`` reads
             its conversations from the stream the plan opened).
+        backend_given: how the backend was given, said in the plan's first line where the settings
+            name one (None there: chosen here, ``planner.choose_backend``).
     """
+    chosen = planner.choose_backend(settings, backend_given)
     model, lines = planner.plan_model(settings, log)
+    lines = [chosen, *lines]
     facts, layer_ids = model.facts, model.layers.ids
     if model.format_name == layer_conventions.SPECULATORS_05:
         extras.require("datasets", f"--format {model.format_name} (its dataset index, which the trainer reads)",

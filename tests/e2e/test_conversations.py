@@ -309,7 +309,7 @@ def test_extract_takes_conversations_through_the_real_generator(workspace, tmp_p
 
     proc = run_cli("--model-path", str(model), "--data", str(data), "--output-dir", str(out), "--preset",
                    "cpu-tiny", "--format", "speculators-0.3", "--layer-ids", *LAYERS, "--max-seq-len", str(SEQ_LEN),
-                   env_extra={
+                   "--backend", "speculators", env_extra={
                        "PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), ROOT])})
 
     assert proc.returncode == 0, proc.stderr[-4000:]

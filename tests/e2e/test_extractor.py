@@ -470,3 +470,43 @@ def test_default_layer_ids_give_speculators_trainer_its_four_states(model, tmp_p
 
     item = Eagle3SampleFileDataset(max_len=2048, datapath=str(tmp_path / "out"))[0]
     assert item["hidden_states"].shape[-1] == 3 * 128 and item["verifier_last_hidden_states"].shape[-1] == 128
+
+
+@pytest.mark.parametrize("speculators", [SPECULATORS, None], ids=["speculators-0.3.0", "no-speculators"])
+def test_a_run_that_names_no_backend_gets_vllm_engine_said_first_and_matches_hf(model, tmp_path, speculators):
+    """No --backend: ``plan`` says on its first line that vllm-engine was chosen and why (the measured
+    rates with speculators 0.3 installed, the one exact path without it: the generator, the old
+    default, refused such a run), and ``extract`` runs it: its rows HF's. Without speculators only the
+    plan runs here (its own capture's extract is test_backends.py's, named; an engine start is a
+    minute of CI)."""
+    import torch
+
+    from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
+
+    rows = write_jsonl(tmp_path / "data.jsonl", 6, seed=14)
+    args = extract_args(model, tmp_path / "data.jsonl", tmp_path / "out")
+    at = args.index("--backend")
+    del args[at:at + 2]
+    path = {} if speculators else {"PYTHONPATH": ROOT}  # extract_runs.cli puts speculators 0.3.0 first otherwise
+    command, env = cli(*args, env_extra=path)
+    command[command.index("extract")] = "plan"
+    plan = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    first = plan.stdout.splitlines()[1]
+    why = ("speculators 0.3.0, CPU: 46,483 tokens/s against the generator's 21,466" if speculators else
+           "no speculators, CPU: its own capture, the one exact path here")
+    assert first.startswith(f"  backend: vllm-engine (default here: {why}"), plan.stdout
+    assert "settings: --backend vllm-engine " in plan.stdout and "audit ok for --backend vllm-engine" in plan.stdout
+    if not speculators:
+        return
+    proc = run_cli(*args, env_extra=path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[hidden-states] {first.strip()}" in proc.stderr and "starting the vllm-engine backend" in proc.stderr
+    config = json.loads((tmp_path / "out" / "data_config.json").read_text())
+    assert config["settings"]["backend"] == "vllm-engine"
+    assert config["capture"] == "speculators", config.get("capture")
+    saved = [torch.load(tmp_path / "out" / f"data_{i}.pt", weights_only=True) for i in range(6)]
+    reference = decoder_layer_outputs(load_model(model), [r["input_ids"] for r in rows], [int(x) for x in LAYERS])
+    for sample, ref in zip(saved, reference):
+        for got, want in zip(sample["hidden_states"], ref):
+            assert float(relative_errors(got, want).max()) < harness.TOLERANCE

@@ -51,8 +51,11 @@ def write_jsonl(path: Path, n: int, seed: int) -> list[dict]:
 
 
 def layout_args(model, data, out, fmt, ids):
+    """A run into ``fmt``'s layout by the unmodified generator (named: the default backend is chosen per
+    environment), unless a ``--backend`` given after these names another."""
     return ["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out), "--preset",
-            "cpu-tiny", "--format", fmt, "--layer-ids", *map(str, ids), "--progress-interval", "1"]
+            "cpu-tiny", "--format", fmt, "--layer-ids", *map(str, ids), "--progress-interval", "1",
+            "--backend", "speculators"]
 
 
 def with_datasets() -> dict:

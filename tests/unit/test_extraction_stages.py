@@ -203,7 +203,8 @@ def test_the_plan_is_the_planners_held_whole(job):
     prepared = run.prepared
     assert prepared.model_plan is prepared.planned.model and prepared.plan_lines is prepared.planned.lines
     assert prepared.input is prepared.planned.input and prepared.identity is prepared.planned.identity
-    assert prepared.identity["layer_ids"] == [3, 1] and prepared.plan_lines[0].startswith("settings: --backend fake")
+    assert prepared.identity["layer_ids"] == [3, 1] and prepared.plan_lines[0] == "backend: fake (--backend)"
+    assert prepared.plan_lines[1].startswith("settings: --backend fake")
 
 
 def test_data_config_records_the_models_settings_and_the_runs(job):

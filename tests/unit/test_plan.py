@@ -62,7 +62,9 @@ def test_plan_says_everything_before_the_load_in_seconds_and_writes_nothing(tiny
     assert time.monotonic() - started < 60
     said = capsys.readouterr().out
     assert not out.exists()
-    assert "settings: --backend speculators --batch-size 4 --max-seq-len 1024" in said
+    # no --backend: chosen here, vllm-engine (the audit passes), said first with its reason
+    assert said.splitlines()[1].startswith("  backend: vllm-engine (default here: ")
+    assert "settings: --backend vllm-engine --batch-size 4 --max-seq-len 1024" in said
     assert "layers: [2, 3, 3, 5] for --format speculators-0.3 (its trainer's default): id L = the output of decoder " \
            "layer L" in said
     assert "memory: weights 4.1 MB as stored in 1 file" in said
@@ -181,7 +183,7 @@ def test_the_plan_with_a_release_not_measured_says_it_has_no_time(tiny, tmp_path
     assert cli.main(["plan", "--model-path", str(model), "--data", str(data), "--output-dir", str(tmp_path / "out"),
                      "--format", "speculators-0.3"]) == 0
     said = capsys.readouterr().out
-    assert ("time: not estimated (no rate measured for --backend speculators with vLLM 0.17.0; measured with "
+    assert ("time: not estimated (no rate measured for --backend vllm-engine with vLLM 0.17.0; measured with "
             "0.32.0 on CPU)") in said
     assert "time: about" not in said and "samples: 2 to extract" in said
 
@@ -342,7 +344,8 @@ def test_the_demos_printed_plan_command_works_as_printed(tiny, tmp_path):
     env.update(assignments, PYTHONPATH=os.pathsep.join([ROOT, assignments["PYTHONPATH"]]))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "audit: vLLM" in done.stdout and "audit ok for --backend speculators" in done.stdout
+    assert "audit: vLLM" in done.stdout and "audit ok for --backend vllm-engine" in done.stdout
+    assert "backend: vllm-engine (default here: speculators 0.3.0, CPU: " in done.stdout
     if "of host memory available" in done.stdout:
         assert f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB per rank, from the estimate" in done.stdout
     assert not (tmp_path / "out").exists()
