@@ -290,7 +290,7 @@ def test_speculators_09_dataset_reads_the_05_layout(both):
 
 def test_speculators_09_trainer_learns_from_the_05_layout(both, model, tmp_path):
     root, _ = both
-    losses = run_trainer(sys.executable, speculators_09(), ["0.9", "--", "--speculator-type", "eagle3",
+    losses = run_trainer(sys.executable, speculators_09(), ["--speculator-type", "eagle3",
         "--verifier-name-or-path", str(model), "--data-path", str(root / "out05"),
         "--target-layer-ids", *map(str, IDS_05[:-1]), "--num-layers", "1", "--total-seq-len", "512",
         "--epochs", "4", "--train-data-ratio", "0.75", "--save-path", str(tmp_path / "checkpoints"),
@@ -309,7 +309,9 @@ def test_speculators_03_trainer_learns_from_the_03_layout(both, model, tmp_path,
     certified = "certificate.positions" in torch.load(root / out / "data_0.pt", weights_only=True)
     assert certified == (out == "certified03"), out
     losses = run_trainer(transformers_4_python(), harness.speculators_path(TRAINER_PROOF_RELEASES["speculators-0.3"]),
-                         ["0.3", str(root / out), str(model), "3"], tmp_path)
+                         ["--data-path", str(root / out), "--verifier-name-or-path", str(model), "--epochs", "3",
+                          "--total-seq-len", "512", "--lr", "3e-3", "--save-path", str(tmp_path / "checkpoints")],
+                         tmp_path)
     assert len(losses) >= 4, losses
     assert losses[-1] < losses[0], losses
 

@@ -219,7 +219,7 @@ def test_the_files_equal_extracts_for_the_same_rows(model, setup):
 
 def test_speculators_09s_trainer_generates_on_line_through_the_server(model, setup, tmp_path):
     root, _, data, held = setup
-    losses = run_trainer(sys.executable, speculators_09(), ["0.9", "--", "--speculator-type", "eagle3",
+    losses = run_trainer(sys.executable, speculators_09(), ["--speculator-type", "eagle3",
         "--verifier-name-or-path", str(model), "--data-path", str(data["b"]),
         "--target-layer-ids", *map(str, IDS_05[:-1]), "--num-layers", "1", "--total-seq-len", "512",
         "--epochs", "3", "--save-path", str(tmp_path / "checkpoints"), "--num-workers", "0",

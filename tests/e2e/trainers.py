@@ -33,9 +33,11 @@ def transformers_4_python() -> str:
 
 
 def run_trainer(python: str, path: Path, args: list[str], tmp_path: Path) -> list[float]:
+    """``python -m hidden_states.train ARGS`` (through trainer_driver.py, which keeps each step's loss)."""
     result = tmp_path / "losses.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), ROOT]), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([python, str(DRIVER), *args[:1], str(result), *args[1:]], capture_output=True, text=True,
+    proc = subprocess.run([python, str(DRIVER), str(result), *args], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0 and result.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "no accelerator here: the model trains on cpu" in proc.stderr, proc.stderr[-4000:]  # what it changed
     return [step["loss"] for step in json.loads(result.read_text())]

@@ -44,7 +44,7 @@ EXTRACTOR_LAYERS = _layers([
     # one wing per command: extract's and generate's runs and loops; the one-module commands
     ("commands", {"extract", "generate", "convert", "status", "prepare", "verify", "verify_engine"}),
     # what a user calls: the command line, and serve's wing (its server, protocol, model, batching, files)
-    ("entry points", {"cli", "__main__", "serve"}),
+    ("entry points", {"cli", "__main__", "serve", "train"}),
     ("fixtures", {"fixtures"}),
 ])
 # The one upward import the map allows: `hidden-states demo` runs the demo fixture (imported lazily).

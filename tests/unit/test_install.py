@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def readme_install_line() -> str:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
-    lines = re.findall(r"```console\n(.*?)\n```", section, flags=re.S)
+    lines = re.findall(r"```console[^\n]*\n(.*?)\n```", section, flags=re.S)
     assert len(lines) == 1 and "\n" not in lines[0], "the README's Install section holds one command"
     return lines[0]
 
