@@ -240,6 +240,10 @@ class VllmEngineBackend(EngineBackend):
         return self.replies.reply_rows_reused
 
     @property
+    def rows_from_replies(self) -> int:
+        return self.replies.rows_from_replies
+
+    @property
     def rows_in_place(self) -> int:
         return self.replies.rows_in_place
 

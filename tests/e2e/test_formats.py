@@ -489,8 +489,6 @@ def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, sta
     directory. The negative of the judge: tests/unit/test_streamed_files.py (stale rows kept fail)."""
     import re
 
-    import torch
-
     from hidden_states.inputs.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors
     from hidden_states.output.formats.speculators_05 import safetensors_header
