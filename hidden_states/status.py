@@ -42,6 +42,9 @@ def status(path: str | Path) -> str:
                 if stored_as == "fp8" else "")
              + (f", {len(cut_short)} cut short (redone by a rerun): {_ranges(sorted(cut_short))}" if cut_short else "")
              + (f", {temporary} temporary files (a writer running now, or one that died)" if temporary else "")]
+    converted = config.get("converted_from")
+    if converted:
+        lines.append(f"converted from {converted.get('directory')} ({converted.get('format')}) at {converted.get('at')}")
     running = holder(directory)
     if running:
         lines.append(f"{running} is writing into it now")
@@ -53,7 +56,7 @@ def status(path: str | Path) -> str:
                     if recorded_input.get("stopped_at") else ""))
     source = recorded_input.get("resolved")
     if source and Path(source).exists():
-        lines.append(_count(source, config, recorded_input, whole))
+        lines.append(_count(source, config, recorded_input, tokenization, whole))
     elif source:
         lines.append(f"input {source}: not found here, so what is missing is unknown")
     for ledger in sorted(directory.glob(LEDGERS)):
@@ -68,10 +71,18 @@ def status(path: str | Path) -> str:
     return "\n".join(lines)
 
 
-def _count(source: str, config: dict, recorded_input: dict, whole: set[int]) -> str:
+def rows_layout(config: dict, tokenization: dict) -> str:
+    """The layout the extraction made its rows in (one per conversation, or one per reply): the one it
+    recorded, which ``convert`` keeps (it converts the files, not their rows); for a directory
+    recorded before that, the converted source's format, else the directory's own."""
+    return (tokenization.get("layout") or (config.get("converted_from") or {}).get("format")
+            or format_name(config))
+
+
+def _count(source: str, config: dict, recorded_input: dict, tokenization: dict, whole: set[int]) -> str:
     """The input's samples and which have no file: counted as the run tokenized them (conversations:
-    its model's template, format and length from the config), up to a bad row if one stops it."""
-    chat = ChatSettings(config["model"], format_name(config), config["max_seq_len"]) \
+    its model's template, the rows' layout and length from the config), up to a bad row if one stops it."""
+    chat = ChatSettings(config["model"], rows_layout(config, tokenization), config["max_seq_len"]) \
         if "model" in config and "max_seq_len" in config else None
     stream = InputStream(source, chat=chat, digest=recorded_input.get("sha256") is not None)
     total, stopped = 0, ""

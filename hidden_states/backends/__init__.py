@@ -148,11 +148,13 @@ class Replying(Protocol):
     ``stream`` (a ``reply_streams.Sink``) takes its rows as they land. ``row_states`` resolves as
     ``Backend.submit`` does, each row the training row of ``sources[i]``; ``certified``: as
     ``submit_certified`` does, ``(layers, Witness)`` per row, the witness its reply's logprobs (the
-    replies asked for them: ``answer``'s ``certified``). The two counters grow as
-    rows are prefilled: tokens whose states a reply's region held, rows prefilled in that region.
+    replies asked for them: ``answer``'s ``certified``). The three counters grow as
+    rows are prefilled: tokens whose states a reply's region held, rows that took any of their states
+    from it (the rest prefilled again whole), rows prefilled in that region.
     """
 
     reply_rows_reused: int
+    rows_from_replies: int
     rows_in_place: int
 
     def answer(self, prompt: list[int], sampling: Sampling, stream=None, certified: bool = False) -> Future: ...

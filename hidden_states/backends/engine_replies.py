@@ -79,6 +79,7 @@ class EngineReplies:
     def __init__(self, engine):
         self._engine = engine
         self.reply_rows_reused = 0  # row tokens whose states the reply's region held
+        self.rows_from_replies = 0  # training rows with any of them (the others prefilled again whole)
         self.rows_in_place = 0  # training rows prefilled in their reply's region
         self._adopted: set[int] = set()  # replies' regions their training rows took over (released with the rows)
         self.streams: ReplyStreams | None = None  # replies' rows copied to their files as they land
@@ -240,6 +241,7 @@ class EngineReplies:
             if work.streams[position] is not None:  # its rows from the prefill's first on are the row's own
                 work.streams[position].kept = min(first, pool.rewritten_from(offset))
             self.reply_rows_reused += first
+            self.rows_from_replies += first > 0
 
     @staticmethod
     def witnesses(work: RowWork) -> list[Witness]:

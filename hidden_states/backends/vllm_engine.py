@@ -234,13 +234,10 @@ class VllmEngineBackend(EngineBackend):
     def release_replies(self, replies: list[Reply]) -> None:
         self.replies.release_replies(replies)
 
-    @property
-    def reply_rows_reused(self) -> int:
-        return self.replies.reply_rows_reused
-
-    @property
-    def rows_in_place(self) -> int:
-        return self.replies.rows_in_place
+    # the reply side's counters (``Replying``), read where they grow
+    reply_rows_reused = property(lambda self: self.replies.reply_rows_reused)
+    rows_from_replies = property(lambda self: self.replies.rows_from_replies)
+    rows_in_place = property(lambda self: self.replies.rows_in_place)
 
     # -- what the reply side (EngineReplies) uses beside the regions' pool, row bytes, scales and copy_rows
     @property

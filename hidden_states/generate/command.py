@@ -39,6 +39,7 @@ from ..plan.run_plan import RunPlan
 from ..settings import Settings
 from ..inputs.tokenization import ChatSettings, ChatTokenizer, save_token_frequencies, unknown_role_policy
 from .continuous import ContinuousRegeneration
+from .fit import Fit, prompt_room
 from .lines import RegeneratedLines
 from .on_ray import ConversationBatches
 from .regeneration import Regeneration, Tally, kept, regenerated_name
@@ -74,6 +75,7 @@ class Generation:
         self.chat: ChatTokenizer | None = None
         self._all: list[tuple[int, list[int]]] = []  # (conversation, its sample indices) of the range
         self._conversations = 0  # in the input, once read
+        self._read: list = []  # (conversation, where, line, what is kept of it, its sample indices) in range
         self._kind: ConversationBatches | None = None
 
     @classmethod
@@ -110,9 +112,12 @@ class Generation:
         if conversations.kind_of(first) not in (conversations.SHAREGPT, conversations.MESSAGES):
             raise InputError(f"{first.where}: a {conversations.kind_of(first)} row; generate regenerates "
                              f"conversations (ShareGPT 'conversations' or OpenAI 'messages')")
+        fit = self._read_conversations()
+        fit.refuse_certain()  # before anything is written or generated
         prepared.hold(dataclasses.replace(prepared.planned, lines=[
             *prepared.planned.lines, f"regeneration: every user turn answered again ({describe(sampling)}); the "
-                                     f"time above is the rows' prefill alone"]))
+                                     f"time above is the rows' prefill alone",
+            *filter(None, [fit.may_skip_line()])]))
         self.summary.layer_ids = prepared.format_layer_ids
 
     # -- run
@@ -158,7 +163,6 @@ class Generation:
                     break
         else:
             runner.open_writer()
-            self.chat = self.prepared.input.tokenizer or chat_settings(self.prepared).tokenizer()  # the plan's, loaded once
             loop = ContinuousRegeneration(runner, self.chat, self.sampling, settings,
                                           self.summary, streams=streams_files(runner, self.prepared),
                                           interrupted=lifecycle.interrupted, progress=progress)
@@ -202,20 +206,20 @@ class Generation:
         done, lined = set(self.prepared.finished), self.lines.with_lines if self.lines is not None else set()
         return sum(len(indices) for number, indices in self._all if not set(indices) <= done or number not in lined), True
 
-    def _conversations_to_do(self):
-        """(Regeneration, its sample indices) of each conversation in range not finished yet; the
-        skipped ones counted. Reads the whole input (conversations, checked as they are read)."""
+    def _read_conversations(self) -> Fit:
+        """Read the whole input once (the plan's stream, from its first row; its conversations checked
+        as they are read) into what is kept of each conversation and its sample indices, and measure
+        the prompts of those this run regenerates against ``--max-seq-len``."""
         settings, prepared = self.settings, self.prepared
         per_reply = prepared.format_name == SPECULATORS_05
         owns = self.source.owns
-        source = prepared.input.records()  # read once: the plan's stream, from its first row
         # a turn with an unknown role is context, never regenerated: skipped or kept as an assistant
         # turn as extract tokenizes it (the kept turns are the system and user ones); --strict refuses it
         unknown_roles = conversations.REFUSE if settings.strict else unknown_role_policy(prepared.format_name)
-        self._all, base = [], 0
-        self._conversations = 0
-        finished, lined = set(prepared.finished), self.lines.with_lines
-        for number, record in enumerate(source):
+        self.chat = prepared.input.tokenizer or chat_settings(prepared).tokenizer()  # loaded once, for every use
+        fit = Fit(settings.max_seq_len, self.sampling.max_new_tokens)
+        self._read, base = [], 0
+        for number, record in enumerate(prepared.input.records()):
             self._conversations = number + 1
             kind = conversations.kind_of(record)
             if kind not in (conversations.SHAREGPT, conversations.MESSAGES):
@@ -224,10 +228,20 @@ class Generation:
             what = kept(conversations.conversation(record, kind, unknown_roles))
             indices = list(range(base, base + what.replies)) if per_reply else [number]
             base += what.replies
-            if not settings.in_range(number):
-                continue
-            if not owns(number, settings.start_index, settings.batch_size):  # another shard's
-                continue
+            if not settings.in_range(number) or not owns(number, settings.start_index, settings.batch_size):
+                continue  # out of range, or another shard's
+            self._read.append((number, record.where, record.line, what, indices))
+            if not what.skip:
+                fit.add(prompt_room(self.chat, record.where, what))
+        return fit
+
+    def _conversations_to_do(self):
+        """(Regeneration, its sample indices) of each conversation read in range not finished yet; the
+        skipped ones counted."""
+        prepared = self.prepared
+        self._all = []
+        finished, lined = set(prepared.finished), self.lines.with_lines
+        for number, where, line, what, indices in self._read:
             if what.skip:
                 self.tally.skip(what.skip)
                 continue
@@ -237,7 +251,7 @@ class Generation:
             if set(indices) <= finished and number in lined:
                 self.summary.skipped += len(indices)
                 continue
-            yield Regeneration(number, record.where, record.line, what), indices
+            yield Regeneration(number, where, line, what), indices
 
 
 class GenerateReplica:

@@ -64,7 +64,7 @@ class ContinuousRegeneration:
         conversation is started; those in the engine finish. Returns the sample indices handed to the
         writer."""
         backend, written = self.backend, []
-        reused, in_place = backend.reply_rows_reused, backend.rows_in_place
+        reused, in_place, one_pass = backend.reply_rows_reused, backend.rows_in_place, backend.rows_from_replies
         waiting = iter(todo)
         asked: dict[Future, tuple[Regeneration, list[int]]] = {}  # a reply's request -> its conversation
         rowed: dict[Future, tuple[Regeneration, list[int], list[Sample]]] = {}  # rows' states -> their conversation
@@ -116,6 +116,7 @@ class ContinuousRegeneration:
                 future.add_done_callback(lambda _, replies=regen.replies: backend.release_replies(replies))
             self.tally.reused += backend.reply_rows_reused - reused
             self.tally.in_place += backend.rows_in_place - in_place
+            self.tally.one_pass_rows += backend.rows_from_replies - one_pass
             self.tally.replying_seconds += last_reply - started
             self.tally.row_states_seconds += time.monotonic() - last_reply
         return written

@@ -126,6 +126,7 @@ class Tally:
     rerendered: int = 0
     in_place: int = 0  # rows prefilled in their reply's region (nothing copied)
     reused: int = 0  # row tokens whose states their reply's region held (copied, or there already)
+    one_pass_rows: int = 0  # rows with any such token (the others prefilled again whole)
     streamed: int = 0  # rows whose file was written while their reply was generated (speculators-0.5)
     streamed_rows: int = 0  # of their tokens, those written then (the rest at the end)
     # wall seconds of a run's two parts: until its last reply was in, then until its last rows were handed out
@@ -152,6 +153,8 @@ class Tally:
                 f"{self.in_place} prefilled in their reply's region"
                 + (f", {self.streamed} streamed to their files during generation ({self.streamed_rows:,} "
                    f"token rows written then)" if self.streamed else "") + "; "
+                f"{self.one_pass_rows} of {self.rows} rows from the generation's own states (one pass), "
+                f"{self.rows - self.one_pass_rows} prefilled again whole; "
                 f"{reused:,} row tokens from the generation's states, {computed_again:,} computed again"]
         said += [f"{n} skipped: {why}" for why, n in sorted(self.skipped.items())]
         said += [f"replies {self.replying_seconds:.1f} s, then the rows' states {self.row_states_seconds:.1f} s"]

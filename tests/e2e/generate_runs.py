@@ -169,7 +169,7 @@ def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0, decode
     said = re.search(r"([\d,]+) row tokens from the generation's states, ([\d,]+) computed again", stderr)
     assert said, stderr[-3000:]
     reused = int(said.group(1).replace(",", ""))
-    expected, decode_rows_reused = 0, 0
+    expected, decode_rows_reused, one_pass, made = 0, 0, 0, 0
     for index, line in lines.items():
         if index < first_index:
             continue
@@ -179,7 +179,14 @@ def judge_rows(model: Path, out: Path, stderr: str, first_index: int = 0, decode
         cached = min(common_prefix(row, replied), len(replied) - 1, len(row) - 1) // BLOCK * BLOCK
         expected += cached
         decode_rows_reused += max(0, cached - len(prompt))
+        one_pass += cached > 0
+        made += 1
     assert reused == expected, said.group(0)
+    # and in rows: those given any block of their reply's (one pass), the others prefilled again whole
+    rows_said = re.search(r"(\d+) of (\d+) rows from the generation's own states \(one pass\), (\d+) prefilled again "
+                          r"whole", stderr)
+    assert rows_said and [int(n) for n in rows_said.groups()] == [one_pass, made, made - one_pass], \
+        (rows_said and rows_said.group(0), one_pass, made)
     if decode_rows_kept:
         assert decode_rows_reused > 0  # rows a decode step stored, written as the row's own
 

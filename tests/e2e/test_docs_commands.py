@@ -5,7 +5,7 @@ written, on CPU vLLM with a tiny model: each page's blocks in page order in one 
 an output directory, ``PRESET=cpu-tiny``. A failing block is named by page and line.
 
 Where each block runs (its tag's second word): the extractor's blocks with speculators 0.3.0 on the
-path, the default backend's generator (this vLLM 0.32.0 venv); ``speculators-0.9`` blocks with
+path (this vLLM 0.32.0 venv; the default backend, vllm-engine, runs speculators' capture there); ``speculators-0.9`` blocks with
 speculators 0.9.0 instead; ``speculators-0.3`` blocks in the vLLM 0.17.0 venv (transformers 4, where
 speculators 0.3's draft model builds), as tests/e2e/test_formats.py trains them.
 """

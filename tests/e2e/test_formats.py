@@ -194,6 +194,43 @@ def test_converted_equals_directly_written_both_ways(both):
         assert all(torch.equal(a, b) for a, b in zip(direct["hidden_states"], converted["hidden_states"], strict=True))
     assert json.loads((to03 / "sample_lengths.json").read_text()) == json.loads(
         (root / "out03" / "sample_lengths.json").read_text())
+    for converted in (to05, to03):
+        assert_finished(converted, SAMPLES)
+
+
+def status_of(out: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "hidden_states", "status", str(out)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def assert_finished(out: Path, samples: int) -> None:
+    """``status`` on a converted directory: every sample finished, counted as its extraction made them."""
+    said = status_of(out)
+    assert f"{samples} sample files whole" in said and f": {samples} samples; every one finished" in said, said
+    assert "not finished" not in said and "converted from" in said, said
+
+
+def test_status_counts_a_converted_conversation_extraction_as_its_extraction_made_the_rows(tmp_path):
+    """Conversations (one with two replies) extracted in the 0.3 layout (a row per conversation),
+    converted to 0.5 (whose own tokenization makes a row per reply) and from there back to 0.3: each
+    directory's rows are counted as the extraction made them, so ``status`` says every one finished. It
+    counted them in the directory's own layout: "6 samples; 1 not finished" after the first conversion.
+    The second (its source a converted 0.5 directory) rules out counting in the source's layout."""
+    from tests.e2e import generate_runs as generate
+
+    chats = [chat for chat in generate.CONVERSATIONS if chat != generate.CONVERSATIONS[3]]  # each with a reply
+    model, data = generate.conversations_in(tmp_path, chats)
+    source, to05, back03 = tmp_path / "extracted03", tmp_path / "converted05", tmp_path / "back03"
+    proc = run_cli("--model-path", str(model), "--data", str(data), "--output-dir", str(source), "--preset",
+                   "cpu-tiny", "--format", "speculators-0.3", "--layer-ids", *map(str, IDS_03), env_extra=with_datasets())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f": {len(chats)} samples; every one finished" in status_of(source)
+    for src, dst, to in ((source, to05, "speculators-0.5"), (to05, back03, "speculators-0.3")):
+        proc = convert(src, dst, to)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert_finished(dst, len(chats))
 
 
 def test_convert_refuses_a_mixed_or_incomplete_source(both, tmp_path):
@@ -456,8 +493,6 @@ def test_generate_streams_05_files_that_hf_and_speculators_09_read(tmp_path, sta
     by layer, token by token (FP8: within e4m3's step more); speculators 0.9.0's own dataset reads the
     directory. The negative of the judge: tests/unit/test_streamed_files.py (stale rows kept fail)."""
     import re
-
-    import torch
 
     from hidden_states.inputs.conversations import MESSAGES, Record
     from hidden_states.fixtures.reference import decoder_layer_outputs, load_model, relative_errors

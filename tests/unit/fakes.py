@@ -175,7 +175,7 @@ class FakeGenerating(FakeBackend):
     def __init__(self, settings, tokenizer):
         super().__init__(settings)
         self.tokenizer = tokenizer
-        self.reply_rows_reused, self.rows_in_place, self.released, self.asked = 0, 0, [], 0
+        self.reply_rows_reused, self.rows_from_replies, self.rows_in_place, self.released, self.asked = 0, 0, 0, [], 0
         self.streams = {}  # reply offset -> its stream
 
     def start(self):
@@ -206,7 +206,9 @@ class FakeGenerating(FakeBackend):
         import torch
 
         for row, source in zip(rows, sources):
-            self.reply_rows_reused += row_source(row, [source]).reused
+            reused = row_source(row, [source]).reused
+            self.reply_rows_reused += reused
+            self.rows_from_replies += reused > 0
             stream = self.streams.pop(source.offset, None)
             if stream is not None and common_prefix(row, source.ids) == len(source.ids):
                 stream.kept = source.stored - STALE_ROWS

@@ -116,7 +116,7 @@ def test_a_backend_without_the_base_gets_no_defaults():
 
 def test_a_generating_backend_missing_a_member_is_named():
     class NoRelease(FakeBackend):  # planted: replies, but generate could not give their regions back
-        reply_rows_reused = rows_in_place = 0
+        reply_rows_reused = rows_from_replies = rows_in_place = 0
 
         def answer(self, prompt, sampling, stream=None, certified=False):
             return Future()
@@ -145,6 +145,6 @@ def test_the_protocols_name_their_members():
     assert {"name", "settings", "tokens_ahead", "tokens_per_submit", "cached_tokens", "closing_line", "start",
             "extract", "submit", "check_forward", "close", "engine_alive", "certifies",
             "prefix_hit_tokens", "submit_certified"} == declared_members(backends.Backend)
-    assert {"reply_rows_reused", "rows_in_place", "answer", "row_states", "release_replies"} == \
+    assert {"reply_rows_reused", "rows_from_replies", "rows_in_place", "answer", "row_states", "release_replies"} == \
         declared_members(backends.Replying)
     assert inspect.isabstract(backends.OneBatchAtATime) and not inspect.isabstract(EngineBackend)

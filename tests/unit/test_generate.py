@@ -188,6 +188,22 @@ def test_replies_hold_every_fed_row_and_their_rows_are_prefilled_in_place_or_cop
         backend.close()
 
 
+def test_rows_with_states_from_their_reply_are_counted_apart_from_rows_prefilled_again_whole():
+    """The summary's one-pass rows: a row vLLM's prefix cache gives any of its reply's states, counted
+    with its tokens; a row sharing less than a block with its reply gets none: prefilled again whole."""
+    backend, engine = generating_backend({tuple(PROMPT): GENERATED, (1, 2, 3): [4, 5, 2]})
+    try:
+        sampling = Sampling(max_new_tokens=8)
+        replies = [backend.answer(prompt, sampling).result(timeout=WAIT) for prompt in (PROMPT, [1, 2, 3])]
+        rows = [PROMPT + GENERATED + [40], [1, 2, 9, 9, 9]]  # the second shares 2 tokens, under a block (4)
+        states = backend.row_states(rows, replies).result(timeout=WAIT)
+        assert (backend.rows_from_replies, backend.reply_rows_reused) == (1, 12)
+        del states
+        backend.release_replies(replies)
+    finally:
+        backend.close()
+
+
 def test_a_late_count_of_a_reply_is_never_taken_for_the_row_prefilled_in_its_region():
     """A step vLLM scheduled for the reply before it finished writes the reply's count late; the row in
     its region waits for its own counters (here never written: its copies never land) and fails."""
@@ -381,9 +397,10 @@ def test_llama3_rows_reproduce_a_reply_unless_the_template_trims_it(llama3):
         trained = [t for t, m in zip(row.input_ids, row.loss_mask) if m]
         assert tokenizer.decode(trained).strip() == text.strip()  # the reply's tokens, nothing of the prompt
         assert not any(row.loss_mask[:len(prompt)])
-    assert "2 rows, 1 re-rendered by the chat template, 0 prefilled in their reply's region; 40 row tokens from " \
-        "the generation's states, 3 computed " \
-        "again" in tally.line(40, 3)
+    tally.one_pass_rows = 1
+    assert "2 rows, 1 re-rendered by the chat template, 0 prefilled in their reply's region; 1 of 2 rows from the " \
+        "generation's own states (one pass), 1 prefilled again whole; 40 row tokens from the generation's states, " \
+        "3 computed again" in tally.line(40, 3)
 
 
 # -- bad input: one line, exit 2
@@ -518,6 +535,7 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     assert len(made[0].released) == 3  # every reply's region given back
     said = next(line for line in lines if "conversations regenerated" in line)
     assert "2 conversations regenerated (3 replies" in said and "1 skipped: conversations with tool turns" in said
+    assert "2 of 2 rows from the generation's own states (one pass), 0 prefilled again whole" in said, said
     # a rerun finds everything finished: no engine start
     summary, _, _ = run_generation(model, data, out, "speculators-0.3")
     assert (summary.extracted, summary.skipped, len(made)) == (0, 2, 1)
@@ -839,3 +857,63 @@ def test_a_failed_generate_counts_what_is_written_and_what_is_not_in_samples(fak
     with pytest.raises(Exception, match="no space left on device"):
         Generation(settings, Sampling(max_new_tokens=16), log=said.append).run()
     assert said[-2].startswith("stopped: 1 samples extracted, 0 already finished, 1 samples not extracted, ")
+
+
+# -- prompts against --max-seq-len, known before anything is generated
+
+
+def test_the_plan_counts_multi_turn_conversations_that_may_be_skipped_and_the_max_seq_len_that_fits_all(
+        chat_model, tmp_path, monkeypatch):
+    """A later turn's prompt carries the earlier replies (up to --max-new-tokens each): the plan says how
+    many multi-turn conversations may be skipped after generating, and the --max-seq-len that fits
+    them all, which does (every reply here is --max-new-tokens long)."""
+    import re
+
+    from hidden_states.generate.regeneration import TOO_LONG
+    from tests.unit import multi_turn
+
+    multi_turn.fake_backends(monkeypatch, chat_model)
+    data = multi_turn.write(tmp_path / "chats.jsonl", multi_turn.conversations(15))
+    generation, lines = multi_turn.run_generation(chat_model, data, tmp_path / "short", 128, 32)
+    planned = [line for line in lines if line.startswith("multi-turn:")]
+    said = re.fullmatch(r"multi-turn: (\d+) of 10 multi-turn conversations may be skipped after generating \(a later "
+                        r"turn carries the earlier replies, up to --max-new-tokens 32 each, and must fit --max-seq-len "
+                        r"128\); --max-seq-len (\d+) fits all of them", planned[0] if planned else "")
+    assert said and len(planned) == 1, lines
+    may, fits = int(said.group(1)), int(said.group(2))
+    assert 0 < generation.tally.skipped[TOO_LONG] <= may <= 10 and fits > 128
+    assert generation.tally.conversations == 15 - generation.tally.skipped[TOO_LONG]
+    summary = next(line for line in lines if "conversations regenerated" in line)
+    assert f"{generation.tally.skipped[TOO_LONG]} skipped: {TOO_LONG}" in summary
+    # the length it names: every conversation regenerated, nothing to say
+    generation, lines = multi_turn.run_generation(chat_model, data, tmp_path / "fits", fits, 32)
+    assert generation.tally.conversations == 15 and not generation.tally.skipped
+    assert not any(line.startswith("multi-turn:") for line in lines), lines
+
+
+def test_the_plan_refuses_conversations_whose_first_prompt_cannot_fit(chat_model, tmp_path, monkeypatch, capsys):
+    """A first prompt plus --max-new-tokens over --max-seq-len could never be answered: refused before
+    anything is loaded or written, one line naming the conversations and the smallest --max-seq-len
+    that fits them, which then plans."""
+    import re
+
+    from tests.unit import multi_turn
+
+    made = multi_turn.fake_backends(monkeypatch, chat_model)
+    long_first = {"messages": [{"role": "user", "content": " ".join(multi_turn.WORDS * 4)}]}
+    data = multi_turn.write(tmp_path / "data.jsonl", [*multi_turn.conversations(15), long_first, long_first])
+    assert generate(chat_model, data, tmp_path / "out", "--max-seq-len", "128", "--max-new-tokens", "32",
+                    "--backend", "vllm-engine") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    said = re.search(r"data\.jsonl:16 and 1 more \(2 of 17 conversations\): a first prompt \(up to (\d+) tokens\) plus "
+                     r"--max-new-tokens 32 exceeds --max-seq-len 128, so it could never be answered: --max-seq-len "
+                     r"(\d+) fits them, or leave them out of the input", err[-1])
+    assert said, err
+    assert int(said.group(2)) == int(said.group(1)) + 32 and not made and not (tmp_path / "out").exists()
+    fits = int(said.group(2))
+    assert generate(chat_model, data, tmp_path / "out", "--max-seq-len", str(fits - 1), "--max-new-tokens", "32",
+                    "--backend", "vllm-engine") == 2
+    assert f"--max-seq-len {fits} fits them" in capsys.readouterr().err and not made
+    multi_turn.run_generation(chat_model, data, tmp_path / "fits", fits, 32)  # the two long ones answered
+    lined = [json.loads(line)["index"] for line in (tmp_path / "fits" / "regenerated.jsonl").read_text().splitlines()]
+    assert {15, 16} <= set(lined), lined

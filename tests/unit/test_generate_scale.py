@@ -56,7 +56,9 @@ class PromptReplies(FakeGenerating):
 
     def row_states(self, rows, sources, certified=False):
         for row, source in zip(rows, sources):
-            self.reply_rows_reused += row_source(row, [source]).reused
+            reused = row_source(row, [source]).reused
+            self.reply_rows_reused += reused
+            self.rows_from_replies += reused > 0
         return done([[torch.arange(len(row), dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * layer
                       + sum(row) / 1000 for layer in self.settings.layer_ids] for row in rows])
 
