@@ -24,6 +24,7 @@ from hidden_states.inputs.conversations import Conversation
 from hidden_states.generate.regeneration import NO_USER_TURN, TOOL_TURNS, Regeneration, RowSource, Tally, kept, row_source
 from hidden_states.inputs.tokenization import common_prefix
 from tests.unit.fakes import FakeGenerating
+from tests.unit.multi_turn import fake_backends
 from tests.unit.streaming_worker import HIDDEN, LAYERS, WAIT, rows_of, worker
 
 pytestmark = pytest.mark.usefixtures("vllm_imported")
@@ -452,20 +453,7 @@ def test_the_sampling_is_part_of_the_output_directorys_identity():
 
 @pytest.fixture
 def fake_run(chat_model, tmp_path, monkeypatch):
-    from hidden_states import backends
-    from hidden_states.plan import planner
-    from hidden_states.inputs.tokenization import load_tokenizer
-
-    tokenizer = load_tokenizer(str(chat_model))
-    made = []
-
-    def create(name, settings):
-        made.append(FakeGenerating(settings, tokenizer))
-        return made[-1]
-
-    monkeypatch.setattr(backends, "create", create)
-    monkeypatch.setattr(planner, "check_vllm", lambda *args: "not run (a fake backend)")
-    monkeypatch.setattr(planner, "check_environment", lambda: [])
+    made = fake_backends(monkeypatch, chat_model, FakeGenerating)
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in [
         {"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "one"},
