@@ -211,31 +211,44 @@ def audit_line(backend: str) -> str:
     return "audit: " + check_vllm(backend, backends.touchpoints_of(backend), backends.needs_speculators(backend))
 
 
-def choose_backend(settings: ModelSettings, given: str = "--backend") -> str:
+def choose_backend(settings: ModelSettings, given: str = "--backend", audits: AuditsHere | None = None) -> str:
     """The plan's first line: the backend and why. ``settings.backend`` None (the default): chosen
-    here (``backends.choose``: what speculators is installed, the device, the audits) and written
-    into ``settings``, which the run follows from there; else as ``given`` said it."""
+    here (``backends.choose``: what speculators is installed, the device, the audits, kept in
+    ``audits`` for the plan's audit line) and written into ``settings``, which the run follows from
+    there; else as ``given`` said it."""
     if settings.backend is not None:
         return f"backend: {settings.backend} ({given})"
     from vllm_compat.extractor_api import speculators_version
 
-    name, reason = backends.choose(speculators_version(), device_name_here(), AuditsHere())
+    name, reason = backends.choose(speculators_version(), device_name_here(), AuditsHere() if audits is None else audits)
     settings.backend = name
     return f"backend: {name} ({reason})"
 
 
 class AuditsHere(dict):
     """Backend name -> None where the vllm-compat audit of the installed vLLM passes for it, else what
-    it found (:func:`audit_line`'s refusal); each audited when first asked."""
+    it found (:func:`audit_line`'s refusal); each audited once, when first asked."""
+
+    def __init__(self):
+        super().__init__()
+        self._outcomes: dict[str, str | PreflightError] = {}  # the audit line, or its refusal
 
     def __missing__(self, name: str) -> str | None:
         try:
-            audit_line(name)
-            problem = None
+            self._outcomes[name] = audit_line(name)
         except PreflightError as exc:
-            problem = str(exc)
-        self[name] = problem
-        return problem
+            self._outcomes[name] = exc
+        outcome = self._outcomes[name]
+        self[name] = str(outcome) if isinstance(outcome, PreflightError) else None
+        return self[name]
+
+    def line(self, name: str) -> str:
+        """:func:`audit_line` for ``name``, from the audit already made where there was one."""
+        self[name]  # noqa: B018 - audits it if not yet asked
+        outcome = self._outcomes[name]
+        if isinstance(outcome, PreflightError):
+            raise outcome
+        return outcome
 
 
 def settings_line(settings: ModelSettings) -> str:

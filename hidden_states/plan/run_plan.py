@@ -129,7 +129,8 @@ def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: 
         backend_given: how the backend was given, said in the plan's first line where the settings
             name one (None there: chosen here, ``planner.choose_backend``).
     """
-    chosen = planner.choose_backend(settings, backend_given)
+    audits = planner.AuditsHere()  # the choice's audits, the audit line's too: each made once
+    chosen = planner.choose_backend(settings, backend_given, audits)
     model, lines = planner.plan_model(settings, log)
     lines = [chosen, *lines]
     facts, layer_ids = model.facts, model.layers.ids
@@ -163,7 +164,7 @@ def plan_run(settings: Settings, source: BatchSource, *, log, loads_model_here: 
                  if disk else "disk: not estimated (the input's size per token is not known)"
                  if remaining.samples else "disk: nothing to write (no sample left in range)")
     if settings.backend in backends.BACKENDS:  # a test's fake drives no vLLM
-        lines.append(planner.audit_line(settings.backend))
+        lines.append(audits.line(settings.backend))
     device = memory_check.device if memory_check is not None else None
     if device is None and memory is not None and settings.backend in backends.BACKENDS:
         device = planner.device_name_here()  # a Ray driver's plan: the replicas check the memory

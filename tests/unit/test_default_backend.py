@@ -166,3 +166,18 @@ def test_a_directory_the_generator_wrote_is_resumed_by_the_default_as_by_a_named
     assert json.loads(config.read_text())["settings"]["backend"] == "vllm-engine"
     with pytest.raises(OutputError, match=r"holds another extraction \(layer_ids \[3, 1\], this run \[1\]\)"):
         run_into(job, out, backend=second, layer_ids=[1])
+
+
+def test_the_plans_audit_line_reuses_the_audit_the_choice_made(monkeypatch, tmp_path):
+    audited = installed_here(monkeypatch, "0.3.0", "cpu")
+    settings = cli_settings(tmp_path)
+    audits = planner.AuditsHere()
+    planner.choose_backend(settings, audits=audits)
+    assert audits.line(settings.backend) == "audit: vLLM 0.32.0: audit ok for --backend vllm-engine"
+    assert audited == ["vllm-engine"]  # once, for the choice and the line
+    failing = installed_here(monkeypatch, None, "cpu")
+    refusals = planner.AuditsHere()
+    for _ in range(2):  # a refused audit refuses the line, as audit_line does, and is made once too
+        with pytest.raises(PreflightError, match="speculators is not installed"):
+            refusals.line("speculators")
+    assert failing == ["speculators"]
