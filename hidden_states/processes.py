@@ -241,6 +241,7 @@ class Children:
         self._wake_read, self._wake_write = os.pipe()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._killed: set[int] = set()  # pids :meth:`kill` sent SIGKILL: their end is no failure to report
         self.stages = None  # stage_exits.StageExits: the pipeline stages' workers below vLLM's engine core
 
     def watch(self, process, kwargs: dict | None = None) -> None:
@@ -282,7 +283,8 @@ class Children:
 
     def first_exits(self, wait: float = 0.0) -> list[Exit]:
         """The child(ren) that first ended in error (killed by a signal, or a non-zero exit code),
-        with how each ended; [] when none has. A child that exited with code 0 did its job and ended.
+        with how each ended; [] when none has. A child that exited with code 0 did its job and ended;
+        one that :meth:`kill` ended was asked to (not the OOM killer's SIGKILL, which it would read as).
 
         Args:
             wait: seconds to wait for one to end in error when none has yet and some are running (a
@@ -297,7 +299,7 @@ class Children:
                 groups, running = self._ended[checked:], bool(self._watched)
             for group in groups:
                 failed = [e for e in (Exit(p.name, self._pids[p], self._exitcode(p), self._titles.get(p)) for p in group)
-                          if e.exitcode != 0]
+                          if e.exitcode != 0 and not (e.pid in self._killed and e.exitcode == -signal.SIGKILL)]
                 if failed:
                     return failed
             checked += len(groups)
@@ -309,6 +311,7 @@ class Children:
         its own, which holds the processes it started: vLLM's workers); returns their pids."""
         with self._changed:
             alive = [self._pids[process] for process in self._watched.values()]
+            self._killed.update(alive)
         for pid in alive:
             try:
                 if os.getpgid(pid) == pid:

@@ -82,14 +82,19 @@ def serve_until_signal(server: StatesServer, gatherer: Gatherer, log, drain_time
     def on_signal(signum, _frame):
         received.append(signum)
         if len(received) > 1:  # the first drains; this one stops now
+            # counted, and the watcher stopped, before the kill: the engine's death that follows is this
+            # signal's doing, not a failure to answer the requests held with
+            held = gatherer.held
+            finished.set()
             pids = kill_engine()
             name = signal.Signals(signum).name
-            held = gatherer.held
             raise Aborted(f"a second {name} while draining: vLLM's processes killed (pids "
                           f"{', '.join(map(str, pids)) or 'none left'}), {held} request(s) left unanswered", signum)
         stop.set()
 
     def engine_gone(why: str) -> None:
+        if finished.is_set():  # a second signal killed the engine, or serving ended
+            return
         server.engine_stopped = why
         answered = gatherer.stop_with(EngineStopped(why))
         log(f"error: {why}: the server stops ({answered} request(s) held answered with this error)")

@@ -187,7 +187,7 @@ def test_the_kernels_oom_kill_count_is_read():
 
 def test_kill_ends_the_children_still_running_with_what_they_started():
     """A second Ctrl-C to ``serve``: vLLM's engine core and the workers it started (in its process
-    group) are killed at once."""
+    group) are killed at once, and their end is not reported as a death (a SIGKILL nobody asked for)."""
     import multiprocessing
 
     from hidden_states.processes import contained
@@ -205,8 +205,8 @@ def test_kill_ends_the_children_still_running_with_what_they_started():
             assert time.monotonic() < deadline, "the child's own child did not start"
             time.sleep(0.05)
         assert children.kill() == [core.pid]
-        exits = children.first_exits(wait=10)
-        assert [(e.name, e.pid, e.exitcode) for e in exits] == [("EngineCore", core.pid, -signal.SIGKILL)]
+        # ended by the kill, not by the OOM killer: no death to report
+        assert children.first_exits(wait=2) == []
         deadline = time.monotonic() + 10
         while alive(int(grandchildren[0])) and time.monotonic() < deadline:
             time.sleep(0.05)

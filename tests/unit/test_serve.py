@@ -559,6 +559,7 @@ def test_a_batch_vllm_fails_as_its_engine_dies_is_answered_naming_the_process(tm
 def test_a_second_signal_while_draining_kills_vllms_processes_and_stops_at_once(tmp_path):
     """The first SIGTERM drains, but a request the engine never answers would hold the drain for its
     whole timeout: a second SIGTERM kills vLLM's processes and ends ``serve_until_signal`` now."""
+    from hidden_states.processes import Exit
     from hidden_states.serve import Aborted
 
     server, gatherer = idle_server(tmp_path, Held())
@@ -575,13 +576,24 @@ def test_a_second_signal_while_draining_kills_vllms_processes_and_stops_at_once(
 
     threading.Thread(target=terminate_twice, daemon=True).start()
     before = signal.getsignal(signal.SIGTERM)
+
+    def kill_engine():  # the engine's death is visible to the watcher before the kill returns
+        killed.append(1)
+        time.sleep(0.5)
+        return [4321]
+
+    def engine_exits(wait=0.0):
+        return [Exit("EngineCore", 4321, -signal.SIGKILL)] if killed else []
+
     with pytest.raises(Aborted) as aborted:
-        serve_until_signal(server, gatherer, log=lines.append, drain_timeout=300,
-                           kill_engine=lambda: killed.append(1) or [4321])
+        serve_until_signal(server, gatherer, log=lines.append, drain_timeout=300, kill_engine=kill_engine,
+                           engine_exits=engine_exits, watch_every=0.05)
     assert time.monotonic() - second[0] < 10 and killed == [1]  # (not the drain's 300 s)
     assert aborted.value.signum == signal.SIGTERM
+    # the request held is counted as the signal found it, not answered as if the engine had died of itself
     assert str(aborted.value) == ("a second SIGTERM while draining: vLLM's processes killed (pids 4321), "
                                   "1 request(s) left unanswered")
+    assert not [line for line in lines if line.startswith("error:")], lines
     assert signal.getsignal(signal.SIGTERM) is before
 
 
