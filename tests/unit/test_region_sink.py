@@ -63,6 +63,7 @@ def test_the_counters_cross_after_the_bytes(monkeypatch):
 
 def _sink(stages=(0, 1)):
     pool = RegionPool(1 << 16, stages=stages, nonce=b"n" * 16)
+    pool.unlink()  # nothing here maps it by name: its file in /dev/shm is not left behind by a test
     offset = pool.reserve(region_bytes(8, 2, 16, stages=len(stages)), timeout=1)
     return pool, offset, RegionSink(pool, SECRET, {0: [0], 1: [1]}, 16, False)
 
