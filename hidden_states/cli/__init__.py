@@ -149,17 +149,19 @@ def console(argv: list[str] | None = None, _exit=os._exit):
     """The entry point of ``hidden-states`` and ``python -m hidden_states``: :func:`main`, then an exit
     that leaves out the interpreter's teardown, which frees every object and module one at a time and
     then runs the native libraries' destructors: about 2 s on a 2-core host once vLLM and torch are
-    imported, after the run has ended. Everything a normal exit does that someone could notice has run
-    first: ``main`` closed what it wrote, threads that are not daemons are joined, every exit handler
-    ran (logging's flush, multiprocessing's joins of children, ``weakref.finalize``), and stdout and
-    stderr are flushed. An exception from ``main`` (a traceback, argparse's exit) leaves the usual way."""
+    imported, after the run has ended. Only where nothing is left for the teardown to wait on: with a
+    thread still running that is not a daemon (a normal exit first tells concurrent.futures' idle
+    workers to stop, then joins every such thread), the exit is the usual one. Otherwise every exit
+    handler runs first (logging's flush, multiprocessing's joins of children, ``weakref.finalize``),
+    and stdout and stderr are flushed. An exception from ``main`` (a traceback, argparse's exit)
+    leaves the usual way."""
     import atexit
     import threading
 
     code = main(argv)
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    if any(thread is not threading.main_thread() and not thread.daemon and thread.is_alive()
+           for thread in threading.enumerate()):
+        sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
