@@ -282,14 +282,10 @@ class Children:
                     os.close(fd)
 
     def first_exits(self, wait: float = 0.0) -> list[Exit]:
-        """The child(ren) that first ended in error (killed by a signal, or a non-zero exit code),
-        with how each ended; [] when none has. A child that exited with code 0 did its job and ended;
-        one that :meth:`kill` ended was asked to (not the OOM killer's SIGKILL, which it would read as).
-
-        Args:
-            wait: seconds to wait for one to end in error when none has yet and some are running (a
-                process whose failure the extractor learned of before it exited).
-        """
+        """The child(ren) that first ended in error (killed by a signal, or a non-zero exit code), with
+        how each ended; [] when none has. One that exited with code 0 did its job; one that :meth:`kill`
+        ended was asked to (not the OOM killer's SIGKILL, which it would read as). ``wait``: seconds to
+        wait for one to end in error when none has and some run (a failure learned before its exit)."""
         deadline = time.monotonic() + wait
         checked = 0
         while True:
