@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.unit:
         suites = [unit_suite(pythons[args.vllm[0]], base_env, args.pytest_args, args.vllm[0])]
     else:
-        suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args, args.list)
+        suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args)
     plan = lanes(suites, args.lanes)
     print("\nlanes (minutes estimated):\n" + "\n".join(
         f"  {sum(s.minutes for s in lane):.0f}: " + ", ".join(s.label for s in lane) for lane in plan), flush=True)
@@ -380,8 +380,7 @@ class Venvs:
     def __init__(self, order: list[str], results: list):
         self._ready = {version: threading.Event() for version in order}
         self._failed: dict[str, str] = {}
-        self._thread = threading.Thread(target=self._build, args=(order, results), name="venvs", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._build, args=(order, results), name="venvs", daemon=True).start()
 
     def _build(self, order: list[str], results: list) -> None:
         for version in order:
@@ -422,8 +421,8 @@ def unit_suite(python: Path, base_env: dict[str, str], extra: list[str], version
     return Suite("unit", python, ["-q", "tests/unit", *extra], base_env, UNIT_MINUTES, needs=(version,))
 
 
-def matrix_suites(versions: list[str], pythons: dict[str, Path], base_env: dict[str, str], extra: list[str],
-                  listing: bool = False) -> list[Suite]:
+def matrix_suites(versions: list[str], pythons: dict[str, Path], base_env: dict[str, str],
+                  extra: list[str]) -> list[Suite]:
     """The unit suites, then every release's."""
     suites: list[Suite] = []
     if versions:

@@ -75,28 +75,27 @@ TEST_TOOLS = ["pytest>=8", "loguru", "wrapt>=1.16", "packaging>=23", "uv"]
 SPECULATORS_EXTRA = ["loguru"]
 RAY = ["ray==2.60.0", "msgpack==1.2.4"]  # the Ray the data-parallel suite runs on (cp311 manylinux wheel)
 RECIPE_VERSION = "3"  # bump when the recipe below changes, so cached venvs are rebuilt
-_held = threading.local()  # how deep this thread is in builds holding the lock
+_held = threading.local()  # ``locked``: this thread holds the lock (a build inside a build)
 
 
 def holding_cache_lock(build):
     """Run ``build`` holding ``.cache/.build.lock``: the matrix runs two suites at once while it builds
     the venvs they wait for, and tests build what they need (a wheel to audit, speculators 0.9.0, the
     0.17.0 venv), so two processes or threads may ask for the same folder at the same moment.
-    Re-entrant within a thread (an flock taken twice by one process does not wait: two threads of the
-    matrix each take a lock file descriptor of their own)."""
+    Re-entrant within a thread; two threads wait for each other (each opens the lock file itself, and
+    flock excludes two open files of one process as it does two processes')."""
     @functools.wraps(build)
     def locked(*args, **kwargs):
-        depth = getattr(_held, "depth", 0)
-        if depth:
+        if getattr(_held, "locked", False):
             return build(*args, **kwargs)
         CACHE.mkdir(parents=True, exist_ok=True)
         with open(CACHE / ".build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            _held.depth = 1
+            _held.locked = True
             try:
                 return build(*args, **kwargs)
             finally:
-                _held.depth = 0
+                _held.locked = False
     return locked
 
 

@@ -87,7 +87,7 @@ def test_the_venvs_are_built_in_the_order_the_lanes_first_need_them():
     assert matrix.build_order(plan, ["0.16.0", "0.17.0", "0.26.0", "0.32.0", "0.34.0", "0.99.0"]) == [
         "0.26.0", "0.32.0", "0.17.0", "0.16.0", "0.34.0", "0.99.0"]
     # every suite of the matrix names the venv it runs in
-    suites = matrix.matrix_suites(list(matrix.MATRIX), {v: Path(f"python-{v}") for v in matrix.MATRIX}, {}, [], True)
+    suites = matrix.matrix_suites(list(matrix.MATRIX), {v: Path(f"python-{v}") for v in matrix.MATRIX}, {}, [])
     assert all(s.needs and s.python == Path(f"python-{s.needs[0]}") for s in suites), \
         [(s.label, s.needs) for s in suites]
     formats = [s for s in suites if "formats" in s.label]
