@@ -30,7 +30,6 @@ import sys
 
 PROG = "python -m hidden_states.train"
 OWN_COMMAND = ("0.8", "0.9")
-ASSEMBLED = ("0.3", "0.4")
 
 
 def has_accelerator() -> bool:
@@ -87,7 +86,9 @@ def flags_from_extraction(argv: list[str]) -> list[str]:
     default, ``[2, n//2, n-3]``, matches only an extraction made with the default ids of a model of
     more than 6 layers) and, for FP8 states, ``--hidden-states-backend fp8``."""
     data = flag_value(argv, "--data-path")
-    config = os.path.join(data, "data_config.json") if data else None
+    from .output.names import CONFIG
+
+    config = os.path.join(data, CONFIG) if data else None
     if not config or not os.path.isfile(config):
         return []
     with open(config) as handle:
@@ -206,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     line = ".".join(release.split(".")[:2])
     if line in OWN_COMMAND:
         return train_with_own_command(argv)
-    if line in ASSEMBLED:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, base
+
+    if SpecifierSet(IN_PROCESS_SPECULATORS).contains(base(Version(release))):  # 0.3/0.4: no command of their own
         return train_assembled(argv)
     say(f"speculators {release} is not supported: 0.8/0.9 (their own train flags) or 0.3/0.4 "
         f"({' '.join('--' + a.dest.replace('_', '-') for a in ASSEMBLED_FLAGS._actions[1:])})")
