@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.docs_blocks import ROOT as DOCS_ROOT, blocks
+from tests.docs_blocks import ROOT as DOCS_ROOT, blocks, pages
 from tests.e2e import harness
 from tests.e2e.trainers import speculators_09, transformers_4_python
 
 pytestmark = pytest.mark.formats
 
-PAGES = sorted({b.page for path in [DOCS_ROOT / "README.md", *sorted((DOCS_ROOT / "docs").glob("*.md"))]
-                for b in blocks(path) if b.tag == "runnable"})
+PAGES = sorted({b.page for path in pages() for b in blocks(path) if b.tag == "runnable"})
 
 
 @pytest.fixture(scope="module")
