@@ -5,6 +5,14 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def no_cpu_core_lists(monkeypatch):
+    """Each unit test starts without ``VLLM_CPU_OMP_THREADS_BIND``: a host's (or a test lane's) core list
+    would make the plans of several ranks that these tests build refuse it (plan/cpu_threads.py); a test
+    of that check sets its own."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+
+
 @pytest.fixture
 def fake_model(tmp_path):
     """A model directory holding only a ``config.json``: 4 layers, hidden size 8, 64 tokens; what the

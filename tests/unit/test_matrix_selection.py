@@ -127,3 +127,31 @@ def test_a_suite_waits_for_its_venv_and_one_whose_venv_failed_is_not_run(monkeyp
                   {}, venvs=venvs)
     assert not ran and results[-1] == ("e2e vllm 0.16.0", 1, 0.0)
     assert [(label, code) for label, code, _ in results[:2]] == [("venv vllm 0.32.0", 0), ("venv vllm 0.16.0", 1)]
+
+
+def test_each_lane_binds_vllms_cpu_workers_to_a_core_of_its_own():
+    """Two lanes: one core each, round-robin; none where one lane runs, the variable is already set (the
+    user's choice stands), or the host has one core. The lanes' suites get it in their environment."""
+    assert [matrix.lane_binding(i, 2, {}, [0, 1]) for i in range(2)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    assert matrix.lane_binding(2, 3, {}, [4, 7]) == {"VLLM_CPU_OMP_THREADS_BIND": "4"}
+    assert matrix.lane_binding(0, 1, {}, [0, 1]) == {}
+    assert matrix.lane_binding(1, 2, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, [0, 1]) == {}
+    assert matrix.lane_binding(1, 2, {}, [3]) == {}
+
+
+def test_a_suite_runs_with_its_lanes_binding(monkeypatch):
+    seen = []
+
+    class Done:
+        def __init__(self, command, cwd, env, **kwargs):
+            seen.append(env)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(matrix.subprocess, "Popen", Done)
+    results: list = []
+    matrix.pytest(matrix.Suite("unit", Path("python"), [], {"A": "1"}, 1.0), results, False, {},
+                  lane_env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    assert seen == [{"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}] and results[-1][:2] == ("unit", 0)
