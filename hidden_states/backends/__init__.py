@@ -41,6 +41,7 @@ class BackendSettings:
     cuda_graphs: bool = False  # vllm-engine: vLLM compiled, with CUDA graphs, the capture inside them (graph_capture)
     pp_size: int = 1  # vllm-engine: vLLM's pipeline stages (one host); each stage's TP rank 0 captures its own layers
     ray_address: str | None = None  # vllm-engine with pp_size > 1: the stages on vLLM's Ray executor, on this cluster
+    certificates: bool = False  # rows certified before they are written (vllm-engine's pool holds them meanwhile)
 
 
 # tokens_ahead of a backend that runs one batch while the one before it is copied out: any token
@@ -71,7 +72,7 @@ class Backend(Protocol):
     # Prompt tokens vLLM's prefix cache held, their rows copied from another request, counted as
     # batches resolve (vllm-engine's shared prefixes; 0 for a backend without them).
     cached_tokens: int = 0
-    # What the backend says of the run once it has closed, which the run logs (None: nothing).
+    # What the backend says of the run once it has closed, which the run logs line by line (None: nothing).
     closing_line: str | None = None
     # Whether it hands each row's witness with its states (``submit_certified``; certify.witness).
     certifies: bool = False

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from concurrent.futures import Future
 
 from packaging.specifiers import SpecifierSet
@@ -53,7 +52,7 @@ from .engine_replies import EngineReplies, PromptWork, RegionBatch, RowWork, dis
 from .shared.graph_store import LAYERS_ENV, report_line
 from .region_transport import new_nonce, open_transport, sink_info, stage_slots
 from .stage_layers import STAGE_TOUCHPOINTS, executor_keywords, merge_stage_replies, ray_stages, refuse_pipeline
-from .shared.regions import REGION, RegionPool, layer_start, region_bytes, scales_start
+from .shared.regions import REGION, Countdown, RegionPool, layer_start, region_bytes, scales_start
 
 _OUTPUT = "vllm.v1.core.sched.output"
 # What this backend touches in vLLM, from its first release, and the adapter it cannot run without:
@@ -196,10 +195,7 @@ class VllmEngineBackend(EngineBackend):
         self.blocks, self.scales = len(stages), bool(self._layout.get("scales"))
         self.prefix_hit_tokens = (self._layout.get("prefix_hit_tokens") or 1) if self.prefix_caching else 1
         self.row_bytes = self._layout["hidden_size"] * getattr(torch, self._layout["dtype"]).itemsize
-        # the sequences the extraction holds (awaited, queued for the writer) and the tokens it submits ahead
-        self.pool = RegionPool(settings.sequences_in_flight * self.region_bytes(settings.max_seq_len)
-                               + self.region_bytes(self.tokens_ahead), align=self.row_bytes, stages=tuple(stages),
-                               nonce=new_nonce())
+        self.pool = RegionPool(self.pool_bytes(), align=self.row_bytes, stages=tuple(stages), nonce=new_nonce())
         self.sink, transport = open_transport(self.pool, stage_slots(replies, settings.layer_ids, stages),
                                               self.row_bytes, self.scales, on_ray=ray_stages(settings))
         pinned = next(r for r in self._llm.collective_rpc("_hidden_states_stream_to",
@@ -208,6 +204,12 @@ class VllmEngineBackend(EngineBackend):
         self.pool.unlink()  # the worker and this process hold it mapped: no name left to leak
         return {"states_page_locked": pinned, "states_segment": {"bytes": self.pool.capacity, "in": where},
                 "prefix_hit_tokens": self.prefix_hit_tokens, **sink_info(self.sink)}
+
+    def pool_bytes(self) -> int:
+        """The held sequences (awaited, queued for the writer), the tokens submitted ahead and, certified,
+        as many again: rows wait for their probes, run behind those (witnessed.py)."""
+        ahead = self.tokens_ahead * (2 if self.settings.certificates else 1)
+        return self.settings.sequences_in_flight * self.region_bytes(self.settings.max_seq_len) + self.region_bytes(ahead)
 
     def region_bytes(self, length: int) -> int:
         return region_bytes(length, len(self.settings.layer_ids), self.row_bytes, self.scales, self.blocks)
@@ -350,7 +352,7 @@ class VllmEngineBackend(EngineBackend):
         dtype, hidden = getattr(torch, self._layout["dtype"]), self._layout["hidden_size"]
         count = len(self.settings.layer_ids)
         # released once no tensor over any of its bytes is left: the writer's rows cut from these included
-        release = _Countdown(count + (1 if self.scales else 0), self.pool.release, offset)
+        release = Countdown(count + (1 if self.scales else 0), self.pool.release, offset)
         layers = [self.pool.view(offset + layer_start(length, index, self.row_bytes, self.scales, self.blocks), dtype,
                                   len(ids) * hidden, on_free=release).view(len(ids), hidden)
                   for index in range(count)]
@@ -370,27 +372,14 @@ class VllmEngineBackend(EngineBackend):
                 self.closing_line = report_line(next((r for r in replies if r is not None), None))
             except Exception as exc:  # noqa: BLE001 - the engine failing at the end: the run's error says why
                 self.closing_line = f"warning: --cuda-graphs: the capture's report could not be read ({exc})"
+        if self.pool is not None and self.pool.waits:  # the log file's: where the engine may have run dry
+            self.closing_line = "\n".join(filter(None, [self.closing_line, "debug: submissions " + self.pool.waited()]))
         super().close()
 
     def release(self) -> None:
         self.replies.close()
         if self.pool is not None:
             self.pool.close()
-
-
-class _Countdown:
-    """Calls ``action(*args)`` on its ``count``-th call (a region's last layer tensor gone)."""
-
-    def __init__(self, count: int, action, *args):
-        self._left, self._action, self._args = count, action, args
-        self._lock = threading.Lock()
-
-    def __call__(self) -> None:
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self._action(*self._args)
 
 
 BACKEND = VllmEngineBackend

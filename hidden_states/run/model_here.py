@@ -117,8 +117,9 @@ class ModelHere:
             if self.backend is not None:
                 self.log("debug: shutting vLLM down")
                 self.backend.close()
-                if self.backend.closing_line:  # None unless a backend has a word (vllm-engine --cuda-graphs)
-                    self.log(self.backend.closing_line)
+                # None unless a backend has a word (vllm-engine: --cuda-graphs, waits for room for states)
+                for line in (self.backend.closing_line or "").splitlines():
+                    self.log(line)
         finally:
             self.summary.shutdown_seconds = time.monotonic() - started - self.summary.seconds
 

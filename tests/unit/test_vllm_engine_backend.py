@@ -186,8 +186,22 @@ def test_region_pool_reuses_freed_room_and_merges_neighbours(tmp_path):
         assert pool.reserve(2048, timeout=WAIT) == 2048  # waited for c
         with pytest.raises(Exception, match="needs 8192 bytes of states, the region pool holds 4096"):
             pool.reserve(8192, timeout=1)
+        # the two reserves that found no room counted their waits (the one that timed out too)
+        assert pool.waits == 2 and pool.waited_s >= 0.05
+        assert pool.waited().startswith(f"waited {pool.waited_s:.2f} s in all (2 times) for room")
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("certificates, ahead", [(False, 48), (True, 96)])
+def test_a_certified_runs_pool_holds_the_tokens_ahead_twice(certificates, ahead):
+    """A certified group's rows wait for their probes, which run behind the tokens submitted ahead: the
+    pool has room for those tokens again, or the submissions (and the engine) would wait for the writer."""
+    backend = VllmEngineBackend(BackendSettings(model_path="unused", layer_ids=[1, 3], max_seq_len=16, tp_size=1,
+                                                gpu_memory_utilization=0.1, sequences_in_flight=4,
+                                                certificates=certificates))
+    backend.scales, backend.blocks, backend.row_bytes, backend.tokens_ahead = False, 1, HIDDEN * 4, 48
+    assert backend.pool_bytes() == 4 * backend.region_bytes(16) + backend.region_bytes(ahead)
 
 
 class FakeEngine:

@@ -108,16 +108,25 @@ class RegionPool:
         self._free = [(self.base, capacity)]  # (offset, size), sorted by offset
         self._reserved: dict[int, int] = {}  # offset -> size of each region handed out
         self._room = threading.Condition()
+        # the time ``reserve`` spent waiting for room, and how often it waited: where the extraction
+        # could not submit because the states handed out were not released yet
+        self.waited_s, self.waits = 0.0, 0
 
     def reserve(self, nbytes: int, timeout: float) -> int:
         nbytes = -(-nbytes // self.align) * self.align
         if nbytes > self.capacity:
             raise ExtractError(f"a sequence needs {nbytes} bytes of states, the region pool holds {self.capacity}")
         with self._room:
-            if not self._room.wait_for(lambda: self._fit(nbytes) is not None, timeout):
-                raise RuntimeError(f"no region of {nbytes} bytes freed within {timeout:.0f} s: the states "
-                                   f"handed out are not being released (is the writer stuck?)")
             index = self._fit(nbytes)
+            if index is None:
+                started = time.monotonic()
+                waited = self._room.wait_for(lambda: self._fit(nbytes) is not None, timeout)
+                self.waited_s += time.monotonic() - started
+                self.waits += 1
+                if not waited:
+                    raise RuntimeError(f"no region of {nbytes} bytes freed within {timeout:.0f} s: the states "
+                                       f"handed out are not being released (is the writer stuck?)")
+                index = self._fit(nbytes)
             offset, size = self._free[index]
             if size == nbytes:
                 del self._free[index]
@@ -128,6 +137,11 @@ class RegionPool:
             for block in range(len(self.stages)):
                 struct.pack_into("<qqqqq", self.mapping, offset + block * HEADER, 0, 0, 0, 0, UNREWRITTEN)
             return offset
+
+    def waited(self) -> str:
+        """What ``reserve``'s waits for room came to, as a line ends."""
+        return (f"waited {self.waited_s:.2f} s in all ({self.waits} times) for room in the states' pool of "
+                f"{self.capacity / 2**20:.0f} MiB, until the rows handed out were released")
 
     def release(self, offset: int) -> None:
         with self._room:
@@ -255,3 +269,18 @@ class RegionPool:
         except BufferError:  # states still held (views): unmapped when the last of them is gone
             pass
         self.unlink()
+
+
+class Countdown:
+    """Calls ``action(*args)`` on its ``count``-th call (a region's last layer tensor gone)."""
+
+    def __init__(self, count: int, action, *args):
+        self._left, self._action, self._args = count, action, args
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._action(*self._args)
