@@ -19,7 +19,9 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from .consumer import Generator, Scan, declaration_note
 from .errors import VllmCompatError
+from .probes.shapes import Check
 from .probes.static import DirTree, Tree, WheelTree
 
 SPECULATORS = "speculators"
@@ -65,27 +67,45 @@ class Consumer:
         tree: its source; ``names`` lists the relative paths the tree holds.
         names: every file path in ``tree`` (posix, relative to the tree's root).
         packages: its top-level packages (directories) and modules (``name.py``) whose files are read.
-        source: where it was read, as printed.
+        source: where it was read, as printed ('' when its code was not found).
+        scan: which of its files are its call sites (default: every module of ``packages``).
+        touchpoints: what it reaches in vLLM that its source does not show, (check, expected).
+        shim: whether its users run ``vllm_compat.apply()``; None: read from its code.
+        gates_adapters: adapters' ``speculators`` ranges apply to its ``version``.
+        generator: its hand-built engine (its engine steps and config fields are compared), or None.
+        builtin: known by name (:data:`vllm_compat.consumer.BUILTIN_CONSUMERS`): with no version it
+            stands for any release, and its facts live in this package, not in a declaration of its own.
     """
 
     name: str
     version: str
-    tree: Tree
+    tree: Tree | None
     names: tuple[str, ...]
     packages: tuple[str, ...]
     source: str
+    scan: Scan = Scan()
+    touchpoints: tuple[tuple[Check, frozenset[str]], ...] = ()
+    shim: bool | None = None
+    gates_adapters: bool = False
+    generator: Generator | None = None
+    builtin: bool = False
 
     @property
     def label(self) -> str:
         return f"{self.name}=={self.version}" if self.version else self.name
 
+    @property
+    def tag(self) -> str:
+        """Whose findings and call sites these are, as they are labelled: a built-in of no known
+        release is '' (any release)."""
+        return "" if self.builtin and not self.version else self.label
+
     def files(self) -> dict[str, str]:
-        """``{relpath: text}`` of every ``.py`` of its top-level packages (any depth) and top-level
-        modules that mentions vLLM."""
+        """``{relpath: text}`` of every ``.py`` its scan reads (by default: its top-level packages, any
+        depth, and its top-level modules) that mentions vLLM."""
         found = {}
         for rel in sorted(self.names):
-            top = rel.split("/", 1)[0]
-            if not rel.endswith(".py") or (top not in self.packages and rel not in self.packages):
+            if self.tree is None or not self.scan.reads(rel, self.packages):
                 continue
             text = self.tree.read(rel)
             if text is not None and "vllm" in text:
@@ -95,15 +115,17 @@ class Consumer:
     @property
     def applies_shim(self) -> bool:
         """Whether its code runs ``vllm_compat.apply()`` (then adapted adapters bridge its breaks)."""
+        if self.shim is not None:
+            return self.shim
         pattern = re.compile(r"vllm_compat\.apply\(|from vllm_compat import[^\n]*\bapply\b")
         return any(pattern.search(text) for text in self.files().values())
 
     def describe(self) -> dict:
-        from .consumer import declaration_note  # the same layer; consumer imports nothing of this module
-
+        """What ``AuditResult.consumers`` holds of it (the JSON's keys, in this order)."""
+        declaration = None if self.builtin or self.tree is None else declaration_note(self.label, self.tree, self.names)
         return {"name": self.name, "version": self.version, "source": self.source,
-                "packages": list(self.packages), "applies_shim": self.applies_shim, "engine": False,
-                "declaration": declaration_note(self.label, self.tree, self.names)}
+                "packages": list(self.packages), "applies_shim": self.applies_shim,
+                "engine": self.generator is not None, "declaration": declaration}
 
 
 def module_of(relpath: str) -> tuple[str, str]:
