@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
-from .consumer import Generator, Scan, declaration_note
+from . import versions
+from .consumer import BUILTIN_CONSUMERS, BuiltIn, Generator, Scan, declaration_note
 from .errors import VllmCompatError
 from .probes.shapes import Check
 from .probes.static import DirTree, Tree, WheelTree
-
-SPECULATORS = "speculators"
-
 
 class ConsumerError(VllmCompatError):
     """A ``--consumer`` that names nothing readable (exit 2, one line naming the flag)."""
@@ -137,14 +137,43 @@ def module_of(relpath: str) -> tuple[str, str]:
     return ".".join(parts), ".".join(parts[:-1])
 
 
-def is_speculators(text: str) -> bool:
-    """``speculators`` / ``speculators==X``: the built-in consumer with its generator facts."""
+def builtin_name(text: str) -> str | None:
+    """The built-in consumer ``text`` names (``speculators``, ``speculators==X``), else None. A path
+    that exists is a consumer read from there, whatever its name."""
     if Path(text).exists():
-        return False
+        return None
     try:
-        return canonicalize_name(Requirement(text).name) == SPECULATORS
+        name = canonicalize_name(Requirement(text).name)
     except InvalidRequirement:
-        return text.strip().lower().startswith(SPECULATORS)
+        return next((n for n in BUILTIN_CONSUMERS if text.strip().lower().startswith(n)), None)
+    return name if name in BUILTIN_CONSUMERS else None
+
+
+def is_speculators(text: str) -> bool:
+    return builtin_name(text) == "speculators"
+
+
+def builtin(definition: BuiltIn, version: str, root: Path | None) -> Consumer:
+    """A built-in consumer of release ``version`` ('' when unknown: every touch point of it is
+    checked), its code read from ``root``: a directory holding its package, or its wheel (None: not
+    found). Only the files its scan reads are listed (its package may be large)."""
+    touchpoints = tuple((check, expected) for check, expected, releases in definition.touchpoints
+                        if not version or versions.in_range(SpecifierSet(releases), Version(version)))
+    tree, names = None, ()
+    if root is not None:
+        package = (definition.package,)
+        if root.is_file():
+            tree = WheelTree(root)
+            listed = tree.names()
+        else:
+            tree = DirTree(root, str(root))
+            folder = root.joinpath(*(definition.scan.under or definition.package).split("."))
+            found = folder.glob("*.py") if definition.scan.depth == 1 else folder.rglob("*.py")
+            listed = {p.relative_to(root).as_posix() for p in found}
+        names = tuple(sorted(n for n in listed if definition.scan.reads(n, package)))
+    return Consumer(definition.package, version, tree, names, (definition.package,), str(root) if root else "",
+                    definition.scan, touchpoints, definition.shim, definition.gates_adapters, definition.generator,
+                    builtin=True)
 
 
 def resolve(text: str) -> Consumer:
@@ -253,4 +282,4 @@ def _field(meta: str, key: str) -> str:
     return match.group(1) if match else ""
 
 
-__all__ = ["Consumer", "ConsumerError", "SdistTree", "is_speculators", "module_of", "resolve"]
+__all__ = ["Consumer", "ConsumerError", "SdistTree", "builtin", "builtin_name", "module_of", "resolve"]
