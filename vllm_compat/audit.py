@@ -19,8 +19,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import behaviour, callsites, environment, hashes, versions, wheels
-from .consumer_tree import is_speculators, resolve
-from .consumer import IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints, declared
+from .consumer_tree import builtin, is_speculators, resolve
+from .consumer import (IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, SPECULATORS_AUDIT, TOUCHPOINTS, BackendTouchpoints,
+                       declared)
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
@@ -433,7 +434,8 @@ def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = 
     root = _consumer_root(consumer_source, spec_version) if with_speculators else None
     sites = callsites.check(static, adapted, root, spec_label or "")
     if with_speculators:
-        drift = behaviour.check(static, version, adapted, root)
+        drift = behaviour.check(static, version, adapted,
+                                builtin(SPECULATORS_AUDIT, str(spec_version) if spec_version else "", root))
     else:
         drift = behaviour.Behaviour(notes=(f"engine steps and config fields are read from speculators' generator "
                                            f"only: skipped for {', '.join(c.label for c in others)}",))
