@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import NamedTuple
 
 from .errors import VllmCompatError

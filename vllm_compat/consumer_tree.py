@@ -149,10 +149,6 @@ def builtin_name(text: str) -> str | None:
     return name if name in BUILTIN_CONSUMERS else None
 
 
-def is_speculators(text: str) -> bool:
-    return builtin_name(text) == "speculators"
-
-
 def builtin(definition: BuiltIn, version: str, root: Path | None) -> Consumer:
     """A built-in consumer of release ``version`` ('' when unknown: every touch point of it is
     checked), its code read from ``root``: a directory holding its package, or its wheel (None: not
