@@ -396,20 +396,22 @@ def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = 
             as a wheel; None for the vLLM importable in this interpreter (read, not imported,
             unless ``live``).
         consumer: ``"speculators==X"``; default: the installed speculators, else any consumer. Or a
-            list of consumers: ``speculators==X``, and any other consumer as ``PKG``/``PKG==X`` (installed,
-            else downloaded by pip), a directory, a wheel or an sdist (:mod:`vllm_compat.consumer_tree`);
-            naming only others audits no speculators generator.
+            list of consumers: ``speculators==X`` (a built-in consumer, :data:`BUILTIN_CONSUMERS`), and
+            any other consumer as ``PKG``/``PKG==X`` (installed, else downloaded by pip), a directory, a
+            wheel or an sdist (:mod:`vllm_compat.consumer_tree`); naming only others audits no
+            speculators generator.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
-        consumer_source: a directory holding ``speculators/``, or a speculators wheel, whose call
-            sites are checked;
-            default: the installed speculators (located, not imported) when its version is the
-            consumer's.
+        consumer_source: the built-in consumer's code: a directory holding ``speculators/``, or a
+            speculators wheel, whose call sites are checked; default: the installed speculators
+            (located, not imported) when its version is the consumer's.
 
     Returns:
         An :class:`AuditResult`; ``exit_code`` is 1 when anything is unknown drift or missing.
 
     Raises:
-        AuditError: a path that is not a vLLM wheel or tree, or a version that cannot be parsed.
+        AuditError: a path that is not a vLLM wheel or tree, a version that cannot be parsed, a
+            built-in consumer's release the audit does not cover or named twice, or two consumers
+            with a generator.
         WheelError: a named release that cannot be downloaded (none matches, no network).
     """
     named = [consumer] if isinstance(consumer, str) else list(consumer or [])

@@ -4,8 +4,10 @@
 directory holding packages), a wheel (``.whl``, read inside the zip), an sdist (``.tar.gz``, read
 inside the archive), an installed distribution (``PKG`` or ``PKG==VER``, located through
 ``importlib.metadata``), or ``PKG==VER`` not installed, downloaded with ``pip download --no-deps``
-into the audit's cache (:func:`vllm_compat.wheels.fetch_consumer`). speculators itself keeps its
-own path in the audit (its generator's facts live in :mod:`vllm_compat.consumer`).
+into the audit's cache (:func:`vllm_compat.wheels.fetch_consumer`). A consumer the audit knows by
+name, speculators, is the same :class:`Consumer` built from its definition
+(:data:`vllm_compat.consumer.BUILTIN_CONSUMERS`, :func:`builtin`): the audit reads every consumer alike,
+and what differs is the data a consumer carries (its scan, touch points, shim, generator).
 """
 from __future__ import annotations
 

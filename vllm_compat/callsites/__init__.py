@@ -1,8 +1,8 @@
 """The call-site audit: every reference the consumer's code and our adapters make into vLLM.
 
-Read with ``ast`` from source (never imported): the speculators ``data_generation`` modules that
-mention vLLM, and the modules of every adapter the audit found ``adapted`` (plus the helper modules
-they import). Each import, call, method call and attribute read whose target is known is checked
+Read with ``ast`` from source (never imported): each consumer's modules that its scan reads and that
+mention vLLM (speculators: its ``data_generation`` modules; any other: every module of its packages),
+and the modules of every adapter the audit found ``adapted`` (plus the helper modules they import). Each import, call, method call and attribute read whose target is known is checked
 against vLLM's definition (:mod:`.signatures`). A break is then
 
 * **bridged** when an ``adapted`` adapter is about exactly that target: for a parameter, its
