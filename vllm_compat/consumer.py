@@ -400,9 +400,9 @@ SPECULATORS_AUDIT = BuiltIn(
     package="speculators",
     releases=IN_PROCESS_SPECULATORS,
     refusals=(
-        (SERVING_SPECULATORS, "speculators {version} has no in-process generator for vllm-compat to check: it drives "
-                              "`vllm serve` with vLLM's own extract_hidden_states method (no shim needed; the "
-                              "extractor's --backend vllm-native is that path). The audit covers speculators "
+        (SERVING_SPECULATORS, "speculators {version} has no in-process generator for vllm-compat to check: it "
+                              "drives `vllm serve` with vLLM's own extract_hidden_states method (no shim needed; "
+                              "the extractor's --backend vllm-native is that path). The audit covers speculators "
                               "{releases}"),
         ("", "speculators {version} predates the hidden-states generator vllm-compat keeps working; the audit "
              "covers speculators {releases}"),

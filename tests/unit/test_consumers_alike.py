@@ -103,9 +103,9 @@ def test_the_same_code_under_two_names_gets_the_same_call_site_verdicts(trees):
     acme = resolve(str(acme_root / "acme"))
     as_speculators = replace(acme, scan=replace(SPECULATORS_AUDIT.scan, under="acme.data_generation"), shim=True)
     adapted = eos_adapter()
-    theirs = [s for s in callsites.check_consumers(source, adapted, [speculators]) if s.consumer == "speculators==0.4.0"]
-    ours = callsites.check_consumers(source, adapted, [as_speculators])
-    ours = [s for s in ours if s.consumer == "acme"]
+    theirs = callsites.check_consumers(source, adapted, [speculators])
+    theirs = [s for s in theirs if s.consumer == "speculators==0.4.0"]
+    ours = [s for s in callsites.check_consumers(source, adapted, [as_speculators]) if s.consumer == "acme"]
     assert verdicts(ours, "acme/") == verdicts(theirs, "speculators/")
     statuses = {s.status for s in theirs}
     assert {callsites.OK, callsites.BRIDGED, callsites.PROBLEM} <= statuses  # each kind of verdict is compared

@@ -2,8 +2,9 @@
 
 Read with ``ast`` from source (never imported): each consumer's modules that its scan reads and that
 mention vLLM (speculators: its ``data_generation`` modules; any other: every module of its packages),
-and the modules of every adapter the audit found ``adapted`` (plus the helper modules they import). Each import, call, method call and attribute read whose target is known is checked
-against vLLM's definition (:mod:`.signatures`). A break is then
+and the modules of every adapter the audit found ``adapted`` (plus the helper modules they import).
+Each import, call, method call and attribute read whose target is known is checked against vLLM's
+definition (:mod:`.signatures`). A break is then
 
 * **bridged** when an ``adapted`` adapter is about exactly that target: for a parameter, its
   ``expect`` check is a ``Param`` or ``FieldDefault`` on the same callable (or class) and the same
