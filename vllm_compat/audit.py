@@ -19,8 +19,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import behaviour, callsites, environment, hashes, versions, wheels
-from .consumer_tree import is_speculators, resolve
-from .consumer import IN_PROCESS_SPECULATORS, SERVING_SPECULATORS, TOUCHPOINTS, BackendTouchpoints, declared
+from .consumer import BUILTIN_CONSUMERS, BackendTouchpoints, BuiltIn, declared
+from .consumer_tree import Consumer, builtin, builtin_name, resolve
 from .errors import VllmCompatError
 from .probes.aliased import AliasedSource
 from .probes.live import LiveSource
@@ -156,12 +156,17 @@ class AuditResult:
         return json.dumps(self.to_dict(), indent=2)
 
     @property
-    def speculators_audited(self) -> bool:
-        """Whether speculators' generator is one of the consumers (the default)."""
+    def generator_audited(self) -> bool:
+        """Whether a consumer with a generator is one of those audited (speculators, the default; a
+        result built with no consumers counts as it). Its sites, touch points and engine facts are
+        rendered first, with the adapters'; every other consumer gets a section of its own."""
         return not self.consumers or any(c.get("engine") for c in self.consumers)
+
+    speculators_audited = generator_audited  # the name before consumers were audited alike
 
     @property
     def other_consumers(self) -> list[dict]:
+        """The consumers without a generator, in the order audited."""
         return [c for c in self.consumers if not c.get("engine")]
 
     def _sites_of(self, label: str) -> list[callsites.CallSite]:
@@ -173,7 +178,7 @@ class AuditResult:
         lines = [
             f"vLLM {self.vllm_version or '(version unknown)'} (newest verified: {self.newest_verified or 'none'}) "
             f"from {self.source} [{self.mode}], consumer "
-            f"{', '.join(([self.consumer or 'any'] if self.speculators_audited else []) + sorted(others))}",
+            f"{', '.join(([self.consumer or 'any'] if self.generator_audited else []) + sorted(others))}",
             "",
             f"{'adapter':38} {'verdict':14} found",
         ]
@@ -186,7 +191,7 @@ class AuditResult:
                 lines.append(f"{'':53} expected {list(f.old)} (old) or {list(f.new)} (new): {f.checked}")
             if f.unverified:
                 lines.append(f"{'':53} warning: {f.unverified}")
-        if self.speculators_audited:
+        if self.generator_audited:
             touch = [f for f in self.findings if f.kind == "touchpoint"]
             bad_touch = [f for f in touch if f.verdict in BAD]
             lines += ["", f"other touch points: {len(touch) - len(bad_touch)} ok, {len(bad_touch)} broken"]
@@ -200,7 +205,7 @@ class AuditResult:
         lines += ["", *self._render_backends(), *self._render_environment()]
         own_problems = [c for c in own if c.status == callsites.PROBLEM]
         problems = len(self.problems) + len(own_problems) + len(self.engine_step_problems)
-        whose = "the generator would break or be wrong" if self.speculators_audited else "vllm-compat's adapters"
+        whose = "the generator would break or be wrong" if self.generator_audited else "vllm-compat's adapters"
         verdicts = [f"PROBLEMS: {problems} ({whose})"] if problems else []
         for consumer in self.other_consumers:
             broken = [c for c in self._sites_of(_label(consumer)) if c.status == callsites.PROBLEM]
@@ -338,27 +343,47 @@ def _parse(text: str, origin: str) -> Version:
         raise AuditError(str(exc)) from None
 
 
-def _consumer_version(consumer: str | None) -> Version | None:
-    if consumer is None:
-        return versions.speculators_version()
-    name, _, version = consumer.partition("==")
-    if name.strip().lower() != "speculators" or not version:
-        raise AuditError(f"--consumer {consumer!r}: expected speculators==VERSION")
-    return _parse(version, f"--consumer {consumer}")
+def _builtin_version(definition: BuiltIn, named: str | None) -> Version | None:
+    """The release of a built-in consumer: the one ``named`` (``speculators==X``), else the installed
+    one (None: not installed). One outside the releases the audit covers is refused: "OK, 0 touch
+    points" would be a verdict about nothing."""
+    if named is None:
+        found = versions.installed_version(definition.package)
+    else:
+        name, _, text = named.partition("==")
+        if name.strip().lower() != definition.package or not text:
+            raise AuditError(f"--consumer {named!r}: expected {definition.package}==VERSION")
+        found = _parse(text, f"--consumer {named}")
+    if found is None or versions.in_range(SpecifierSet(definition.releases), found):
+        return found
+    why = next(why for releases, why in definition.refusals
+               if not releases or versions.in_range(SpecifierSet(releases), found))
+    raise AuditError(why.format(version=found, releases=definition.releases))
 
 
-def _refuse_without_generator(spec_version: Version | None) -> None:
-    """Only speculators releases with an in-process generator touch vLLM's internals; for any other,
-    "OK, 0 touch points" would be a verdict about nothing."""
-    if spec_version is None or versions.in_range(SpecifierSet(IN_PROCESS_SPECULATORS), spec_version):
-        return
-    if versions.in_range(SpecifierSet(SERVING_SPECULATORS), spec_version):
-        raise AuditError(f"speculators {spec_version} has no in-process generator for vllm-compat to check: it "
-                         f"drives `vllm serve` with vLLM's own extract_hidden_states method (no shim needed; the "
-                         f"extractor's --backend vllm-native is that path). The audit covers speculators "
-                         f"{IN_PROCESS_SPECULATORS}")
-    raise AuditError(f"speculators {spec_version} predates the hidden-states generator vllm-compat keeps working; "
-                     f"the audit covers speculators {IN_PROCESS_SPECULATORS}")
+def _requested(named: list[str], consumer_source) -> list[Consumer]:
+    """The consumers to audit, built-ins first (their code not located yet); a built-in is audited
+    when named, or when no other consumer is, or when its code is given (``consumer_source``)."""
+    builtins: dict[str, list[str | None]] = {}
+    for text in named:
+        name = builtin_name(text)
+        if name is not None:
+            builtins.setdefault(name, []).append(text)
+    for name, texts in builtins.items():
+        if len(texts) > 1:
+            raise AuditError(f"--consumer: {name} named {len(texts)} times ({', '.join(texts)})")
+    others = [resolve(text) for text in named if builtin_name(text) is None]
+    if not builtins and (not others or consumer_source is not None):
+        builtins[next(iter(BUILTIN_CONSUMERS))] = [None]
+    requested = []
+    for name, (text,) in builtins.items():
+        version = _builtin_version(BUILTIN_CONSUMERS[name], text)
+        requested.append(builtin(BUILTIN_CONSUMERS[name], str(version) if version else "", None))
+    generators = [c.label for c in requested + others if c.generator is not None]
+    if len(generators) > 1:  # the result holds one generator's engine steps and config fields
+        raise AuditError(f"--consumer: {len(generators)} consumers with a generator ({', '.join(generators)}); "
+                         f"the audit compares one")
+    return requested + others
 
 
 def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = None, live: bool = False,
@@ -371,31 +396,26 @@ def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = 
             as a wheel; None for the vLLM importable in this interpreter (read, not imported,
             unless ``live``).
         consumer: ``"speculators==X"``; default: the installed speculators, else any consumer. Or a
-            list of consumers: ``speculators==X``, and any other consumer as ``PKG``/``PKG==X`` (installed,
-            else downloaded by pip), a directory, a wheel or an sdist (:mod:`vllm_compat.consumer_tree`);
-            naming only others audits no speculators generator.
+            list of consumers: ``speculators==X`` (a built-in consumer, :data:`BUILTIN_CONSUMERS`), and
+            any other consumer as ``PKG``/``PKG==X`` (installed, else downloaded by pip), a directory, a
+            wheel or an sdist (:mod:`vllm_compat.consumer_tree`); naming only others audits no
+            speculators generator.
         live: import the installed vLLM and inspect live objects (slow; ``vllm`` must be None).
-        consumer_source: a directory holding ``speculators/``, or a speculators wheel, whose call
-            sites are checked;
-            default: the installed speculators (located, not imported) when its version is the
-            consumer's.
+        consumer_source: the built-in consumer's code: a directory holding ``speculators/``, or a
+            speculators wheel, whose call sites are checked; default: the installed speculators
+            (located, not imported) when its version is the consumer's.
 
     Returns:
         An :class:`AuditResult`; ``exit_code`` is 1 when anything is unknown drift or missing.
 
     Raises:
-        AuditError: a path that is not a vLLM wheel or tree, or a version that cannot be parsed.
+        AuditError: a path that is not a vLLM wheel or tree, a version that cannot be parsed, a
+            built-in consumer's release the audit does not cover or named twice, or two consumers
+            with a generator.
         WheelError: a named release that cannot be downloaded (none matches, no network).
     """
     named = [consumer] if isinstance(consumer, str) else list(consumer or [])
-    spec_named = [c for c in named if is_speculators(c)]
-    if len(spec_named) > 1:
-        raise AuditError(f"--consumer: speculators named {len(spec_named)} times ({', '.join(spec_named)})")
-    others = [resolve(c) for c in named if not is_speculators(c)]
-    with_speculators = bool(spec_named) or not others or consumer_source is not None
-    spec_version = _consumer_version(spec_named[0] if spec_named else None) if with_speculators else None
-    if with_speculators:
-        _refuse_without_generator(spec_version)
+    consumers = _requested(named, consumer_source)
     if live:
         if vllm is not None:
             raise AuditError("live mode audits the installed vLLM; drop --vllm or --live")
@@ -417,45 +437,33 @@ def audit(vllm: str | Path | None = None, *, consumer: str | list[str] | None = 
         static = source
 
     static.tree = recording = hashes.RecordingTree(static.tree)
-    findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, spec_version,
-                                 installed=vllm is None) for a in adapters()]
+    gate = next((c for c in consumers if c.gates_adapters and c.version), None)
+    findings = [_adapter_finding(a, bridged(source, version, before=a.id), version, gate, installed=vllm is None)
+                for a in adapters()]
     bridged_source = bridged(source, version)
-    spec_label = f"speculators=={spec_version}" if spec_version else None
-    for check, expected, consumers in TOUCHPOINTS if with_speculators else ():
-        if spec_version is not None and not versions.in_range(SpecifierSet(consumers), spec_version):
-            continue
-        findings.append(replace(_touchpoint_finding(check, expected, bridged_source, "touchpoint"),
-                                consumer=spec_label or ""))
+    for c in consumers:
+        for check, expected in c.touchpoints:
+            findings.append(replace(_touchpoint_finding(check, expected, bridged_source, "touchpoint"), consumer=c.tag))
     for backend, touched in declared().items():
         findings += _backend_findings(backend, touched, bridged_source, version)
     adapted_ids = {f.id for f in findings if f.kind == "adapter" and f.verdict == ADAPTED}
     adapted = [a for a in adapters() if a.id in adapted_ids]
-    root = _consumer_root(consumer_source, spec_version) if with_speculators else None
-    sites = callsites.check(static, adapted, root, spec_label or "")
-    if with_speculators:
-        drift = behaviour.check(static, version, adapted, root)
+    consumers = _located(consumers, consumer_source)  # after the vLLM and the declarations: their errors come first
+    sites = callsites.check_consumers(static, adapted, consumers)
+    primary = next((c for c in consumers if c.generator is not None), None)
+    if primary is not None:
+        drift = behaviour.check(static, version, adapted, primary)
     else:
         drift = behaviour.Behaviour(notes=(f"engine steps and config fields are read from speculators' generator "
-                                           f"only: skipped for {', '.join(c.label for c in others)}",))
-    described = [_speculators_entry(spec_version, root)] if with_speculators else []
-    for other in others:
-        sites += callsites.check_consumer(static, adapted, other)
-        described.append(other.describe())
+                                           f"only: skipped for {', '.join(c.label for c in consumers)}",))
     return AuditResult(label, source.mode, str(version) if version else None,
-                       spec_label, tuple(findings), tuple(sites),
-                       str(root) if root else "", newest_verified=str(newest_verified()),
+                       (primary.tag or None) if primary else None, tuple(findings), tuple(sites),
+                       primary.source if primary else "", newest_verified=str(newest_verified()),
                        engine_steps=drift.steps, config_fields=drift.fields, config_baseline=drift.baseline,
                        behaviour_notes=drift.notes,
                        environment=tuple(environment.installed_conflicts()) if vllm is None else None,
-                       consumers=tuple(described),
+                       consumers=tuple(c.describe() for c in consumers),
                        unchanged=hashes.compare(recording, str(version) if version else None))
-
-
-def _speculators_entry(spec_version: Version | None, root: Path | None) -> dict:
-    """speculators as one of ``AuditResult.consumers`` (its generator's engine facts are read)."""
-    return {"name": "speculators", "version": str(spec_version) if spec_version else "",
-            "source": str(root) if root else "", "packages": ["speculators"], "applies_shim": True,
-            "engine": True, "declaration": None}
 
 
 def audit_backend(backend: str, touched: BackendTouchpoints) -> list[Finding]:
@@ -517,38 +525,54 @@ def bridged(source, version: Version | None, before: str | None = None) -> Alias
     return AliasedSource(source, aliases)
 
 
-def _consumer_root(consumer_source, spec_version) -> Path | None:
-    """Where the consumer's code is read: the path given, else the installed speculators when it is
-    the audited consumer release."""
+def _located(consumers: list[Consumer], consumer_source) -> list[Consumer]:
+    """The consumers with each built-in's code located: the first built-in's at ``consumer_source``
+    when given, else each one's install (:func:`_builtin_root`)."""
+    located, given = [], consumer_source
+    for c in consumers:
+        if c.builtin:
+            definition = BUILTIN_CONSUMERS[c.name]
+            c = builtin(definition, c.version, _builtin_root(definition, given, c.version))
+            given = None
+        located.append(c)
+    return located
+
+
+def _builtin_root(definition: BuiltIn, consumer_source, version: str) -> Path | None:
+    """Where a built-in consumer's code is read: the path given, else its install when that is the
+    audited release (a release not installed is never downloaded: None, its code not found)."""
+    package = definition.package
     if consumer_source is not None:
         root = Path(consumer_source)
         if root.is_file():
             try:
-                if "speculators/__init__.py" not in zipfile.ZipFile(root).namelist():
-                    raise AuditError(f"{root}: not a speculators wheel")
+                if f"{package}/__init__.py" not in zipfile.ZipFile(root).namelist():
+                    raise AuditError(f"{root}: not a {package} wheel")
             except (zipfile.BadZipFile, OSError) as exc:
                 raise AuditError(f"{root}: not a wheel ({exc})") from None
             return root
-        if root.name == "speculators" and (root / "__init__.py").is_file():
+        if root.name == package and (root / "__init__.py").is_file():
             root = root.parent
-        if not (root / "speculators" / "__init__.py").is_file():
-            raise AuditError(f"{consumer_source}: no speculators/ package in this directory")
+        if not (root / package / "__init__.py").is_file():
+            raise AuditError(f"{consumer_source}: no {package}/ package in this directory")
         return root
-    installed = versions.speculators_version()
-    if installed is None or (spec_version is not None and versions.base(installed) != versions.base(spec_version)):
+    installed = versions.installed_version(package)
+    if installed is None or (version and versions.base(installed) != versions.base(Version(version))):
         return None
-    return callsites.consumer_root()
+    return callsites.consumer_root(package)
 
 
-def _adapter_finding(adapter, source, version, spec_version, installed: bool = False) -> Finding:
+def _adapter_finding(adapter, source, version, gate: Consumer | None, installed: bool = False) -> Finding:
+    """One adapter's verdict; n/a when ``gate`` (a consumer whose release scopes adapters) is of a
+    release the adapter is not used by."""
     common = dict(id=adapter.id, kind="adapter", scope=adapter.scope.value)
     expect = adapter.expect
     checked = expect.check.describe() if expect else adapter.drift
     old, new = (tuple(sorted(expect.old)), tuple(sorted(expect.new))) if expect else ((), ())
-    if spec_version is not None and adapter.speculators is not None and not versions.in_range(
-            adapter.speculators, spec_version):
+    if gate is not None and adapter.speculators is not None and not versions.in_range(
+            adapter.speculators, Version(gate.version)):
         return Finding(**common, verdict=NOT_APPLICABLE, checked=checked, old=old, new=new,
-                       summary=f"not used by speculators {spec_version}")
+                       summary=f"not used by {gate.name} {gate.version}")
     if installed and adapter.host_probe_static:
         # the installed vLLM comes with the host's packages: read the same fact apply() reads
         needed, detail = adapter.host_probe()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -308,3 +310,107 @@ ENGINE_STEPS_NOT_NEEDED: dict[str, str] = {
     "executor.take_draft_token_ids": _SPEC_DECODE,
     "scheduler.update_draft_token_ids": _SPEC_DECODE,
 }
+
+
+# -- how the audit reads a consumer ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Scan:
+    """Which of a consumer's files hold its call sites into vLLM, and the rules they are judged by.
+
+    Attributes:
+        under: the package whose modules are read, dotted ('': every top-level package and module).
+        depth: how deep below ``under`` modules are read (1: its own modules); None: any depth.
+        contracts: check the classes it derives from vLLM's against what vLLM calls on them
+            (:mod:`vllm_compat.callsites.contracts`).
+        typing_warnings: a break in an import only type checkers run (``if TYPE_CHECKING:``) is a
+            warning, not a problem.
+    """
+
+    under: str = ""
+    depth: int | None = None
+    contracts: bool = True
+    typing_warnings: bool = True
+
+    def reads(self, relpath: str, packages: tuple[str, ...]) -> bool:
+        """Whether the ``.py`` file ``relpath`` (posix, from the consumer's root) is read."""
+        if not relpath.endswith(".py"):
+            return False
+        if not self.under:
+            return relpath.split("/", 1)[0] in packages or relpath in packages
+        folder = self.under.replace(".", "/") + "/"
+        rest = relpath.removeprefix(folder)
+        return rest != relpath and (self.depth is None or rest.count("/") < self.depth)
+
+
+@dataclass(frozen=True)
+class Generator:
+    """A consumer's capability: it builds vLLM's engine by hand, so the audit compares the engine
+    steps it makes with those of vLLM's engine core, and lists the config fields added to the
+    configs it builds (:mod:`vllm_compat.behaviour`).
+
+    Attributes:
+        module: the module holding the class, dotted.
+        klass: the class that starts and steps the engine.
+        phases: phase -> the class's methods that make it.
+        not_needed: engine steps it does without, with why that is harmless.
+    """
+
+    module: str
+    klass: str
+    phases: tuple[tuple[str, tuple[str, ...]], ...]
+    not_needed: Mapping[str, str]
+
+    @property
+    def file(self) -> str:
+        return f"{self.module.replace('.', '/')}.py"
+
+
+@dataclass(frozen=True)
+class BuiltIn:
+    """A consumer the audit knows by name: the facts it cannot read from the consumer's source.
+
+    Attributes:
+        package: its distribution and top-level package.
+        releases: the releases the audit covers.
+        refusals: (releases, why) for a release outside ``releases``, first match wins ('': any
+            release); ``why`` is formatted with ``version`` and ``releases``.
+        scan: which of its files are its call sites.
+        touchpoints: (check, expected observation, its releases that touch it): what it reaches in
+            vLLM that no static reader of its source can follow.
+        generator: its hand-built engine, when it has one.
+        shim: its users run ``vllm_compat.apply()``: adapted adapters bridge its breaks.
+        gates_adapters: an adapter's ``speculators`` range says for which of its releases the adapter
+            is used (an adapter outside it is n/a).
+    """
+
+    package: str
+    releases: str
+    refusals: tuple[tuple[str, str], ...]
+    scan: Scan
+    touchpoints: tuple[tuple[Check, frozenset[str], str], ...] = ()
+    generator: Generator | None = None
+    shim: bool = True
+    gates_adapters: bool = False
+
+
+SPECULATORS_GENERATOR = Generator(GENERATOR, GENERATOR_CLASS, GENERATOR_PHASES, ENGINE_STEPS_NOT_NEEDED)
+# speculators' in-process generator releases: the adapters keep them working, and their users run
+# apply(). Only data_generation's own modules drive vLLM (the rest of the package trains models).
+SPECULATORS_AUDIT = BuiltIn(
+    package="speculators",
+    releases=IN_PROCESS_SPECULATORS,
+    refusals=(
+        (SERVING_SPECULATORS, "speculators {version} has no in-process generator for vllm-compat to check: it "
+                              "drives `vllm serve` with vLLM's own extract_hidden_states method (no shim needed; "
+                              "the extractor's --backend vllm-native is that path). The audit covers speculators "
+                              "{releases}"),
+        ("", "speculators {version} predates the hidden-states generator vllm-compat keeps working; the audit "
+             "covers speculators {releases}"),
+    ),
+    scan=Scan(under="speculators.data_generation", depth=1, contracts=False, typing_warnings=False),
+    touchpoints=TOUCHPOINTS,
+    generator=SPECULATORS_GENERATOR,
+    gates_adapters=True,
+)
+# the consumers the audit knows by name; the first is audited when no consumer is named
+BUILTIN_CONSUMERS: dict[str, BuiltIn] = {SPECULATORS_AUDIT.package: SPECULATORS_AUDIT}

@@ -4,8 +4,10 @@
 directory holding packages), a wheel (``.whl``, read inside the zip), an sdist (``.tar.gz``, read
 inside the archive), an installed distribution (``PKG`` or ``PKG==VER``, located through
 ``importlib.metadata``), or ``PKG==VER`` not installed, downloaded with ``pip download --no-deps``
-into the audit's cache (:func:`vllm_compat.wheels.fetch_consumer`). speculators itself keeps its
-own path in the audit (its generator's facts live in :mod:`vllm_compat.consumer`).
+into the audit's cache (:func:`vllm_compat.wheels.fetch_consumer`). A consumer the audit knows by
+name, speculators, is the same :class:`Consumer` built from its definition
+(:data:`vllm_compat.consumer.BUILTIN_CONSUMERS`, :func:`builtin`): the audit reads every consumer alike,
+and what differs is the data a consumer carries (its scan, touch points, shim, generator).
 """
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
+from . import versions
+from .consumer import BUILTIN_CONSUMERS, BuiltIn, Generator, Scan, declaration_note
 from .errors import VllmCompatError
+from .probes.shapes import Check
 from .probes.static import DirTree, Tree, WheelTree
-
-SPECULATORS = "speculators"
-
 
 class ConsumerError(VllmCompatError):
     """A ``--consumer`` that names nothing readable (exit 2, one line naming the flag)."""
@@ -65,27 +69,45 @@ class Consumer:
         tree: its source; ``names`` lists the relative paths the tree holds.
         names: every file path in ``tree`` (posix, relative to the tree's root).
         packages: its top-level packages (directories) and modules (``name.py``) whose files are read.
-        source: where it was read, as printed.
+        source: where it was read, as printed ('' when its code was not found).
+        scan: which of its files are its call sites (default: every module of ``packages``).
+        touchpoints: what it reaches in vLLM that its source does not show, (check, expected).
+        shim: whether its users run ``vllm_compat.apply()``; None: read from its code.
+        gates_adapters: adapters' ``speculators`` ranges apply to its ``version``.
+        generator: its hand-built engine (its engine steps and config fields are compared), or None.
+        builtin: known by name (:data:`vllm_compat.consumer.BUILTIN_CONSUMERS`): with no version it
+            stands for any release, and its facts live in this package, not in a declaration of its own.
     """
 
     name: str
     version: str
-    tree: Tree
+    tree: Tree | None
     names: tuple[str, ...]
     packages: tuple[str, ...]
     source: str
+    scan: Scan = Scan()
+    touchpoints: tuple[tuple[Check, frozenset[str]], ...] = ()
+    shim: bool | None = None
+    gates_adapters: bool = False
+    generator: Generator | None = None
+    builtin: bool = False
 
     @property
     def label(self) -> str:
         return f"{self.name}=={self.version}" if self.version else self.name
 
+    @property
+    def tag(self) -> str:
+        """Whose findings and call sites these are, as they are labelled: a built-in of no known
+        release is '' (any release)."""
+        return "" if self.builtin and not self.version else self.label
+
     def files(self) -> dict[str, str]:
-        """``{relpath: text}`` of every ``.py`` of its top-level packages (any depth) and top-level
-        modules that mentions vLLM."""
+        """``{relpath: text}`` of every ``.py`` its scan reads (by default: its top-level packages, any
+        depth, and its top-level modules) that mentions vLLM."""
         found = {}
         for rel in sorted(self.names):
-            top = rel.split("/", 1)[0]
-            if not rel.endswith(".py") or (top not in self.packages and rel not in self.packages):
+            if self.tree is None or not self.scan.reads(rel, self.packages):
                 continue
             text = self.tree.read(rel)
             if text is not None and "vllm" in text:
@@ -95,15 +117,17 @@ class Consumer:
     @property
     def applies_shim(self) -> bool:
         """Whether its code runs ``vllm_compat.apply()`` (then adapted adapters bridge its breaks)."""
+        if self.shim is not None:
+            return self.shim
         pattern = re.compile(r"vllm_compat\.apply\(|from vllm_compat import[^\n]*\bapply\b")
         return any(pattern.search(text) for text in self.files().values())
 
     def describe(self) -> dict:
-        from .consumer import declaration_note  # the same layer; consumer imports nothing of this module
-
+        """What ``AuditResult.consumers`` holds of it (the JSON's keys, in this order)."""
+        declaration = None if self.builtin or self.tree is None else declaration_note(self.label, self.tree, self.names)
         return {"name": self.name, "version": self.version, "source": self.source,
-                "packages": list(self.packages), "applies_shim": self.applies_shim, "engine": False,
-                "declaration": declaration_note(self.label, self.tree, self.names)}
+                "packages": list(self.packages), "applies_shim": self.applies_shim,
+                "engine": self.generator is not None, "declaration": declaration}
 
 
 def module_of(relpath: str) -> tuple[str, str]:
@@ -115,14 +139,39 @@ def module_of(relpath: str) -> tuple[str, str]:
     return ".".join(parts), ".".join(parts[:-1])
 
 
-def is_speculators(text: str) -> bool:
-    """``speculators`` / ``speculators==X``: the built-in consumer with its generator facts."""
+def builtin_name(text: str) -> str | None:
+    """The built-in consumer ``text`` names (``speculators``, ``speculators==X``), else None. A path
+    that exists is a consumer read from there, whatever its name."""
     if Path(text).exists():
-        return False
+        return None
     try:
-        return canonicalize_name(Requirement(text).name) == SPECULATORS
+        name = canonicalize_name(Requirement(text).name)
     except InvalidRequirement:
-        return text.strip().lower().startswith(SPECULATORS)
+        return next((n for n in BUILTIN_CONSUMERS if text.strip().lower().startswith(n)), None)
+    return name if name in BUILTIN_CONSUMERS else None
+
+
+def builtin(definition: BuiltIn, version: str, root: Path | None) -> Consumer:
+    """A built-in consumer of release ``version`` ('' when unknown: every touch point of it is
+    checked), its code read from ``root``: a directory holding its package, or its wheel (None: not
+    found). Only the files its scan reads are listed (its package may be large)."""
+    touchpoints = tuple((check, expected) for check, expected, releases in definition.touchpoints
+                        if not version or versions.in_range(SpecifierSet(releases), Version(version)))
+    tree, names = None, ()
+    if root is not None:
+        package = (definition.package,)
+        if root.is_file():
+            tree = WheelTree(root)
+            listed = tree.names()
+        else:
+            tree = DirTree(root, str(root))
+            folder = root.joinpath(*(definition.scan.under or definition.package).split("."))
+            found = folder.glob("*.py") if definition.scan.depth == 1 else folder.rglob("*.py")
+            listed = {p.relative_to(root).as_posix() for p in found}
+        names = tuple(sorted(n for n in listed if definition.scan.reads(n, package)))
+    return Consumer(definition.package, version, tree, names, (definition.package,), str(root) if root else "",
+                    definition.scan, touchpoints, definition.shim, definition.gates_adapters, definition.generator,
+                    builtin=True)
 
 
 def resolve(text: str) -> Consumer:
@@ -231,4 +280,4 @@ def _field(meta: str, key: str) -> str:
     return match.group(1) if match else ""
 
 
-__all__ = ["Consumer", "ConsumerError", "SdistTree", "is_speculators", "module_of", "resolve"]
+__all__ = ["Consumer", "ConsumerError", "SdistTree", "builtin", "builtin_name", "module_of", "resolve"]

@@ -91,7 +91,12 @@ def vllm_version() -> Version | None:
     return version_from_source(where) or distribution_version(VLLM_DISTRIBUTIONS)
 
 
-def speculators_version() -> Version | None:
-    if importlib.util.find_spec("speculators") is None:
+def installed_version(package: str) -> Version | None:
+    """The version of the installed ``package`` (importable, and its distribution's), else None."""
+    if importlib.util.find_spec(package) is None:
         return None
-    return distribution_version(("speculators",))
+    return distribution_version((package,))
+
+
+def speculators_version() -> Version | None:
+    return installed_version("speculators")

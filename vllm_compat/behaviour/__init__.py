@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from packaging.version import Version
 
 from ..adapter import Adapter
-from ..callsites import adapted_index, consumer_files
+from ..callsites import adapted_index
 from ..callsites.signatures import VllmIndex
-from ..consumer import GENERATOR
+from ..consumer import SPECULATORS_GENERATOR, Generator
+from ..consumer_tree import Consumer
 from ..probes.static import StaticSource
 from ..versions import base
 from . import config_baseline
@@ -30,7 +30,7 @@ from .engine import BRIDGED, NOT_NEEDED, PROBLEM, StepFinding, compare, engine_s
 from .fields import FieldFinding, added_fields, constructed_configs
 from .names import ModuleNames
 
-GENERATOR_FILE = f"{GENERATOR.replace('.', '/')}.py"
+GENERATOR_FILE = SPECULATORS_GENERATOR.file  # where speculators' generator is, in its package
 
 
 @dataclass(frozen=True)
@@ -54,27 +54,29 @@ class Behaviour:
         return [s for s in self.steps if s.status == PROBLEM]
 
 
-def check(source: StaticSource, version: Version | None, adapted: list[Adapter], consumer: Path | None) -> Behaviour:
+def check(source: StaticSource, version: Version | None, adapted: list[Adapter], consumer: Consumer) -> Behaviour:
     """Engine steps and config fields of the vLLM ``source`` (release ``version``, None if unknown)
-    against the generator read from ``consumer`` (a directory holding ``speculators/`` or a wheel;
-    None: not found). ``adapted``: the adapters the audit found adapted."""
-    text = consumer_files(consumer).get(GENERATOR_FILE.rsplit("/", 1)[1]) if consumer is not None else None
+    against the generator of ``consumer`` (a consumer with one), read from its tree (its code may not
+    have been found). ``adapted``: the adapters the audit found adapted."""
+    generator = consumer.generator
+    text = consumer.tree.read(generator.file) if consumer.tree is not None else None
     if text is None:
         return Behaviour(notes=("consumer code not found: engine steps and config fields not read",))
     index = adapted_index(source, adapted)
     notes = []
     engine = engine_steps(index)
-    generator = generator_steps(index, text, GENERATOR_FILE)
+    made = generator_steps(index, text, generator.file, generator)
     if engine is None:
         notes.append("vLLM's engine core (vllm.v1.engine.core:EngineCore) not found: engine steps not compared")
-    if generator is None:
-        notes.append(f"{GENERATOR_FILE}: the generator class not found: engine steps not compared")
-    steps = compare(engine, generator, adapted) if engine is not None and generator is not None else []
-    fields, baseline = _fields(index, version, text, notes)
+    if made is None:
+        notes.append(f"{generator.file}: the generator class not found: engine steps not compared")
+    steps = compare(engine, made, adapted, generator.not_needed) if engine is not None and made is not None else []
+    fields, baseline = _fields(index, version, text, generator, notes)
     return Behaviour(tuple(steps), tuple(fields), baseline, tuple(notes))
 
 
-def _fields(index: VllmIndex, version: Version | None, text: str, notes: list[str]) -> tuple[list[FieldFinding], str]:
+def _fields(index: VllmIndex, version: Version | None, text: str, generator: Generator,
+            notes: list[str]) -> tuple[list[FieldFinding], str]:
     """The config fields to review, and the baseline release they were compared with ('' if none)."""
     release = config_baseline.RELEASE
     if not release or not config_baseline.FIELDS:
@@ -87,7 +89,7 @@ def _fields(index: VllmIndex, version: Version | None, text: str, notes: list[st
         notes.append(f"vllm {version} is not newer than the config baseline ({release}): no config field to review")
         return [], ""
     tree = ast.parse(text)
-    configs = constructed_configs(ModuleNames(index, tree, GENERATOR.rpartition(".")[0]), tree)
+    configs = constructed_configs(ModuleNames(index, tree, generator.module.rpartition(".")[0]), tree)
     found, uncovered = added_fields(index, configs, config_baseline.FIELDS)
     if uncovered:
         notes.append(f"no baseline for {', '.join(uncovered)} (scripts/config_baseline.py writes it)")

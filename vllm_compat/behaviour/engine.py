@@ -14,11 +14,12 @@ lacks is
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..adapter import Adapter
 from ..callsites.signatures import VllmIndex
-from ..consumer import ENGINE_STEPS_NOT_NEEDED, GENERATOR, GENERATOR_CLASS, GENERATOR_PHASES
+from ..consumer import SPECULATORS_GENERATOR, Generator
 from ..probes.static import Found
 from .steps import ClassSteps, Step
 
@@ -60,20 +61,24 @@ def engine_steps(index: VllmIndex) -> list[Step] | None:
     return ClassSteps(index, tree.node, found.node, found.module, found.file).steps(ENGINE_PHASES)
 
 
-def generator_steps(index: VllmIndex, text: str, label: str) -> list[Step] | None:
-    """The steps of the speculators generator whose module source is ``text``; None without its class."""
+def generator_steps(index: VllmIndex, text: str, label: str,
+                    generator: Generator = SPECULATORS_GENERATOR) -> list[Step] | None:
+    """The steps of the ``generator`` (speculators' by default) whose module source is ``text``; None
+    without its class."""
     try:
         tree = ast.parse(text, filename=label)
     except SyntaxError:
         return None
-    klass = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == GENERATOR_CLASS), None)
+    klass = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == generator.klass), None)
     if klass is None:
         return None
-    return ClassSteps(index, tree, klass, GENERATOR, label).steps(GENERATOR_PHASES)
+    return ClassSteps(index, tree, klass, generator.module, label).steps(generator.phases)
 
 
-def compare(engine: list[Step], generator: list[Step], adapted: list[Adapter]) -> list[StepFinding]:
-    """Each step ``engine`` makes that ``generator`` does not (first call of each), in vLLM's order."""
+def compare(engine: list[Step], generator: list[Step], adapted: list[Adapter],
+            not_needed: Mapping[str, str] = SPECULATORS_GENERATOR.not_needed) -> list[StepFinding]:
+    """Each step ``engine`` makes that ``generator`` does not (first call of each), in vLLM's order;
+    ``not_needed``: the steps the generator does without, with why (speculators' by default)."""
     made = {s.id for s in generator}
     worker_methods = frozenset().union(*(s.rpcs for s in generator))
     findings, seen = [], set()
@@ -85,8 +90,8 @@ def compare(engine: list[Step], generator: list[Step], adapted: list[Adapter]) -
         by = next((a.id for a in adapted if step.id in a.bridges_steps), "")
         if by:
             status = BRIDGED
-        elif step.id in ENGINE_STEPS_NOT_NEEDED:
-            status, by = NOT_NEEDED, ENGINE_STEPS_NOT_NEEDED[step.id]
+        elif step.id in not_needed:
+            status, by = NOT_NEEDED, not_needed[step.id]
         else:
             status = PROBLEM
         findings.append(StepFinding(step.id, step.phase, step.where, before[-1] if before else "", step.guard,

@@ -1,9 +1,10 @@
 """The call-site audit: every reference the consumer's code and our adapters make into vLLM.
 
-Read with ``ast`` from source (never imported): the speculators ``data_generation`` modules that
-mention vLLM, and the modules of every adapter the audit found ``adapted`` (plus the helper modules
-they import). Each import, call, method call and attribute read whose target is known is checked
-against vLLM's definition (:mod:`.signatures`). A break is then
+Read with ``ast`` from source (never imported): each consumer's modules that its scan reads and that
+mention vLLM (speculators: its ``data_generation`` modules; any other: every module of its packages),
+and the modules of every adapter the audit found ``adapted`` (plus the helper modules they import).
+Each import, call, method call and attribute read whose target is known is checked against vLLM's
+definition (:mod:`.signatures`). A break is then
 
 * **bridged** when an ``adapted`` adapter is about exactly that target: for a parameter, its
   ``expect`` check is a ``Param`` or ``FieldDefault`` on the same callable (or class) and the same
@@ -21,7 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..adapter import Adapter
-from ..consumer import GENERATOR
+from ..consumer import GENERATOR, SPECULATORS_AUDIT
+from ..consumer_tree import Consumer, builtin, module_of
 from ..probes.shapes import Attr, Exists, FieldDefault, Param, WhichAttr
 from ..probes.static import Found, StaticSource
 from .analyzer import CLASS, INSTANCE, METHOD, ModuleAnalysis, Reference, Value, _join
@@ -46,9 +48,9 @@ class CallSite:
     consumer: str = ""  # whose code: "speculators==X", "PKG==X"; '' for vllm-compat's own adapters
 
 
-def consumer_root() -> Path | None:
-    """The directory holding the installed ``speculators/`` package (located, not imported)."""
-    spec = importlib.util.find_spec("speculators")
+def consumer_root(package: str = SPECULATORS_AUDIT.package) -> Path | None:
+    """The directory holding the installed ``package`` (located, not imported)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations))).parent
@@ -74,23 +76,9 @@ def consumer_files(root: Path) -> dict[str, str]:
             for path in sorted((root / folder).glob("*.py"))}
 
 
-def consumer_analyses(index: VllmIndex, root: Path) -> list[ModuleAnalysis]:
-    """The ``data_generation`` modules of the speculators under ``root`` that reference vLLM."""
-    found = []
-    for name, text in sorted(consumer_files(root).items()):
-        label = f"{CONSUMER_PACKAGE.replace('.', '/')}/{name}"
-        tree = _parse(Path(label), text) if "vllm" in text else None
-        if tree is not None:
-            module = f"{CONSUMER_PACKAGE}.{name.removesuffix('.py')}"
-            found.append(ModuleAnalysis(index, tree, label, CONSUMER_PACKAGE, name=module))
-    return found
-
-
-def package_analyses(index: VllmIndex, consumer) -> list[tuple[ModuleAnalysis, ast.Module]]:
-    """Every module of a generic consumer (:class:`vllm_compat.consumer_tree.Consumer`) that mentions
-    vLLM, at any depth of its top-level packages, each with its own package for relative imports."""
-    from ..consumer_tree import module_of
-
+def package_analyses(index: VllmIndex, consumer: Consumer) -> list[tuple[ModuleAnalysis, ast.Module]]:
+    """Every module of a consumer that its scan reads and that mentions vLLM, each with its own
+    package for relative imports."""
     found = []
     for rel, text in consumer.files().items():
         tree = _parse(Path(rel), text)
@@ -107,20 +95,28 @@ def _contracts(index: VllmIndex, analysis: ModuleAnalysis, tree: ast.Module) -> 
     return list(subclass_contracts(index, tree, analysis.label, analysis.package))
 
 
-def check_consumer(source: StaticSource, adapted: list[Adapter], consumer) -> list[CallSite]:
-    """Every call site of a generic consumer, checked against ``source``. Only a consumer that runs
+def check_consumer(source: StaticSource, adapted: list[Adapter], consumer: Consumer) -> list[CallSite]:
+    """Every call site of one consumer, checked against ``source``. Only a consumer that runs
     ``vllm_compat.apply()`` is bridged by the ``adapted`` adapters; any other's breaks are problems."""
     bridges = adapted if consumer.applies_shim else []
-    index = adapted_index(source, bridges)
-    results = []
+    return _consumer_sites(adapted_index(source, bridges), bridges, consumer)[0]
+
+
+def _consumer_sites(index: VllmIndex, bridges: list[Adapter], consumer: Consumer
+                    ) -> tuple[list[CallSite], list[ModuleAnalysis]]:
+    """The consumer's call sites read against ``index`` (bridged by ``bridges``), and its modules."""
+    results, analyses = [], []
     for analysis, tree in package_analyses(index, consumer):
+        analyses.append(analysis)
         for ref in analysis.references:
             by = bridging(ref, bridges, index, analysis.name) if ref.problem else ""
-            status = OK if not ref.problem else BRIDGED if by else WARNING if ref.typing_only else PROBLEM
+            typing_only = ref.typing_only and consumer.scan.typing_warnings
+            status = OK if not ref.problem else BRIDGED if by else WARNING if typing_only else PROBLEM
             results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by,
-                                    consumer.label))
-        results += [replace(c, consumer=consumer.label) for c in _contracts(index, analysis, tree)]
-    return results
+                                    consumer.tag))
+        if consumer.scan.contracts:
+            results += [replace(c, consumer=consumer.tag) for c in _contracts(index, analysis, tree)]
+    return results, analyses
 
 
 def _patch_calls(tree: ast.Module) -> list[ast.Call]:
@@ -140,7 +136,7 @@ class _Targets:
 
     def value(self, target: str) -> Value | None:
         module, _, qual = target.partition(":")
-        if module == GENERATOR and self.generator is not None:
+        if self.generator is not None and module == self.generator.name:
             head, *rest = qual.split(".")
             value = self.generator.module_scope.name(head)
             for part in rest:
@@ -261,22 +257,43 @@ def adapted_index(source: StaticSource, adapted: list[Adapter]) -> VllmIndex:
     return VllmIndex(source, {p.target: p.alias_of for a in adapted for p in a.patches if p.alias_of})
 
 
-def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None, label: str = "") -> list[CallSite]:
-    """Every call site of the consumer under ``consumer`` (None: skip it) and of the ``adapted``
-    adapters, checked against ``source``."""
-    index = adapted_index(source, adapted)
-    analyses = consumer_analyses(index, consumer) if consumer is not None else []
-    generator = next((a for a in analyses if a.name == GENERATOR), None)
-    results = []
-    for analysis in analyses:
-        for ref in analysis.references:
-            by = bridging(ref, adapted, index) if ref.problem else ""
-            status = OK if not ref.problem else BRIDGED if by else PROBLEM
-            results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, status, ref.problem, by, label))
+def check_consumers(source: StaticSource, adapted: list[Adapter], consumers: list[Consumer]) -> list[CallSite]:
+    """Every call site of the ``consumers`` and of the ``adapted`` adapters, checked against
+    ``source``: those of a consumer with a generator first, then the adapters' own (a patch target
+    inside that generator's module is read through the module's bindings), then the other consumers'
+    in order. Consumers bridged by the same adapters share one index of ``source``."""
+    indexes: dict[tuple[str, ...], VllmIndex] = {}
+
+    def index_for(bridges: list[Adapter]) -> VllmIndex:
+        key = tuple(a.id for a in bridges)
+        if key not in indexes:
+            indexes[key] = adapted_index(source, bridges)
+        return indexes[key]
+
+    results: list[CallSite] = []
+    generator = None
+    for consumer in [c for c in consumers if c.generator is not None]:
+        bridges = adapted if consumer.applies_shim else []
+        sites, analyses = _consumer_sites(index_for(bridges), bridges, consumer)
+        results += sites
+        generator = generator or next((a for a in analyses if a.name == consumer.generator.module), None)
+    index = index_for(adapted)
     for ref in adapter_references(index, adapted, generator):
         results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, PROBLEM if ref.problem else OK,
                                 ref.problem))
+    for consumer in [c for c in consumers if c.generator is None]:
+        bridges = adapted if consumer.applies_shim else []
+        results += _consumer_sites(index_for(bridges), bridges, consumer)[0]
     return results
 
 
-__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "adapted_index", "check", "check_consumer", "consumer_root"]
+def check(source: StaticSource, adapted: list[Adapter], consumer: Path | None, label: str = "") -> list[CallSite]:
+    """Every call site of the speculators under ``consumer`` (a directory holding ``speculators/``,
+    or its wheel; None: skip it) and of the ``adapted`` adapters, checked against ``source``;
+    ``label`` (``speculators==X``) marks its sites."""
+    version = label.partition("==")[2]
+    return check_consumers(source, adapted, [builtin(SPECULATORS_AUDIT, version, consumer)])
+
+
+__all__ = ["BRIDGED", "OK", "PROBLEM", "CallSite", "adapted_index", "check", "check_consumer", "check_consumers",
+           "consumer_root"]
