@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 PROG = "python -m hidden_states.train"
 OWN_COMMAND = ("0.8", "0.9")
@@ -118,11 +119,27 @@ ASSEMBLED_FLAGS.add_argument("--save-path", default="./output/checkpoints")
 ASSEMBLED_FLAGS.add_argument("--lr", type=float, default=1e-3)
 
 
+def sample_files(data_path: str) -> list[str]:
+    """The extraction's sample files in ``data_path`` (``data_{i}.pt``), by index. Given the directory,
+    speculators 0.3/0.4's dataset loads every ``.pt`` file under it as a sample: the ``token_freq.pt``
+    an extraction of conversations writes there (for speculators 0.9) would stop training with a
+    KeyError."""
+    from .output import formats
+
+    layout = formats.create("speculators-0.3", Path(data_path))
+    indexed = [(layout.sample_index(name), name) for name in os.listdir(data_path)]
+    return [os.path.join(data_path, name) for index, name in sorted((i, n) for i, n in indexed if i is not None)]
+
+
 def train_assembled(argv: list[str]) -> int:
     """speculators 0.3/0.4's trainer, assembled from ``ASSEMBLED_FLAGS``."""
     args = ASSEMBLED_FLAGS.parse_args(argv)
     if not os.path.isdir(args.data_path):
         say(f"--data-path {args.data_path}: no such directory")
+        return 2
+    if not sample_files(args.data_path):
+        say(f"--data-path {args.data_path}: no sample files (data_<i>.pt) in it: an extraction with --format "
+            f"speculators-0.3 writes them")
         return 2
     import torch
     from torch.utils.data import DataLoader
@@ -145,7 +162,7 @@ def train_assembled(argv: list[str]) -> int:
     torch.manual_seed(0)
     verifier = AutoConfig.from_pretrained(args.verifier_name_or_path)
     length = args.total_seq_len
-    dataset = Eagle3SampleFileDataset(datapath=args.data_path, max_len=length)
+    dataset = Eagle3SampleFileDataset(file_list=sample_files(args.data_path), max_len=length)
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=length, lengths=dataset.approx_lengths,
                                                  num_replicas=1, rank=0)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=create_collate_fn(length))

@@ -68,3 +68,21 @@ def test_other_directories_add_nothing(tmp_path):
     assert train.flags_from_extraction(["--data-path", str(tmp_path)]) == []  # no data_config.json
     assert train.flags_from_extraction(["--data-path", write_extraction(tmp_path / "o3", name="speculators-0.3")]) == []
     assert train.flags_from_extraction(["--epochs", "1"]) == []
+
+
+def test_0_3s_trainer_reads_the_sample_files_alone_by_index(tmp_path):
+    """speculators 0.3/0.4's dataset, given the directory, loads every .pt under it: the token_freq.pt of an
+    extraction of conversations stopped their training (KeyError: 'hidden_states'). It gets the samples."""
+    for name in ("data_10.pt", "data_2.pt", "token_freq.pt", "data_0.pt", "notes.pt", "done.jsonl"):
+        (tmp_path / name).write_bytes(b"")
+    assert train.sample_files(str(tmp_path)) == [str(tmp_path / f"data_{i}.pt") for i in (0, 2, 10)]
+
+
+def test_0_3s_trainer_refuses_a_directory_without_samples_in_one_line(tmp_path):
+    (tmp_path / "token_freq.pt").write_bytes(b"")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([fake_speculators(tmp_path, "0.3.0"), ROOT])}
+    proc = subprocess.run([sys.executable, "-m", "hidden_states.train", "--data-path", str(tmp_path),
+                           "--verifier-name-or-path", "m"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"python -m hidden_states.train: --data-path {tmp_path}: no sample files (data_<i>.pt) in it: an "
+        f"extraction with --format speculators-0.3 writes them"), proc.stderr
