@@ -16,44 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.unit.synthetic_wheels import VLLM_FILES, make_wheel
+from tests.unit.synthetic_wheels import ENGINE_VLLM_FILES, make_wheel
 from vllm_compat import consumer
 from vllm_compat.cli import main
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "audit"
 WRITE = os.environ.get("VLLM_COMPAT_WRITE_GOLDEN") == "1"
 
-# a small vLLM: an engine core with steps (so the generator's engine steps are compared), a scheduler,
-# and a request class; `Gone`, `Deep` and `Outside` are in none of it
-VLLM = dict(VLLM_FILES, **{
-    "vllm/v1/__init__.py": "",
-    "vllm/v1/core/__init__.py": "",
-    "vllm/v1/core/sched/__init__.py": "",
-    "vllm/v1/core/sched/interface.py": "class SchedulerInterface:\n    def schedule(self):\n        pass\n",
-    "vllm/v1/core/sched/scheduler.py": ("from vllm.v1.core.sched.interface import SchedulerInterface\n"
-                                        "class Scheduler(SchedulerInterface):\n"
-                                        "    def __init__(self, config):\n        pass\n"
-                                        "    def schedule(self):\n        pass\n"
-                                        "    def has_requests(self):\n        pass\n"),
-    "vllm/v1/executor/__init__.py": "",
-    "vllm/v1/executor/abstract.py": ("class Executor:\n    def __init__(self, config):\n        pass\n"
-                                     "    def execute_model(self, out):\n        pass\n"
-                                     "    def warm_up(self):\n        pass\n"),
-    "vllm/v1/engine/__init__.py": "",
-    "vllm/v1/engine/core.py": ("from vllm.v1.executor.abstract import Executor\n"
-                               "from vllm.v1.core.sched.scheduler import Scheduler\n"
-                               "class EngineCore:\n"
-                               "    def __init__(self, config):\n"
-                               "        self.model_executor = Executor(config)\n"
-                               "        self.model_executor.warm_up()\n"
-                               "        self.scheduler = Scheduler(config)\n"
-                               "    def step(self):\n"
-                               "        if self.scheduler.has_requests():\n"
-                               "            out = self.scheduler.schedule()\n"
-                               "            self.model_executor.execute_model(out)\n"
-                               "    def post_step(self):\n"
-                               "        pass\n"),
-})
+VLLM = ENGINE_VLLM_FILES
 
 GENERATOR_TEXT = ("from typing import TYPE_CHECKING\n"
                   "from vllm.v1.executor.abstract import Executor\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.synthetic_wheels import VLLM_FILES
+from tests.unit.synthetic_wheels import ENGINE_VLLM_FILES
 from vllm_compat import callsites, consumer
 from vllm_compat.audit import audit
 from vllm_compat.cli import main
@@ -18,32 +18,7 @@ from vllm_compat.consumer_tree import builtin, resolve
 from vllm_compat.probes.static import DirTree, StaticSource
 from vllm_compat.registry import adapters
 
-# a small vLLM whose engine core makes three steps: the generator below makes one of them
-VLLM = dict(VLLM_FILES, **{
-    "vllm/v1/__init__.py": "",
-    "vllm/v1/core/__init__.py": "",
-    "vllm/v1/core/sched/__init__.py": "",
-    "vllm/v1/core/sched/interface.py": "class SchedulerInterface:\n    def schedule(self):\n        pass\n",
-    "vllm/v1/core/sched/scheduler.py": ("from vllm.v1.core.sched.interface import SchedulerInterface\n"
-                                        "class Scheduler(SchedulerInterface):\n"
-                                        "    def __init__(self, config):\n        pass\n"
-                                        "    def schedule(self):\n        pass\n"),
-    "vllm/v1/executor/__init__.py": "",
-    "vllm/v1/executor/abstract.py": ("class Executor:\n    def __init__(self, config):\n        pass\n"
-                                     "    def execute_model(self, out):\n        pass\n"
-                                     "    def warm_up(self):\n        pass\n"),
-    "vllm/v1/engine/__init__.py": "",
-    "vllm/v1/engine/core.py": ("from vllm.v1.executor.abstract import Executor\n"
-                               "from vllm.v1.core.sched.scheduler import Scheduler\n"
-                               "class EngineCore:\n"
-                               "    def __init__(self, config):\n"
-                               "        self.model_executor = Executor(config)\n"
-                               "        self.model_executor.warm_up()\n"
-                               "        self.scheduler = Scheduler(config)\n"
-                               "    def step(self):\n"
-                               "        out = self.scheduler.schedule()\n"
-                               "        self.model_executor.execute_model(out)\n"),
-})
+VLLM = ENGINE_VLLM_FILES
 
 # one module of each kind of verdict: fits, missing, too many arguments, bridged by an adapted adapter
 # (request_eos_token_id: Request's eos_token_id), a break only type checkers run
@@ -135,8 +110,8 @@ def test_a_generator_read_through_another_consumer_gives_the_same_engine_facts(t
     theirs = audit(vllm, consumer="speculators==0.4.0", consumer_source=spec)
     ours = audit(vllm, consumer="acme==1.0", consumer_source=acme_root)
     assert ours.engine_steps == theirs.engine_steps
-    assert [(s.step, s.status) for s in theirs.engine_steps] == [("executor.warm_up", "PROBLEM"),
-                                                                 ("executor.execute_model", "PROBLEM")]
+    assert [(s.step, s.status) for s in theirs.engine_steps] == [
+        ("executor.warm_up", "PROBLEM"), ("scheduler.has_requests", "not needed"), ("executor.execute_model", "PROBLEM")]
     assert (ours.config_fields, ours.config_baseline, ours.behaviour_notes) == (
         theirs.config_fields, theirs.config_baseline, theirs.behaviour_notes)
     assert [c["engine"] for c in ours.consumers] == [True] and ours.consumer == "acme==1.0"
