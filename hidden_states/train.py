@@ -137,7 +137,8 @@ def train_assembled(argv: list[str]) -> int:
     if not os.path.isdir(args.data_path):
         say(f"--data-path {args.data_path}: no such directory")
         return 2
-    if not sample_files(args.data_path):
+    files = sample_files(args.data_path)
+    if not files:
         say(f"--data-path {args.data_path}: no sample files (data_<i>.pt) in it: an extraction with --format "
             f"speculators-0.3 writes them")
         return 2
@@ -162,7 +163,7 @@ def train_assembled(argv: list[str]) -> int:
     torch.manual_seed(0)
     verifier = AutoConfig.from_pretrained(args.verifier_name_or_path)
     length = args.total_seq_len
-    dataset = Eagle3SampleFileDataset(file_list=sample_files(args.data_path), max_len=length)
+    dataset = Eagle3SampleFileDataset(file_list=files, max_len=length)
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=length, lengths=dataset.approx_lengths,
                                                  num_replicas=1, rank=0)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=create_collate_fn(length))
@@ -224,12 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     line = ".".join(release.split(".")[:2])
     if line in OWN_COMMAND:
         return train_with_own_command(argv)
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+    from .backends import in_process_generator
 
-    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, base
-
-    if SpecifierSet(IN_PROCESS_SPECULATORS).contains(base(Version(release))):  # 0.3/0.4: no command of their own
+    if in_process_generator(release):  # 0.3/0.4: no command of their own
         return train_assembled(argv)
     say(f"speculators {release} is not supported: 0.8/0.9 (their own train flags) or 0.3/0.4 "
         f"({' '.join('--' + a.dest.replace('_', '-') for a in ASSEMBLED_FLAGS._actions[1:])})")

@@ -362,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         suites = matrix_suites(args.vllm, pythons, base_env, args.pytest_args)
     plan = lanes(suites, args.lanes)
+    bindings = [lane_binding(index, len(plan)) for index in range(len(plan))]
     print("\nlanes (minutes estimated):\n" + "\n".join(
         f"  {sum(s.minutes for s in lane):.0f}: " + ", ".join(s.label for s in lane)
-        + "".join(f" [{k}={v}]" for k, v in lane_binding(index, len(plan)).items())
-        for index, lane in enumerate(plan)), flush=True)
+        + "".join(f" [{k}={v}]" for k, v in bind.items()) for lane, bind in zip(plan, bindings)), flush=True)
     if args.list:
         return 0
     for spec in SPECULATORS:
@@ -374,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     live = len(plan) == 1
     running: dict = {}
     stop = threading.Event()
-    threads = [threading.Thread(target=lambda lane=lane, bind=lane_binding(index, len(plan)):
+    threads = [threading.Thread(target=lambda lane=lane, bind=bind:
                                 [pytest(s, results, live, running, deadline, venvs, bind) for s in lane])
-               for index, lane in enumerate(plan)]
+               for lane, bind in zip(plan, bindings)]
     threading.Thread(target=heartbeat, args=(running, stop), daemon=True).start()
     for thread in threads:
         thread.start()

@@ -224,6 +224,18 @@ MEASURED_CPU = ("46,483 tokens/s against the generator's 21,466 measured with vl
                 "docs/performance.md")
 
 
+def in_process_generator(speculators: object) -> bool:
+    """Whether speculators release ``speculators`` (a packaging Version, or its text) has the in-process
+    generator (0.3/0.4, vllm_compat's ``IN_PROCESS_SPECULATORS``): the one ``--backend speculators``
+    runs, whose capture ``vllm-engine`` borrows, and whose trainer ``hidden_states.train`` assembles."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, base
+
+    return SpecifierSet(IN_PROCESS_SPECULATORS).contains(base(Version(str(speculators))))
+
+
 def choose(speculators: object | None, device: str | None, audits: Mapping[str, str | None]) -> tuple[str, str]:
     """The backend a run that names none runs on, and why (the plan's first line): ``vllm-engine``
     wherever the vllm-compat audit passes for it (the fastest exact path measured, on a GPU and on
@@ -236,14 +248,8 @@ def choose(speculators: object | None, device: str | None, audits: Mapping[str, 
         audits: backend name -> None where its audit passes here, else what the audit found; read in
             order, so a lazy mapping audits the generator only where vllm-engine's fails.
     """
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, base
-
     speculators = str(speculators) if speculators is not None else None  # a packaging Version, or its text
-    # the releases whose in-process generator --backend speculators runs (0.3/0.4)
-    generator_here = speculators is not None and SpecifierSet(IN_PROCESS_SPECULATORS).contains(base(Version(speculators)))
+    generator_here = speculators is not None and in_process_generator(speculators)
     installed = f"speculators {speculators}" if speculators else "no speculators"
     where = "CPU" if device == "cpu" else device or "device not known"
     engine_problem = audits["vllm-engine"]

@@ -37,8 +37,6 @@ import itertools
 import os
 from concurrent.futures import Future
 
-from packaging.specifiers import SpecifierSet
-
 from vllm_compat.extractor_api import PRESENT, BackendTouchpoints, Exists, Param
 
 from .. import fp8_states
@@ -100,10 +98,12 @@ CAPTURE_ENV = "VLLM_COMPAT_ENGINE_CAPTURE"  # own or speculators; unset: specula
 def chosen_capture(environ=os.environ) -> tuple[str, str]:
     """(which capture the workers run, why): ``CAPTURE_ENV`` where set, else speculators' when an
     in-process speculators release (0.3/0.4) is installed, else the extractor's own."""
-    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, base, speculators_version
+    from vllm_compat.extractor_api import IN_PROCESS_SPECULATORS, speculators_version
+
+    from . import in_process_generator
 
     installed = speculators_version()
-    has_capture = installed is not None and SpecifierSet(IN_PROCESS_SPECULATORS).contains(base(installed))
+    has_capture = installed is not None and in_process_generator(installed)
     asked = environ.get(CAPTURE_ENV, "")
     if asked:
         if asked not in EXTENSIONS:

@@ -98,8 +98,13 @@ def _contracts(index: VllmIndex, analysis: ModuleAnalysis, tree: ast.Module) -> 
 def check_consumer(source: StaticSource, adapted: list[Adapter], consumer: Consumer) -> list[CallSite]:
     """Every call site of one consumer, checked against ``source``. Only a consumer that runs
     ``vllm_compat.apply()`` is bridged by the ``adapted`` adapters; any other's breaks are problems."""
-    bridges = adapted if consumer.applies_shim else []
+    bridges = _bridges(consumer, adapted)
     return _consumer_sites(adapted_index(source, bridges), bridges, consumer)[0]
+
+
+def _bridges(consumer: Consumer, adapted: list[Adapter]) -> list[Adapter]:
+    """The adapters that bridge ``consumer``'s breaks: the adapted ones where it runs ``apply()``."""
+    return adapted if consumer.applies_shim else []
 
 
 def _consumer_sites(index: VllmIndex, bridges: list[Adapter], consumer: Consumer
@@ -273,7 +278,7 @@ def check_consumers(source: StaticSource, adapted: list[Adapter], consumers: lis
     results: list[CallSite] = []
     generator = None
     for consumer in [c for c in consumers if c.generator is not None]:
-        bridges = adapted if consumer.applies_shim else []
+        bridges = _bridges(consumer, adapted)
         sites, analyses = _consumer_sites(index_for(bridges), bridges, consumer)
         results += sites
         generator = generator or next((a for a in analyses if a.name == consumer.generator.module), None)
@@ -282,7 +287,7 @@ def check_consumers(source: StaticSource, adapted: list[Adapter], consumers: lis
         results.append(CallSite(ref.site, ref.kind, ref.target, ref.where, PROBLEM if ref.problem else OK,
                                 ref.problem))
     for consumer in [c for c in consumers if c.generator is None]:
-        bridges = adapted if consumer.applies_shim else []
+        bridges = _bridges(consumer, adapted)
         results += _consumer_sites(index_for(bridges), bridges, consumer)[0]
     return results
 
