@@ -173,7 +173,11 @@ def _assert_segments_removed(names: set[str], seconds: float = 5) -> None:
 
 def _run_until(model, data, out, files: int, *extra):
     """Start the extractor in a session of its own (as a terminal starts a job: its own process
-    group), wait until ``files`` data files exist; return it and every process it started so far."""
+    group), wait until ``files`` data files exist; return it and every process it started so far.
+
+    It is returned held still (SIGSTOP; its vLLM processes run in groups of their own and idle):
+    on a busy host a fast pass finished all its samples between the test seeing the files and the
+    signal that was to interrupt it. The caller acts on it, then lets it go on (SIGCONT)."""
     command, env = cli(*extract_args(model, data, out, "--batch-size", "4", *extra))
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True)
@@ -184,6 +188,7 @@ def _run_until(model, data, out, files: int, *extra):
         assert time.monotonic() < deadline, "no progress"
         started |= descendants(proc.pid)
         time.sleep(0.2)
+    stop(proc.pid)
     started |= descendants(proc.pid)
     segments = _mapped_segments(started | {proc.pid})
     assert segments, "found no shared memory of vLLM's to check for"
@@ -227,9 +232,8 @@ def _assert_same_as_clean(out: Path, clean: Path, indices) -> None:
 def test_kill_9_loses_at_most_the_batch_in_flight(model, tmp_path, clean_run):
     write_jsonl(tmp_path / "data.jsonl", INTERRUPTED_ROWS, seed=INTERRUPTED_SEED)
     proc, started, segments = _run_until(model, tmp_path / "data.jsonl", tmp_path / "out", 8)
-    # one run at a time per directory: the same command again, while this one holds it (held still:
-    # stopped, a fast pass would finish its samples first), is refused naming it and writes nothing
-    stop(proc.pid)
+    # one run at a time per directory: the same command again, while this one holds it (held still),
+    # is refused naming it and writes nothing
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
     second = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--batch-size", "4"))
     assert second.returncode == 2, second.stderr[-3000:]
@@ -266,7 +270,8 @@ def test_a_signal_to_the_process_group_finishes_the_batch_and_resumes(model, tmp
     sends (SIGTERM to its group): the batch in flight is finished and written, vLLM shut down."""
     write_jsonl(tmp_path / "data.jsonl", INTERRUPTED_ROWS, seed=INTERRUPTED_SEED)
     proc, started, segments = _run_until(model, tmp_path / "data.jsonl", tmp_path / "out", 4)
-    os.killpg(proc.pid, signum)
+    os.killpg(proc.pid, signum)  # pending while it is held, taken as soon as it goes on
+    os.kill(proc.pid, signal.SIGCONT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == code, err[-3000:]
     assert "rerun the same command to resume" in err and "interrupted:" in err, err[-3000:]
@@ -299,6 +304,7 @@ def test_a_killed_vllm_worker_is_named_and_the_rerun_resumes(model, tmp_path):
     workers = sorted(pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::Worker"))
     assert workers, {pid: cmdline(pid)[:80] for pid in descendants(proc.pid)}
     os.kill(workers[0], signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGCONT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
     failed = failure_line(err)
