@@ -3,7 +3,7 @@ setting a preset leaves out keeps its default (``settings.Settings``). A preset 
 the run's is chosen per environment (``backends.choose``) unless ``--backend`` is given."""
 
 PRESETS: dict[str, dict] = {
-    # 8x RTX PRO 6000 Blackwell 96 GB: the mission's TP=8 job (1T-parameter MoE class). The backend chosen
+    # 8x RTX PRO 6000 Blackwell 96 GB: the target deployment's TP=8 job (1T-parameter MoE class). The backend chosen
     # per environment; not measured on this hardware (its TP=8 rehearsal ran on CPU).
     "blackwell-tp8": {"tp_size": 8, "gpu_memory_utilization": 0.80, "batch_size": 4, "max_seq_len": 2048},
     # One H200 (139 GiB), 8B-class dense model, the backend chosen per environment (vllm-engine where its

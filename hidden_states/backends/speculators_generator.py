@@ -1,4 +1,4 @@
-"""The mission's backend: the unmodified speculators generator, made to run (and be right) by
+"""The backend the project exists for: the unmodified speculators generator, made to run (and be right) by
 ``vllm_compat.apply()``."""
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def test_qwen3_family_matches_hf(family):
     assert harness.judge(run, QWEN3_CALLS, refs, harness.ROUTED_LAYERS.get(family, frozenset())) == "ok"
 
 
-# The target as users run it (issue 16): Kimi-K2-Thinking's INT4 checkpoint format in miniature
+# The target as users run it: Kimi-K2-Thinking's INT4 checkpoint format in miniature
 # (hidden_states.fixtures.tiny_model.QUANTIZED), judged against HF fp32 on the dequantized twin, on
 # the newest release only (one generator run each). vLLM's CPU backend refuses the published layout
 # (INT4 routed experts): that refusal, naming its cause, is what the test holds it to there; the

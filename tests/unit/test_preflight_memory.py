@@ -1,5 +1,5 @@
 """The preflight's memory check: the weights read from safetensors headers (packed INT4 at its packed
-size, sharded or not), a KV reserve, refused against the device budget with the numbers."""
+size, sharded or not), a KV reserve, refused against the devices' memory with the numbers."""
 import json
 import types
 

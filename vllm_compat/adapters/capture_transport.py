@@ -18,7 +18,7 @@ touches CUDA. In the parent, the first reply also tells glibc's allocator to kee
 (``mallopt``: no ``mmap`` for ``malloc``, no trimming), so the generator's ``.clone()`` of every
 slice reuses the pages of the previous calls' freed clones instead of faulting in fresh 4 KiB pages
 (a fault per page held that copy back: docs/performance.md, "The parent's copy lands on fresh
-pages (issue 13 step 2)"); the process keeps its peak heap instead.
+pages"); the process keeps its peak heap instead.
 ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0`` leaves the allocator alone.
 See ``vllm_compat/transport.py``.
 
