@@ -17,8 +17,8 @@ reply, and the generators copy every slice they keep before returning). Without 
 touches CUDA. In the parent, the first reply also tells glibc's allocator to keep freed memory
 (``mallopt``: no ``mmap`` for ``malloc``, no trimming), so the generator's ``.clone()`` of every
 slice reuses the pages of the previous calls' freed clones instead of faulting in fresh 4 KiB pages
-(a fault per page held that copy back: docs/performance.md, "The parent's copy lands on fresh
-pages"); the process keeps its peak heap instead.
+(a fault per page held that copy back: docs/reports/2026-12-01-generator-host-copy-and-overlap.md,
+"The parent's copy lands on fresh pages"); the process keeps its peak heap instead.
 ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0`` leaves the allocator alone.
 See ``vllm_compat/transport.py``.
 
