@@ -56,9 +56,18 @@ NAMED = re.compile(rf"\b(?:{PROJECTS})(?:'s)?\s+(?:(?:PR|pull\s+request|issue)s?
 ALLOWED: list[tuple[str, str, str]] = []
 
 
+def tracked_files() -> list[str]:
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0:
+        return listed.stdout.split("\0")
+    # not a git checkout (a copied working tree): the folders and files a checkout tracks
+    found = [p for d in ("vllm_compat", "hidden_states", "scripts", "tests", "bench", "docs", ".ci")
+             for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    return [str(p.relative_to(ROOT)) for p in found] + ["README.md", "CHANGELOG.md", "pyproject.toml"]
+
+
 def tracked_texts():
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in sorted(names.decode().split("\0")):
+    for name in sorted(tracked_files()):
         path = ROOT / name
         if not name or name.startswith(SKIPPED) or not path.is_file():
             continue
