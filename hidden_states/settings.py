@@ -226,5 +226,5 @@ class ServeSettings:
 
 # engine steps of tokens `hidden-states serve` keeps in vLLM's engine: about what `extract` keeps
 # there at its best (a batch of 32 rows of 2,048 and three steps ahead); more only wait in vLLM's
-# scheduler (docs/performance.md, "`hidden-states serve` against `vllm serve` (issue 32)")
+# scheduler (docs/reports/2026-12-04-serve-vs-vllm-serve.md, "`hidden-states serve` against `vllm serve`")
 ENGINE_STEPS_HELD = 8

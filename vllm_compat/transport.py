@@ -50,8 +50,8 @@ def keep_freed_host_memory() -> bool:
     16 MiB allocation, which glibc serves with a fresh ``mmap`` and unmaps again on ``free`` (and
     freed heap tops above 32 MiB are trimmed). Every byte of every clone then lands on a page the
     kernel must fault in and zero first, and the copy runs at a small fraction of the speed the
-    same bytes come off the GPU (docs/performance.md, "The parent's copy lands on fresh pages
-    (issue 13 step 2)"; bench/host_copy.py reproduces it on any Linux CPU). With
+    same bytes come off the GPU (docs/reports/2026-12-01-generator-host-copy-and-overlap.md,
+    "The parent's copy lands on fresh pages"; bench/host_copy.py reproduces it on any Linux CPU). With
     mmap off for malloc and no trimming, the next call's clones reuse the previous calls' freed
     pages (no faults once warm); the price is that the process keeps its peak heap. Process-wide,
     so only the process that receives captured states (the generator's) asks for it. glibc only;

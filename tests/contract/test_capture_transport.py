@@ -106,7 +106,7 @@ class TestCaptureTransport(AdapterContract):
     @pytest.mark.per_vllm  # the transport alone, in fresh processes: no speculators code runs
     def test_parent_clones_reuse_freed_memory(self):
         """The parent's copies out of the segment land on reused pages, not freshly faulted ones
-        (docs/performance.md, "The parent's copy lands on fresh pages (issue 13 step 2)"). 256
+        (docs/reports/2026-12-01-generator-host-copy-and-overlap.md, "The parent's copy lands on fresh pages"). 256
         faults per MiB is one per page: what every call costs without it."""
         if platform.libc_ver()[0] != "glibc":
             pytest.skip("not glibc: no mallopt")
