@@ -10,7 +10,7 @@ PRESETS: dict[str, dict] = {
     # audit passes). Batch 8: where vllm-engine was measured at 0.97-0.98x of vLLM's own prefill over
     # 2048-token rows (vLLM 0.33.0/0.34.0; the generator 0.90x at this batch), and a smaller batch leaves
     # less for the writer to finish after the last one; 4 writer threads keep up with the states there
-    # (measured: docs/performance.md, "The newest vLLM: 0.34.0 on the H200 (2026-12-03)" and "The
+    # (measured: docs/benchmarks.md, "`hidden-states extract`, GPU" and docs/performance.md, "The
     # extractor's defaults").
     "h200": {"tp_size": 1, "gpu_memory_utilization": 0.80, "batch_size": 8, "max_seq_len": 2048, "writer_threads": 4},
     # Two 8-GPU hosts, pipeline stages over them: tensor parallel in each host, the layers split in two

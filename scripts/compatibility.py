@@ -396,7 +396,7 @@ FOUND = [
     "  32 has its own key (`kInt4Static32`), the kernel takes `kInt4Static`; its routing list (Default,",
     "  Renormalize, RenormalizeNaive) also lacks DeepSeek-V3's (read, not run). INT4 linear layers run",
     "  (`CPUWNA16LinearKernel`): the INT4 dense column. On a GPU vLLM has Marlin / Triton INT4 MoE kernels:",
-    "  not measured yet (docs/performance.md).",
+    "  not measured yet (docs/benchmarks.md).",
 ]
 
 

@@ -130,7 +130,7 @@ MATRIX: dict[str, dict] = {
 DEFAULT_PLAN = {"contract": 3, "e2e": 10, "negative": None, "extractor": True, "backends": True, "faults": True,
                 "formats": False, "data_parallel": False, "tp8": False, "generate": True, "cuda": False, "pipeline": False}
 # the unit suites' minutes on a 2-core host beside another suite (the estimates: the last full runs on
-# such a host, idle, docs/performance.md, with what was added since)
+# such a host, idle, docs/reports/2026-12-03-cpu-backends-and-test-times.md, with what was added since)
 UNIT_MINUTES, DATASETS_MINUTES = 2.5, 0.5
 TRANSFORMERS_4_RELEASE = "0.17.0"  # the venv whose transformers 4 speculators 0.3.0's trainer needs
 UNIT_RELEASE = "0.17.0"  # ``--unit``'s venv: the demo's (scripts/demo.py), so that after the demo it builds nothing

