@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+# The one place the version is written: pyproject.toml reads it, both CLIs print it (--version), and
+# tests/unit/test_version.py holds it to the newest release heading of CHANGELOG.md.
+__version__ = "0.10.0"
 __all__ = ["apply", "revert", "status", "audit", "__version__"]
 
 if TYPE_CHECKING:

@@ -2,6 +2,7 @@
 
     vllm-compat audit [--vllm PATH|vllm==X] [--consumer PKG[==X]|PATH ...] [--consumer-source PATH] [--json] [--live] [--debug]
     vllm-compat adapters [--json]
+    vllm-compat --version
 
 Exit codes: 0 everything native or adapted; 1 unknown drift or missing symbols; 2 usage errors
 (a bad path, a file that is not a vLLM wheel, an unparsable version, a named release that cannot
@@ -96,7 +97,10 @@ def _stacks_markdown(stacks: dict[str, tuple[str, ...]], by_id: dict) -> list[st
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="vllm-compat", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     audit = sub.add_parser("audit", help="check a vLLM (installed, a wheel or a source tree) against every adapter")
     audit.add_argument("--vllm", metavar="PATH|vllm==X",

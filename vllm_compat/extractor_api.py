@@ -24,13 +24,15 @@ fails on any other import). Each name here is one of the shim's own, re-exported
   Model Runner V1 or V2; needs the ``v2_batch_order`` adapter, which a backend using it lists in
   its ``requires``).
 
+The package's version, which ``hidden-states --version`` prints: ``__version__`` (vllm_compat's own).
+
 Importing this module imports neither vLLM nor torch; :func:`apply` and the audit load lazily.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import wrapping
+from . import __version__, wrapping
 from .batch_order import scheduled_in_row_order
 from .consumer import IN_PROCESS_SPECULATORS, TRAINER_LAYOUTS, BackendTouchpoints
 from .environment import install_command
@@ -49,7 +51,7 @@ __all__ = [
     "Attr", "Param", "Exists", "FieldDefault", "LiteralMember", "Dispatched", "Registered", "Branch", "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
     "speculators_version", "IN_PROCESS_SPECULATORS", "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
-    "environment_conflicts", "install_command",
+    "environment_conflicts", "install_command", "__version__",
 ]
 
 

@@ -14,6 +14,7 @@
     python -m hidden_states generate ... --data-parallel-size 2 | --shard 0/4   # as extract's
     python -m hidden_states status OUT
     python -m hidden_states demo [--output-dir demo-output]
+    python -m hidden_states --version
 
 Exit codes: 0 done; 1 an unexpected failure (full traceback printed), or one of vLLM's processes died
 (the last line names it, how it ended and the likely cause); 2 bad input or arguments (one line
@@ -28,6 +29,8 @@ import os
 import signal
 import sys
 import traceback
+
+from vllm_compat.extractor_api import __version__
 
 from .. import log_levels, shards
 from ..config_file import config_path, flags_from
@@ -46,6 +49,7 @@ CONFIG_COMMANDS = {**dict.fromkeys(RUN_COMMANDS, lambda parser: add_run_argument
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hidden-states", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("extract", "extract hidden states for every sample of a tokenized dataset (prints the "
                                     "plan first)"),

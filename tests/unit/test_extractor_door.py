@@ -20,7 +20,7 @@ ALLOWED = frozenset({
     "PRESENT", "REQUIRED", "OPTIONAL",
     "vllm_device_type", "device_total_memory", "device_name", "host_memory", "vllm_version", "base", "package_dir",
     "speculators_version", "IN_PROCESS_SPECULATORS", "TRAINER_LAYOUTS", "pin_host_memory", "scheduled_in_row_order", "wrap_method",
-    "environment_conflicts", "install_command",
+    "environment_conflicts", "install_command", "__version__",
 })
 
 
