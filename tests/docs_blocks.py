@@ -54,7 +54,10 @@ class Block:
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """README.md and every page of docs/, its folders (guides/, reference/, explanation/) included; not
+    docs/reports/, dated records of runs whose blocks are transcripts of what ran then."""
+    docs = ROOT / "docs"
+    return [ROOT / "README.md", *sorted(p for p in docs.rglob("*.md") if p.relative_to(docs).parts[0] != "reports")]
 
 
 def blocks(path: Path) -> list[Block]:
