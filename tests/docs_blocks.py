@@ -1,4 +1,4 @@
-"""The shell blocks of README.md and docs/*.md and what each one's tag says it needs (support module of
+"""The shell blocks of README.md and the docs pages (``pages``) and what each one's tag says it needs (support module of
 tests/unit/test_docs_blocks.py and tests/e2e/test_docs_commands.py; the tags: docs/architecture.md,
 "Shell blocks in the docs").
 
