@@ -231,7 +231,7 @@ def verify_forward(collective_rpc, run_short_sequence) -> list[KernelCheck]:
 def check_forward(backend, vocab_size: int) -> str:
     """Self-test, in the workers, the kernels the model's layers run, in the layouts they run them
     (:func:`verify_forward`, through ``backend.check_forward``): a kernel that is wrong for one layout
-    makes every state after the first token wrong with no error (docs/extractor.md, "Forward check
+    makes every state after the first token wrong with no error (docs/explanation/capture.md, "Forward check
     (after the model load, before the first sample)"). One short sequence and a few small kernel
     calls: seconds. ``extract``, ``generate`` and ``serve`` call it after the model loads."""
     started = time.monotonic()

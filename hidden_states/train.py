@@ -1,5 +1,5 @@
 """``python -m hidden_states.train``: speculators' EAGLE-3 trainer on what the extractor wrote, one
-command on a GPU and on CPU (docs/extractor.md, "Training on the output").
+command on a GPU and on CPU (docs/guides/extract.md, "Training on the output").
 
 * speculators 0.8 and 0.9 have their own command (``python -m speculators.train``): the flags are
   theirs and pass through unchanged. On a GPU nothing else happens. Where torch has no accelerator,

@@ -81,7 +81,7 @@ def own_data_commands(python, speculators) -> str:
     both working as printed once the three names are filled in (tests/unit/test_plan.py runs them)."""
     prefix = f"PYTHONPATH={speculators} HF_HUB_OFFLINE=1 {python} -m hidden_states"
     flags = "--model-path MODEL_DIR --data CONVERSATIONS.jsonl --output-dir OUT_DIR"
-    return ("\nTo extract your own data in the same environment (docs/extractor.md): MODEL_DIR a checkpoint "
+    return ("\nTo extract your own data in the same environment (docs/getting-started.md): MODEL_DIR a checkpoint "
             "directory or a model id in the local Hugging Face cache; first the plan (seconds, no model load), "
             f"then the run:\n  {prefix} plan {flags}\n  {prefix} extract {flags}")
 
@@ -90,9 +90,9 @@ def next_steps(python, speculators, out: Path) -> str:
     """What to run after a demo that passed: one's own data, then the trainer of each speculators line."""
     return (own_data_commands(python, speculators)
             + f"\n\nThe files in {out / 'hidden_states'} are what speculators 0.3/0.4's trainer reads "
-              "(docs/extractor.md, section --format speculators-0.3); for speculators >= 0.5 (0.9 included) add "
+              "(docs/reference/output-formats.md, section --format speculators-0.3); for speculators >= 0.5 (0.9 included) add "
               "--format speculators-0.5 to the run above (the section of that name), or serve the states to its "
-              "online trainer (docs/serve.md).")
+              "online trainer (docs/guides/serve.md).")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The shell blocks of README.md and docs/*.md and what each one's tag says it needs (support module of
+"""The shell blocks of README.md and the docs pages (``pages``) and what each one's tag says it needs (support module of
 tests/unit/test_docs_blocks.py and tests/e2e/test_docs_commands.py; the tags: docs/architecture.md,
 "Shell blocks in the docs").
 
@@ -54,7 +54,10 @@ class Block:
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """README.md and every page of docs/, its folders (guides/, reference/, explanation/) included; not
+    docs/reports/, dated records of runs whose blocks are transcripts of what ran then."""
+    docs = ROOT / "docs"
+    return [ROOT / "README.md", *sorted(p for p in docs.rglob("*.md") if p.relative_to(docs).parts[0] != "reports")]
 
 
 def blocks(path: Path) -> list[Block]:

@@ -1,5 +1,5 @@
 """``vllm-engine``'s side of ``hidden-states generate`` (:class:`~hidden_states.backends.Replying`):
-replies, then the states of their training rows (docs/extractor.md, "On-policy rows in one pass").
+replies, then the states of their training rows (docs/guides/generate.md, "On-policy rows in one pass").
 
 A prompt to answer is a request of its own (:class:`PromptWork`) whose region holds the rows of its
 prompt and of every generated token a step fed back; a reply's training row is then prefilled under

@@ -152,7 +152,7 @@ def add_model_flags(group) -> None:
 
 def add_forward_check_flag(group) -> None:
     group.add_argument("--skip-forward-check", action="store_true",
-                       help="skip the self-test of the model's kernels after the load (see docs/extractor.md)")
+                       help="skip the self-test of the model's kernels after the load (see docs/explanation/capture.md)")
 
 
 def add_state_dtype_flag(group, where: str = "") -> None:

@@ -48,7 +48,7 @@ BACKEND = "vllm-engine"
 STREAM_ENV = "VLLM_COMPAT_STREAM_FILES"  # 0: speculators-0.5 files written when their rows are done (to compare)
 BATCHES_HELD = 4  # a batch's replies and its rows at once, besides what extract holds
 
-# why generate refuses vLLM's own path (found building it: docs/extractor.md, "On-policy rows in one pass")
+# why generate refuses vLLM's own path (found building it: docs/guides/generate.md, "On-policy rows in one pass")
 NATIVE_REPLIES = ("under vLLM's extract_hidden_states, greedy replies of requests sharing the engine part from the "
                   "model's own greedy output: they would not be its answers")
 

@@ -1,6 +1,6 @@
 """Conversations regenerated as speculators 0.9's ``regenerate-responses`` does, and their training
 rows matched with the replies whose states they reuse (``hidden-states generate``;
-docs/extractor.md, "On-policy rows in one pass").
+docs/guides/generate.md, "On-policy rows in one pass").
 
 What is kept of an input conversation: its system and user turns, in order; its assistant turns are
 dropped, each user turn is answered again, the conversation so far (replies regenerated for the

@@ -1,7 +1,7 @@
 """Conversations to training rows: the model's chat template, an assistant-only loss mask taken
 from the template itself, truncation, and the token frequencies of what is trained.
 
-Two layouts, as the trainers of ``--format`` prepare them (docs/extractor.md compares them):
+Two layouts, as the trainers of ``--format`` prepare them (docs/guides/prepare.md compares them):
 
 ``speculators-0.3`` (speculators 0.3/0.4, ``load_and_preprocess_dataset``): one row per
 conversation, the whole conversation rendered once. The mask is 1 on every assistant turn's reply:

@@ -1,5 +1,5 @@
 """``hidden-states serve``: the part of vLLM's OpenAI server that speculators 0.9 talks to, serving
-the hidden states of the token ids it sends (docs/serve.md). One module per surface, as vLLM's
+the hidden states of the token ids it sends (docs/guides/serve.md). One module per surface, as vLLM's
 OpenAI entrypoints:
 
 * this module: the command (:func:`serve`): plan, bind, load, serve until a signal, drain, stop;

@@ -6,7 +6,7 @@ keep-alive: it runs in every vLLM release's environment as it is. ``GET /v1/mode
 completion's ids go to the gatherer (``serve.batching``), which answers with the states' file. None
 is refused for load: requests wait.
 
-On a shared host (docs/serve.md, "On a shared host"): with an API key every route but ``/health``
+On a shared host (docs/guides/serve.md, "On a shared host"): with an API key every route but ``/health``
 asks for it (401); a body is JSON only (415), its ``Content-Length`` checked before a byte of it is
 read (411, 400, 413) and its nesting bounded (400); a connection idle or stalled for the keep-alive
 timeout is closed; past ``max_connections`` open ones a new connection takes the place of one idle

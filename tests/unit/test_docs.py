@@ -16,7 +16,7 @@ def test_adapter_docs_are_current():
 # take from them is in docs/drift-atlas.md and docs/cpu-vllm.md. Written in two parts so that this
 # file does not cite them itself.
 OUTSIDE_NOTES = re.compile("DRIFT" + r"\.md|CPU-" + "VLLM")
-# A citation of a docs page's section: docs/<page>.md, "<heading>" (quotes escaped inside a string too).
+# A citation of a docs page's section: docs/<page>.md or docs/<folder>/<page>.md, "<heading>" (quotes escaped inside a string too).
 CITATION = re.compile(r'(docs/[a-z0-9/.-]+\.md), \\?"([^"\\]+)\\?"')
 
 

@@ -1,7 +1,7 @@
-"""Every shell block in README.md and docs/*.md says whether it runs on CPU with the tiny models
-(```` ```console runnable ````, which tests/e2e/test_docs_commands.py then runs) or why not (gpu,
-network, server, illustrative): a reader can tell a command to paste from a sketch, and a new block
-cannot skip the docs test by saying nothing."""
+"""Every shell block in README.md and the docs pages (docs/ and its folders: tests/docs_blocks.pages)
+says whether it runs on CPU with the tiny models (```` ```console runnable ````, which
+tests/e2e/test_docs_commands.py then runs) or why not (gpu, network, server, illustrative): a reader
+can tell a command to paste from a sketch, and a new block cannot skip the docs test by saying nothing."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""``hidden-states serve`` on a host it shares with other users (docs/serve.md, "On a shared host"):
+"""``hidden-states serve`` on a host it shares with other users (docs/guides/serve.md, "On a shared host"):
 the states directory and its files, the sweep, the body checks, the API key, the connections' bounds,
 the drain; a real ``StatesServer`` on loopback over a fake engine backend, real files, and another
 Unix user (``nobody``) for the attacker's steps where the host has one."""
