@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
 IDS_05 = [1, 3, 4, 6]  # the e2e suite's layers of the 6-layer tiny model, counted as layers done
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
         steps = train(model, out, work / f"train-{name}", args.epochs, fp8=state_dtype == "fp8")
         runs[name] = {"extract_seconds": round(seconds, 1), "state_bytes": state_bytes(out), "steps": steps}
     report = {"samples": args.samples, "epochs": args.epochs, "seed": args.seed, "layers": IDS_05,
-              "generator": GENERATOR, "trainer": TRAINER, "runs": runs}
+              "generator": GENERATOR, "trainer": TRAINER, "runs": runs, "provenance": provenance(vars(args))}
     results = Path(args.results or work / "fp8-training.json")
     results.write_text(json.dumps(report, indent=1))
     bf16, fp8 = runs["bf16"]["steps"], runs["fp8"]["steps"]

@@ -43,10 +43,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpu_clocks import GpuSampler  # noqa: E402  (this folder, first on the path when run)
+from provenance import provenance  # noqa: E402
+
+# what the running script was asked to do (its parsed arguments): each record's provenance settings;
+# a script that emits through this module (serve.py, steps.py, timeline.py) fills it from its own
+SETTINGS: dict = {}
 
 
 def emit(phase: str, **values) -> dict:
-    record = {"phase": phase, **values}
+    record = {"phase": phase, **values, "provenance": provenance(SETTINGS)}
     print("RESULT " + json.dumps(record), flush=True)
     if os.environ.get("OUT"):
         with open(Path(os.environ["OUT"]) / "results.jsonl", "a") as handle:
@@ -615,6 +620,7 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=4, help="multiturn: exchanges per conversation (rows each)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
+    SETTINGS.update(vars(args))
     try:
         globals()[f"phase_{args.phase.replace('-', '_')}"](args)
     except Exception as exc:  # one phase failing must not hide the others' results

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from provenance import provenance
+
 MODES = {  # name -> (environment, what it is)
     "as is": ({}, "glibc's defaults: freed 16 MiB clones go back to the kernel"),
     "keep freed memory": ({"HOST_COPY_KEEP": "1"}, "vllm_compat.transport.keep_freed_host_memory()"),
@@ -122,9 +124,11 @@ def main() -> int:
         print(f"| {name} | {threads} | {batch} | {calls[0]['gb_s']:.2f} | {calls[0]['faults_per_mib']:.0f} | "
               f"{mid['gb_s']:.2f} | {mid['faults_per_mib']:.1f} |", flush=True)
         if args.jsonl:
+            settings = {**vars(args), "mode": name, "threads": threads, "batch": batch, "environment": extra}
             with open(args.jsonl, "a") as handle:
                 handle.write(json.dumps({"bench": "host_copy", "mode": name, "threads": threads, "batch": batch, "length": args.length,
-                                         "torch": torch.__version__, "calls": calls}) + "\n")
+                                         "torch": torch.__version__, "calls": calls,
+                                         "provenance": provenance(settings)}) + "\n")
     return 0
 
 
