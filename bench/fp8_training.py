@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A tiny EAGLE-3 draft trained on CPU by speculators 0.9's own trainer, on bf16 and on FP8 states of
-the same samples: the two loss curves side by side (issue 31 item 2).
+the same samples: the two loss curves side by side.
 
-    python bench/fp8_training.py                       # 64 samples, 6 epochs: the table in docs/performance.md
+    python bench/fp8_training.py                       # 64 samples, 6 epochs: the table in docs/benchmarks.md
     python bench/fp8_training.py --samples 16 --epochs 2   # quick
 
 Run with the vLLM 0.32.0 venv's python (speculators 0.9 needs Python >= 3.11 and transformers >= 5).

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""GPU measurements for docs/performance.md (run on the lent H200; each phase also runs on CPU with
-the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it to
+"""GPU measurements for docs/benchmarks.md (on any CUDA host; each phase also runs on CPU with the
+tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it to
 ``$OUT/results.jsonl`` when ``OUT`` is set; ``table`` renders them.
 
     python bench/gpu.py env
@@ -8,7 +8,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py build --family kimi-k2-small-int4 --path /tmp/models/kimi-k2-small-int4  # + its -dequantized twin
     python bench/gpu.py matmul
     python bench/gpu.py prefill   --model M --samples 64 --length 2048          # vLLM alone
-    python bench/gpu.py prefill   --model M --rows multiturn [--prefix-caching]  # ... on per-turn rows (issue 31)
+    python bench/gpu.py prefill   --model M --rows multiturn [--prefix-caching]  # ... on per-turn rows
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
@@ -79,7 +79,7 @@ def sequences(model: str, samples: int, length: int, seed: int = 0) -> list[list
 
 def multiturn_rows(model: str, conversations: int, system: int, user: int, assistant: int, turns: int,
                    seed: int = 0) -> list[list[int]]:
-    """Per-turn rows as speculators 0.9 writes them (issue 31's shape at 64, 500, 100, 300, 4):
+    """Per-turn rows as speculators 0.9 writes them (the prefix stages' shape: 64, 500, 100, 300, 4):
     every conversation begins with the same ``system`` tokens, then ``turns`` exchanges of ``user``
     and ``assistant`` tokens; row k of a conversation is its first k exchanges, in conversation order."""
     vocab = int(model_config(model)["vocab_size"])
@@ -312,7 +312,7 @@ def phase_native(args) -> None:
 
 def keep_freed_host_memory() -> bool:
     """Whether vllm_compat's transport lets the generator's process reuse freed memory (on unless
-    ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0``): the before / after switch of issue 13 step 2."""
+    ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0``): the before / after switch of the generator-host-memory stage."""
     return os.environ.get("VLLM_COMPAT_KEEP_FREED_HOST_MEMORY", "1") != "0"
 
 
@@ -430,7 +430,7 @@ def chat_prompts(args, model: str) -> list[str]:
 
 
 def phase_generate(args) -> None:
-    """issue 33: ``--samples`` prompts of ``--length`` tokens, ``--new-tokens`` each (``ignore_eos``), one call.
+    """One pass against two: ``--samples`` prompts of ``--length`` tokens, ``--new-tokens`` each (``ignore_eos``), one call.
     ``--backend vllm``: vLLM's ``LLM.generate`` alone (CUDA graphs unless ``--eager``); the rows (prompt +
     reply) go to ``--work``/rows.jsonl for ``extract --rows-file``. ``--backend hidden-states``: ``hidden-states
     generate`` on the same prompts (the rows' states captured while generating; ``--cuda-graphs``: vLLM

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Why the parent's copy out of the shared segment runs at 2 GB/s (issue 13 step 2), on the CPU alone.
+"""Why the parent's copy out of the shared segment runs at 2 GB/s, on the CPU alone.
 
     python bench/host_copy.py                          # batch 8 and 32 x 2048 tokens x 4 layers x 4096, bf16
     python bench/host_copy.py --batches 2 --calls 3    # quick

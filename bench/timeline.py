@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where the generator's time goes (issue 13, step 1): the unmodified speculators 0.3.0
+"""Where the generator's time goes: the unmodified speculators 0.3.0
 ``VllmHiddenStatesGenerator`` through ``vllm_compat.apply()``, as ``bench/gpu.py generator`` runs it,
 with timing wrappers installed by this bench alone (nothing in vllm_compat/ or hidden_states/ changes).
 
