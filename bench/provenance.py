@@ -4,7 +4,8 @@
     record = {"phase": "extract", ..., "provenance": provenance({"backend": "vllm-engine", "batch": 8})}
 
 It says which code was measured (the git commit, and whether the tree had changes git tracks; in a
-tree exported without git, the ``COMMIT`` file at its root; else ``unknown``), when (UTC, ISO 8601),
+tree exported without git, the ``COMMIT`` file at its root, ``<sha>`` or ``<sha>-dirty``; else
+``unknown``), when (UTC, ISO 8601),
 on what (CPU model and count; GPU name, count and driver; no hostname), with which packages (Python,
 vLLM, torch, transformers, speculators, vllm-compat: ``None`` where one is not installed), how it
 was started (``sys.argv``), the ``VLLM_COMPAT_*`` variables set, and the settings the caller passes:
@@ -52,13 +53,18 @@ def source(root: Path = ROOT) -> dict:
                     else None, "commit_source": "git"}
     except (OSError, subprocess.SubprocessError):
         pass
+    # a tree exported without git: its COMMIT file holds the commit, with "-dirty" appended where the
+    # exported tree had changes (`git describe --always --dirty --abbrev=40` writes it so; `git archive`
+    # exports the commit alone, and `git rev-parse HEAD` beside it writes the bare commit)
     exported = root / "COMMIT"
     try:
-        if exported.is_file() and exported.read_text().strip():
-            # `git archive` exports no changes that were not committed: such a tree is clean by construction
-            return {"commit": exported.read_text().split()[0], "dirty": False, "commit_source": "COMMIT file"}
+        written = exported.read_text().split() if exported.is_file() else []
     except OSError:
-        pass
+        written = []
+    if written:
+        commit = written[0]
+        dirty = commit.endswith("-dirty")
+        return {"commit": commit.removesuffix("-dirty"), "dirty": dirty, "commit_source": "COMMIT file"}
     return {"commit": "unknown", "dirty": None, "commit_source": "unknown"}
 
 

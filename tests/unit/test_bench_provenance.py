@@ -63,6 +63,10 @@ def test_an_exported_tree_is_read_from_its_commit_file_else_unknown(outside_git)
     (outside_git / "COMMIT").write_text("0123456789abcdef0123456789abcdef01234567\n")
     assert provenance.source(outside_git) == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False,
                                               "commit_source": "COMMIT file"}
+    # as `git describe --always --dirty --abbrev=40` writes it for a tree with changes
+    (outside_git / "COMMIT").write_text("0123456789abcdef0123456789abcdef01234567-dirty\n")
+    assert provenance.source(outside_git) == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": True,
+                                              "commit_source": "COMMIT file"}
 
 
 def test_a_package_not_installed_is_none_and_nothing_raises(monkeypatch):
