@@ -50,7 +50,7 @@ def layer_ids(model: str) -> list[int]:
 
 
 def client_env(spec09: str) -> dict:
-    # speculators 0.9 first; what the environment's path holds after it (on the device, datasets in vLLM's site)
+    # speculators 0.9 first; what the environment's path holds after it (with bench/device's bundles, datasets in vLLM's site)
     path = os.pathsep.join(p for p in (spec09, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "COLUMNS": "400"}  # its log unwrapped
 
