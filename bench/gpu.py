@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""GPU measurements for docs/performance.md (run on the lent H200; each phase also runs on CPU with
-the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it to
+"""GPU measurements for docs/benchmarks.md (on any CUDA host; each phase also runs on CPU with the
+tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it to
 ``$OUT/results.jsonl`` when ``OUT`` is set; ``table`` renders them.
 
     python bench/gpu.py env
@@ -8,7 +8,7 @@ the tiny model as a dry run). Each phase prints ``RESULT {json}`` and appends it
     python bench/gpu.py build --family kimi-k2-small-int4 --path /tmp/models/kimi-k2-small-int4  # + its -dequantized twin
     python bench/gpu.py matmul
     python bench/gpu.py prefill   --model M --samples 64 --length 2048          # vLLM alone
-    python bench/gpu.py prefill   --model M --rows multiturn [--prefix-caching]  # ... on per-turn rows (issue 31)
+    python bench/gpu.py prefill   --model M --rows multiturn [--prefix-caching]  # ... on per-turn rows
     python bench/gpu.py hf        --model M --samples 64 --length 2048 --batch 4 # HF baseline
     python bench/gpu.py generator --model M --samples 64 --length 2048 --batch 8 --speculators 0.3.0
     python bench/gpu.py generator --model M --configs 8x2048,32x2048,64x512,8x4096   # one load, a sweep
@@ -43,10 +43,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpu_clocks import GpuSampler  # noqa: E402  (this folder, first on the path when run)
+from provenance import provenance  # noqa: E402
+
+# what the running script was asked to do (its parsed arguments): each record's provenance settings;
+# a script that emits through this module (serve.py, steps.py, timeline.py) fills it from its own
+SETTINGS: dict = {}
 
 
 def emit(phase: str, **values) -> dict:
-    record = {"phase": phase, **values}
+    record = {"phase": phase, **values, "provenance": provenance(SETTINGS)}
     print("RESULT " + json.dumps(record), flush=True)
     if os.environ.get("OUT"):
         with open(Path(os.environ["OUT"]) / "results.jsonl", "a") as handle:
@@ -74,7 +79,7 @@ def sequences(model: str, samples: int, length: int, seed: int = 0) -> list[list
 
 def multiturn_rows(model: str, conversations: int, system: int, user: int, assistant: int, turns: int,
                    seed: int = 0) -> list[list[int]]:
-    """Per-turn rows as speculators 0.9 writes them (issue 31's shape at 64, 500, 100, 300, 4):
+    """Per-turn rows as speculators 0.9 writes them (the prefix stages' shape: 64, 500, 100, 300, 4):
     every conversation begins with the same ``system`` tokens, then ``turns`` exchanges of ``user``
     and ``assistant`` tokens; row k of a conversation is its first k exchanges, in conversation order."""
     vocab = int(model_config(model)["vocab_size"])
@@ -307,7 +312,7 @@ def phase_native(args) -> None:
 
 def keep_freed_host_memory() -> bool:
     """Whether vllm_compat's transport lets the generator's process reuse freed memory (on unless
-    ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0``): the before / after switch of issue 13 step 2."""
+    ``VLLM_COMPAT_KEEP_FREED_HOST_MEMORY=0``): the before / after switch of the generator-host-memory stage."""
     return os.environ.get("VLLM_COMPAT_KEEP_FREED_HOST_MEMORY", "1") != "0"
 
 
@@ -425,7 +430,7 @@ def chat_prompts(args, model: str) -> list[str]:
 
 
 def phase_generate(args) -> None:
-    """issue 33: ``--samples`` prompts of ``--length`` tokens, ``--new-tokens`` each (``ignore_eos``), one call.
+    """One pass against two: ``--samples`` prompts of ``--length`` tokens, ``--new-tokens`` each (``ignore_eos``), one call.
     ``--backend vllm``: vLLM's ``LLM.generate`` alone (CUDA graphs unless ``--eager``); the rows (prompt +
     reply) go to ``--work``/rows.jsonl for ``extract --rows-file``. ``--backend hidden-states``: ``hidden-states
     generate`` on the same prompts (the rows' states captured while generating; ``--cuda-graphs``: vLLM
@@ -615,6 +620,7 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=4, help="multiturn: exchanges per conversation (rows each)")
     parser.add_argument("--results", default=os.path.join(os.environ.get("OUT", "."), "results.jsonl"))
     args = parser.parse_args(argv)
+    SETTINGS.update(vars(args))
     try:
         globals()[f"phase_{args.phase.replace('-', '_')}"](args)
     except Exception as exc:  # one phase failing must not hide the others' results

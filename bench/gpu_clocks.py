@@ -1,7 +1,7 @@
 """What the GPU was doing while a bench phase ran: ``nvidia-smi`` sampled twice a second beside it.
 
-Two runs of one workload on one machine have differed by a third (docs/performance.md, the tenth
-session's second ``generate``); the record this writes says whether the GPU was busy, at what SM
+Two runs of one workload on one machine have differed by a third (docs/benchmarks.md, the second
+``generate`` run of 2026-12-04); the record this writes says whether the GPU was busy, at what SM
 clock, and why the driver held the clock down, over the seconds that were timed.
 
     with GpuSampler() as sampler:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Why the parent's copy out of the shared segment runs at 2 GB/s (issue 13 step 2), on the CPU alone.
+"""Why the parent's copy out of the shared segment runs at 2 GB/s, on the CPU alone.
 
     python bench/host_copy.py                          # batch 8 and 32 x 2048 tokens x 4 layers x 4096, bf16
     python bench/host_copy.py --batches 2 --calls 3    # quick
@@ -25,6 +25,8 @@ import os
 import subprocess
 import sys
 import time
+
+from provenance import provenance
 
 MODES = {  # name -> (environment, what it is)
     "as is": ({}, "glibc's defaults: freed 16 MiB clones go back to the kernel"),
@@ -122,9 +124,11 @@ def main() -> int:
         print(f"| {name} | {threads} | {batch} | {calls[0]['gb_s']:.2f} | {calls[0]['faults_per_mib']:.0f} | "
               f"{mid['gb_s']:.2f} | {mid['faults_per_mib']:.1f} |", flush=True)
         if args.jsonl:
+            settings = {**vars(args), "mode": name, "threads": threads, "batch": batch, "environment": extra}
             with open(args.jsonl, "a") as handle:
                 handle.write(json.dumps({"bench": "host_copy", "mode": name, "threads": threads, "batch": batch, "length": args.length,
-                                         "torch": torch.__version__, "calls": calls}) + "\n")
+                                         "torch": torch.__version__, "calls": calls,
+                                         "provenance": provenance(settings)}) + "\n")
     return 0
 
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu import emit, model_config, sequences  # noqa: E402
+from gpu import SETTINGS, emit, model_config, sequences  # noqa: E402
 from gpu_clocks import GpuSampler  # noqa: E402
 
 LAUNCHER_FRONT_END = "--api-server-count 4 --renderer-num-workers 2"  # speculators' launch_vllm.py defaults
@@ -50,7 +50,7 @@ def layer_ids(model: str) -> list[int]:
 
 
 def client_env(spec09: str) -> dict:
-    # speculators 0.9 first; what the environment's path holds after it (on the device, datasets in vLLM's site)
+    # speculators 0.9 first; what the environment's path holds after it (with bench/device's bundles, datasets in vLLM's site)
     path = os.pathsep.join(p for p in (spec09, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "COLUMNS": "400"}  # its log unwrapped
 
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
                         help="vllm: the shim's worker adapters in vLLM's processes (its plugin, VLLM_COMPAT_APPLY=1): "
                              "vLLM's CPU backend needs native_connector_host_memory for the connector (CPU dry run only)")
     args = parser.parse_args(argv)
+    SETTINGS.update(vars(args))
     work = Path(args.work) / args.server
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu import emit  # noqa: E402
+from gpu import SETTINGS, emit  # noqa: E402
 
 
 def read_jsonl(paths) -> list[dict]:
@@ -98,6 +98,7 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     """One column per run that can be read; a run that cannot (a failed step of a device stage) is
     named and left out, and the others still make the table."""
+    SETTINGS["runs"] = sys.argv[1:]
     results = []
     for directory in sys.argv[1:]:
         try:

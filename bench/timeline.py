@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where the generator's time goes (issue 13, step 1): the unmodified speculators 0.3.0
+"""Where the generator's time goes: the unmodified speculators 0.3.0
 ``VllmHiddenStatesGenerator`` through ``vllm_compat.apply()``, as ``bench/gpu.py generator`` runs it,
 with timing wrappers installed by this bench alone (nothing in vllm_compat/ or hidden_states/ changes).
 
@@ -34,7 +34,7 @@ HOOK = BENCH / "timeline_hook"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(HOOK))
 
-from gpu import default_layers, emit, load_generator, model_config, sequences, sweep  # noqa: E402
+from gpu import SETTINGS, default_layers, emit, load_generator, model_config, sequences, sweep  # noqa: E402
 from timeline_spans import ENV_DIR, Spans, read_worker_events, set_enabled  # noqa: E402
 
 COPY = "parent copy"  # opened when the states' RPC returns, closed when generate() returns
@@ -236,6 +236,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args(argv)
+    SETTINGS.update(vars(args))
 
     events_dir = tempfile.mkdtemp(prefix="timeline-")
     # the spawned workers load bench/timeline_hook/sitecustomize.py, which installs their wrappers

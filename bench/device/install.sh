@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device side: join and install the bundles bench/device/prepare.py made, once every part of each has
-# been copied into /tmp/vw/<bundle>/ (`cp .gpu/<bundle>/pN/* /tmp/vw/<bundle>/`, one call a part).
+# GPU host side: join and install the bundles bench/device/prepare.py made, once every part of each has
+# been copied into /tmp/vw/<bundle>/ (receive.sh, once a part).
 #   bash bench/device/install.sh torch-2.14.0 vllm-0.34.0 [triton-2.14.0] [ray]
 # Where things go (stages.sh reads the same variables):
 #   torch-T, triton-T -> $TORCH_SITE (/tmp/torch-site): a torch other than the image's, its NCCL, torchvision
@@ -10,7 +10,6 @@
 #                        as scripts/vllm_venv.py --speculators-only 0.9.0 --with-requirements-of "$(which python3)"
 #                        stamps it, so the tests that ask for that folder find it ready (no index here)
 #   ray               -> $RAY_SITE (/tmp/ray-site)
-# /tmp survives between calls only while the machine stays warm (30 s after a call).
 set -euo pipefail
 W=${W:-/tmp/vw}
 TORCH_SITE=${TORCH_SITE:-/tmp/torch-site}

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Prepare, on this machine, what the lent H200 needs to run one vLLM release and the extractor.
+"""Prepare, on a machine with network, what a GPU host without network needs to run one vLLM release
+and the extractor.
 
     python3 bench/device/prepare.py                      # vLLM 0.34.0 (the default release)
     python3 bench/device/prepare.py --vllm 0.33.0        # another release
     python3 bench/device/prepare.py --vllm 0.20.0 --ray  # ... and Ray, for the data-parallel stage
     python3 bench/device/prepare.py --triton             # ... and the Triton the release's torch pins
+    python3 bench/device/prepare.py --image-packages FILE  # leave out what the host's image holds
 
-The device has Python 3.12, torch 2.11.0+cu130, transformers 5.17 and no network, and a call carries
-at most 64 MiB. Everything travels as *bundles*: a bundle is an uncompressed tar of wheels (wheels
+The host this prepares for has Python 3.12, torch 2.11.0+cu130 (``DEVICE_TORCH``) and no network, and
+its transport carries at most 64 MiB at a time. Everything travels as *bundles*: a bundle is an uncompressed tar of wheels (wheels
 are already compressed) cut into parts of 59 MiB, ``.gpu/<bundle>/pN`` (``.gpu/`` is git-ignored).
-One device call carries one part and copies it into ``/tmp/vw/<bundle>/``; ``install.sh`` joins the
+One transfer carries one part and copies it into ``/tmp/vw/<bundle>/``; ``install.sh`` joins the
 parts, checks the tar's sha256 and installs the wheels with pip (no index, no dependencies).
 
 Bundles for a release R:
@@ -28,11 +30,11 @@ Bundles for a release R:
 * ``torch-T``, only where R pins another torch than the image's: that torch, the torchvision R pins,
   and the NCCL that torch pins (a newer torch links NCCL functions the image's NCCL lacks, and
   Python loads extensions with every symbol bound). The CUDA 13 runtime libraries, cuDNN and
-  cuSPARSELt stay the image's (same major versions; docs/performance.md says what that leaves).
+  cuSPARSELt stay the image's (same major versions; docs/benchmarks.md says what that leaves).
 * ``triton-X`` with ``--triton``: the Triton that torch pins (the image's serves eager runs).
 * ``ray`` with ``--ray``: Ray as the extractor's ``[ray]`` extra pins it, and msgpack.
 
-bench/device/README.md gives the calls, in order.
+bench/device/README.md gives the steps, in order.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ PYTHON = "3.12"
 LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs")
 # vLLM requirements the extractor's path never imports (media decoders, kernels of models and formats
 # it does not run, the torch family, which travels in the torch bundle). Everything else vLLM
-# requires travels: on the H200 vLLM 0.34.0 imported xgrammar's apache-tvm-ffi, FlashInfer (its V2
+# requires travels: on an H200 vLLM 0.34.0 imported xgrammar's apache-tvm-ffi, FlashInfer (its V2
 # sampler) and CUTLASS's DSL (the FlashAttention backend, warm-up) on a plain Llama.
 NOT_IMPORTED = {"pynvvideocodec", "torchcodec", "tilelang", "tokenspeed-mla", "tokenspeed-triton", "humming-kernels",
                 "fastsafetensors", "instanttensor", "z3-solver", "nvidia-cutlass-dsl-libs-cu12", "torch", "torchaudio", "torchvision", "triton",
@@ -80,7 +82,9 @@ RAY = ["ray==2.60.0", "msgpack==1.2.4"]
 # every manylinux tag up to glibc 2.39 (the device's Python accepts them all; pip matches tags exactly)
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(5, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
                                                                 "manylinux1_x86_64"]
-KINDS = Path("/work/.library/device/KINDS.md")  # the device image's package list, where this workplace has it
+# the host image's packages (--image-packages): one name a line (`pip list --format=freeze` works) or one
+# line `Packages: a, b, c.`; what it lists does not travel, unless ALWAYS or pinned otherwise
+IMAGE_PACKAGES: Path | None = None
 
 
 def norm(name: str) -> str:
@@ -132,9 +136,12 @@ def pinned(wheel: Path, package: str) -> str:
 
 
 def device_packages() -> set[str]:
-    text = KINDS.read_text() if KINDS.exists() else ""
-    listed = text.split("Packages: ")[-1].split("\n")[0].rstrip(".")
-    return {norm(name) for name in listed.split(",") if name.strip()}
+    text = IMAGE_PACKAGES.read_text() if IMAGE_PACKAGES and IMAGE_PACKAGES.exists() else ""
+    if "Packages: " in text:
+        listed = text.split("Packages: ")[-1].split("\n")[0].rstrip(".").split(",")
+    else:
+        listed = [line.split("==")[0] for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return {norm(name) for name in listed if name.strip()}
 
 
 def pip_report(wanted: list[str], folder: Path, constraints: list[str] = ()) -> list[tuple[str, str]]:
@@ -177,7 +184,7 @@ def without_cutlass_dsl_lacking_cuda13(resolved: list[tuple[str, str]]) -> list[
     """``resolved`` less CUTLASS's DSL where it would travel without its CUDA 13 libraries.
 
     A release that asks the DSL without the ``cu13`` extra (0.20.0) gets the CUDA 12 flavour, which
-    stays here (``NOT_IMPORTED``); the DSL alone then fails vLLM's engine start on the H200 ("No CTK
+    stays here (``NOT_IMPORTED``); the DSL alone then fails vLLM's engine start on an H200 ("No CTK
     flavor installed"), while without it vLLM 0.20.0 starts and serves. 0.33.0 and 0.34.0 ask ``[cu13]``.
     """
     names = {name for name, _ in resolved}
@@ -244,7 +251,10 @@ def main() -> int:
     parser.add_argument("--vllm", default="0.34.0", help="the vLLM release (its CUDA wheel from PyPI)")
     parser.add_argument("--triton", action="store_true", help="also the Triton that the release's torch pins")
     parser.add_argument("--ray", action="store_true", help="also Ray, for the data-parallel stage")
+    parser.add_argument("--image-packages", type=Path, help="the GPU host image's packages (IMAGE_PACKAGES)")
     args = parser.parse_args()
+    global IMAGE_PACKAGES
+    IMAGE_PACKAGES = args.image_packages
     release = args.vllm
     cache = BUILD / f"vllm-{release}"
     vllm_wheel = fetch(cache / "wheels", f"vllm=={release}")
@@ -288,7 +298,7 @@ def main() -> int:
         for part in parts:
             size = sum(f.stat().st_size for f in part.rglob("*") if f.is_file())
             if size > 62 * 2**20:
-                raise SystemExit(f"{part} is over the 64 MiB a device call carries")
+                raise SystemExit(f"{part} is over the 64 MiB one transfer carries")
         print(f"{name}: {len(parts)} parts ({', '.join(str(p.relative_to(ROOT)) for p in parts)})")
     return 0
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Device side, in the background: install bundles and run stages one after another, so that the
-# calls copying the next bundle's parts (receive.sh) overlap the GPU work of the one before.
-#   run(command="bash bench/device/queue.sh torch-2.14.0 vllm-0.34.0 0.34.0:release-one vllm-0.33.0 0.33.0:release-one")
-# returns at once; the queue runs from its own copy of this checkout (/tmp/repo: the next call
-# replaces the working tree), logs to /tmp/queue.log, and each stage writes /tmp/out/R-STAGE/.
-#   bash bench/device/queue.sh --harvest   # in any later call: the log's tail, /tmp/out as $OUT/out.tgz
+# GPU host side, in the background: install bundles and run stages one after another, so that copying
+# the next bundle's parts (receive.sh) overlaps the GPU work of the one before.
+#   bash bench/device/queue.sh torch-2.14.0 vllm-0.34.0 0.34.0:release-quick vllm-0.33.0 0.33.0:release-quick
+# returns at once; the queue runs from its own copy of this checkout (/tmp/repo: the checkout may change
+# under it), logs to /tmp/queue.log, and each stage writes /tmp/out/R-STAGE/.
+#   OUT=DIR bash bench/device/queue.sh --harvest   # at any time: the log's tail, /tmp/out as DIR/out.tgz
 # Items, each lane in the order given:
 #   torch-T, vllm-R   install lane: wait for receive.sh's mark that every part is here, then install.sh
 #   8b                GPU lane: the Llama-3-8B-shaped checkpoint into /tmp/models/llama3-8b (the image's torch)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Device side, one call per carried part: copy part N of BUNDLE into /tmp/vw/BUNDLE/, and once every
-# part is there, mark the bundle complete (queue.sh waits for that mark before it installs).
-#   run(carry=[".gpu/vllm-0.34.0/p3"], command="bash bench/device/receive.sh vllm-0.34.0 3")
-# Calls run one at a time, so a part copied by an earlier call is whole when a later one looks.
+# GPU host side, once per part that arrived in this checkout's .gpu/BUNDLE/pN: copy part N of BUNDLE into
+# /tmp/vw/BUNDLE/, and once every part is there, mark the bundle complete (queue.sh waits for that mark
+# before it installs).
+#   bash bench/device/receive.sh vllm-0.34.0 3
+# Run it once per part, one at a time, so a part copied earlier is whole when a later run looks.
 set -euo pipefail
 bundle=${1:?bundle} part=${2:?part number}
 dir=${W:-/tmp/vw}/$bundle

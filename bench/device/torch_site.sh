@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side: the torch site a release's stages put on the path (queue.sh passes it to stages.sh as
+# GPU host side: the torch site a release's stages put on the path (queue.sh passes it to stages.sh as
 # TORCH_SITE): the carried torch's site when its torch is the one the release's vLLM pins, else nothing
 # (the image's torch).
 #   bash bench/device/torch_site.sh /tmp/site-0.20.0 [/tmp/torch-site]

@@ -10,7 +10,7 @@ class TestExtensibleKvCache(AdapterContract):
     first_new = "0.34.0"
     # vLLM turns the extensible cache on only where it finds CUDA or ROCm (vllm/config/vllm.py:3194):
     # a CPU run of the generator never reserves without committing. The fault it prevents is shown on
-    # the H200 (bench/device/stages.sh release-load; docs/compatibility.md, 0.34.0).
+    # the H200 (bench/device/stages.sh release-quick, its fault step; docs/compatibility.md, 0.34.0).
     not_observable_on_cpu = "the extensible KV cache is on only on CUDA/ROCm; the fault is reproduced on the H200"
 
     def test_patched_call(self, generator_module):

@@ -59,7 +59,7 @@ class TestParentCopyThreads(AdapterContract):
     adapter_id = "parent_copy_threads"
     not_observable_on_cpu = ("a speed, not a result: the states are the same on one thread, and on vLLM's CPU "
                              "backend the adapter is not needed (the workers use the cores); measured on the "
-                             "H200 by bench/device/stages.sh threads")
+                             "H200 by bench/device/stages.sh parent-copy-threads")
 
     def test_init_executor_calls_what_lowers_the_threads(self):
         """The drift bridged, read from the real release: _init_executor calls the function that
