@@ -479,8 +479,13 @@ def run_generation(model, data, out, layout, *extra):
 def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tmp_path, monkeypatch):
     """The plan's input stream is the one the conversations are read from, and its chat tokenizer
     the one the prompts, the rows and token_freq.pt use: one open of the input, one tokenizer load
-    (the negative: each reader opening its own counts more)."""
+    (the negative: each reader opening its own counts more); token_freq.pt is prepare's of the
+    regenerated rows."""
+    import importlib.util
+
+    from hidden_states import extras
     from hidden_states.inputs import conversations, tokenization
+    from hidden_states.output.formats import speculators_05
 
     model, data, _ = fake_run
     opened, loaded = [], []
@@ -496,15 +501,30 @@ def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tm
 
     monkeypatch.setattr(conversations, "open_source", counting_open)
     monkeypatch.setattr(tokenization, "load_tokenizer", counting_load)
-    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.3")
-    assert summary.extracted == 2 and (tmp_path / "out" / "token_freq.pt").is_file()
+    if importlib.util.find_spec("datasets") is None:  # the sample files and token_freq.pt are written all the same
+        monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)
+        monkeypatch.setattr(speculators_05, "write_dataset", lambda directory, count: None)
+    # speculators-0.5: the layout whose trainer reads token_freq.pt
+    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.5")
+    assert summary.extracted == 3 and (tmp_path / "out" / "token_freq.pt").is_file()
     assert opened.count(data.name) == 1, opened
     assert len(loaded) == 1, loaded
     # the negative: prepare reading the regenerated rows with its own stream loads a tokenizer of its own
     assert main(["prepare", "--model-path", str(model), "--data", str(tmp_path / "out" / "regenerated.jsonl"),
-                 "--output", str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.3",
+                 "--output", str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.5",
                  "--max-seq-len", "256"]) == 0
     assert len(loaded) == 2
+    assert torch.load(tmp_path / "prepared" / "token_freq.pt", weights_only=True) == \
+        torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True)
+
+
+def test_a_speculators_03_generation_writes_no_pt_file_but_its_samples(fake_run, tmp_path):
+    """speculators 0.3/0.4's dataset, given the directory, loads every file whose name ends in "pt" as
+    a sample: no token_freq.pt beside them (their trainer reads none)."""
+    model, data, _ = fake_run
+    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.3")
+    assert summary.extracted == 2
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*pt")) == ["data_0.pt", "data_2.pt"]
 
 
 def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
