@@ -10,7 +10,11 @@ converts to its distinct layers.
 Converted to speculators-0.5, an extraction of conversations gets the ``token_freq.pt`` its trainer
 reads (speculators 0.9's ``--draft-vocab-size``), which a speculators-0.3 directory does not hold:
 the trained tokens of the rows converted, counted as extract counts its rows (:class:`TrainedTokens`),
-written once every row is converted.
+written once every row is converted. The rows stay as the source's extraction made them (one per
+conversation), so the counts are theirs: what the trainer trains on here. They equal a direct
+speculators-0.5 extraction's where the two layouts train the same tokens of a conversation (a
+template with generation markers); elsewhere that extraction's own rows train its end-of-turn token
+too, and its counts differ as its rows do.
 
 FP8 states (``--state-dtype fp8``) are not converted to speculators-0.3: its trainer has no FP8
 reader, and dequantized files would pass FP8's rounding off as the model's states.
