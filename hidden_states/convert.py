@@ -13,8 +13,9 @@ the trained tokens of the rows converted, counted as extract counts its rows (:c
 written once every row is converted. The rows stay as the source's extraction made them (one per
 conversation), so the counts are theirs: what the trainer trains on here. They equal a direct
 speculators-0.5 extraction's where the two layouts train the same tokens of a conversation (a
-template with generation markers); elsewhere that extraction's own rows train its end-of-turn token
-too, and its counts differ as its rows do.
+template with generation markers); elsewhere that extraction's rows also train what the template
+renders after the generation prompt around the reply (the end-of-turn token, Qwen3's empty think
+block), and its counts differ as its rows do.
 
 FP8 states (``--state-dtype fp8``) are not converted to speculators-0.3: its trainer has no FP8
 reader, and dequantized files would pass FP8's rounding off as the model's states.
