@@ -480,7 +480,7 @@ def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tm
     """The plan's input stream is the one the conversations are read from, and its chat tokenizer
     the one the prompts, the rows and token_freq.pt use: one open of the input, one tokenizer load
     (the negative: each reader opening its own counts more); token_freq.pt is prepare's of the
-    regenerated rows."""
+    regenerated rows, after a conversation regenerated again too."""
     import importlib.util
 
     from hidden_states import extras
@@ -514,17 +514,18 @@ def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tm
                  "--output", str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.5",
                  "--max-seq-len", "256"]) == 0
     assert len(loaded) == 2
-    assert torch.load(tmp_path / "prepared" / "token_freq.pt", weights_only=True) == \
-        torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True)
-
-
-def test_a_speculators_03_generation_writes_no_pt_file_but_its_samples(fake_run, tmp_path):
-    """speculators 0.3/0.4's dataset, given the directory, loads every file whose name ends in "pt" as
-    a sample: no token_freq.pt beside them (their trainer reads none)."""
-    model, data, _ = fake_run
-    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.3")
-    assert summary.extracted == 2
-    assert sorted(p.name for p in (tmp_path / "out").rglob("*pt")) == ["data_0.pt", "data_2.pt"]
+    prepared = torch.load(tmp_path / "prepared" / "token_freq.pt", weights_only=True)
+    assert prepared and torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True) == prepared
+    # a conversation regenerated again (its reply's file gone; the fake's new reply is another): prepare's
+    # counts of the rows, the one conversation redone included
+    (tmp_path / "out" / "hidden_states" / "hs_2.safetensors").unlink()
+    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.5")
+    assert summary.extracted == 1
+    assert main(["prepare", "--model-path", str(model), "--data", str(tmp_path / "out" / "regenerated.jsonl"),
+                 "--output", str(tmp_path / "again" / "rows.jsonl"), "--format", "speculators-0.5",
+                 "--max-seq-len", "256"]) == 0
+    again = torch.load(tmp_path / "again" / "token_freq.pt", weights_only=True)
+    assert again != prepared and torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True) == again
 
 
 def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
@@ -552,12 +553,9 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     summary, _, _ = run_generation(model, data, out, "speculators-0.3")
     assert (summary.extracted, summary.skipped, len(made)) == (1, 1, 2)
     assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
-    # token_freq.pt: what prepare writes for the rows the trainer reads, regenerated.jsonl's (the one
-    # conversation redone included)
-    assert main(["prepare", "--model-path", str(model), "--data", str(out / "regenerated.jsonl"), "--output",
-                 str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.3", "--max-seq-len", "256"]) == 0
-    prepared = torch.load(tmp_path / "prepared" / "token_freq.pt", weights_only=True)
-    assert torch.load(out / "token_freq.pt", weights_only=True) == prepared and prepared
+    # no token_freq.pt (speculators 0.3/0.4 read none, and their dataset would load it as a sample):
+    # no file but the samples has a name ending in "pt"
+    assert sorted(p.name for p in out.rglob("*pt")) == ["data_0.pt", "data_2.pt"]
 
 
 class TimedReplies(FakeGenerating):
