@@ -15,9 +15,8 @@ them (each conversation's next turn enters the engine as soon as its reply is in
   exactly those, decode-time rows among them), the rest from the row's prefill;
 * a run stopped after its first conversations (``--max-samples``) is resumed by the same command
   without it: the finished files untouched, ``regenerated.jsonl`` one line per conversation;
-* in ``--format speculators-0.5`` the same two runs end with ``token_freq.pt`` (none after the
-  first): ``prepare``'s counts of the regenerated rows; in speculators-0.3 no file but the samples'
-  has a name ending in "pt" (speculators 0.3/0.4's dataset would load it as a sample);
+* no file but the samples' has a name ending in "pt": no ``token_freq.pt`` in speculators-0.3
+  (speculators 0.3/0.4's dataset would load it as a sample);
 * with a tokenizer that renders a reply back as its own ids (``marker_model``), a row that goes on
   from its whole reply is prefilled in the reply's region, a cached first block included, and its
   states are still HF's;
@@ -28,8 +27,8 @@ them (each conversation's next turn enters the engine as soon as its reply is in
   being its raw ones; a decode step's rows planted one request off (``tests/e2e/plants``) stop the
   run at a row it does not write, while the same run without the plant passes.
 
-Engine starts: the two runs in each layout, the reference's ``LLM``, the marker model's run, the Qwen3
-run and the sampled runs with and without the plant (nine). Marked ``extractor`` and ``generate``: the vLLM 0.26.0 release's run only, the lane beside
+Engine starts: the two runs, the reference's ``LLM``, the marker model's run, the Qwen3 run and the
+sampled runs with and without the plant (seven). Marked ``extractor`` and ``generate``: the vLLM 0.26.0 release's run only, the lane beside
 0.32.0's (scripts/test_matrix.py).
 """
 from __future__ import annotations
@@ -47,7 +46,6 @@ from tests.conftest import ROOT
 from tests.e2e import harness
 from tests.e2e.generate_runs import (BLOCK, CONVERSATIONS, NEW_TOKENS, SHORT, TEACHER, conversations_in, generate_in,
                                      judge_rows, marker_model, qwen3_model, regenerated, run_generate)
-from tests.e2e.trainers import speculators_09
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.extractor, pytest.mark.generate]
 
@@ -86,44 +84,11 @@ def test_the_interrupted_run_is_resumed(generated):
     assert [len(replies[index][0]["token_ids"]) for index in batch_mates] == [NEW_TOKENS] * len(batch_mates)
 
 
-@pytest.fixture(scope="module")
-def generated_05(tmp_path_factory):
-    """The interrupted run and its resumption in ``--format speculators-0.5`` (speculators 0.9.0's
-    folder brings ``datasets`` for its index): the layout whose trainer reads ``token_freq.pt``."""
-    root = tmp_path_factory.mktemp("generate-05")
-    model, data = conversations_in(root, CONVERSATIONS)
-    out = root / "out"
-    options = {"layout": "speculators-0.5", "layers": [1, 3, 4, 6],  # the extractor's 0, 2, 3, 5
-               "pythonpath": (speculators_09(), ROOT)}
-    first = run_generate(model, data, out, "--max-samples", str(FIRST_RUN), **options)
-    assert first.returncode == 0, first.stderr[-4000:]
-    freq_after_first = (out / "token_freq.pt").exists()
-    second = run_generate(model, data, out, **options)
-    assert second.returncode == 0, second.stderr[-4000:]
-    return model, out, freq_after_first
-
-
-def test_the_resumed_run_writes_prepares_token_freq_of_the_regenerated_rows(generated_05, tmp_path):
-    """``token_freq.pt`` beside the rows (speculators 0.9 reads ``<data-path>/token_freq.pt``), written
-    once the resumed run has every conversation (not by the first run): the counts ``prepare`` makes
-    of ``regenerated.jsonl``, the conversations of the first run included."""
-    import torch
-
-    model, out, freq_after_first = generated_05
-    assert not freq_after_first
-    prepared = tmp_path / "prepared.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "hidden_states", "prepare", "--model-path", str(model), "--data",
-                           str(out / "regenerated.jsonl"), "--output", str(prepared), "--format", "speculators-0.5",
-                           "--max-seq-len", "1024"], capture_output=True, text=True, cwd=ROOT,  # cpu-tiny's
-                          env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = torch.load(tmp_path / "token_freq.pt", weights_only=True)
-    assert expected and torch.load(out / "token_freq.pt", weights_only=True) == expected
-
-
 def test_a_speculators_03_run_holds_no_pt_file_but_its_samples(generated):
     """speculators 0.3/0.4's dataset, given the directory, loads every file whose name ends in "pt" as
-    a sample: the resumed run of every conversation leaves no token_freq.pt beside them."""
+    a sample: the resumed run of every conversation leaves no token_freq.pt beside them (speculators-0.5's,
+    prepare's of the regenerated rows: tests/e2e/test_generate_data_parallel.py, whose lane has
+    speculators 0.9.0's folder for that layout's index; resumed: tests/unit/test_generate.py)."""
     _, out, *_ = generated
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name.endswith("pt")) == \
         sorted(f"data_{i}.pt" for i in range(len(CONVERSATIONS)))
