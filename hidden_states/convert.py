@@ -7,6 +7,16 @@ where it stopped and ``DST`` only ever holds whole files. Layer ids are translat
 extraction listing a layer twice (speculators 0.3's default on a 6-layer model, ``[2, 3, 3, 5]``)
 converts to its distinct layers.
 
+Converted to speculators-0.5, an extraction of conversations gets the ``token_freq.pt`` its trainer
+reads (speculators 0.9's ``--draft-vocab-size``), which a speculators-0.3 directory does not hold:
+the trained tokens of the rows converted, counted as extract counts its rows (:class:`TrainedTokens`),
+written once every row is converted. The rows stay as the source's extraction made them (one per
+conversation), so the counts are theirs: what the trainer trains on here. They equal a direct
+speculators-0.5 extraction's where the two layouts train the same tokens of a conversation (a
+template with generation markers); elsewhere that extraction's rows also train what the template
+renders after the generation prompt around the reply (the end-of-turn token, Qwen3's empty think
+block), and its counts differ as its rows do.
+
 FP8 states (``--state-dtype fp8``) are not converted to speculators-0.3: its trainer has no FP8
 reader, and dequantized files would pass FP8's rounding off as the model's states.
 
@@ -15,6 +25,7 @@ for every sample ``0 .. n-1``. Anything else is refused, naming what is wrong; `
 """
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,7 +38,8 @@ from .output.directory import OutputDir
 from .output.writer import BackgroundWriter
 from .output.lock import DirectoryLock
 from .certify.certificate import Certificate
-from .output.names import CONFIG, format_name
+from .output.names import CONFIG, TOKEN_FREQ, format_name
+from .inputs.tokenization import count_trained, save_token_frequencies
 from .output.sample_rows import file_tensors
 from .files import read_json
 from .progress import log_to_stderr
@@ -46,6 +58,49 @@ def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], lis
     else:
         ids, states = tensors["input_ids"], list(tensors["hidden_states"])
     return ids.tolist(), tensors["loss_mask"].tolist(), states, Certificate.from_tensors(tensors)
+
+
+def read_ids(format_name: str, path: Path) -> tuple[list[int], list[int]]:
+    """``input_ids`` and ``loss_mask`` of one sample file of ``format_name`` (a speculators-0.3 file
+    mapped, its states not read)."""
+    if format_name == layer_conventions.SPECULATORS_05:
+        ids, mask, _, _ = read_sample(format_name, path)
+        return ids, mask
+    import torch
+
+    tensors = torch.load(path, weights_only=True, mmap=True)
+    return tensors["input_ids"].tolist(), tensors["loss_mask"].tolist()
+
+
+class TrainedTokens:
+    """How often each token id is trained over the rows of a convert, in the rows' order
+    (``tokenization.count_trained``: what an extraction of the same rows straight into the
+    destination's layout writes to ``token_freq.pt``).
+
+    Args:
+        rows: the kind of rows the source's samples were made from, as its ``data_config.json``
+            records it (``tokenization.rows``: ``conversations`` or ``tokenized``); None where it
+            records none.
+    """
+
+    def __init__(self, rows: str | None):
+        self.rows = rows
+        self.counts: Counter = Counter()
+        self.masked = False  # a row with an untrained token met
+
+    def add(self, ids: list[int], mask: list[int]) -> None:
+        count_trained(self.counts, ids, mask)
+        self.masked = self.masked or not all(mask)
+
+    @property
+    def written(self) -> bool:
+        """Whether these are the frequencies of an input of conversations, the only input an
+        extraction writes them for. A directory written before ``data_config.json`` recorded the
+        kind of rows does not say: its rows are taken for conversations' when one of them leaves a
+        token untrained, as every conversation's prompt is (a tokenized input without masks is
+        stored all ones; one with masks of its own gets the frequencies of what its rows train,
+        which is what the file means)."""
+        return self.rows == "conversations" or (self.rows is None and self.masked)
 
 
 def source_format(src: Path) -> tuple[str, dict]:
@@ -131,10 +186,19 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
         todo = [index for index in sorted(files) if index not in finished]
         log(f"convert {src} ({name}, layers {config['layer_ids']}) -> {dst} ({to}, layers "
             f"{dst_layer_ids}): {len(files)} samples, {len(files) - len(todo)} already converted, {len(todo)} to go")
+        # the destination's trainer reads token frequencies, which a tokenized input never has
+        trained = TrainedTokens(tokenization.get("rows")) \
+            if output.token_frequencies is not None and tokenization.get("rows") != "tokenized" else None
         writer = BackgroundWriter(dst, max_pending=8, format=layout)
         try:
-            for index in todo:
+            for index in sorted(files):
+                if index in finished:  # converted already: its trained tokens counted all the same
+                    if trained is not None:
+                        trained.add(*read_ids(name, files[index]))
+                    continue
                 input_ids, loss_mask, states, certificate = read_sample(name, files[index])
+                if trained is not None:
+                    trained.add(input_ids, loss_mask)
                 if len(states) != len(src_ids):
                     raise OutputError(f"{files[index]}: {len(states)} layers, {CONFIG} lists {len(src_ids)}")
                 if certificate is not None:  # it travels with the row: its sketch's layers as the row's now lie
@@ -146,6 +210,26 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
             writer.close()
             finished.update(writer.stats.lengths)
             output.finish(finished)
+        if trained is not None and trained.written and set(files) <= set(finished):
+            write_token_frequencies(trained, output.token_frequencies, src / TOKEN_FREQ, log)
         return len(todo)
     finally:
         lock.release()
+
+
+def write_token_frequencies(trained: TrainedTokens, path: Path, held: Path, log) -> None:
+    """``trained``'s counts into ``path``, once every row is converted. ``held``: where a
+    speculators-0.3 source written by an older version keeps its own, counted over the same rows;
+    one that differs is said (the file written counts the rows converted)."""
+    freq = dict(trained.counts)
+    if held.is_file():
+        import torch
+
+        try:
+            same = torch.load(held, weights_only=True) == freq
+        except Exception:  # unreadable (cut short, not a dict): not these rows' counts either
+            same = False
+        if not same:
+            log(f"warning: {held} does not hold the trained tokens' frequencies of its rows; {path} holds those "
+                f"of the rows converted")
+    save_token_frequencies(freq, path)

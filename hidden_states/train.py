@@ -121,9 +121,10 @@ ASSEMBLED_FLAGS.add_argument("--lr", type=float, default=1e-3)
 
 def sample_files(data_path: str) -> list[str]:
     """The extraction's sample files in ``data_path`` (``data_{i}.pt``), by index. Given the directory,
-    speculators 0.3/0.4's dataset loads every ``.pt`` file under it as a sample: the ``token_freq.pt``
-    an extraction of conversations writes there (for speculators 0.9) would stop training with a
-    KeyError."""
+    speculators 0.3/0.4's dataset loads every file whose name ends in "pt" under it as a sample. An
+    extraction into speculators-0.3 writes no other such file, but one written by an older version of
+    the extractor, from conversations, holds a ``token_freq.pt`` (for speculators 0.9), which would
+    stop training with a KeyError; and a user's own ``.pt`` files may lie there too."""
     from .output import formats
 
     layout = formats.create("speculators-0.3", Path(data_path))

@@ -18,7 +18,6 @@ import time
 
 from ..plan.batches import BatchSource, batch_source
 from ..inputs.streams import Sample
-from ..output.names import TOKEN_FREQ
 from ..plan.planner import BATCHES_HELD
 from ..progress import Progress, log_to_stderr
 from ..replicas.driver import RayReplicas, SampleBatches, on_ray
@@ -145,16 +144,18 @@ class Extraction:
         return share, exact and share == left
 
     def write_token_frequencies(self) -> None:
-        """``token_freq.pt`` in the output directory (speculators 0.9 reads it for
-        ``--draft-vocab-size``), for an input of conversations, once this run has read every row of
-        it from the first: the trained tokens of every sample, finished ones included, so a resumed
-        run writes what one uninterrupted run and ``prepare`` write. A run over part of the input
-        (``--start-index``, ``--max-samples`` short of its end, a stop) leaves it as it is."""
-        stream, end = self.prepared.input, self.settings.end_index
-        if stream.tokenizer is None or not stream.ended or self.settings.start_index or \
+        """``token_freq.pt`` in the output directory where the format's trainer reads it
+        (speculators-0.5: speculators 0.9's ``--draft-vocab-size``; ``OutputDir.token_frequencies``),
+        for an input of conversations, once this run has read every row of it from the first: the
+        trained tokens of every sample, finished ones included, so a resumed run writes what one
+        uninterrupted run and ``prepare`` write. A run over part of the input (``--start-index``,
+        ``--max-samples`` short of its end, a stop) leaves it as it is; a speculators-0.3 run writes
+        none (and leaves one an older version wrote as it is)."""
+        stream, end, path = self.prepared.input, self.settings.end_index, self.prepared.output.token_frequencies
+        if path is None or stream.tokenizer is None or not stream.ended or self.settings.start_index or \
                 (end is not None and end < stream.samples_read):
             return
-        save_token_frequencies(dict(stream.token_counts), self.prepared.output.path / TOKEN_FREQ)
+        save_token_frequencies(dict(stream.token_counts), path)
 
 
 class ExtractReplica:

@@ -28,7 +28,6 @@ from ..plan.batches import BatchSource, batch_source
 from ..errors import InputError, PreflightError, UsageError
 from ..inputs.streams import trained_token_counts
 from ..layer_conventions import SPECULATORS_05
-from ..output.names import TOKEN_FREQ
 from ..progress import Progress, log_to_stderr
 from ..replicas.driver import RayReplicas, on_ray
 from ..run.lifecycle import Lifecycle
@@ -188,17 +187,20 @@ class Generation:
         self.log(self.tally.line(self.tally.reused, self.summary.tokens - self.tally.reused))
 
     def write_token_frequencies(self) -> None:
-        """``token_freq.pt`` in the output directory once every conversation of the input is done
-        (the whole input in range, none left): the trained tokens of ``regenerated.jsonl``'s rows,
-        counted as ``prepare`` counts that file (the rows the trainer reads are the regenerated
-        ones). A shard, a partial range or a run that stopped leaves it as it is."""
+        """``token_freq.pt`` in the output directory where the format's trainer reads it
+        (speculators-0.5; ``OutputDir.token_frequencies``) once every conversation of the input is
+        done (the whole input in range, none left): the trained tokens of ``regenerated.jsonl``'s
+        rows, counted as ``prepare`` counts that file (the rows the trainer reads are the regenerated
+        ones). A shard, a partial range or a run that stopped leaves it as it is; a speculators-0.3
+        run writes none."""
         settings, prepared = self.settings, self.prepared
+        path = prepared.output.token_frequencies
         whole = settings.start_index == 0 and (settings.end_index is None or settings.end_index >= self._conversations)
-        if not whole or self.source.tag is not None or self.unfinished()[0]:
+        if path is None or not whole or self.source.tag is not None or self.unfinished()[0]:
             return
         counts = trained_token_counts(chat_settings(prepared), prepared.output.path / regenerated_name(None),
                                       tokenizer=prepared.input.tokenizer)
-        save_token_frequencies(dict(counts), prepared.output.path / TOKEN_FREQ)
+        save_token_frequencies(dict(counts), path)
 
     def unfinished(self) -> tuple[int, bool]:
         """(samples of the conversations of the range, or the shard's share, not done: a file missing,

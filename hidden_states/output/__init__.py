@@ -10,7 +10,9 @@
   path, size and hash, the tokenization settings), written before the first sample; a run into a
   directory holding another extraction with finished samples is refused (``OutputDir.check``);
 * whatever index files the format writes when a run ends (``sample_lengths.json``);
-* ``token_freq.pt`` (``TOKEN_FREQ``), for an input of conversations, once a run has read every row.
+* ``token_freq.pt`` (``TOKEN_FREQ``), for an input of conversations, once a run has read every row,
+  in a layout whose trainer reads it (a format's ``token_frequencies_file``: speculators-0.5; never
+  beside speculators-0.3's samples, whose trainer would load it as one).
 
 Every file is written under a temporary name and renamed into place, so a final name always holds
 a whole file. A background thread does the writing from a bounded queue: the model never waits on

@@ -145,6 +145,8 @@ class OutputDir:
         doomed = [Path(entry.path) for entry in (os.scandir(samples) if samples.is_dir() else ())
                   if written.sample_index(entry.name) is not None]
         doomed += sorted(self.path.glob(LEDGERS)) + sorted(self.path.glob(f"{TEMP_PREFIX}*"))
+        # TOKEN_FREQ whatever the format: a speculators-0.3 directory written before the layout decided
+        # it holds one too
         doomed += [self.path / name for name in (*written.index_files(), TOKEN_FREQ)]
         for path in doomed:
             if path.is_dir():
@@ -160,6 +162,13 @@ class OutputDir:
             return len(doomed)
         (self.path / CONFIG).unlink(missing_ok=True)
         return len(doomed) + 1
+
+    @property
+    def token_frequencies(self) -> Path | None:
+        """Where this run writes the trained tokens' frequencies, for an input of conversations: the
+        file its format's trainer reads them from; None: the format's trainer reads none here."""
+        name = self.format.token_frequencies_file
+        return self.path / name if name is not None else None
 
     @property
     def samples_dir(self) -> Path:

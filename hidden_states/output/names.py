@@ -8,7 +8,8 @@ LEDGER = "done.jsonl"
 LEDGERS = "done*.jsonl"  # every writer's ledger (see ledger_name)
 CONFIG = "data_config.json"
 # The trained tokens' frequencies (speculators 0.9 reads <data-path>/token_freq.pt for
-# --draft-vocab-size), written by a run that read every row of an input of conversations
+# --draft-vocab-size), written by a run that read every row of an input of conversations, in the
+# layouts whose trainer reads it (a format's ``token_frequencies_file``)
 TOKEN_FREQ = "token_freq.pt"
 
 

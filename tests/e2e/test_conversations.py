@@ -282,8 +282,11 @@ def test_extract_takes_conversations_through_the_real_generator(workspace, tmp_p
     """``extract --data`` on eight conversations of the messages file (one with a turn of a role no
     template knows, which speculators 0.3/0.4 skip), with the tiny Llama and a Qwen3 chat tokenizer,
     through speculators 0.3.0's generator on vLLM: each file holds the row ``prepare`` made for that
-    conversation, and states for every one of its tokens; ``token_freq.pt`` (where speculators 0.9
-    looks for it, ``<data-path>/token_freq.pt``) is prepare's."""
+    conversation, and states for every one of its tokens. No other file whose name ends in "pt" lies
+    beside them: speculators 0.3.0's own ``Eagle3SampleFileDataset``, given the directory (it loads
+    every such file under it as a sample), loads the eight and yields each one's item. Converted to
+    speculators-0.5, the directory gets ``token_freq.pt`` (where speculators 0.9 looks for it,
+    ``<data-path>/token_freq.pt``): prepare's of the same rows."""
     import torch
 
     from tests.e2e.extract_runs import LAYERS, run_cli
@@ -317,9 +320,46 @@ def test_extract_takes_conversations_through_the_real_generator(workspace, tmp_p
     assert "1 turns with unknown roles skipped" in proc.stderr
     expected = read_rows(prepared)
     assert len(expected) == 8
-    assert torch.load(out / "token_freq.pt", weights_only=True) == torch.load(tmp_path / "token_freq.pt",
-                                                                              weights_only=True)
     for number, (ids, mask) in enumerate(expected):
         saved = torch.load(out / f"data_{number}.pt", weights_only=True)
         assert saved["input_ids"].tolist() == ids and saved["loss_mask"].tolist() == mask
         assert all(state.shape[0] == len(ids) for state in saved["hidden_states"])
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name.endswith("pt")) == \
+        sorted(f"data_{number}.pt" for number in range(8))
+
+    loaded = tmp_path / "loaded.json"
+    proc = subprocess.run([sys.executable, "-c", SAMPLE_FILE_DATASET, str(out), str(SEQ_LEN), str(loaded)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                          "PYTHONPATH": os.pathsep.join([str(harness.speculators_path("0.3.0")), ROOT])})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    items = json.loads(loaded.read_text())
+    assert sorted(items) == sorted(str(out / f"data_{number}.pt") for number in range(8))
+    for number, (ids, mask) in enumerate(expected):  # shift_batch drops each sample's first position
+        assert items[str(out / f"data_{number}.pt")] == {"input_ids": ids[1:], "loss_mask": mask[1:],
+                                                         "lengths": [len(ids) - 1], "rows": len(ids) - 1}
+
+    converted = tmp_path / "converted"
+    proc = subprocess.run([sys.executable, "-m", "hidden_states", "convert", str(out), str(converted), "--to",
+                           "speculators-0.5"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                               "PYTHONPATH": os.pathsep.join([ROOT, str(speculators_09())])})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert torch.load(converted / "token_freq.pt", weights_only=True) == torch.load(tmp_path / "token_freq.pt",
+                                                                                    weights_only=True)
+
+
+# speculators 0.3.0's dataset, unmodified, on a directory: every sample file it finds, and what it
+# yields for it (vllm_compat's apply() first: speculators 0.3/0.4 import under transformers 5 only so)
+SAMPLE_FILE_DATASET = """
+import json, sys
+from vllm_compat.extractor_api import apply
+apply()
+from speculators.train.data import Eagle3SampleFileDataset
+dataset = Eagle3SampleFileDataset(max_len=int(sys.argv[2]), datapath=sys.argv[1])
+items = {}
+for index in range(len(dataset)):
+    item = dataset[index]
+    items[str(dataset.data[index])] = {"input_ids": item["input_ids"].tolist(), "loss_mask": item["loss_mask"].tolist(),
+                                       "lengths": item["lengths"].tolist(), "rows": int(item["hidden_states"].shape[0])}
+json.dump(items, open(sys.argv[3], "w"))
+"""

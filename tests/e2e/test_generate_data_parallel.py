@@ -6,7 +6,8 @@ the same ``regenerated.jsonl``; every row's states within the bf16 floor of HF's
 (``harness``'s tolerances). The shards' own files partition the conversations; the check that says
 so is shown to catch a pair that misses or duplicates one. The replicas run ``--cuda-graphs`` (vLLM
 compiled, the capture inside its forward), each saying so at its end, against the eager one-process
-run: a greedy reply may part from it only at a bf16 tie (``assert_near_tie``).
+run: a greedy reply may part from it only at a bf16 tie (``assert_near_tie``). The one-process run's
+``token_freq.pt`` is ``prepare``'s of its regenerated rows.
 
 Engine starts: the one-process run, two replicas, two shards (five); the conversations and the tiny
 Llama of tests/e2e/generate_runs.py, 16 new tokens each. Marked ``extractor`` and ``data_parallel``:
@@ -176,6 +177,22 @@ def test_one_process_numbers_rows_per_reply(workspace):
     _, _, single, proc = workspace
     assert {line["index"]: line["sample_indices"] for line in regenerated(single / "regenerated.jsonl")} == PER_REPLY
     assert "done: 6 samples extracted" in proc.stderr
+
+
+def test_one_process_writes_prepares_token_freq_of_the_regenerated_rows(workspace, tmp_path):
+    """``token_freq.pt`` beside the rows (speculators 0.9 reads ``<data-path>/token_freq.pt``; the
+    layout whose trainer reads it), written once the run has every conversation: the counts
+    ``prepare`` makes of ``regenerated.jsonl`` (a resumed run's: tests/unit/test_generate.py)."""
+    import torch
+
+    model, _, single, _ = workspace
+    proc = subprocess.run([sys.executable, "-m", "hidden_states", "prepare", "--model-path", str(model), "--data",
+                           str(single / "regenerated.jsonl"), "--output", str(tmp_path / "prepared.jsonl"), "--format",
+                           "speculators-0.5", "--max-seq-len", "1024"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"})  # 1024: cpu-tiny's
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = torch.load(tmp_path / "token_freq.pt", weights_only=True)
+    assert expected and torch.load(single / "token_freq.pt", weights_only=True) == expected
 
 
 def test_two_replicas_with_cuda_graphs_write_what_one_process_writes(workspace):

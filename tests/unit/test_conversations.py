@@ -275,28 +275,14 @@ def test_extract_data_tokenizes_conversations_as_prepare_does(chat_model, tmp_pa
     from hidden_states.status import status
 
     assert f"input {data}: 3 samples; every one finished" in status(tmp_path / "out")
-    # token_freq.pt, where speculators 0.9 looks for it (<data-path>/token_freq.pt, read with
-    # torch.load(weights_only=True)): prepare's, to the order of its ids
-    prepared_freq = torch.load(tmp_path / "token_freq.pt", weights_only=True)
-    freq_path = tmp_path / "out" / "token_freq.pt"
-    freq = torch.load(freq_path, weights_only=True)
-    assert freq == prepared_freq and list(freq) == list(prepared_freq)
-    assert all(isinstance(k, int) and isinstance(v, int) for k, v in freq.items())
-
-    # a resumed run counts the finished samples too: the same file
-    freq_path.unlink()
+    # a resumed run redoes the missing sample alone
     (tmp_path / "out" / "data_1.pt").unlink()
     made.clear()
     assert main(extract) == 0, capsys.readouterr().err
     assert rows_run(made) == [expected[1]["input_ids"]]
-    assert torch.load(freq_path, weights_only=True) == prepared_freq
-    # a run with nothing left to do, and one over part of the input, leave it whole
-    freq_path.unlink()
-    assert main(extract) == 0 and torch.load(freq_path, weights_only=True) == prepared_freq
-    partial = extract[:extract.index("--output-dir") + 1] + [str(tmp_path / "part")] + \
-        extract[extract.index("--output-dir") + 2:]
-    assert main([*partial, "--max-samples", "2"]) == 0
-    assert not (tmp_path / "part" / "token_freq.pt").exists()
+    # no token_freq.pt: speculators 0.3/0.4 read none, and their dataset would load it as a sample
+    # (tests/unit/test_token_frequencies.py: speculators-0.5's, prepare's)
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*pt")) == [f"data_{i}.pt" for i in range(3)]
 
 
 @pytest.mark.datasets
@@ -316,14 +302,16 @@ def test_speculators_09_builds_its_draft_vocabulary_from_the_token_frequencies_e
     monkeypatch.setattr(planner, "check_vllm", lambda backend, touched=None, speculators=True: "audit: not run (a fake backend)")
     out = tmp_path / "out"
     assert main(["extract", "--model-path", str(chat_model), "--data", str(data), "--output-dir", str(out),
-                 "--format", "speculators-0.3", "--layer-ids", "1", "3", "--backend", "speculators",
+                 "--format", "speculators-0.5", "--layer-ids", "2", "4", "--backend", "speculators",
                  "--skip-forward-check", "--no-shared-prefix"]) == 0, capsys.readouterr().err
 
     # what the written samples train, counted from the samples themselves
+    from hidden_states.output.formats.speculators_05 import read_sample
+
     trained_counts = Counter()
-    for path in out.glob("data_*.pt"):
-        sample = torch.load(path, weights_only=True)
-        trained_counts.update(sample["input_ids"][sample["loss_mask"].bool()].tolist())
+    for path in out.glob("hidden_states/hs_*.safetensors"):
+        sample = read_sample(path)
+        trained_counts.update(sample["token_ids"][sample["loss_mask"].bool()].tolist())
     target_vocab_size = json.loads((chat_model / "config.json").read_text())["vocab_size"]
     token_freq = torch.load(out / "token_freq.pt", weights_only=True)  # as speculators 0.9's trainer reads it
 

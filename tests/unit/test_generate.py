@@ -479,8 +479,13 @@ def run_generation(model, data, out, layout, *extra):
 def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tmp_path, monkeypatch):
     """The plan's input stream is the one the conversations are read from, and its chat tokenizer
     the one the prompts, the rows and token_freq.pt use: one open of the input, one tokenizer load
-    (the negative: each reader opening its own counts more)."""
+    (the negative: each reader opening its own counts more); token_freq.pt is prepare's of the
+    regenerated rows, after a conversation regenerated again too."""
+    import importlib.util
+
+    from hidden_states import extras
     from hidden_states.inputs import conversations, tokenization
+    from hidden_states.output.formats import speculators_05
 
     model, data, _ = fake_run
     opened, loaded = [], []
@@ -496,15 +501,31 @@ def test_generate_opens_its_input_once_and_loads_the_tokenizer_once(fake_run, tm
 
     monkeypatch.setattr(conversations, "open_source", counting_open)
     monkeypatch.setattr(tokenization, "load_tokenizer", counting_load)
-    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.3")
-    assert summary.extracted == 2 and (tmp_path / "out" / "token_freq.pt").is_file()
+    if importlib.util.find_spec("datasets") is None:  # the sample files and token_freq.pt are written all the same
+        monkeypatch.setattr(extras, "require", lambda *args, **kwargs: None)
+        monkeypatch.setattr(speculators_05, "write_dataset", lambda directory, count: None)
+    # speculators-0.5: the layout whose trainer reads token_freq.pt
+    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.5")
+    assert summary.extracted == 3 and (tmp_path / "out" / "token_freq.pt").is_file()
     assert opened.count(data.name) == 1, opened
     assert len(loaded) == 1, loaded
     # the negative: prepare reading the regenerated rows with its own stream loads a tokenizer of its own
     assert main(["prepare", "--model-path", str(model), "--data", str(tmp_path / "out" / "regenerated.jsonl"),
-                 "--output", str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.3",
+                 "--output", str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.5",
                  "--max-seq-len", "256"]) == 0
     assert len(loaded) == 2
+    prepared = torch.load(tmp_path / "prepared" / "token_freq.pt", weights_only=True)
+    assert prepared and torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True) == prepared
+    # a conversation regenerated again (its reply's file gone; the fake's new reply is another): prepare's
+    # counts of the rows, the one conversation redone included
+    (tmp_path / "out" / "hidden_states" / "hs_2.safetensors").unlink()
+    summary, _, _ = run_generation(model, data, tmp_path / "out", "speculators-0.5")
+    assert summary.extracted == 1
+    assert main(["prepare", "--model-path", str(model), "--data", str(tmp_path / "out" / "regenerated.jsonl"),
+                 "--output", str(tmp_path / "again" / "rows.jsonl"), "--format", "speculators-0.5",
+                 "--max-seq-len", "256"]) == 0
+    again = torch.load(tmp_path / "again" / "token_freq.pt", weights_only=True)
+    assert again != prepared and torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True) == again
 
 
 def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
@@ -532,12 +553,9 @@ def test_a_run_writes_one_row_per_conversation_and_resumes(fake_run, tmp_path):
     summary, _, _ = run_generation(model, data, out, "speculators-0.3")
     assert (summary.extracted, summary.skipped, len(made)) == (1, 1, 2)
     assert [json.loads(line)["index"] for line in (out / "regenerated.jsonl").read_text().splitlines()] == [0, 2]
-    # token_freq.pt: what prepare writes for the rows the trainer reads, regenerated.jsonl's (the one
-    # conversation redone included)
-    assert main(["prepare", "--model-path", str(model), "--data", str(out / "regenerated.jsonl"), "--output",
-                 str(tmp_path / "prepared" / "rows.jsonl"), "--format", "speculators-0.3", "--max-seq-len", "256"]) == 0
-    prepared = torch.load(tmp_path / "prepared" / "token_freq.pt", weights_only=True)
-    assert torch.load(out / "token_freq.pt", weights_only=True) == prepared and prepared
+    # no token_freq.pt (speculators 0.3/0.4 read none, and their dataset would load it as a sample):
+    # no file but the samples has a name ending in "pt"
+    assert sorted(p.name for p in out.rglob("*pt")) == ["data_0.pt", "data_2.pt"]
 
 
 class TimedReplies(FakeGenerating):

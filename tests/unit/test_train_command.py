@@ -71,8 +71,9 @@ def test_other_directories_add_nothing(tmp_path):
 
 
 def test_0_3s_trainer_reads_the_sample_files_alone_by_index(tmp_path):
-    """speculators 0.3/0.4's dataset, given the directory, loads every .pt under it: the token_freq.pt of an
-    extraction of conversations stopped their training (KeyError: 'hidden_states'). It gets the samples."""
+    """speculators 0.3/0.4's dataset, given the directory, loads every .pt under it: the token_freq.pt an
+    older version wrote beside an extraction of conversations stopped their training (KeyError:
+    'hidden_states'). It gets the samples."""
     for name in ("data_10.pt", "data_2.pt", "token_freq.pt", "data_0.pt", "notes.pt", "done.jsonl"):
         (tmp_path / name).write_bytes(b"")
     assert train.sample_files(str(tmp_path)) == [str(tmp_path / f"data_{i}.pt") for i in (0, 2, 10)]

@@ -2,7 +2,7 @@
 
 A format is a writer. It names each sample's file, turns one sample and its states into a record,
 saves a record into an open file, tells a whole file from one cut short, describes itself for
-``data_config.json``, writes its index files when a run ends and names them (for ``--start-over``). Everything around that is shared
+``data_config.json``, names the token frequencies file its trainer reads (if any), writes its index files when a run ends and names them (for ``--start-over``). Everything around that is shared
 by every format (``output/``): the temporary name and the rename, the background writer threads,
 the ``done.jsonl`` ledger, resume and the finished set.
 
@@ -61,6 +61,10 @@ class Format(Protocol):
     def ends_whole(self, path: Path) -> bool: ...  # False: cut short (a crash before it reached the disk)
 
     state_dtypes: tuple[str, ...]  # the --state-dtype values its trainer reads (fp8_states.STATE_DTYPES)
+    # the file in ``directory`` its trainer reads the trained tokens' frequencies from, written by a run of
+    # conversations that read every row (``names.TOKEN_FREQ``); None: its trainer reads none there, and
+    # a file the trainer does not expect may be taken for a sample (speculators 0.3/0.4 load every *pt)
+    token_frequencies_file: str | None
     state_dtype: str  # this writer's
 
     # states: one [n, hidden] per layers.ids entry, on any device; extra: tensors stored beside them under

@@ -26,6 +26,10 @@ class Speculators03:
     name = "speculators-0.3"
     state_dtypes = ("model",)  # its trainer reads states as they are: no FP8 scales in this layout
     state_dtype = "model"
+    # its trainer reads no token frequencies, and its dataset, given the directory, loads every file
+    # whose name ends in "pt" as a sample (speculators/train/data.py ``list_files``): a token_freq.pt
+    # here would stop its training (KeyError: 'hidden_states')
+    token_frequencies_file = None
 
     def __init__(self, directory: Path, layers: Layers | None, log=None):
         self.directory = directory

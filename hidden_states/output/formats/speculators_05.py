@@ -9,6 +9,8 @@ backend (``speculators/train/data.py``, ``hs_connectors/transfer.py:FileTransfer
   last and takes the last as the verifier's final state) and ``token_ids`` int64 [T], which the
   trainer compares with the row's ``input_ids``; plus ``loss_mask`` int64 [T], which the trainer
   does not read: it lets the dataset be rebuilt from the files alone (resume, ``convert``).
+* ``token_freq.pt``: the trained tokens' frequencies, for an input of conversations (speculators
+  0.9 reads ``<data-path>/token_freq.pt`` for ``--draft-vocab-size``);
 * with ``--state-dtype fp8``: ``hidden_states`` float8_e4m3fn and ``hidden_states_scales`` float32
   [T, 1, 1], as speculators 0.9's FP8 hs-connector writes them (``fp8_states``); its trainer reads
   them with ``--hidden-states-backend fp8``, which dequantizes.
@@ -35,6 +37,7 @@ from ... import extras, fp8_states
 from ...errors import OutputError
 from ...inputs.streams import Sample
 from ...layer_conventions import MEANING, SPECULATORS_05, from_extractor
+from ..names import TOKEN_FREQ
 from ..writer import Continued
 from . import Layers
 from .safetensors_files import (SAFETENSORS_DTYPES, safetensors_header, safetensors_json, state_tensors,
@@ -163,6 +166,8 @@ class Speculators05:
     name = SPECULATORS_05
     state_dtypes = fp8_states.STATE_DTYPES
     state_dtype = "model"
+    # speculators 0.9's --draft-vocab-size reads <data-path>/token_freq.pt (FP8 states or not)
+    token_frequencies_file = TOKEN_FREQ
 
     def __init__(self, directory: Path, layers: Layers | None, log=None):
         self.directory = directory
