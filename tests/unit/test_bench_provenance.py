@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import vllm_compat
+
 from tests.conftest import ROOT as _ROOT
 
 ROOT = Path(_ROOT)
@@ -75,6 +77,8 @@ def test_a_package_not_installed_is_none_and_nothing_raises(monkeypatch):
     record = provenance.provenance({"backend": "vllm-engine", "batch": 8, "writer_threads": 4})
     assert record["versions"]["speculators"] is None
     assert record["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    # the measured code's version, not the one an editable install recorded when it was installed
+    assert record["versions"]["vllm-compat"] == vllm_compat.__version__
     assert record["settings"] == {"backend": "vllm-engine", "batch": 8, "writer_threads": 4}
     assert record["utc"].endswith("Z") and record["argv"] == sys.argv
     assert set(record["hardware"]) == {"cpu", "cpus", "gpu", "gpus", "driver"}
