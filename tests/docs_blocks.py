@@ -17,6 +17,7 @@ SHELL = ("console", "bash", "sh", "shell")
 # what a shell block may be: the first word after the language
 TAGS = {
     "runnable": "runs on CPU with the tiny models, given the page's variables; tests/e2e/test_docs_commands.py runs it",
+    "repeated": "the commands of a runnable block on the page named after the tag, which the docs test runs there",
     "gpu": "needs a GPU, several, or a full-size model",
     "network": "needs the network (pip fetches a wheel or a package)",
     "slow": "runs on CPU with the tiny models but takes minutes (a demo, a benchmark, the test matrix): not run by the docs test",
@@ -47,6 +48,11 @@ class Block:
     @property
     def needs(self) -> str | None:
         return next((w for w in self.words[1:] if w in NEEDS), None)
+
+    @property
+    def repeats(self) -> str | None:
+        """The page (``docs/...``) whose runnable block a ``repeated`` block repeats."""
+        return self.words[1] if self.tag == "repeated" and len(self.words) > 1 else None
 
     def commands(self) -> str:
         """The block as bash runs it: a ``$ `` prompt taken off each line."""

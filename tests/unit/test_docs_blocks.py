@@ -32,6 +32,22 @@ def test_runnable_blocks_run_as_written():
     assert not wrong, "\n".join(wrong)
 
 
+def test_repeated_blocks_are_runnable_blocks_of_the_page_they_name():
+    """A page may show again what another page runs (getting started's training steps are the extract
+    guide's): tagged ``repeated PAGE``, the block must be, command for command, a runnable block of that
+    page, needing the same speculators release, so the docs test's run there proves it."""
+    runnable = {(b.page, b.commands().strip(), b.needs) for b in shell_blocks() if b.tag == "runnable"}
+    wrong = []
+    for block in shell_blocks():
+        if block.tag != "repeated":
+            continue
+        if block.repeats is None:
+            wrong.append(f"{block.where}: names no page (```console repeated docs/PAGE.md)")
+        elif (block.repeats, block.commands().strip(), block.needs) not in runnable:
+            wrong.append(f"{block.where}: not a runnable block of {block.repeats} (same commands, same needs)")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_pages_with_runnable_blocks_say_their_variables():
     """A runnable block uses $MODEL, $DATA, $OUT, $PRESET: its page sets each (``NAME=``) above it."""
     missing = []
