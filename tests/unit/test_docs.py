@@ -1,7 +1,7 @@
 import re
-import subprocess
 from pathlib import Path
 
+from tests.tracked_files import tracked_texts
 from vllm_compat.cli import adapters_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,28 +23,8 @@ CITATION = re.compile(r'(docs/[a-z0-9/.-]+\.md), \\?"([^"\\]+)\\?"')
 # files that record what was, not what is: the benchmarks' raw records
 HISTORY = ("bench/results/",)
 
-SOURCE_DIRS = ("vllm_compat", "hidden_states", "scripts", "tests", "bench", "docs")
-
-
-def tracked_files() -> list[str]:
-    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
-    if listed.returncode == 0:
-        return listed.stdout.split()
-    # not a git checkout (a copied working tree): the folders and files a checkout tracks
-    found = [p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-    return [str(p.relative_to(ROOT)) for p in found] + ["README.md", "CHANGELOG.md"]
-
-
-def texts():
-    for name in tracked_files():
-        try:
-            yield name, (ROOT / name).read_text()
-        except (UnicodeDecodeError, FileNotFoundError):  # binary files; a deletion not yet committed
-            continue
-
-
 def test_no_tracked_file_cites_notes_outside_the_repository():
-    citing = [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for name, text in texts()
+    citing = [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for name, text in tracked_texts()
               for m in OUTSIDE_NOTES.finditer(text)]
     assert citing == [], "cite docs/drift-atlas.md or docs/cpu-vllm.md (a section) instead: " + ", ".join(citing)
 
@@ -60,7 +40,7 @@ def test_cited_sections_of_docs_pages_exist():
     atlas and the CPU notes above all (every adapter's evidence cites one)."""
     # a citation may wrap: in Markdown, a docstring, a comment (whose next line starts with '#')
     cited = [(name, page, " ".join(re.sub(r"\n\s*#", " ", section).split()))
-             for name, text in texts() for page, section in CITATION.findall(text)]
+             for name, text in tracked_texts() for page, section in CITATION.findall(text)]
     assert sum(page in ("docs/drift-atlas.md", "docs/cpu-vllm.md") for _, page, _ in cited) > 20
     # Raw records are history: they cite docs/performance.md as it was, before its dated runs moved to
     # docs/reports/ (listed at the end of docs/benchmarks.md); every other file cites the pages as they are.

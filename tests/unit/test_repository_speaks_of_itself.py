@@ -13,8 +13,9 @@ folders the scripts and examples choose to work in, a choice of the project, not
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
+
+from tests.tracked_files import tracked_texts as tracked_file_texts
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIPPED = ("tests/unit/golden/", "tests/unit/test_repository_speaks_of_itself.py")
@@ -56,28 +57,9 @@ NAMED = re.compile(rf"\b(?:{PROJECTS})(?:'s)?\s+(?:(?:PR|pull\s+request|issue)s?
 ALLOWED: list[tuple[str, str, str]] = []
 
 
-def tracked_files() -> list[str]:
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
-    if listed.returncode == 0:
-        return listed.stdout.split("\0")
-    # not a git checkout (a copied working tree): the folders and files a checkout tracks
-    found = [p for d in ("vllm_compat", "hidden_states", "scripts", "tests", "bench", "docs", ".ci")
-             for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-    return [str(p.relative_to(ROOT)) for p in found] + ["README.md", "CHANGELOG.md", "pyproject.toml"]
-
-
 def tracked_texts():
-    for name in sorted(tracked_files()):
-        path = ROOT / name
-        if not name or name.startswith(SKIPPED) or not path.is_file():
-            continue
-        data = path.read_bytes()
-        if b"\0" in data[:8192]:
-            continue  # binary
-        try:
-            yield name, data.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
+    """Every tracked text file but those ``SKIPPED``."""
+    return ((name, text) for name, text in tracked_file_texts() if not name.startswith(SKIPPED))
 
 
 def _line(text: str, at: int) -> tuple[int, str]:
