@@ -60,12 +60,9 @@ def read_sample(format_name: str, path: Path) -> tuple[list[int], list[int], lis
     return ids.tolist(), tensors["loss_mask"].tolist(), states, Certificate.from_tensors(tensors)
 
 
-def read_ids(format_name: str, path: Path) -> tuple[list[int], list[int]]:
-    """``input_ids`` and ``loss_mask`` of one sample file of ``format_name`` (a speculators-0.3 file
-    mapped, its states not read)."""
-    if format_name == layer_conventions.SPECULATORS_05:
-        ids, mask, _, _ = read_sample(format_name, path)
-        return ids, mask
+def read_ids(path: Path) -> tuple[list[int], list[int]]:
+    """``input_ids`` and ``loss_mask`` of one speculators-0.3 sample file, mapped, its states not read
+    (token frequencies are counted only into speculators-0.5, so from a speculators-0.3 source)."""
     import torch
 
     tensors = torch.load(path, weights_only=True, mmap=True)
@@ -194,7 +191,7 @@ def convert(src: str | Path, dst: str | Path, to: str, log=log_to_stderr) -> int
             for index in sorted(files):
                 if index in finished:  # converted already: its trained tokens counted all the same
                     if trained is not None:
-                        trained.add(*read_ids(name, files[index]))
+                        trained.add(*read_ids(files[index]))
                     continue
                 input_ids, loss_mask, states, certificate = read_sample(name, files[index])
                 if trained is not None:
