@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 from .. import processes
+from ..certify.certifier import CertificateFailed
 from ..errors import ExtractError, InputError, OutputError
 from ..files import atomic_write_json, read_json
 from ..inputs.identity import stop_record
@@ -124,7 +125,9 @@ class Lifecycle:
     def process_died(self, failure: Exception) -> ProcessDied | None:
         """When ``failure`` came with the death of one of vLLM's processes (vLLM's own error then
         says little: "cancelled", "EngineCore encountered an issue"), the error that names it."""
-        if isinstance(failure, ExtractError):  # the extractor's own clear errors: a full disk, bad input
+        # the extractor's own clear errors (a full disk, bad input, a row its certificate refuses): no
+        # process died, and waiting EXIT_WAIT for one would only delay the line that says so
+        if isinstance(failure, (ExtractError, CertificateFailed)):
             return None
         stopped = f"{type(failure).__name__}: {str(failure).rstrip('.') or '(no message)'}"
         return processes.death(self.children, f". The run stopped on it: {stopped}. Finished samples are kept: "

@@ -16,7 +16,7 @@ LAYERS = _layers([
     ("wrapping", {"wrapping"}),
     ("probes", {"probes"}),
     ("declarations", {"consumer", "consumer_tree", "adapter", "factories"}),
-    ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source"}),
+    ("runtime helpers", {"host", "transport", "batch_order", "_transformers_source", "process_exit"}),
     ("adapters", {"adapters"}),
     ("registry and audit", {"registry", "callsites", "behaviour", "hashes", "audit"}),
     ("public API", {"__init__", "__main__", "cli", "plugin", "extractor_api"}),

@@ -286,3 +286,19 @@ def test_a_states_segment_outside_dev_shm_is_warned_about(job, monkeypatch, wher
     if warned:
         assert lines[0] == ("warning: the states' shared segment (2.0 GB) is in /tmp: /dev/shm lacks room for it, "
                             "and a file there is written back to disk (a smaller --batch-size fits in memory)")
+
+
+def test_a_refused_certificate_waits_for_no_process_to_die(monkeypatch):
+    """A row its certificate refuses stops the run on the extractor's own word: no process died, so
+    the run does not wait EXIT_WAIT for one (any other failure does, to name a death behind it)."""
+    from hidden_states.certify.certifier import CertificateFailed
+    from hidden_states.run import lifecycle
+
+    asked = []
+    monkeypatch.setattr(lifecycle.processes, "death", lambda *args, **kwargs: asked.append(kwargs["wait"]))
+    cycle = object.__new__(lifecycle.Lifecycle)
+    cycle.children = None
+    assert cycle.process_died(CertificateFailed("sample 2 (line 3): not the engine's states; not written")) is None
+    assert asked == []
+    assert cycle.process_died(RuntimeError("cancelled")) is None
+    assert asked == [lifecycle.EXIT_WAIT]
