@@ -163,25 +163,17 @@ def summary(proc) -> str:
     return [line for line in proc.stderr.splitlines() if line.startswith("[hidden-states] verify")][-1]
 
 
-def test_verify_engine_certifies_rows_written_without_certificates(uncertified, tmp_path):
-    out = tmp_path / "out"
-    shutil.copytree(uncertified, out)
-    before = verify(out)
-    assert before.returncode == 1, before.stderr[-3000:]  # nothing proven yet
-    checked = verify(out, "--engine")
-    assert checked.returncode == 0, checked.stderr[-3000:]
-    ok = f"[hidden-states] verify: ok: {ROWS} certified rows hold the engine's states"
-    assert summary(checked) == ok, checked.stderr[-3000:]
-    assert f"the engine: {ROWS} of {ROWS} rows hold, their certificates written into their files" in checked.stderr
-    again = verify(out)  # offline, from the certificates written
-    assert again.returncode == 0 and summary(again) == ok, again.stderr[-3000:]
-
-
-def test_verify_engine_names_a_row_shifted_by_one_token(uncertified, tmp_path):
+def test_verify_engine_certifies_rows_written_without_certificates_and_names_a_shifted_one(uncertified, tmp_path):
+    """One engine start: ``verify --engine`` certifies the rows that hold the engine's states, writing
+    their certificates into their files, and names the one whose states were shifted by one token,
+    which gets none; ``verify`` offline then holds the certificates written and names that row as the
+    one without."""
     import torch
 
     out = tmp_path / "out"
     shutil.copytree(uncertified, out)
+    before = verify(out)
+    assert before.returncode == 1, before.stderr[-3000:]  # nothing proven yet
     record = torch.load(out / "data_5.pt", weights_only=True)
     record["hidden_states"] = [torch.roll(layer, 1, dims=0) for layer in record["hidden_states"]]
     torch.save(record, out / "data_5.pt")
@@ -189,7 +181,16 @@ def test_verify_engine_names_a_row_shifted_by_one_token(uncertified, tmp_path):
     assert checked.returncode == 1, checked.stderr[-3000:]
     assert summary(checked) == f"[hidden-states] verify: 1 of {ROWS} rows fail: 5", checked.stderr[-3000:]
     assert "row 5: data_5.pt: its written last-layer state is not the engine's (position " in checked.stderr
+    assert f"the engine: {ROWS - 1} of {ROWS} rows hold, their certificates written into their files" in checked.stderr
     assert "certificate.positions" not in torch.load(out / "data_5.pt", weights_only=True)
+    assert all("certificate.positions" in torch.load(out / f"data_{i}.pt", weights_only=True)
+               for i in range(ROWS) if i != 5)
+    again = verify(out)  # offline, from the certificates written: the shifted row has none
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert summary(again) == (f"[hidden-states] verify: ok: {ROWS - 1} certified rows hold the engine's states "
+                              f"(1 rows uncertified)"), again.stderr[-3000:]
+    assert "1 rows carry no certificate (written with --no-certificates, or by a backend that does not certify): 5" \
+        in again.stderr
 
 
 # where each plant is caught: a bug in every request's capture already in the sequence certified at load
