@@ -264,32 +264,37 @@ def test_kill_9_loses_at_most_the_batch_in_flight(model, tmp_path, clean_run):
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_process_group_finishes_the_batch_and_resumes(model, tmp_path, clean_run, signum, code):
-    """What a Ctrl-C in a terminal does (SIGINT to the whole foreground group), and what `timeout`
-    sends (SIGTERM to its group): the batch in flight is finished and written, vLLM shut down."""
+def test_a_signal_to_the_process_group_finishes_the_batch_and_resumes(model, tmp_path, clean_run):
+    """What a Ctrl-C in a terminal does (SIGINT to the whole foreground group), then what `timeout`
+    sends (SIGTERM to its group) to the run that resumed it: each time the batch in flight is finished
+    and written, vLLM shut down, and the exit code is the signal's; the third run does the rest."""
     write_jsonl(tmp_path / "data.jsonl", INTERRUPTED_ROWS, seed=INTERRUPTED_SEED)
-    proc, started, segments = _run_until(model, tmp_path / "data.jsonl", tmp_path / "out", 4)
-    os.killpg(proc.pid, signum)  # pending while it is held, taken as soon as it goes on
-    os.kill(proc.pid, signal.SIGCONT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == code, err[-3000:]
-    assert "rerun the same command to resume" in err and "interrupted:" in err, err[-3000:]
-    assert "Traceback" not in err and "cancelled" not in err, err[-3000:]
-    finished = data_files(tmp_path / "out")
-    assert len(finished) % 4 == 0 and len(finished) >= 8  # the batch in flight was finished, whole batches only
-    # every sample of the input no file holds, not the batch in flight alone: exact, the input's lines
-    # not read yet counted (it is longer than the preflight's read-ahead)
-    assert (f"interrupted: {len(finished)} samples extracted, 0 already finished, {INTERRUPTED_ROWS - len(finished)} "
-            f"samples not extracted, ") in err, err[-3000:]
-    _assert_same_as_clean(tmp_path / "out", clean_run, finished)
-    _assert_gone_within(started, 5)
-    _assert_segments_removed(segments)
-    assert not list((tmp_path / "out").glob(".tmp-*"))
-    resumed = run_cli(*extract_args(model, tmp_path / "data.jsonl", tmp_path / "out", "--batch-size", "4"))
+    out, done = tmp_path / "out", 0
+    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        proc, started, segments = _run_until(model, tmp_path / "data.jsonl", out, done + 4)
+        os.killpg(proc.pid, signum)  # pending while it is held, taken as soon as it goes on
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == code, (signum, err[-3000:])
+        assert "rerun the same command to resume" in err and "interrupted:" in err, err[-3000:]
+        assert "Traceback" not in err and "cancelled" not in err, err[-3000:]
+        finished = data_files(out)
+        extracted = len(finished) - done
+        # the batch in flight was finished, whole batches only (this run's batches start where it resumed)
+        assert extracted % 4 == 0 and extracted >= 8, (signum, done, extracted)
+        # every sample of the input no file holds, not the batch in flight alone: exact, the input's lines
+        # not read yet counted (it is longer than the preflight's read-ahead)
+        assert (f"interrupted: {extracted} samples extracted, {done} already finished, "
+                f"{INTERRUPTED_ROWS - len(finished)} samples not extracted, ") in err, err[-3000:]
+        _assert_same_as_clean(out, clean_run, finished)
+        _assert_gone_within(started, 5)
+        _assert_segments_removed(segments)
+        assert not list(out.glob(".tmp-*"))
+        done = len(finished)
+    resumed = run_cli(*extract_args(model, tmp_path / "data.jsonl", out, "--batch-size", "4"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"{INTERRUPTED_ROWS - len(finished)} samples extracted, {len(finished)} already finished" in resumed.stderr
-    _assert_same_as_clean(tmp_path / "out", clean_run, range(INTERRUPTED_ROWS))
+    assert f"{INTERRUPTED_ROWS - done} samples extracted, {done} already finished" in resumed.stderr
+    _assert_same_as_clean(out, clean_run, range(INTERRUPTED_ROWS))
 
 
 @pytest.mark.faults
