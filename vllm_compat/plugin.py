@@ -4,8 +4,8 @@ vLLM loads this group in every process it starts (the parent, engine cores, spaw
 possibly many times, and swallows load errors. So :func:`register` is cheap, idempotent, acts only
 when the parent asked for it (:func:`vllm_compat.apply` sets ``VLLM_COMPAT_APPLY=1``, which spawned
 processes inherit), and reports what it did itself. Installing vllm-compat changes nothing alone.
-In the processes vLLM started it also skips the interpreter's last collection at exit
-(:mod:`vllm_compat.process_exit`).
+In the processes vLLM spawned it also ends them as forked ones end, without the interpreter's
+teardown (:mod:`vllm_compat.process_exit`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def register() -> None:
     except Exception:
         logger.exception("vllm-compat: applying worker adapters in pid %d failed", os.getpid())
         raise
-    from .process_exit import skip_final_collection, started_by_vllm
+    from .process_exit import end_without_teardown, started_by_vllm
 
     if started_by_vllm():
-        skip_final_collection()
+        end_without_teardown()

@@ -1,43 +1,77 @@
-"""vllm_compat.process_exit: a process that registered it ends without the interpreter's last
-collection (the finalizer of an object in a reference cycle does not run), one that did not, or that
-set VLLM_COMPAT_FINAL_GC=1, runs it; the plugin registers it only in processes a parent started."""
+"""vllm_compat.process_exit: a spawned process that asked for it ends as a forked one does, its exit
+handlers run and its exit code kept, without the interpreter's teardown (the finalizer of an object
+in a reference cycle, which the last collection would run, does not); one that did not ask, or set
+VLLM_COMPAT_FINAL_GC=1, is torn down as always; any other sys.exit is Python's. The plugin asks only
+in processes a parent started."""
+import atexit
+import gc
 import multiprocessing
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-
-CHILD = """
-import sys
-from vllm_compat import process_exit
 
 class Cycle:
+    def __init__(self, marker: str):
+        self.marker, self.me = marker, self
+
     def __del__(self):
-        open(sys.argv[1], "w").write("collected")
-
-held = Cycle()
-held.self = held  # only a collection frees it
-del held
-if sys.argv[2] == "skip":
-    print(process_exit.skip_final_collection())
-"""
+        Path(self.marker).write_text("collected")
 
 
-@pytest.mark.parametrize("mode, keep, collected", [("skip", None, False), ("skip", "1", True), ("none", None, True)],
-                         ids=["skipped", "kept-by-env", "not-registered"])
-def test_the_last_collection_runs_unless_skipped(tmp_path, mode, keep, collected):
-    marker = tmp_path / "marker"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("VLLM_COMPAT_FINAL_GC", None)
-    if keep:
-        env["VLLM_COMPAT_FINAL_GC"] = keep
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(marker), mode], env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert marker.exists() is collected, proc.stdout
+def _child(folder: str, ask: bool, fail: bool) -> None:
+    from vllm_compat.process_exit import end_without_teardown
+
+    gc.disable()  # only the interpreter's last collection may free the cycle
+    Cycle(os.path.join(folder, "collected"))
+    atexit.register(Path(os.path.join(folder, "exit-handler")).write_text, "ran")
+    if ask:
+        end_without_teardown()
+    if fail:
+        raise RuntimeError("the target failed")
+
+
+def run_child(tmp_path: Path, ask: bool, fail: bool = False) -> tuple[int, set[str]]:
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(target=_child, args=(str(tmp_path), ask, fail))
+    child.start()
+    child.join(timeout=120)
+    return child.exitcode, {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.fixture(autouse=True)
+def teardown_not_kept(monkeypatch):
+    monkeypatch.delenv("VLLM_COMPAT_FINAL_GC", raising=False)
+
+
+def test_a_spawned_process_that_asked_ends_without_teardown_its_exit_handlers_run(tmp_path):
+    assert run_child(tmp_path, ask=True) == (0, {"exit-handler"})
+
+
+def test_its_exit_code_is_kept(tmp_path):
+    assert run_child(tmp_path, ask=True, fail=True) == (1, {"exit-handler"})
+
+
+def test_one_that_did_not_ask_is_torn_down_and_collects_the_cycle(tmp_path):
+    assert run_child(tmp_path, ask=False) == (0, {"exit-handler", "collected"})
+
+
+def test_the_variable_keeps_the_teardown(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_COMPAT_FINAL_GC", "1")
+    assert run_child(tmp_path, ask=True) == (0, {"exit-handler", "collected"})
+
+
+def test_any_other_sys_exit_is_pythons(monkeypatch):
+    from vllm_compat.process_exit import end_without_teardown
+
+    monkeypatch.setattr(sys, "exit", sys.exit)
+    assert end_without_teardown()
+    assert hasattr(sys.exit, "__wrapped__")
+    with pytest.raises(SystemExit) as ended:
+        sys.exit(3)  # called from here, not from multiprocessing's spawn_main
+    assert ended.value.code == 3
 
 
 def _is_started(queue):
