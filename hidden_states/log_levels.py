@@ -83,6 +83,12 @@ def classify(text: str, *, cuda: bool = True) -> tuple[int | None, bool]:
     return level, ours
 
 
+def prefix_only(text: str) -> bool:
+    """Whether ``text`` holds nothing but blanks and a process prefix (``(Worker pid=9) ``): what may
+    stand before a line of ours."""
+    return not _PROCESS_PREFIX.sub("", text).strip()
+
+
 def _body(text: str) -> str:
     """What a terminal would show of the line (the last of its carriage-return redraws), less the
     process prefix."""

@@ -22,11 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-from .log_levels import TerminalFilter
+from .log_levels import TerminalFilter, prefix_only
 
 LOG_NAME = "hidden-states.log"
 QUIET_SECONDS = 0.3  # at the end, the reader stops once the pipe has been quiet this long ...
 DRAIN_SECONDS = 3.0  # ... or after this long (a process that outlived the run may hold the pipe)
+OUR_PREFIX = b"[hidden-states] "  # how each line this process logs begins
 # vllm-compat's own lines, in this process and (vllm_compat.plugin) in vLLM's
 COMPAT_FORMAT = "%(levelname)s [vllm-compat] %(message)s"
 COMPAT_LEVEL_ENV = "VLLM_COMPAT_LOG_LEVEL"
@@ -207,6 +208,12 @@ class _Reader(threading.Thread):
             self._to_terminal(f"[hidden-states] warning: the log file stopped: {self._log_error}".encode())
 
     def _line(self, line: bytes) -> None:
+        before, ours, rest = line.partition(OUR_PREFIX)
+        if ours and not prefix_only(before.decode("utf-8", "replace")):
+            # another process's output that ended without a newline (a library's report at its exit),
+            # then a line of ours: two lines, so that ours is seen, and filtered, as ours
+            self._line(before)
+            line = ours + rest
         if self._held is not None:
             self._held.append(line)
             self._open()

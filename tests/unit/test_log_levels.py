@@ -188,3 +188,29 @@ def test_serves_last_summary_is_shown_at_every_level():
     line = "[hidden-states] stopped after 12 s: 40 requests served (5,000 tokens in 9 batches), 0 refused"
     assert log_levels.SUMMARY.search(line)
     assert shown(logging.ERROR, lines=[line]) == [line]
+
+
+def test_a_line_of_ours_after_another_process_output_without_a_newline_is_its_own(tmp_path):
+    """A library's report at a process's exit may end without a newline (nanobind's leak report did):
+    the run's summary written next is split from it, shown, and filed as a line of its own; a line of
+    ours behind a process prefix is one line, as before."""
+    script = f"""
+import logging, os, sys
+from pathlib import Path
+from hidden_states import run_log
+out = Path({str(tmp_path / 'out')!r})
+out.mkdir()
+with run_log.captured(out / 'hidden-states.log', logging.INFO, cuda=False):
+    run_log.directory_claimed()
+    os.write(2, b'See https://nanobind.readthedocs.io/en/latest/refleaks.html')
+    print('[hidden-states] done: 1 samples extracted', file=sys.stderr, flush=True)
+    print('(Worker pid=9) [hidden-states] from a worker', file=sys.stderr, flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=str(__import__("tests.conftest").conftest.ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert "[hidden-states] done: 1 samples extracted" in proc.stderr.splitlines(), proc.stderr
+    log = (tmp_path / "out" / "hidden-states.log").read_text().splitlines()
+    assert "See https://nanobind.readthedocs.io/en/latest/refleaks.html" in log
+    assert "[hidden-states] done: 1 samples extracted" in log
+    assert "(Worker pid=9) [hidden-states] from a worker" in log
