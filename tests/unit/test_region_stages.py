@@ -46,8 +46,8 @@ def test_rows_are_stored_once_the_slower_stage_stored_them():
     assert [struct.unpack_from("<q", pool.mapping, offset + HEADER + REWRITTEN)[0]] == [UNREWRITTEN]
     _put(pool, offset, 8)  # stage 0 done, stage 1 not yet
     assert pool.rows_stored(offset, 8, timeout=0) == 0
+    started = time.monotonic()  # before the timer starts: a busy host may hold this thread between the two
     threading.Timer(0.05, _put, (pool, offset + HEADER, 8)).start()
-    started = time.monotonic()
     assert pool.rows_stored(offset, 8, timeout=5) == 8
     assert time.monotonic() - started >= 0.04
     pool.close()
