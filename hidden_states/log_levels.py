@@ -25,6 +25,7 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
 DEFAULT = "info"
 
 # a vLLM process's prefix on each line of its output, once or more: "(Worker pid=12) (Worker pid=12) "
+OUR_PREFIX = "[hidden-states] "  # how each line the extractor logs begins
 _PROCESS_PREFIX = re.compile(r"^(?:\((?:[\w.:-]+ )*(?:pid|rank)=\d+[^)]*\)\s?)+")
 _OURS = re.compile(r"^\[hidden-states\] |^hidden-states: |vllm-compat[ :(]")
 _OUR_LEVEL = re.compile(r"^\[hidden-states\] (debug|warning|error):|^hidden-states: (error|failed|aborted)")
@@ -68,7 +69,7 @@ def classify(text: str, *, cuda: bool = True) -> tuple[int | None, bool]:
     if not body.strip() or body[:1].isspace():
         return None, False
     ours = bool(_OURS.search(body))
-    if ours and body.startswith(("[hidden-states] ", "hidden-states: ")):
+    if ours and body.startswith((OUR_PREFIX, "hidden-states: ")):
         found = _OUR_LEVEL.match(body)
         if found is None:
             return logging.INFO, True

@@ -22,12 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-from .log_levels import TerminalFilter, prefix_only
+from .log_levels import OUR_PREFIX, TerminalFilter, prefix_only
 
 LOG_NAME = "hidden-states.log"
 QUIET_SECONDS = 0.3  # at the end, the reader stops once the pipe has been quiet this long ...
 DRAIN_SECONDS = 3.0  # ... or after this long (a process that outlived the run may hold the pipe)
-OUR_PREFIX = b"[hidden-states] "  # how each line this process logs begins
+_OURS = OUR_PREFIX.encode()
 # vllm-compat's own lines, in this process and (vllm_compat.plugin) in vLLM's
 COMPAT_FORMAT = "%(levelname)s [vllm-compat] %(message)s"
 COMPAT_LEVEL_ENV = "VLLM_COMPAT_LOG_LEVEL"
@@ -208,7 +208,7 @@ class _Reader(threading.Thread):
             self._to_terminal(f"[hidden-states] warning: the log file stopped: {self._log_error}".encode())
 
     def _line(self, line: bytes) -> None:
-        before, ours, rest = line.partition(OUR_PREFIX)
+        before, ours, rest = line.partition(_OURS)
         if ours and not prefix_only(before.decode("utf-8", "replace")):
             # another process's output that ended without a newline (a library's report at its exit),
             # then a line of ours: two lines, so that ours is seen, and filtered, as ours

