@@ -106,10 +106,11 @@ class EngineBackend(Backend):
         return EngineBatch(batch)
 
     def params(self, work: EngineBatch, position: int):
-        """The sampling parameters of the request at ``position`` of ``work``: one output token."""
+        """The sampling parameters of the request at ``position`` of ``work``: one output token, greedy
+        (it is discarded; a random draw makes vLLM's CPU sampler compile its kernel, seconds a process)."""
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=1)
+        return SamplingParams(max_tokens=1, temperature=0.0)
 
     def finished(self, work: EngineBatch) -> None:
         """On the feed's thread: every request of ``work`` has finished; resolve its future."""

@@ -272,7 +272,8 @@ class VllmEngineBackend(EngineBackend):
             return self.replies.params(work, region)
         if work.probes is not None:
             return witnessed.params(region)
-        return SamplingParams(max_tokens=1, extra_args=region)
+        # greedy: the token is discarded, and a random draw makes vLLM's CPU sampler compile its kernel
+        return SamplingParams(max_tokens=1, temperature=0.0, extra_args=region)
 
     def failed(self, work: RegionBatch) -> None:
         if isinstance(work, witnessed.ProbeBatch):

@@ -492,3 +492,15 @@ def test_rows_the_prefix_cache_held_come_from_their_batch(capture):
     assert fill_order([[5, 1, 9, 9], [5, 1, 2, 7, 8], [5, 1, 2, 7, 4]], [0, 2, 4]) == [(1, 0), (2, 1)]
     with pytest.raises(RuntimeError, match="gave batch position 1 its first 2 tokens, and no request of its batch"):
         fill_order([[5, 1, 2], [6, 1, 2]], [0, 2])
+
+
+def test_the_token_sampled_after_a_rows_prefill_is_greedy():
+    # It is discarded; a random draw would make vLLM's CPU sampler compile its random-sampling kernel
+    # (torch.compile: about 10 s of the first step in each engine process) for nothing.
+    from hidden_states.backends.engine_base import EngineBackend, EngineBatch
+
+    work = RegionBatch([[1, 2, 3]], [0])
+    params = VllmEngineBackend.params(VllmEngineBackend.__new__(VllmEngineBackend), work, 0)
+    assert params.temperature == 0.0 and params.max_tokens == 1 and params.extra_args
+    params = EngineBackend.params(EngineBackend.__new__(EngineBackend), EngineBatch([[1, 2, 3]]), 0)
+    assert params.temperature == 0.0 and params.max_tokens == 1
