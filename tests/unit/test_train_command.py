@@ -87,3 +87,17 @@ def test_0_3s_trainer_refuses_a_directory_without_samples_in_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"python -m hidden_states.train: --data-path {tmp_path}: no sample files (data_<i>.pt) in it: an "
         f"extraction with --format speculators-0.3 writes them"), proc.stderr
+
+
+def test_0_9s_command_where_0_3_is_installed_says_which_speculators_it_needs(tmp_path):
+    """speculators 0.9's documented command run in the demo's environment (speculators 0.3.0): one line
+    naming the flags 0.3's trainer does not know and where an environment with 0.9 comes from."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([fake_speculators(tmp_path, "0.3.0"), ROOT])}
+    proc = subprocess.run([sys.executable, "-m", "hidden_states.train", "--speculator-type", "eagle3",
+                           "--verifier-name-or-path", "m", "--data-path", str(tmp_path), "--on-missing", "raise",
+                           "--epochs", "2"], env=env, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("python -m hidden_states.train: --speculator-type --on-missing: not a flag of "
+                               "speculators 0.3.0's trainer"), lines
+    assert "environment with speculators 0.9 (docs/getting-started.md" in lines[0], lines
