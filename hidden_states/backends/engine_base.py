@@ -158,7 +158,7 @@ def new_llm(settings: BackendSettings, *, enforce_eager: bool, prefix_caching: b
     """A ``vllm.LLM`` in this process on ``settings``' model, as every engine backend builds it (room for
     a row of ``max_seq_len`` tokens and the one it samples), and the processes it started here (its
     engine core); ``keywords``: what the caller adds."""
-    in_process_llm_environment()
+    in_process_llm_environment(enforce_eager)
     from vllm import LLM
 
     before = set(multiprocessing.active_children())
@@ -170,8 +170,19 @@ def new_llm(settings: BackendSettings, *, enforce_eager: bool, prefix_caching: b
     return llm, [p for p in multiprocessing.active_children() if p not in before]
 
 
-def in_process_llm_environment() -> None:
+NO_COMPILE_ENV = "TORCHDYNAMO_DISABLE"  # torch.compile() returns the function itself (read at torch's import)
+
+
+def in_process_llm_environment(enforce_eager: bool = True) -> None:
     """What a backend that builds a ``vllm.LLM`` in this process sets first (unless set outside)."""
+    if enforce_eager and os.environ.get(NO_COMPILE_ENV) is None:
+        if extractor_api.vllm_device_type() == "cpu":
+            # An eager engine compiles no model, but vLLM's CPU sampler still torch.compile()s two small
+            # helpers (a sampled token's rank among the logprobs, which certificates ask for; a random
+            # draw): about 10 s of each engine process's first step on a small host, most of it
+            # Inductor building and loading a test program per vector instruction set, to speed up a
+            # comparison and a sum. Without the compile they run as written: the same values.
+            os.environ[NO_COMPILE_ENV] = "1"
     # vLLM forks its engine core unless told otherwise, and a fork after anything in this process
     # asked CUDA (a library import, a probe) cannot use CUDA: spawn, as the generators' workers do.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

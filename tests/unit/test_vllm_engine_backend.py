@@ -504,3 +504,23 @@ def test_the_token_sampled_after_a_rows_prefill_is_greedy():
     assert params.temperature == 0.0 and params.max_tokens == 1 and params.extra_args
     params = EngineBackend.params(EngineBackend.__new__(EngineBackend), EngineBatch([[1, 2, 3]]), 0)
     assert params.temperature == 0.0 and params.max_tokens == 1
+
+
+@pytest.mark.parametrize("device, eager, preset, expected", [
+    ("cpu", True, None, "1"),  # vLLM's CPU sampler compiles nothing then
+    ("cpu", False, None, None),  # a compiled engine keeps torch.compile
+    ("cuda", True, None, None),  # on a GPU the compiled helpers are Triton kernels, worth it
+    ("cpu", True, "0", "0"),  # the user's choice stands
+])
+def test_an_eager_engine_on_cpu_runs_vllms_compiled_sampler_helpers_as_written(monkeypatch, device, eager, preset,
+                                                                              expected):
+    from hidden_states.backends import engine_base
+
+    monkeypatch.setattr(engine_base.extractor_api, "vllm_device_type", lambda: device)
+    monkeypatch.delenv(engine_base.NO_COMPILE_ENV, raising=False)
+    for name, value in (("VLLM_WORKER_MULTIPROC_METHOD", "spawn"), ("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")):
+        monkeypatch.setenv(name, engine_base.os.environ.get(name, value))  # what it sets too, undone after
+    if preset is not None:
+        monkeypatch.setenv(engine_base.NO_COMPILE_ENV, preset)
+    engine_base.in_process_llm_environment(eager)
+    assert engine_base.os.environ.get(engine_base.NO_COMPILE_ENV) == expected
