@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What an extraction's first engine step costs on vLLM's CPU backend with vLLM's sampler compiled and
-without (the extractor's default there: ``TORCHDYNAMO_DISABLE=1``, docs/cpu-vllm.md, "The sampler
-compiles two helpers"): ``extract --backend vllm-engine`` on the same small workload, alternating
+without (the extractor's default there: ``TORCHDYNAMO_DISABLE=1``, docs/cpu-vllm.md, "Running",
+the sampler's two compiled helpers): ``extract --backend vllm-engine`` on the same small workload, alternating
 (compiled, default, compiled, ...), ``--repeats`` runs each, one process per run; the wall-clock
 seconds of each whole run, the model load included, since that is where the compile is paid. Prints
 a table and appends a record (every run, and its ``provenance``: bench/provenance.py) to ``--out``.
