@@ -221,8 +221,19 @@ HS_RUNS = [
     "CPU rejection sampler, `TypeError: _rejection_greedy_sample_kernel_impl() got an unexpected keyword "
     "argument 'SYNTHETIC_MODE'`. So no file was written and the warning could not be seen on this host. From the source alone it stands: this release's `ExampleHiddenStatesConnector` writes "
     "`hidden_states` itself in `save_kv_layer` (`safetensors.torch.save_file`) and has no `_write_tensors`, "
-    "so where the engine runs (a GPU) the states would be written unquantized, without scales. A GPU run "
-    "of 0.17-0.20 would prove it; none was made.",
+    "so where the engine runs (a GPU) the states would be written unquantized, without scales. The GPU run "
+    "below shows it.",
+    "- vllm 0.20.0 on an NVIDIA H100 (stage `hs-connector` of `bench/device/stages.sh`: the script with "
+    "`--gpu-memory-utilization 0.5` on the 8B shape, speculators 0.9.0's folder with hs-connectors 0.9.0 on "
+    "the path): the GPU runner set up the auxiliary layers, vLLM created `FP8HiddenStatesConnector`, and it "
+    "wrote three files, one per prompt, each `hidden_states` BF16 (`[7, 3, 4096]` for the 7-token prompt) "
+    "with `token_ids` and **no `hidden_states_scales`**: verdict `unquantized`. The warning's prediction "
+    "holds: on this release the connector's `_write_tensors` is never called, and a trainer expecting FP8 "
+    "states with per-token scales gets bf16 states without them "
+    "([record](../bench/results/h100-hs-connector-2026-12-06.jsonl), "
+    "[log](../bench/results/h100-hs-connector-2026-12-06.txt), "
+    "[report](reports/2026-12-06-vllm-0.20-on-an-h100.md)). 0.17 and 0.18 were not run on a GPU; their "
+    "`ExampleHiddenStatesConnector` has no `_write_tensors` either (the table's warning).",
     "- The problem at `mooncake_hidden_states_connector.py:88` (`HiddenStateCacheSpec`) is an import "
     "inside `_find_cache_kv_group_id`, not at the module's top: on 0.20.0 the module imports, and that "
     "method fails with `ImportError` when called. The table's file:line is right; the break is at that "

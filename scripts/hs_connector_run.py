@@ -39,6 +39,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a local model directory (e.g. the tests' tiny Llama)")
     parser.add_argument("--store", help="where the connector writes (default: a new temporary directory)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.05,
+                        help="vLLM's share of the accelerator's memory (0.05 holds the tiny models; an 8B model "
+                             "needs about 0.5 of an H200)")
+    parser.add_argument("--results", help="also append the report to this JSONL file as a record with its provenance "
+                                          "(bench/provenance.py)")
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
         parser.exit(2, f"hs_connector_run: --model {args.model}: no config.json there\n")
@@ -85,6 +90,18 @@ def verdict(tensors: dict) -> str:
     return "other"
 
 
+def emit(report: dict, results: str | None) -> None:
+    """Print the report; with ``--results``, append it as a bench record carrying its provenance."""
+    print(json.dumps(report), flush=True)
+    if results:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+        from provenance import provenance
+
+        record = {"phase": "hs-connector-run", **report, "provenance": provenance({"model": report.get("model")})}
+        with open(results, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -96,10 +113,10 @@ def main(argv: list[str]) -> int:
 
     store = args.store or tempfile.mkdtemp(prefix="hs-connector-run-")
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 33, 120)]
-    report = {"vllm": vllm.__version__, "connector": f"{MODULE}:{CONNECTOR}"}
+    report = {"vllm": vllm.__version__, "connector": f"{MODULE}:{CONNECTOR}", "model": args.model}
     try:
         llm = LLM(model=args.model, dtype="bfloat16", max_model_len=256, enforce_eager=True,
-                  gpu_memory_utilization=0.05,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                       "draft_model_config": {"hf_config": {
                                           "eagle_aux_hidden_state_layer_ids": LAYER_IDS}}},
@@ -111,13 +128,13 @@ def main(argv: list[str]) -> int:
         del llm
     except Exception as exc:  # noqa: BLE001 - vLLM's failure is this run's finding
         report.update(written=None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        print(json.dumps(report), flush=True)
+        emit(report, args.results)
         return 1
     files = [describe(path) for path in paths if path and wait_written(path)]
     kinds = sorted({verdict(tensors) for tensors in files})
     report.update(written=kinds[0] if len(kinds) == 1 and len(files) == len(prompts) else kinds,
                   files=len(files), prompts=len(prompts), tensors=files[0] if files else None)
-    print(json.dumps(report), flush=True)
+    emit(report, args.results)
     return 0 if len(files) == len(prompts) else 1
 
 

@@ -10,7 +10,8 @@ and the extractor.
 
 The host this prepares for has Python 3.12, torch 2.11.0+cu130 (``DEVICE_TORCH``) and no network, and
 its transport carries at most 64 MiB at a time. Everything travels as *bundles*: a bundle is an uncompressed tar of wheels (wheels
-are already compressed) cut into parts of 59 MiB, ``.gpu/<bundle>/pN`` (``.gpu/`` is git-ignored).
+are already compressed) cut into parts of 56 MiB, ``.gpu/<bundle>/pN`` (``.gpu/`` is git-ignored): a part travels
+beside the checkout itself (about 6 MiB), and the two must fit in the 64 MiB.
 One transfer carries one part and copies it into ``/tmp/vw/<bundle>/``; ``install.sh`` joins the
 parts, checks the tar's sha256 and installs the wheels with pip (no index, no dependencies).
 
@@ -53,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / ".gpu"
 BUILD = ROOT / ".cache" / "gpu"
-PART = 59 * 1024 * 1024
+PART = 56 * 1024 * 1024
 DEVICE_TORCH = "2.11.0"
 PYTHON = "3.12"
 LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs")

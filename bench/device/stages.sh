@@ -28,6 +28,7 @@
 #   certificates-kimi             the Kimi-K2-shaped INT4 MoE with certificates on, then verify
 #   own-capture                   vllm-engine's own capture (no speculators 0.3/0.4) against eager prefill
 #   fp8                           --state-dtype fp8 against the model's bf16: tokens/s, bytes/token, vs HF
+#   hs-connector                  hs-connectors' FP8 connector inside vLLM: what it writes (scripts/hs_connector_run.py)
 #   prefix, prefix-writer         per-turn rows sharing prefixes: prefill with/without prefix cache, extractor
 #   serve, serve-vllm             speculators 0.9's client against hidden-states serve / vllm serve (SPEC09)
 #   generate, generate-graphs     one pass (hidden-states generate) against vLLM's generation + extract
@@ -331,6 +332,16 @@ case "${1:?stage}" in
     for dtype in model fp8; do  # the pair again, while time is left: the second of each is the steadier
       step 150 "extract --backend vllm-engine --batch 32 --format speculators-0.5 --state-dtype $dtype --work /tmp/fp8-$dtype"
     done
+    ;;
+  hs-connector)  # speculators 0.9's FP8 hidden-states connector (hs-connectors' FP8HiddenStatesConnector) inside
+    # vLLM (scripts/hs_connector_run.py, 3 prompts on the 8B shape): what it writes, FP8 with one scale per token or
+    # the states unquantized (the audit's "_write_tensors overrides nothing" on 0.17-0.20), each tensor's dtype and shape
+    SPEC09=${SPEC09:-/tmp/vcache/speculators/0.9.0}
+    [ -d "$SPEC09/hs_connectors" ] || { echo "SKIPPED: no hs_connectors in SPEC09 ($SPEC09)" | tee -a "$OUT/skipped.txt"; exit 0; }
+    [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
+    step 150 "PYTHONPATH=\$PYTHONPATH:$SPEC09 python3 scripts/hs_connector_run.py --model $M8 --gpu-memory-utilization 0.5 \
+      --store /tmp/hs-connector --results $OUT/results.jsonl 2>&1 | tee $OUT/hs-connector.txt | grep -E '^\\{|Error' | cut -c1-1500"
+    ls -l /tmp/hs-connector > "$OUT/hs-connector-files.txt" 2>&1; rm -rf /tmp/hs-connector
     ;;
   prefix)  # per-turn rows sharing prefixes (MT): vLLM's eager prefill without and with its prefix cache, the
     # extractor (vllm-engine b32) serving rows from longer rows and the system prompt from the cache (its files
