@@ -64,3 +64,31 @@ def test_hs_connectors_fits_032(capsys):
     assert [(c["status"], c["site"]) for c in sites if c["status"] != "ok"] == [
         ("warning", "hs_connectors/mooncake_hidden_states_connector.py:75")]
     assert code == 0
+
+
+@pytest.mark.per_vllm
+@pytest.mark.skipif(str(versions.vllm_version()) != "0.32.0", reason="pinned for the installed vLLM 0.32.0")
+def test_speculators_and_hs_connectors_in_one_audit_032(capsys):
+    """Two real consumers at once, as the golden snapshots hold two synthetic ones: speculators 0.3.0's
+    generator (bridged by the shim) and hs-connectors (no shim: its one warning stays its own)."""
+    source = str(speculators_path("0.3.0"))
+    code, out = _audit(capsys, "--consumer", "speculators==0.3.0", "--consumer-source", source)
+    assert code == 0
+    assert [(c["name"], c["applies_shim"]) for c in out["consumers"]] == [("speculators", True),
+                                                                        ("hs-connectors", False)]
+    speculators = [c for c in out["call_sites"] if c["consumer"] == "speculators==0.3.0"]
+    assert speculators and {c["status"] for c in speculators} <= {"ok", "bridged"}
+    assert sum(c["status"] == "bridged" for c in speculators) == 4  # the four the CLI names on 0.32.0
+    assert [(c["status"], c["site"]) for c in _sites(out) if c["status"] != "ok"] == [
+        ("warning", "hs_connectors/mooncake_hidden_states_connector.py:75")]
+
+
+@pytest.mark.released_wheels
+def test_speculators_and_hs_connectors_in_one_audit_on_016_fail_on_hs_connectors_alone(capsys):
+    source = str(speculators_path("0.3.0"))
+    code, out = _audit(capsys, "--consumer", "speculators==0.3.0", "--consumer-source", source,
+                       "--vllm", str(VLLM_016))
+    assert code == 1
+    assert [(c["site"], c["target"]) for c in _sites(out) if c["status"] == "PROBLEM"] == MISSING_ON_016
+    speculators = [c for c in out["call_sites"] if c["consumer"] == "speculators==0.3.0"]
+    assert speculators and not [c for c in speculators if c["status"] == "PROBLEM"]
