@@ -1,7 +1,8 @@
 """Any consumer of vLLM internals, for the audit: where its source is, read as text, never imported.
 
 ``--consumer`` names one of: a directory (a package directory holding ``__init__.py``, or a
-directory holding packages), a wheel (``.whl``, read inside the zip), an sdist (``.tar.gz``, read
+directory holding packages, or a project's checkout: all of its Python but hidden folders and virtual
+environments), a wheel (``.whl``, read inside the zip), an sdist (``.tar.gz``, read
 inside the archive), an installed distribution (``PKG`` or ``PKG==VER``, located through
 ``importlib.metadata``), or ``PKG==VER`` not installed, downloaded with ``pip download --no-deps``
 into the audit's cache (:func:`vllm_compat.wheels.fetch_consumer`). A consumer the audit knows by
@@ -12,6 +13,7 @@ and what differs is the data a consumer carries (its scan, touch points, shim, g
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import tarfile
 import zipfile
@@ -223,14 +225,14 @@ def from_distribution(dist: importlib.metadata.Distribution, text: str) -> Consu
 def from_path(path: Path, text: str) -> Consumer:
     if path.is_dir():
         if (path / "__init__.py").is_file():  # the package directory itself
-            root, packages = path.parent, (path.name,)
+            root, packages, folders = path.parent, (path.name,), ()
             names = tuple(sorted(f"{path.name}/{p.relative_to(path).as_posix()}" for p in path.rglob("*.py")))
-        else:
+        else:  # a directory holding packages, or a project's checkout (src/, scripts/, namespace packages)
             root = path
-            names = tuple(sorted(p.relative_to(path).as_posix() for p in path.rglob("*.py")))
-            packages = _packages(names)
-        name, version = _dir_metadata(root, packages)
-        return Consumer(name, version, DirTree(root, str(path)), names, packages, str(path))
+            names = tuple(sorted(_python_files(path)))
+            packages, folders = _packages(names), _folders(names)
+        name, version = _dir_metadata(root, packages)  # named by its package, else by the directory
+        return Consumer(name, version, DirTree(root, str(path)), names, packages + folders, str(path))
     if path.name.endswith(".whl"):
         try:
             tree = WheelTree(path)
@@ -262,6 +264,25 @@ def _packages(names) -> tuple[str, ...]:
     found = {n.split("/")[0] for n in names if n.count("/") == 1 and n.endswith("/__init__.py")}
     found |= {n for n in names if "/" not in n and n.endswith(".py") and n != "setup.py"}
     return tuple(sorted(found))
+
+
+def _python_files(root: Path):
+    """The ``.py`` files under ``root`` (relative, posix), leaving out what is not the project's own
+    code: hidden folders (``.venv``, ``.git``, ``.tox``), virtual environments (a ``pyvenv.cfg``) and
+    caches, whose vLLM would otherwise be read as the consumer's."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "node_modules")
+                         and not (Path(folder) / d / "pyvenv.cfg").is_file())
+        for name in files:
+            if name.endswith(".py"):
+                yield (Path(folder) / name).relative_to(root).as_posix()
+
+
+def _folders(names) -> tuple[str, ...]:
+    """Top-level folders holding Python files that are not packages themselves (a ``src/`` layout,
+    ``scripts/``, namespace packages): a checkout's code is all of its Python, not its packages alone."""
+    packages = {n.split("/")[0] for n in names if n.count("/") == 1 and n.endswith("/__init__.py")}
+    return tuple(sorted({n.split("/")[0] for n in names if "/" in n} - packages))
 
 
 def _dir_metadata(root: Path, packages: tuple[str, ...]) -> tuple[str, str]:

@@ -198,3 +198,21 @@ def test_a_consumer_declaring_touch_points_from_source_says_so_under_its_name(tm
     assert described["declaration"] == note.removeprefix("  note: ")
     main(["audit", "--vllm", str(vllm_tree), "--consumer", str(_write(tmp_path / "src", CONSUMER) / "acme")])
     assert "touch points declared" not in capsys.readouterr().out
+
+
+def test_a_projects_checkout_is_read_whole_but_its_environments(tmp_path, vllm_tree):
+    """A training repository's root: a src/ layout, a scripts/ folder and a namespace package are its
+    code (read before, they were not: the audit said OK having checked nothing); its .venv and a
+    virtual environment by another name, each holding a vLLM, are not."""
+    files = {"src/trainer/__init__.py": "", "src/trainer/capture.py": "from vllm.v1.request import Gone\n",
+             "scripts/run.py": "from vllm.v1.core import Engine\n",
+             "plugins/hooks.py": "import vllm.v1.request\nH = vllm.v1.request.Missing\n",
+             ".venv/lib/site-packages/vllm/x.py": "from vllm.v1.request import AlsoGone\n",
+             "env/pyvenv.cfg": "home = /usr\n", "env/lib/vllm/y.py": "from vllm.v1.request import AlsoGone\n"}
+    root = _write(tmp_path / "my-training-repo", files)
+    consumer = resolve(str(root))
+    assert (consumer.name, consumer.packages) == ("my-training-repo", ("plugins", "scripts", "src"))
+    assert sorted(consumer.files()) == ["plugins/hooks.py", "scripts/run.py", "src/trainer/capture.py"]
+    sites = callsites.check_consumer(StaticSource(DirTree(vllm_tree)), [], consumer)
+    problems = sorted((c.site, c.target) for c in sites if c.status == callsites.PROBLEM)
+    assert problems == [("plugins/hooks.py:2", "vllm.v1.request:Missing"), ("src/trainer/capture.py:1", "vllm.v1.request:Gone")]
