@@ -135,13 +135,18 @@ def sample_files(data_path: str) -> list[str]:
 SPECULATORS_09_HERE = "docs/getting-started.md, \"4. Train a draft\""
 
 
+def assembled_flags() -> str:
+    """The assembled trainer's flags, as one line says them."""
+    return " ".join("--" + action.dest.replace("_", "-") for action in ASSEMBLED_FLAGS._actions[1:])
+
+
 def train_assembled(argv: list[str], release: str) -> int:
     """speculators 0.3/0.4's trainer, assembled from ``ASSEMBLED_FLAGS``."""
     args, unknown = ASSEMBLED_FLAGS.parse_known_args(argv)
     if unknown:  # most often speculators 0.9's command, run where 0.3/0.4 is installed
         flags = " ".join(flag for flag in unknown if flag.startswith("-"))
         say(f"{flags or ' '.join(unknown)}: not a flag of speculators {release}'s trainer, the speculators installed "
-            f"here (its flags: {' '.join('--' + a.dest.replace('_', '-') for a in ASSEMBLED_FLAGS._actions[1:])}); "
+            f"here (its flags: {assembled_flags()}); "
             f"speculators 0.8/0.9's flags need an environment with speculators 0.9 ({SPECULATORS_09_HERE})")
         return 2
     if not os.path.isdir(args.data_path):
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if in_process_generator(release):  # 0.3/0.4: no command of their own
         return train_assembled(argv, release)
     say(f"speculators {release} is not supported: 0.8/0.9 (their own train flags) or 0.3/0.4 "
-        f"({' '.join('--' + a.dest.replace('_', '-') for a in ASSEMBLED_FLAGS._actions[1:])})")
+        f"({assembled_flags()})")
     return 2
 
 
