@@ -104,15 +104,16 @@ class Certifier:
         certifier = cls.for_run(settings.model_path, list(plan.layers.ids), plan.facts.num_layers,
                                 settings.state_dtype, log)
         if certifier is not None:
-            certifier.check_at_load(backend, layer_order, plan.facts.vocab_size, log)
+            certifier.check_at_load(backend, layer_order, plan.facts.vocab_size, log, settings.max_seq_len)
         return certifier
 
-    def check_at_load(self, backend, layer_order: list[int], vocab_size: int, log) -> None:
+    def check_at_load(self, backend, layer_order: list[int], vocab_size: int, log, max_seq_len: int = CHECK_TOKENS) -> None:
         """One sequence certified before the first row: vLLM's logprobs path runs once (it compiles a
         kernel on first use: seconds spent in the load, not in the run's rate), and a capture wrong
         for every request stops the run here, with nothing written (raises :class:`CertificateFailed`)."""
         started = time.monotonic()
-        ids = [(11 + 37 * i) % vocab_size for i in range(CHECK_TOKENS)]  # any ids: the weights are what is checked
+        # any ids: the weights are what is checked; no longer than a row may be (vLLM refuses a longer one)
+        ids = [(11 + 37 * i) % vocab_size for i in range(min(CHECK_TOKENS, max_seq_len))]
         layers, witness = backend.submit_certified([ids], [probe_positions(ids)]).result()[0]
         found = self.certify_all([("a sequence certified at load, before the first sample",
                                    fp8_states.pick(layers, layer_order), witness.result())])[0]

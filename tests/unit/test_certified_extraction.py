@@ -102,3 +102,15 @@ def test_settle_waits_for_the_work_handed_and_raises_nothing():
     aside.hand(lambda: (_ for _ in ()).throw(RuntimeError("a failing row")))
     aside.settle()
     assert ran == [1] and isinstance(aside.failure, RuntimeError)
+
+
+@pytest.mark.parametrize("max_seq_len, length", [(16, 16), (4096, 48)])
+def test_the_sequence_certified_at_load_is_no_longer_than_a_row(head, max_seq_len, length):
+    """vLLM refuses a prompt longer than the model length the run gave it (--max-seq-len + 1); a check
+    sequence of 48 tokens under --max-seq-len 40 was refused, and the run waited for it for good."""
+    backend, lengths = CertifyingBackend(head), []
+    submit = backend.submit_certified
+    backend.submit_certified = lambda rows, probes: (lengths.extend(map(len, rows)), submit(rows, probes))[1]
+    said = []
+    Certifier(head, LAYERS - 1).check_at_load(backend, list(range(LAYERS)), 500, said.append, max_seq_len)
+    assert lengths == [length] and said[0].startswith("certificates: on:")

@@ -209,8 +209,9 @@ class FakeEngine:
     request's rows into its region (value = first token id + layer) and its stored-row count."""
 
     def __init__(self, pool, row_bytes, fail_after=None, store_short=(), misattribute=(), count_delay=0.0, cached=None,
-                 scales=False):
+                 scales=False, refuse=()):
         self.pool, self.row_bytes, self.count_delay = pool, row_bytes, count_delay
+        self.refuse = set(refuse)  # first token ids of prompts add_request refuses, as vLLM one too long
         self.scales = scales  # FP8's layout: a scale per row (here first token id + 0.5) before the layers
         self.cached = cached or {}  # prompt ids -> tokens its request found in the prefix cache
         self.queue, self.steps, self.salts = [], 0, []
@@ -219,6 +220,8 @@ class FakeEngine:
         self.running.set()
 
     def add_request(self, request_id, prompt, params):
+        if prompt["prompt_token_ids"][0] in self.refuse:
+            raise ValueError("The decoder prompt (length 48) is longer than the maximum model length of 41.")
         self.salts.append(prompt.get("cache_salt"))
         self.queue.append((request_id, prompt["prompt_token_ids"], params.extra_args[REGION]))
 
@@ -276,6 +279,22 @@ def test_batches_resolve_to_views_of_their_regions(capture):
         assert [[layer[:, 0].tolist() for layer in layers] for layers in first.result(timeout=WAIT)] == \
                [[[10.0] * 3, [11.0] * 3], [[20.0] * 2, [21.0] * 2]]
         assert [[layer.shape for layer in layers] for layers in second.result(timeout=WAIT)] == [[(1, HIDDEN)] * 2]
+    finally:
+        backend.close()
+
+
+def test_a_batch_whose_request_vllm_refuses_fails_with_vllms_error_instead_of_waiting(capture):
+    # vLLM refused the request (a prompt longer than the model's length) before the batch was running
+    # anywhere: its future waited for good, and so did the run
+    backend = started_backend(capture, refuse={99})
+    try:
+        for batch in ([[99, 1]], [[10, 1], [99, 2]]):  # the batch's first request, or a later one
+            with pytest.raises(ValueError, match="longer than the maximum model length"):
+                backend.submit(batch).result(timeout=WAIT)
+            with pytest.raises(RuntimeError, match="the engine loop has stopped"):
+                backend.check_feed()
+            backend._feed.stop(timeout=WAIT)
+            backend._feed = EngineFeed(backend._llm.llm_engine, backend.params, backend.finished, backend.failed)
     finally:
         backend.close()
 
