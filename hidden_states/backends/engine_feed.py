@@ -128,22 +128,22 @@ class EngineFeed:
 
         engine = self._engine
         running: dict[str, tuple[EngineBatch, int]] = {}
-        adding = None  # the batch whose requests are being added: one vLLM refuses is in no other list
         try:
             while True:
                 batch = self._incoming.get() if not running else self._next_nowait()
                 while batch is not None:
                     if batch is STOP:
                         return
-                    adding, number = batch, next(self._numbers)
+                    number = next(self._numbers)
                     for position, ids in enumerate(batch.ids):
                         request_id = f"hs-{number}-{position}"
                         prompt = TokensPrompt(prompt_token_ids=ids)
                         if (salt := batch.salt(position)) is not None:
                             prompt["cache_salt"] = salt
-                        engine.add_request(request_id=request_id, prompt=prompt, params=self._params(batch, position))
+                        # expected before it is added: a batch with a request vLLM refuses is failed with the rest
                         running[request_id] = (batch, position)
-                    adding, batch = None, self._next_nowait()
+                        engine.add_request(request_id=request_id, prompt=prompt, params=self._params(batch, position))
+                    batch = self._next_nowait()
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"vLLM's engine holds none of the {len(running)} requests still expected")
                 for output in engine.step():
@@ -155,7 +155,7 @@ class EngineFeed:
                         batch = None  # an idle loop holds no batch, nor what its states keep
         except BaseException as exc:  # noqa: BLE001 - every waiting batch hears of it
             self.failure = exc
-            for batch in [adding] * (adding is not None) + [batch for batch, _ in running.values()]:
+            for batch, _ in running.values():
                 self.fail(batch, exc)
             while (batch := self._next_nowait()) not in (None, STOP):
                 self.fail(batch, exc)

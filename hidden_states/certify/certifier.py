@@ -107,7 +107,7 @@ class Certifier:
             certifier.check_at_load(backend, layer_order, plan.facts.vocab_size, log, settings.max_seq_len)
         return certifier
 
-    def check_at_load(self, backend, layer_order: list[int], vocab_size: int, log, max_seq_len: int = CHECK_TOKENS) -> None:
+    def check_at_load(self, backend, layer_order: list[int], vocab_size: int, log, max_seq_len: int) -> None:
         """One sequence certified before the first row: vLLM's logprobs path runs once (it compiles a
         kernel on first use: seconds spent in the load, not in the run's rate), and a capture wrong
         for every request stops the run here, with nothing written (raises :class:`CertificateFailed`)."""
