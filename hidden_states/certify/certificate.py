@@ -168,7 +168,7 @@ def bound(head, state: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tens
     """
     import torch
 
-    x = state.float().to(head.weight.device)
+    x = state.float().to(head.weight.device)  # (agreement's are there already: no copy)
     rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + head.eps)
     floor = torch.as_tensor(state_floor, dtype=torch.float32).to(x.device).reshape(-1, 1)
     # a unit per position (a batch's rows) or one for all, on the head's device
@@ -190,18 +190,33 @@ def agreement(head, last_rows: torch.Tensor, token_ids: torch.Tensor, logprobs: 
               state_unit: float, engine_unit: float, state_floor=0.0, slack=None) -> Agreement:
     """The written last-layer states at the certified positions (``last_rows`` ``[p, H]``) against the
     engine's ``logprobs`` of ``token_ids`` ``[p, k]`` there, each position allowed ``slack`` ``[p]``
-    bounds (None: one)."""
+    bounds (None: one). Units, floor and slack: one number, or one per position.
+
+    Everything the head's device needs goes there in one copy, and the result comes back in one: on a
+    GPU that vLLM's engine (another process) keeps busy, a copy from this process waits for this
+    process's turn on the GPU, so a copy per tensor waited for a turn each, and each turn is time the
+    engine's step loses."""
     import torch
 
-    logits = head.logits(last_rows)
-    mine = torch.log_softmax(logits, dim=-1).gather(1, token_ids.clamp(min=0).to(logits.device))
-    limit = bound(head, last_rows, logits, token_ids, state_unit=state_unit, engine_unit=engine_unit,
-                  state_floor=state_floor)
-    if slack is not None:
-        limit = limit * torch.as_tensor(slack, dtype=torch.float32).to(limit.device).reshape(-1, 1)
-    present = (token_ids >= 0).to(mine.device)
-    off = (mine - logprobs.float().to(mine.device)).abs() * present
-    if off.numel() == 0:
-        return Agreement(torch.zeros(len(last_rows)), torch.ones(len(last_rows)))
+    count, width = token_ids.shape
+    if count == 0 or width == 0:
+        return Agreement(torch.zeros(count), torch.ones(count))
+    hidden = last_rows.shape[-1]
+
+    def column(value) -> torch.Tensor:
+        return torch.as_tensor(value, dtype=torch.float32).cpu().reshape(-1, 1).expand(count, 1)
+
+    # float32 holds every token id exactly (up to 2**24), the -1 of an empty place too
+    packed = torch.cat([last_rows.float().cpu(), token_ids.float().cpu(), logprobs.float().cpu(),
+                        *(column(v) for v in (state_unit, engine_unit, state_floor, 1.0 if slack is None else slack))],
+                       dim=1).to(head.weight.device)
+    state, ids, engine, units = packed.split([hidden, width, width, 4], dim=1)
+    ids = ids.long()
+    logits = head.logits(state)
+    mine = torch.log_softmax(logits, dim=-1).gather(1, ids.clamp(min=0))
+    limit = bound(head, state, logits, ids, state_unit=units[:, 0:1], engine_unit=units[:, 1:2],
+                  state_floor=units[:, 2:3]) * units[:, 3:4]
+    off = (mine - engine).abs() * (ids >= 0)
     at = (off / limit).argmax(dim=-1, keepdim=True)  # each position's id furthest past (or nearest) its bound
-    return Agreement(off.gather(1, at).squeeze(1).cpu(), limit.gather(1, at).squeeze(1).cpu())
+    error, limit = torch.stack([off.gather(1, at).squeeze(1), limit.gather(1, at).squeeze(1)]).cpu()
+    return Agreement(error, limit)

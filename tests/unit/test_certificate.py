@@ -123,3 +123,35 @@ def test_a_probed_position_is_allowed_a_recomputations_difference_the_rows_own_i
     wrong = C.agreement(head, other[POSITIONS], ids, logprobs, state_unit=BF16, engine_unit=BF16,
                         slack=torch.full((5,), C.PROBE_SLACK))
     assert wrong.failing == [0, 1, 2, 3, 4]
+
+
+def test_a_certificate_takes_one_copy_to_the_heads_device_and_one_back(head):
+    # On a GPU that vLLM's engine keeps busy, each copy from this process waits for its turn on the GPU
+    # and costs the engine's step a switch: the positions' states and everything else go in one copy.
+    # The head here lives on the meta device (shapes only), and every copy between devices is counted.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made: list[tuple[str, str]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and "device" in kwargs:
+                source, target = args[0].device.type, torch.device(kwargs["device"]).type
+                if source != target:
+                    self.made.append((source, target))
+                    if source == "meta":  # what comes back: the shapes are what this test reads
+                        return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            return func(*args, **kwargs)
+
+    elsewhere = FinalHead(head.norm.to("meta"), head.eps, head.weight.to("meta"))
+    elsewhere.squared  # noqa: B018 - made once per run, at the first certificate (not counted here)
+    state = states(1, 40, seed=3)[0]
+    ids, logprobs = engine_logprobs(head, state, POSITIONS)
+    with Copies() as copies:
+        found = C.agreement(elsewhere, state[POSITIONS], ids, logprobs, state_unit=torch.full((5, 1), BF16),
+                            engine_unit=BF16, state_floor=torch.zeros(5), slack=torch.ones(5))
+    assert copies.made == [("cpu", "meta"), ("meta", "cpu")]
+    assert found.error.shape == found.bound.shape == (5,)
