@@ -145,10 +145,12 @@ def roundings(dtype, scales=None) -> tuple[float, float, object]:
     return unit, unit, 0.0
 
 
-def bound(head, state: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor, *, state_unit: float,
-          engine_unit: float, state_floor=0.0) -> torch.Tensor:
+def bound(head, state: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor, *, state_unit: torch.Tensor,
+          engine_unit: torch.Tensor, state_floor: torch.Tensor) -> torch.Tensor:
     """``[p, k]``: the largest ``|ours - engine|`` rounding explains for each id, ``state`` ``[p, H]``
-    being the written last-layer states at the certified positions and ``logits`` ours from them.
+    being the written last-layer states at the certified positions (float32) and ``logits`` ours from
+    them; ``token_ids`` ``[p, k]``, none negative; the units and floor ``[p, 1]``; all on the head's
+    device (:func:`agreement` puts them there).
 
     The engine's log-probability of id ``j`` is ``z_j - logsumexp(z)``; both sides compute ``z`` from
     the same weights and differ only by roundings (``u``: half an ulp, relative):
@@ -168,20 +170,14 @@ def bound(head, state: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tens
     """
     import torch
 
-    x = state.float().to(head.weight.device)  # (agreement's are there already: no copy)
-    rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + head.eps)
-    floor = torch.as_tensor(state_floor, dtype=torch.float32).to(x.device).reshape(-1, 1)
-    # a unit per position (a batch's rows) or one for all, on the head's device
-    state_unit = torch.as_tensor(state_unit, dtype=torch.float32).to(x.device)
-    engine_unit = torch.as_tensor(engine_unit, dtype=torch.float32).to(x.device)
-    stored = torch.maximum(state_unit * x.abs(), floor) * head.norm * rms  # the stored rounding, after the norm
-    computed = engine_unit * (x * rms * head.norm).abs()  # the engine's rounding of its normed state
+    rms = torch.rsqrt(state.pow(2).mean(dim=-1, keepdim=True) + head.eps)
+    stored = torch.maximum(state_unit * state.abs(), state_floor) * head.norm * rms  # the stored rounding, after the norm
+    computed = engine_unit * (state * rms * head.norm).abs()  # the engine's rounding of its normed state
     variance = (stored.pow(2) + computed.pow(2)) @ head.squared.T / 3.0  # [p, V]
-    ids = token_ids.clamp(min=0).to(logits.device)
     probabilities = torch.softmax(logits, dim=-1)
-    spread = variance.gather(1, ids).sqrt() + (probabilities * variance).sum(dim=-1, keepdim=True).sqrt()
+    spread = variance.gather(1, token_ids).sqrt() + (probabilities * variance).sum(dim=-1, keepdim=True).sqrt()
     magnitude = (probabilities * logits.abs()).sum(dim=-1, keepdim=True)
-    logits_term = engine_unit * (logits.abs().gather(1, ids) + magnitude)
+    logits_term = engine_unit * (logits.abs().gather(1, token_ids) + magnitude)
     ours_term = 8 * HALF_ULP["float32"] * (logits.abs().max(dim=-1, keepdim=True).values + 1)  # our float32 itself
     return SIGMAS * spread + logits_term + ours_term
 
@@ -212,9 +208,10 @@ def agreement(head, last_rows: torch.Tensor, token_ids: torch.Tensor, logprobs: 
                        dim=1).to(head.weight.device)
     state, ids, engine, units = packed.split([hidden, width, width, 4], dim=1)
     ids = ids.long()
+    chosen = ids.clamp(min=0)  # an empty place (-1) reads id 0, and counts for nothing below
     logits = head.logits(state)
-    mine = torch.log_softmax(logits, dim=-1).gather(1, ids.clamp(min=0))
-    limit = bound(head, state, logits, ids, state_unit=units[:, 0:1], engine_unit=units[:, 1:2],
+    mine = torch.log_softmax(logits, dim=-1).gather(1, chosen)
+    limit = bound(head, state, logits, chosen, state_unit=units[:, 0:1], engine_unit=units[:, 1:2],
                   state_floor=units[:, 2:3]) * units[:, 3:4]
     off = (mine - engine).abs() * (ids >= 0)
     at = (off / limit).argmax(dim=-1, keepdim=True)  # each position's id furthest past (or nearest) its bound
