@@ -25,6 +25,18 @@ def run_extract(args, backend: str, work: str, *flags: str) -> dict:
                "--model", args.model, "--samples", str(args.samples), "--length", str(args.length),
                "--batch", str(args.batch), "--gpu-memory-utilization", args.gpu_memory_utilization,
                "--work", work, *flags]
+    return result_of(command)
+
+
+def run_prefill(args) -> dict:
+    """``bench/gpu.py prefill``'s RESULT record (vLLM's eager prefill of the same rows, its own process),
+    or ``{"error": its stderr's tail}``."""
+    return result_of([sys.executable, str(ROOT / "bench" / "gpu.py"), "prefill", "--model", args.model,
+                      "--samples", str(args.samples), "--length", str(args.length),
+                      "--gpu-memory-utilization", args.gpu_memory_utilization])
+
+
+def result_of(command: list[str]) -> dict:
     proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OUT": ""})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     return json.loads(line[7:]) if line else {"error": proc.stderr[-2000:]}

@@ -273,11 +273,12 @@ case "${1:?stage}" in
     $B check --model $M --samples 4 --work /tmp/native 2>&1 | grep RESULT
     ;;
   certificates)  # what certificates cost (bench/certificates.py): --backend vllm-engine b8 over
-    # ${CSAMPLES:-128} x $LENGTH, off/on alternating, ${CREPEATS:-3} runs each, one process (one model load) per run,
+    # ${CSAMPLES:-128} x $LENGTH, off/on alternating, ${CREPEATS:-3} runs each, one process (one model load) per run
+    # (CPREFILL=1: vLLM's eager prefill of the same rows before each pair, for extract's ratio to it),
     # its record appended to $OUT/results.jsonl; then hidden-states verify on the last run's files (certified)
     [ -f $M8/config.json ] || step 60 "$B build --family llama3-8b --path $M8 2>&1 | grep RESULT"
     step 300 "PYTHONPATH=$SPEC:\$PYTHONPATH python3 bench/certificates.py --model $M8 --samples ${CSAMPLES:-128} --length $LENGTH \
-      --batch 8 --repeats ${CREPEATS:-3} --gpu-memory-utilization 0.85 --out $OUT/results.jsonl 2>&1 | tee $OUT/certificates.txt | cut -c1-900"
+      --batch 8 --repeats ${CREPEATS:-3} ${CPREFILL:+--with-prefill} --gpu-memory-utilization 0.85 --out $OUT/results.jsonl 2>&1 | tee $OUT/certificates.txt | cut -c1-900"
     grep -h "certificates:" "$OUT/extract-bench-certificates.log" 2>/dev/null | cut -c1-600 | tee "$OUT/certificates-log.txt"
     step 120 "python3 -m hidden_states verify /tmp/bench-certificates/out 2>&1 | tee $OUT/verify.txt | tail -20 | cut -c1-600"
     ;;
