@@ -36,7 +36,7 @@ def prefill(args) -> dict:
             "tokens": result["tokens"], "load_seconds": result.get("load_seconds")}
 
 
-def table(record: dict, repeats: int) -> str:
+def table(record: dict) -> str:
     """The medians (and ranges) per side, the certificates' overhead and, with the prefill, extract's
     ratio to it; the figures go into ``record`` too."""
     runs = {side: sorted(r["tokens_per_s"] for r in record["runs"] if r["side"] == side)
@@ -71,7 +71,7 @@ def main() -> int:
         for side in (["prefill"] if args.with_prefill else []) + ["off", "on"]:
             record["runs"].append(prefill(args) if side == "prefill" else run(args, side == "on"))
             print(json.dumps(record["runs"][-1]), flush=True)
-    print(table(record, args.repeats))
+    print(table(record))
     if args.out:
         with open(args.out, "a") as handle:
             handle.write(json.dumps(record) + "\n")
