@@ -1,6 +1,7 @@
 """The extract workload the CPU benches compare on (``bench/backends.py``, ``bench/certificates.py``):
 its arguments, and one run of ``bench/gpu.py extract`` (the extractor's CLI end to end, the model load
-excluded from the rate) in a process of its own."""
+excluded from the rate) or of ``bench/gpu.py prefill`` (vLLM's own path on the same rows) in a process
+of its own."""
 import json
 import os
 import subprocess
